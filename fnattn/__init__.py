@@ -1,0 +1,44 @@
+"""fnattn: attention for LLM inference as pure functions.
+
+Every backend is ``backend(spec, views, inputs) -> (outputs, deltas)``; a
+driver applies a step's deltas once, with `State.apply`.
+"""
+
+from .batch import PHASES, Batch
+from .deltas import CursorAdvance, IndexKeyWrite, KVWrite, LatentWrite, RecurrentWrite, StepDeltas
+from .errors import (
+    DoubleApplyError,
+    LeaseError,
+    NoBackendError,
+    PoolExhaustedError,
+    SessionClosedError,
+    StaleDeltasError,
+    StaleStateError,
+)
+from .inputs import AttentionOutput, FullAttentionInputs, StepMeta
+from .model_attention import ModelAttention
+from .probe import ProbeReport, probe
+from .registry import Backend, register
+from .session import AttentionSession
+from .spec import (
+    DSV4Config,
+    FullAttentionConfig,
+    GDNConfig,
+    IndexerConfig,
+    KDAConfig,
+    LayerSpec,
+    MLAConfig,
+    SparseMLAConfig,
+)
+from .state import Checkpoint, State, Views
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PHASES", "Batch", "CursorAdvance", "IndexKeyWrite", "KVWrite", "LatentWrite", "RecurrentWrite",
+    "StepDeltas", "DoubleApplyError", "LeaseError", "NoBackendError", "PoolExhaustedError",
+    "SessionClosedError", "StaleDeltasError", "StaleStateError", "AttentionOutput", "FullAttentionInputs",
+    "StepMeta", "ModelAttention", "ProbeReport", "probe", "Backend", "register", "AttentionSession",
+    "DSV4Config", "FullAttentionConfig", "GDNConfig", "IndexerConfig", "KDAConfig", "LayerSpec", "MLAConfig",
+    "SparseMLAConfig", "Checkpoint", "State", "Views",
+]

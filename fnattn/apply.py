@@ -1,0 +1,94 @@
+"""The once-per-step apply: validate every write of a step, then scatter them.
+
+Validation runs to completion before the first byte is written, so a malformed
+delta leaves the state untouched. Writes to the same pool tensor are gathered
+so a pool costs one scatter for all its layers when their rows line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .checks import CHECKS_ENABLED, fail
+from .deltas import StepDeltas
+
+
+@dataclass(frozen=True)
+class _Target:
+    pool: str
+    tensor: str
+    layer_pos: int  # position of the layer on the pool's leading axis
+    index: Tensor  # [n] rows of the flattened layer storage, < 0 skipped
+    value: Tensor  # [n, *row]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def validate_step(state, deltas: StepDeltas) -> list[_Target]:
+    """Check every write and the cursor advance; return the resolved targets."""
+    storage = state._storage
+    targets: list[_Target] = []
+    for i, w in enumerate(deltas.writes):
+        where = f"State.apply: writes[{i}] ({type(w).__name__}, layer {w.layer})"
+        if w.layer not in storage.layer_pools:
+            fail(where, "layer", f"a layer of this State ({sorted(storage.layer_pools)})", w.layer)
+        index = w.index
+        if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
+            fail(where, "slots", "a 1-D int32/int64 tensor", (tuple(index.shape), index.dtype))
+        found = 0
+        for tname, field in w.targets:
+            pool = next((storage.pools[p] for p in storage.layer_pools[w.layer]
+                         if tname in storage.pools[p].tensors), None)
+            if pool is None:
+                continue
+            found += 1
+            if pool.index_space != w.index_space:
+                fail(where, "slots", f"{pool.index_space}-indexed rows", w.index_space)
+            live = pool.tensors[tname]
+            row = live.shape[3:] if pool.index_space == "token" else live.shape[2:]
+            rows = live.shape[1] * live.shape[2] if pool.index_space == "token" else live.shape[1]
+            value = getattr(w, field)
+            if tuple(value.shape) != (index.shape[0], *row):
+                fail(where, field, f"shape {(index.shape[0], *row)}", tuple(value.shape))
+            if value.dtype != live.dtype:
+                fail(where, field, f"dtype {live.dtype} (no silent casts)", value.dtype)
+            if value.device != live.device or index.device != live.device:
+                fail(where, field, f"tensors on {live.device}", (value.device, index.device))
+            # A range check reads the index back to the host; on an accelerator
+            # that is a sync, so it only runs with checks on.
+            if index.numel() and (index.device.type == "cpu" or (CHECKS_ENABLED and not _capturing())):
+                hi = int(index.max())
+                if hi >= rows:
+                    fail(where, "slots", f"indices below {rows}", hi)
+            targets.append(_Target(pool.name, tname, pool.position(w.layer), index, value))
+        if found != len(w.targets):
+            fail(where, "layer", f"a layer that owns {[t for t, _ in w.targets]} storage", state.spec(w.layer).kind)
+    if deltas.cursor is not None:
+        c = deltas.cursor
+        for rid, n in zip(c.request_ids, c.counts):
+            if rid not in state._requests:
+                fail("State.apply: cursor", "request_ids", "admitted requests", rid)
+            req = state._requests[rid]
+            room = len(req.pages) * state.page_size
+            if req.length + n > room and any(p.index_space == "token" for p in storage.pools.values()):
+                fail("State.apply: cursor", f"counts[{rid}]",
+                     f"<= {room - req.length} (reserved room of request {rid})", n)
+    return targets
+
+
+def write_step(pools, targets: list[_Target]) -> None:
+    """Scatter every target into its pool tensor (in place)."""
+    for t in targets:
+        live = pools[t.pool].tensors[t.tensor][t.layer_pos]
+        flat = live.view(-1, *t.value.shape[1:])
+        keep = t.index >= 0
+        index = t.index.long()
+        if keep.all():
+            flat.index_copy_(0, index, t.value)
+        else:
+            flat.index_copy_(0, index[keep], t.value[keep])

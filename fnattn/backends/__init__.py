@@ -1,0 +1,8 @@
+"""Built-in backends. Importing this package registers all of them.
+
+Fast backends import their GPU libraries only when called, and refuse a layer
+(with reasons) through their ``supports`` predicate when a device or library
+is missing.
+"""
+
+from .reference import full  # noqa: F401

@@ -1,0 +1,149 @@
+"""Batch: the immutable phase metadata of one step.
+
+Built from a `State` and per-request token counts. Host copies of the small
+per-request numbers (`host_*`) travel with the device tensors so reference
+code can loop over requests without reading the device back.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import optree
+import torch
+from torch import Tensor
+
+from .checks import fail
+from .deltas import CursorAdvance
+
+PHASES = ("prefill", "decode", "verify")
+_steps = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Batch:
+    phase: str  # "prefill" | "decode" | "verify"
+    request_ids: tuple[int, ...]  # [B]
+    cu_seqlens: Tensor  # [B + 1] int32: new tokens of request b are rows cu[b]:cu[b+1]
+    cache_lens: Tensor  # [B] int32: tokens already cached per request
+    positions: Tensor  # [T] int64: absolute position of each new token
+    block_table: Tensor  # [B, M] int32: reserved pages per request, 0-padded
+    slot_mapping: Tensor  # [T] int64: flat cache slot (page * S + offset) of each new token
+    recurrent_slots: Tensor  # [B] int64: recurrent state slot per request
+    page_size: int  # S
+    num_draft: int  # verify: k draft tokens per request (1 + k new tokens); else 0
+    state_version: int  # the State version this batch was built from
+    step_id: int  # unique per batch; a step's deltas carry it
+    host_new_lens: tuple[int, ...]  # [B] new tokens per request
+    host_cache_lens: tuple[int, ...]  # [B]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.host_new_lens)
+
+    @property
+    def host_cu_seqlens(self) -> tuple[int, ...]:
+        return tuple(itertools.accumulate(self.host_new_lens, initial=0))
+
+    @property
+    def has_prefix(self) -> bool:
+        return any(self.host_cache_lens)
+
+    def cursor_advance(self) -> CursorAdvance:
+        """Every new token of every request; verify steps are filtered by acceptance first."""
+        return CursorAdvance(self.request_ids, self.host_new_lens)
+
+    # --------------------------------------------------------------- builders
+    @staticmethod
+    def prefill(state, counts: Mapping[int, int]) -> "Batch":
+        """New tokens after each request's cached prefix (fresh, prefixed or chunked)."""
+        if not isinstance(counts, Mapping) or not counts:
+            fail("Batch.prefill", "counts", "a non-empty mapping request id -> new token count", counts)
+        return _build(state, "prefill", dict(counts), num_draft=0)
+
+    @staticmethod
+    def decode(state, request_ids: Iterable[int]) -> "Batch":
+        """One new token per request."""
+        ids = tuple(request_ids)
+        if not ids:
+            fail("Batch.decode", "request_ids", "at least one request", ids)
+        return _build(state, "decode", {r: 1 for r in ids}, num_draft=0, ids=ids)
+
+    @staticmethod
+    def verify(state, request_ids: Iterable[int], *, num_draft: int) -> "Batch":
+        """The last accepted token plus ``num_draft`` draft tokens per request."""
+        ids = tuple(request_ids)
+        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
+            fail("Batch.verify", "num_draft", "an int >= 1", num_draft)
+        if not ids:
+            fail("Batch.verify", "request_ids", "at least one request", ids)
+        return _build(state, "verify", {r: 1 + num_draft for r in ids}, num_draft=num_draft, ids=ids)
+
+
+def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None) -> Batch:
+    where = f"Batch.{phase}"
+    if ids is not None and len(set(ids)) != len(ids):
+        fail(where, "request_ids", "unique ids", ids)
+    reqs = []
+    for rid, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            fail(where, f"counts[{rid}]", "an int >= 1", n)
+        if rid not in state.requests:
+            fail(where, "request_ids", f"admitted requests (admitted: {sorted(state.requests)})", rid)
+        req = state.requests[rid]
+        room = len(req.pages) * state.page_size
+        if req.length + n > room:
+            fail(where, f"counts[{rid}]",
+                 f"<= {room - req.length}: reserve room first with state.reserve({{{rid}: {n}}})", n)
+        reqs.append((req, n))
+    S = state.page_size
+    device = state.device
+    new_lens = tuple(n for _, n in reqs)
+    cache_lens = tuple(r.length for r, _ in reqs)
+    max_pages = max(1, max(len(r.pages) for r, _ in reqs))
+    table = [list(r.pages) + [0] * (max_pages - len(r.pages)) for r, _ in reqs]
+    positions, slots = [], []
+    for r, n in reqs:
+        for p in range(r.length, r.length + n):
+            positions.append(p)
+            slots.append(r.pages[p // S] * S + p % S)
+    cu = list(itertools.accumulate(new_lens, initial=0))
+
+    def t(x, dtype):
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return Batch(
+        phase=phase,
+        request_ids=tuple(r.id for r, _ in reqs),
+        cu_seqlens=t(cu, torch.int32),
+        cache_lens=t(cache_lens, torch.int32),
+        positions=t(positions, torch.int64),
+        block_table=t(table, torch.int32),
+        slot_mapping=t(slots, torch.int64),
+        recurrent_slots=t([r.slot for r, _ in reqs], torch.int64),
+        page_size=S,
+        num_draft=num_draft,
+        state_version=state.version,
+        step_id=next(_steps),
+        host_new_lens=new_lens,
+        host_cache_lens=cache_lens,
+    )
+
+
+_TENSORS = ("cu_seqlens", "cache_lens", "positions", "block_table", "slot_mapping", "recurrent_slots")
+_STATIC = ("phase", "request_ids", "page_size", "num_draft", "state_version", "step_id",
+           "host_new_lens", "host_cache_lens")
+optree.register_pytree_node(
+    Batch,
+    lambda b: (tuple(getattr(b, n) for n in _TENSORS), tuple(getattr(b, n) for n in _STATIC), None),
+    lambda aux, ch: Batch(**dict(zip(_STATIC, aux)), **dict(zip(_TENSORS, ch))),
+    namespace="fnattn",
+)
+
+__all__ = ["Batch", "PHASES"]

@@ -1,0 +1,381 @@
+"""State: storage for every layer, the allocator and the per-request cursors.
+
+A `State` is a *handle*: preallocated storage tensors shared between handles,
+plus immutable host bookkeeping (pages, slots, cursors). Every operation that
+changes anything returns a new handle and makes the old one stale: using it
+raises `StaleStateError`. With ``inplace=False`` the change goes to a copy of
+the storage instead, and the old handle stays valid (for notebooks and tests).
+
+Storage is grouped into pools: all layers whose storage has the same shape
+share one tensor with the layer as its leading axis (docs/layout.md), so the
+once-per-step apply can write a whole pool at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+import torch
+from torch import Tensor
+
+from .checks import fail
+from .deltas import StepDeltas
+from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, StaleStateError
+from .spec import LayerSpec
+
+_versions = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One storage tensor group shared by layers of identical shape."""
+
+    name: str
+    index_space: str  # "token": rows are flat cache slots; "request": rows are recurrent slots
+    layers: tuple[int, ...]  # layer indices, in the order of the leading axis
+    tensors: Mapping[str, Tensor]  # e.g. {"k": [L, P, S, Hkv, D], "v": [L, P, S, Hkv, Dv]}
+
+    def position(self, layer: int) -> int:
+        return self.layers.index(layer)
+
+
+@dataclass(frozen=True)
+class Views:
+    """Read-only views of the storage one layer owns. Backends never write them."""
+
+    k: Tensor | None = None  # [P, S, Hkv, D]
+    v: Tensor | None = None  # [P, S, Hkv, Dv]
+    latent: Tensor | None = None  # [P, S, R + Dr]
+    index_k: Tensor | None = None  # [P, S, Di]
+    ssm: Tensor | None = None  # [N, H, K, V]
+    conv: Tensor | None = None  # [N, C, W - 1]
+
+
+@dataclass(frozen=True)
+class Request:
+    """Host bookkeeping of one admitted request."""
+
+    id: int
+    slot: int  # recurrent state slot
+    pages: tuple[int, ...]  # reserved pages, in token order
+    length: int  # the cursor: tokens already in the cache / recurrent steps taken
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A value holding what is needed to roll requests back to this moment.
+
+    Paged caches are append-only below a request's cursor, so rolling them back
+    only needs the cursor; recurrent and conv state is overwritten by every
+    step, so its rows are copied.
+    """
+
+    requests: tuple[Request, ...]
+    recurrent: Mapping[tuple[str, str], Tensor]  # (pool, tensor) -> [L, n_requests, ...] copies
+
+
+def _pool_layouts(spec: LayerSpec, *, num_pages: int, page_size: int, num_slots: int):
+    """(pool key, index space, {tensor: (row shape, dtype)}) for each pool a layer uses."""
+    c = spec.config
+    kind = spec.kind
+    tok = (num_pages, page_size)
+    if kind == "full":
+        key = ("full", c.num_kv_heads, c.head_dim, c.head_dim_v, spec.dtype)
+        yield key, "token", {"k": (tok + (c.num_kv_heads, c.head_dim), spec.dtype),
+                             "v": (tok + (c.num_kv_heads, c.head_dim_v), spec.dtype)}
+    elif kind in ("mla", "sparse_mla"):
+        mla = c if kind == "mla" else c.mla
+        yield ("mla", mla.latent_dim, spec.dtype), "token", {"latent": (tok + (mla.latent_dim,), spec.dtype)}
+        if kind == "sparse_mla" and c.index_source_layer is None:
+            di = c.indexer.head_dim
+            yield ("index", di, spec.dtype), "token", {"index_k": (tok + (di,), spec.dtype)}
+    elif kind in ("gdn", "kda"):
+        heads = c.num_v_heads if kind == "gdn" else c.num_heads
+        shape = (num_slots, heads, c.head_k_dim, c.head_v_dim)
+        conv = (num_slots, c.conv_dim, c.conv_kernel - 1)
+        key = (kind, shape, conv, c.state_dtype, spec.dtype)
+        yield key, "request", {"ssm": (shape, c.state_dtype), "conv": (conv, spec.dtype)}
+    else:
+        raise NotImplementedError(
+            f"State: no storage layout for kind {kind!r} (layer {spec.index}) yet; "
+            "supported kinds: full, mla, sparse_mla, gdn, kda"
+        )
+
+
+class _Storage:
+    """Tensors shared by the handles of one lineage, and which handle is live."""
+
+    def __init__(self, pools: dict[str, Pool], layer_pools: dict, live_version: int, applied: frozenset):
+        self.pools = pools
+        self.layer_pools = layer_pools  # layer -> tuple of pool names
+        self.live_version = live_version
+        self.applied_steps = applied
+
+    def cloned(self, version: int) -> "_Storage":
+        pools = {
+            name: replace(p, tensors=MappingProxyType({k: t.clone() for k, t in p.tensors.items()}))
+            for name, p in self.pools.items()
+        }
+        return _Storage(pools, self.layer_pools, version, self.applied_steps)
+
+
+class State:
+    """Storage, allocator and cursors for all layers of a model."""
+
+    def __init__(
+        self,
+        specs: Iterable[LayerSpec],
+        *,
+        num_pages: int,
+        page_size: int = 16,
+        max_requests: int = 8,
+        device: str | torch.device = "cpu",
+        fill: float = 0.0,
+    ):
+        specs = tuple(specs)
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_requests", max_requests)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                fail("State", name, "a positive int", value)
+        if not specs or not all(isinstance(s, LayerSpec) for s in specs):
+            fail("State", "specs", "a non-empty sequence of LayerSpec", specs)
+        indices = [s.index for s in specs]
+        if len(set(indices)) != len(indices):
+            fail("State", "specs", "layer specs with unique indices", indices)
+        device = torch.device(device)
+        groups: dict[tuple, dict] = {}  # storage signature -> pool under construction
+        layer_pools: dict[int, list[str]] = {s.index: [] for s in specs}
+        for spec in specs:
+            for key, space, layout in _pool_layouts(spec, num_pages=num_pages, page_size=page_size,
+                                                    num_slots=max_requests):
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = {"name": f"{key[0]}{len(groups)}", "space": space,
+                                           "layout": layout, "layers": []}
+                group["layers"].append(spec.index)
+                layer_pools[spec.index].append(group["name"])
+        pools = {}
+        for g in groups.values():
+            tensors = {
+                t: torch.full((len(g["layers"]),) + shape, fill, dtype=dtype, device=device)
+                for t, (shape, dtype) in g["layout"].items()
+            }
+            pools[g["name"]] = Pool(g["name"], g["space"], tuple(g["layers"]), MappingProxyType(tensors))
+        self.specs: tuple[LayerSpec, ...] = specs
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_requests = max_requests
+        self.device = device
+        self._version = next(_versions)
+        self._storage = _Storage(pools, {k: tuple(v) for k, v in layer_pools.items()}, self._version, frozenset())
+        self._requests: Mapping[int, Request] = MappingProxyType({})
+        self._free_pages: tuple[int, ...] = tuple(range(num_pages))
+        self._free_slots: tuple[int, ...] = tuple(range(max_requests))
+        self._spec_by_layer = {s.index: s for s in specs}
+
+    # ----------------------------------------------------------------- handles
+    def _check_live(self) -> None:
+        if self._storage.live_version != self._version:
+            raise StaleStateError(
+                f"this State handle (version {self._version}) was replaced by version "
+                f"{self._storage.live_version}; use the handle returned by the last "
+                "apply/admit/reserve/release/restore"
+            )
+
+    def _successor(self, *, requests=None, free_pages=None, free_slots=None, storage=None, applied=None) -> "State":
+        new = object.__new__(State)
+        new.__dict__.update(self.__dict__)
+        new._version = next(_versions)
+        if storage is None:
+            storage = self._storage
+        storage.live_version = new._version
+        if applied is not None:
+            storage.applied_steps = applied
+        new._storage = storage
+        if requests is not None:
+            new._requests = MappingProxyType(dict(requests))
+        if free_pages is not None:
+            new._free_pages = tuple(free_pages)
+        if free_slots is not None:
+            new._free_slots = tuple(free_slots)
+        return new
+
+    @property
+    def version(self) -> int:
+        self._check_live()
+        return self._version
+
+    @property
+    def is_live(self) -> bool:
+        return self._storage.live_version == self._version
+
+    # ------------------------------------------------------------- inspection
+    def spec(self, layer: int) -> LayerSpec:
+        if layer not in self._spec_by_layer:
+            fail("State", "layer", f"one of {sorted(self._spec_by_layer)}", layer)
+        return self._spec_by_layer[layer]
+
+    def request(self, request_id: int) -> Request:
+        self._check_live()
+        if request_id not in self._requests:
+            fail("State", "request_id", f"an admitted request (admitted: {sorted(self._requests)})", request_id)
+        return self._requests[request_id]
+
+    @property
+    def requests(self) -> Mapping[int, Request]:
+        self._check_live()
+        return self._requests
+
+    @property
+    def free_pages(self) -> int:
+        self._check_live()
+        return len(self._free_pages)
+
+    @property
+    def free_slots(self) -> int:
+        self._check_live()
+        return len(self._free_slots)
+
+    @property
+    def pools(self) -> Mapping[str, Pool]:
+        self._check_live()
+        return MappingProxyType(self._storage.pools)
+
+    def views(self, layer: int) -> Views:
+        """The storage of one layer, as views (no copies)."""
+        self._check_live()
+        self.spec(layer)
+        parts = {}
+        for name in self._storage.layer_pools[layer]:
+            pool = self._storage.pools[name]
+            pos = pool.position(layer)
+            for t, tensor in pool.tensors.items():
+                parts[t] = tensor[pos]
+        return Views(**parts)
+
+    # ------------------------------------------------------------- allocation
+    def admit(self, request_id: int) -> "State":
+        """Admit a new request with an empty cache; takes one recurrent slot."""
+        self._check_live()
+        if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
+            fail("State.admit", "request_id", "a non-negative int", request_id)
+        if request_id in self._requests:
+            fail("State.admit", "request_id", "an id not already admitted", request_id)
+        if not self._free_slots:
+            raise PoolExhaustedError(
+                f"State.admit: no free request slot for request {request_id} "
+                f"(max_requests={self.max_requests}, all in use)"
+            )
+        slot, *rest = self._free_slots
+        reqs = dict(self._requests)
+        reqs[request_id] = Request(request_id, slot, (), 0)
+        return self._successor(requests=reqs, free_slots=rest)
+
+    def reserve(self, counts: Mapping[int, int]) -> "State":
+        """Make room for ``counts[r]`` more tokens after each request's cursor."""
+        self._check_live()
+        reqs = dict(self._requests)
+        need = {}
+        for rid, n in counts.items():
+            req = self.request(rid)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                fail("State.reserve", f"counts[{rid}]", "a non-negative int", n)
+            pages = math.ceil((req.length + n) / self.page_size)
+            need[rid] = max(0, pages - len(req.pages))
+        total = sum(need.values())
+        if total > len(self._free_pages):
+            raise PoolExhaustedError(
+                f"State.reserve: {total} more pages needed for requests "
+                f"{ {r: n for r, n in need.items() if n} }, only {len(self._free_pages)} free "
+                f"(num_pages={self.num_pages}, page_size={self.page_size})"
+            )
+        free = list(self._free_pages)
+        for rid, n in need.items():
+            if n:
+                taken, free = free[:n], free[n:]
+                reqs[rid] = replace(reqs[rid], pages=reqs[rid].pages + tuple(taken))
+        return self._successor(requests=reqs, free_pages=free)
+
+    def release(self, request_id: int) -> "State":
+        """Free every page and the slot of a finished or aborted request."""
+        req = self.request(request_id)
+        reqs = dict(self._requests)
+        del reqs[request_id]
+        free_pages = tuple(sorted(self._free_pages + req.pages))
+        free_slots = tuple(sorted(self._free_slots + (req.slot,)))
+        return self._successor(requests=reqs, free_pages=free_pages, free_slots=free_slots)
+
+    # ------------------------------------------------------------------ apply
+    def apply(self, deltas: StepDeltas, *, inplace: bool = True) -> "State":
+        """Validate every delta of a step, then write them all and advance cursors."""
+        self._check_live()
+        if not isinstance(deltas, StepDeltas):
+            fail("State.apply", "deltas", "a StepDeltas", type(deltas).__name__)
+        if deltas.step_id in self._storage.applied_steps:
+            raise DoubleApplyError(f"State.apply: the deltas of step {deltas.step_id} were already applied")
+        if deltas.state_version != self._version:
+            raise StaleDeltasError(
+                f"State.apply: `deltas` were computed against state version {deltas.state_version}, "
+                f"this state is version {self._version}"
+            )
+        from .apply import validate_step, write_step
+
+        plan = validate_step(self, deltas)
+        storage = self._storage if inplace else self._storage.cloned(self._storage.live_version)
+        write_step(storage.pools, plan)
+        reqs = dict(self._requests)
+        if deltas.cursor is not None:
+            for rid, n in zip(deltas.cursor.request_ids, deltas.cursor.counts):
+                reqs[rid] = replace(reqs[rid], length=reqs[rid].length + n)
+        applied = self._storage.applied_steps | {deltas.step_id}
+        return self._successor(requests=reqs, storage=storage, applied=applied)
+
+    # ----------------------------------------------------------- checkpoints
+    def checkpoint(self, request_ids: Iterable[int]) -> Checkpoint:
+        """Capture cursors and recurrent state of some requests, as a value."""
+        reqs = tuple(self.request(r) for r in request_ids)
+        slots = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
+        copies = {}
+        for pool in self._storage.pools.values():
+            if pool.index_space == "request":
+                for t, tensor in pool.tensors.items():
+                    copies[(pool.name, t)] = tensor.index_select(1, slots).clone()
+        return Checkpoint(reqs, MappingProxyType(copies))
+
+    def restore(self, checkpoint: Checkpoint) -> "State":
+        """Roll requests back to a checkpoint. Validates fully before writing."""
+        self._check_live()
+        if not isinstance(checkpoint, Checkpoint):
+            fail("State.restore", "checkpoint", "a Checkpoint", type(checkpoint).__name__)
+        for old in checkpoint.requests:
+            if old.id not in self._requests:
+                fail("State.restore", "checkpoint", f"requests that are still admitted (request {old.id} is not)",
+                     sorted(self._requests))
+            cur = self._requests[old.id]
+            if cur.slot != old.slot or cur.pages[: len(old.pages)] != old.pages:
+                fail("State.restore", "checkpoint",
+                     f"the same slot and pages as request {old.id} holds now (it was released and readmitted)",
+                     (old.slot, old.pages))
+        for key, saved in checkpoint.recurrent.items():
+            pool = self._storage.pools.get(key[0])
+            if pool is None or key[1] not in pool.tensors:
+                fail("State.restore", "checkpoint", "tensors of this State's pools", key)
+            live = pool.tensors[key[1]]
+            if saved.shape[0] != live.shape[0] or saved.shape[2:] != live.shape[2:] or saved.dtype != live.dtype:
+                fail("State.restore", "checkpoint", f"rows shaped like pool {key}", tuple(saved.shape))
+        slots = torch.tensor([r.slot for r in checkpoint.requests], dtype=torch.long, device=self.device)
+        for (pname, t), saved in checkpoint.recurrent.items():
+            self._storage.pools[pname].tensors[t].index_copy_(1, slots, saved.to(self.device))
+        reqs = dict(self._requests)
+        for old in checkpoint.requests:
+            reqs[old.id] = replace(reqs[old.id], length=old.length)
+        return self._successor(requests=reqs)
+
+    def __repr__(self) -> str:
+        live = "live" if self.is_live else "stale"
+        return (f"State(v{self._version}, {live}, layers={len(self.specs)}, pools={list(self._storage.pools)}, "
+                f"requests={ {r.id: r.length for r in self._requests.values()} }, "
+                f"free_pages={len(self._free_pages)}/{self.num_pages})")

@@ -1,0 +1,110 @@
+"""A tiny GQA decoder (Llama / Qwen3 style) with random weights.
+
+It exists to drive the functional core end to end: `step` runs one step of
+any phase through an `AttentionSession` and returns ``(logits, deltas)``; the
+caller applies the deltas. Byte-level vocabulary, so any text is a prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from fnattn import Batch, FullAttentionConfig, FullAttentionInputs, LayerSpec, StepDeltas
+from fnattn.checks import checked, fail
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_q_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    sliding_window: int = 0
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                fail("TinyConfig", name, "a positive int", v)
+
+
+def layer_specs(cfg: TinyConfig) -> tuple[LayerSpec, ...]:
+    attn = FullAttentionConfig(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                               sliding_window=cfg.sliding_window)
+    return tuple(LayerSpec(index=i, config=attn, dtype=cfg.dtype) for i in range(cfg.num_layers))
+
+
+def init_params(cfg: TinyConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> dict:
+    """Random weights, scaled so activations stay O(1) through the layers."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(device=device, dtype=cfg.dtype)
+
+    def ones(n):
+        return torch.ones(n, dtype=cfg.dtype, device=device)
+
+    hq, hkv, d, h = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    layers = [
+        {
+            "attn_norm": ones(h), "q": w(hq * d, h), "k": w(hkv * d, h), "v": w(hkv * d, h), "o": w(h, hq * d),
+            "q_norm": ones(d), "k_norm": ones(d), "mlp_norm": ones(h),
+            "gate": w(cfg.intermediate_size, h), "up": w(cfg.intermediate_size, h), "down": w(h, cfg.intermediate_size),
+        }
+        for _ in range(cfg.num_layers)
+    ]
+    return {"config": cfg, "embed": w(cfg.vocab_size, h) * h**0.5, "layers": layers, "norm": ones(h),
+            "lm_head": w(cfg.vocab_size, h)}
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rope(x: Float[Tensor, "T H D"], positions: Int[Tensor, " T"], theta: float) -> Float[Tensor, "T H D"]:
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = positions.float()[:, None] * inv[None, :]  # [T, D/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+@checked
+def step(params: dict, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
+    """One step of any phase: ``(params, session, tokens) -> (logits, deltas)``."""
+    cfg: TinyConfig = params["config"]
+    batch: Batch = session.batch
+    if tokens.shape[0] != batch.num_tokens:
+        fail("tiny.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
+    T, hq, hkv, d = tokens.shape[0], cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    x = params["embed"][tokens]  # [T, hidden]
+    layer_deltas = []
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
+        q = rms_norm((h @ p["q"].T).view(T, hq, d), p["q_norm"], cfg.rms_eps)
+        k = rms_norm((h @ p["k"].T).view(T, hkv, d), p["k_norm"], cfg.rms_eps)
+        v = (h @ p["v"].T).view(T, hkv, d)
+        q, k = rope(q, batch.positions, cfg.rope_theta), rope(k, batch.positions, cfg.rope_theta)
+        out, deltas = session.forward(i, FullAttentionInputs(q=q, k=k, v=v))
+        layer_deltas.append(deltas)
+        x = x + out.o.reshape(T, hq * d) @ p["o"].T
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+        x = x + (torch.nn.functional.silu(h @ p["gate"].T) * (h @ p["up"].T)) @ p["down"].T
+    logits = rms_norm(x, params["norm"], cfg.rms_eps) @ params["lm_head"].T
+    # The cursor advances once, after every layer has read the state.
+    return logits.float(), StepDeltas.collect(batch, layer_deltas)

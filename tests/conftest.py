@@ -1,0 +1,17 @@
+"""Test-suite setup: shape checks on (decided at decoration time, so set first)."""
+
+import os
+
+os.environ.setdefault("FNATTN_CHECKS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,43 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from fnattn.checks import CHECKS_ENABLED, checked
+from fnattn.cli import main
+
+
+def test_demo_runs_and_explains(capsys):
+    assert main(["demo", "--tokens", "4", "--prompt", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert "generated 4 tokens" in out and "tokens/s" in out
+    assert "backend" in out and "reference" in out and "pages free after release: " in out
+
+
+def test_demo_rejects_bad_token_count():
+    with pytest.raises(SystemExit):
+        main(["demo", "--tokens", "0"])
+
+
+def test_checks_are_on_in_tests_and_catch_shape_mismatch():
+    assert CHECKS_ENABLED
+
+    @checked
+    def add(a: Float[Tensor, "T H"], b: Float[Tensor, "T H"]) -> Float[Tensor, "T H"]:
+        return a + b
+
+    add(torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(Exception, match="T"):
+        add(torch.zeros(2, 3), torch.zeros(3, 3))
+
+
+def test_checks_off_return_the_function_itself():
+    code = ("from fnattn.checks import checked\n"
+            "f = lambda x: x\n"
+            "assert checked(f) is f\n")
+    env = {**os.environ, "FNATTN_CHECKS": "0"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
