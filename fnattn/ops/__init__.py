@@ -1,0 +1,1 @@
+"""Pure-torch functional math for recurrent attention layers (one request at a time)."""
