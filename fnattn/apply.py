@@ -82,13 +82,34 @@ def validate_step(state, deltas: StepDeltas) -> list[_Target]:
 
 
 def write_step(pools, targets: list[_Target]) -> None:
-    """Scatter every target into its pool tensor (in place)."""
+    """Scatter every target into its pool tensor (in place).
+
+    On a GPU, when every layer of a pool writes the same rows (the usual case:
+    all layers see the same tokens), the pool tensor gets one scatter launch for
+    all its layers instead of one per layer.
+    """
+    groups: dict[tuple[str, str], list[_Target]] = {}
     for t in targets:
-        live = pools[t.pool].tensors[t.tensor][t.layer_pos]
-        flat = live.view(-1, *t.value.shape[1:])
-        keep = t.index >= 0
-        index = t.index.long()
-        if keep.all():
-            flat.index_copy_(0, index, t.value)
-        else:
-            flat.index_copy_(0, index[keep], t.value[keep])
+        groups.setdefault((t.pool, t.tensor), []).append(t)
+    for (pool, tensor), ts in groups.items():
+        live = pools[pool].tensors[tensor]
+        row = ts[0].value.shape[1:]
+        if live.is_cuda and _whole_pool(ts, live.shape[0]):
+            from .kernels import scatter_rows
+
+            ts.sort(key=lambda t: t.layer_pos)
+            scatter_rows(live.view(live.shape[0], -1, *row), ts[0].index, torch.stack([t.value for t in ts]))
+            continue
+        for t in ts:
+            flat = live[t.layer_pos].view(-1, *row)
+            keep = t.index >= 0
+            index = t.index.long()
+            if keep.all():
+                flat.index_copy_(0, index, t.value)
+            else:
+                flat.index_copy_(0, index[keep], t.value[keep])
+
+
+def _whole_pool(ts: list[_Target], num_layers: int) -> bool:
+    return (len(ts) == num_layers and len({t.layer_pos for t in ts}) == num_layers
+            and all(t.index is ts[0].index for t in ts))

@@ -38,6 +38,7 @@ class Batch:
     step_id: int  # unique per batch; a step's deltas carry it
     host_new_lens: tuple[int, ...]  # [B] new tokens per request
     host_cache_lens: tuple[int, ...]  # [B]
+    host_pages: tuple[tuple[int, ...], ...]  # [B][pages]: reserved pages per request
 
     @property
     def num_requests(self) -> int:
@@ -133,12 +134,13 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         step_id=next(_steps),
         host_new_lens=new_lens,
         host_cache_lens=cache_lens,
+        host_pages=tuple(r.pages for r, _ in reqs),
     )
 
 
 _TENSORS = ("cu_seqlens", "cache_lens", "positions", "block_table", "slot_mapping", "recurrent_slots")
 _STATIC = ("phase", "request_ids", "page_size", "num_draft", "state_version", "step_id",
-           "host_new_lens", "host_cache_lens")
+           "host_new_lens", "host_cache_lens", "host_pages")
 optree.register_pytree_node(
     Batch,
     lambda b: (tuple(getattr(b, n) for n in _TENSORS), tuple(getattr(b, n) for n in _STATIC), None),

@@ -14,6 +14,7 @@ or a token that was rejected during verification).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -103,14 +104,19 @@ class IndexKeyWrite(_Write):
 @_tensor_pytree
 @dataclass(frozen=True)
 class RecurrentWrite(_Write):
-    """New recurrent and conv-window state of a GDN/KDA layer, one row per request."""
+    """New recurrent and conv-window state of a GDN/KDA layer.
+
+    One row per request (prefill, decode), or one row per token (verify: the
+    state after every draft position, all rows but each request's last
+    accepted one marked -1; see `StepDeltas.accept`).
+    """
 
     targets: ClassVar = (("ssm", "state"), ("conv", "conv"))
     index_space: ClassVar = "request"
     layer: int
-    slots: Int[Tensor, " B"] = _t()  # [B] recurrent slot per request, < 0 skipped
-    state: Float[Tensor, "B H K V"] = _t()  # [B, H, K, V]
-    conv: Float[Tensor, "B C W1"] = _t()  # [B, C, W - 1]
+    slots: Int[Tensor, " R"] = _t()  # [R] recurrent slot per row (R = B or T), < 0 skipped
+    state: Float[Tensor, "R H K V"] = _t()  # [R, H, K, V]
+    conv: Float[Tensor, "R C W1"] = _t()  # [R, C, W - 1]
 
 
 WRITE_TYPES = (KVWrite, LatentWrite, IndexKeyWrite, RecurrentWrite)
@@ -167,6 +173,40 @@ class StepDeltas:
         cursor = batch.cursor_advance() if advance else None
         return StepDeltas(step_id=batch.step_id, state_version=batch.state_version, writes=tuple(writes), cursor=cursor)
 
+    def accept(self, batch, accepted: Mapping[int, int]) -> "StepDeltas":
+        """Keep the first ``accepted[r]`` new tokens of each request of a verify step.
+
+        Token-addressed writes of rejected tokens get slot -1 (skipped by apply);
+        per-token recurrent states keep only the row of the last accepted token;
+        the cursor advances by the accepted counts. Nothing else changes.
+        """
+        if batch.step_id != self.step_id:
+            fail("StepDeltas.accept", "batch", f"the batch of step {self.step_id}", f"step {batch.step_id}")
+        if set(accepted) != set(batch.request_ids):
+            fail("StepDeltas.accept", "accepted", f"a count for each of requests {batch.request_ids}", dict(accepted))
+        cu = batch.host_cu_seqlens
+        keep, last = [], []
+        for b, (rid, n_new) in enumerate(zip(batch.request_ids, batch.host_new_lens)):
+            n = accepted[rid]
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= n_new:
+                fail("StepDeltas.accept", f"accepted[{rid}]", f"an int in 1..{n_new}", n)
+            keep += [i < n for i in range(n_new)]
+            last.append(cu[b] + n - 1)
+        device = batch.slot_mapping.device
+        keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
+        last_t = torch.tensor(last, dtype=torch.long, device=device)
+        writes = []
+        for w in self.writes:
+            if w.index_space == "token":
+                w = dataclasses.replace(w, slots=torch.where(keep_t, w.slots, torch.full_like(w.slots, -1)))
+            elif w.rows() == len(keep):  # one state per token: keep the last accepted one
+                index = torch.full((len(keep),), -1, dtype=torch.long, device=device)
+                w = dataclasses.replace(w, slots=index.index_copy(0, last_t, batch.recurrent_slots.long()))
+            writes.append(w)
+        cursor = CursorAdvance(batch.request_ids, tuple(accepted[r] for r in batch.request_ids))
+        return StepDeltas(step_id=self.step_id, state_version=self.state_version, writes=tuple(writes), cursor=cursor)
+
+
 
 optree.register_pytree_node(
     StepDeltas,
@@ -175,6 +215,3 @@ optree.register_pytree_node(
     namespace="fnattn",
 )
 
-
-def as_index(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.int64 else t.long()

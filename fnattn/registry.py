@@ -3,8 +3,8 @@
 A backend is ``fn(spec, views, inputs) -> (outputs, deltas)``. Its ``supports``
 predicate returns the reasons it refuses a layer on a device (empty: accepted),
 so `ModelAttention.explain()` can say why a faster backend was not chosen. An
-optional ``plan(specs, batch)`` builds per-step metadata once for a group of
-layers that share it.
+optional ``plan(specs, batch, lease)`` builds per-step metadata once for a
+group of layers that share it (``lease`` is the session's workspace lease).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .batch import PHASES
 from .spec import KINDS, LayerSpec
 
 Supports = Callable[[LayerSpec, torch.device], list[str]]
-Planner = Callable[[tuple[LayerSpec, ...], Any], Any]
+Planner = Callable[[tuple[LayerSpec, ...], Any, Any], Any]
 
 
 def _always(spec: LayerSpec, device: torch.device) -> list[str]:

@@ -48,10 +48,15 @@ class AttentionSession:
             fail("AttentionSession", "batch.page_size", f"the state's page size {state.page_size}", batch.page_size)
         if batch.block_table.device != state.device:
             fail("AttentionSession", "batch", f"tensors on {state.device}", batch.block_table.device)
-        for group, specs in ma.groups(batch.phase).items():
-            backend = ma.backend(specs[0].index, batch.phase)
-            self._plans[group] = backend.plan(specs, batch) if backend.plan else None
         self._lease = ma.workspace.lease()
+        try:
+            for group, specs in ma.groups(batch.phase).items():
+                backend = ma.backend(specs[0].index, batch.phase)
+                self._plans[group] = backend.plan(specs, batch, self._lease) if backend.plan else None
+        except BaseException:
+            self._lease.release()
+            self._closed = True
+            raise
         self._open = True
         return self
 

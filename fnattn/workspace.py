@@ -44,6 +44,14 @@ class Lease:
             raise LeaseError(f"lease {self.number} was already released; its buffer is no longer yours")
         return self.workspace._scratch(nbytes)
 
+    def cached(self, key, build):
+        """A long-lived object (a library wrapper, a plan buffer) kept by the workspace."""
+        if self.released:
+            raise LeaseError(f"lease {self.number} was already released")
+        if key not in self.workspace.objects:
+            self.workspace.objects[key] = build()
+        return self.workspace.objects[key]
+
     def release(self) -> None:
         if self.released:
             raise LeaseError(f"lease {self.number} of this workspace was released twice")
@@ -57,7 +65,8 @@ class Workspace:
         self.sync = sync or StreamSync(self.device)
         self._last: Lease | None = None
         self._count = 0
-        self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._buf: torch.Tensor | None = None  # allocated on first use
+        self.objects: dict = {}
 
     def lease(self) -> Lease:
         prev = self._last
@@ -73,6 +82,6 @@ class Workspace:
         return self._last
 
     def _scratch(self, nbytes: int) -> torch.Tensor:
-        if self._buf.numel() < nbytes:
+        if self._buf is None or self._buf.numel() < nbytes:
             self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._buf[:nbytes]

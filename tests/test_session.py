@@ -110,7 +110,7 @@ def test_explain_lists_refused_backends_with_reasons():
 def test_layers_with_one_config_share_a_group_and_a_plan():
     planned = []
 
-    def plan(specs, batch):
+    def plan(specs, batch, lease):
         planned.append(tuple(s.index for s in specs))
         return {"layers": len(specs)}
 

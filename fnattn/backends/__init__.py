@@ -5,4 +5,5 @@ Fast backends import their GPU libraries only when called, and refuse a layer
 is missing.
 """
 
+from . import flashinfer_full, triton_full  # noqa: F401
 from .reference import full  # noqa: F401

@@ -1,0 +1,48 @@
+"""Triton backends for full / GQA attention (fnattn.kernels.paged_attention).
+
+The step's own K/V enter the kernels as extra inputs and are folded into the
+same online softmax as the cached tokens: one launch per layer, no merge, no
+write. Decode uses the split-K decode kernel; prefill and verify the varlen
+kernel over the paged prefix plus the causal new tokens.
+"""
+
+from __future__ import annotations
+
+from ..deltas import KVWrite
+from ..inputs import AttentionOutput
+from ..registry import register
+from .availability import needs_cuda, needs_dtype, package_missing
+
+
+def supports(spec, device) -> list[str]:
+    c = spec.config
+    reasons = needs_cuda(device) + package_missing("triton") + needs_dtype(spec)
+    for name in ("head_dim", "head_dim_v"):
+        if not 16 <= getattr(c, name) <= 256:
+            reasons.append(f"{name}={getattr(c, name)} outside 16..256")
+    return reasons
+
+
+def _decode(spec, views, inputs):
+    from ..kernels import paged_decode
+
+    c, batch = spec.config, inputs.meta.batch
+    o, lse = paged_decode(inputs.q, views.k, views.v, batch.block_table, batch.cache_lens,
+                          k_new=inputs.k, v_new=inputs.v, scale=c.scale, softcap=c.softcap,
+                          sliding_window=c.sliding_window, sinks=inputs.sinks)
+    return AttentionOutput(o=o, lse=lse), (KVWrite(layer=spec.index, slots=batch.slot_mapping, k=inputs.k, v=inputs.v),)
+
+
+def _varlen(spec, views, inputs):
+    from ..kernels import paged_prefill
+
+    c, batch = spec.config, inputs.meta.batch
+    o, lse = paged_prefill(inputs.q, inputs.k, inputs.v, batch.cu_seqlens, views.k, views.v, batch.block_table,
+                           batch.cache_lens, scale=c.scale, softcap=c.softcap, sliding_window=c.sliding_window,
+                           sinks=inputs.sinks, max_new_len=max(batch.host_new_lens))
+    return AttentionOutput(o=o, lse=lse), (KVWrite(layer=spec.index, slots=batch.slot_mapping, k=inputs.k, v=inputs.v),)
+
+
+register("full", "decode", "triton", supports=supports)(_decode)
+register("full", "prefill", "triton", supports=supports)(_varlen)
+register("full", "verify", "triton", supports=supports)(_varlen)

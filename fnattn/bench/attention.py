@@ -1,0 +1,134 @@
+"""Decode and prefill cases for full attention."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .. import Batch, CursorAdvance, FullAttentionConfig, FullAttentionInputs, LayerSpec, ModelAttention, State
+from ..apply import validate_step, write_step
+from ..deltas import StepDeltas
+from . import timed
+
+_setup_steps = itertools.count(-1, -1)  # negative ids: setup steps never collide with real ones
+
+
+def cached_state(spec, *, batch: int, ctx: int, page_size: int, extra: int = 1):
+    """``batch`` requests with ``ctx`` random cached tokens each, room for ``extra`` more."""
+    pages = batch * (-(-(ctx + extra) // page_size))
+    state = State([spec], num_pages=pages, page_size=page_size, max_requests=batch, device="cuda")
+    for r in range(batch):
+        state = state.admit(r)
+    state = state.reserve({r: ctx + extra for r in range(batch)})
+    # Only the cursor moves; the cache is filled below, directly (benchmark setup).
+    state = state.apply(StepDeltas(step_id=next(_setup_steps), state_version=state.version, writes=(),
+                                   cursor=CursorAdvance(tuple(range(batch)), (ctx,) * batch)))
+    for pool in state.pools.values():
+        for t in pool.tensors.values():
+            t.normal_()
+    return state
+
+
+def _inputs(spec, T):
+    c = spec.config
+    r = lambda *s: torch.randn(*s, device="cuda", dtype=spec.dtype)  # noqa: E731
+    return FullAttentionInputs(q=r(T, c.num_q_heads, c.head_dim), k=r(T, c.num_kv_heads, c.head_dim),
+                               v=r(T, c.num_kv_heads, c.head_dim_v))
+
+
+def fnattn_step(ma, state, batch, spec, inputs):
+    """The pure path: attention through a session, then the step's scatter."""
+
+    def run():
+        with ma.session(state, batch) as s:
+            _, deltas = s.forward(spec.index, inputs)
+        write_step(state._storage.pools, validate_step(state, StepDeltas(batch.step_id, batch.state_version, deltas)))
+
+    return run
+
+
+def usual_flashinfer_decode(state, batch, spec, inputs):
+    """The usual design: append the new K/V into the cache, then decode over it."""
+    import flashinfer
+
+    c, S = spec.config, batch.page_size
+    views = state.views(spec.index)
+    lens = [n + 1 for n in batch.host_cache_lens]
+    indptr, indices, last = [0], [], []
+    for pages, n in zip(batch.host_pages, lens):
+        used = -(-n // S)
+        indices += pages[:used]
+        indptr.append(len(indices))
+        last.append(n - (used - 1) * S)
+    t = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    indptr, indices, last = t(indptr), t(indices), t(last)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
+    wrapper.plan(indptr, indices, last, c.num_q_heads, c.num_kv_heads, c.head_dim, S, sm_scale=c.scale,
+                 q_data_type=spec.dtype, kv_data_type=spec.dtype)
+    batch_idx = torch.arange(batch.num_requests, dtype=torch.int32, device="cuda")
+    positions = batch.cache_lens.clone()
+
+    def run():
+        flashinfer.append_paged_kv_cache(inputs.k, inputs.v, batch_idx, positions, (views.k, views.v), indices,
+                                         indptr, last)
+        wrapper.run(inputs.q, (views.k, views.v))
+
+    return run
+
+
+def decode_case(*, batch: int, ctx: int, hq: int, hkv: int, dim: int, page_size: int = 16,
+                dtype=torch.bfloat16, graph: bool = True) -> list[dict]:
+    spec = LayerSpec(index=0, config=FullAttentionConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim), dtype=dtype)
+    state = cached_state(spec, batch=batch, ctx=ctx, page_size=page_size)
+    b = Batch.decode(state, range(batch))
+    inputs = _inputs(spec, batch)
+    case = f"decode B{batch} ctx{ctx} {hq}q/{hkv}kv d{dim} p{page_size}" + (" graph" if graph else " eager")
+    kv_bytes = batch * ctx * hkv * dim * 2 * dtype.itemsize
+    records = []
+    runs = {"flashinfer usual (append+decode)": lambda: usual_flashinfer_decode(state, b, spec, inputs)}
+    for name in ("triton", "flashinfer"):
+        ma = ModelAttention([spec], prefer=(name,), device="cuda", phases=("decode",))
+        runs[f"fnattn {name} (pure)"] = lambda ma=ma: fnattn_step(ma, state, b, spec, inputs)
+    for name, build in runs.items():
+        rec = {"case": case, "backend": name, "peer": "flashinfer usual (append+decode)",
+               "shape": {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "dim": dim, "page_size": page_size,
+                         "dtype": str(dtype)}}
+        try:
+            us = timed(build(), graph=graph)
+            rec.update(time_us=us, tb_s=kv_bytes / (us * 1e-6) / 1e12)
+        except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
+            rec["error"] = f"{type(e).__name__}: {e}"
+        records.append(rec)
+    return records
+
+
+def prefill_case(*, tokens: int, hq: int, hkv: int, dim: int, dtype=torch.bfloat16, page_size: int = 64) -> list[dict]:
+    """Causal prefill of one fresh request of ``tokens`` tokens: own Triton kernel vs torch SDPA."""
+    import torch.nn.functional as F
+
+    spec = LayerSpec(index=0, config=FullAttentionConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim), dtype=dtype)
+    state = cached_state(spec, batch=1, ctx=0, page_size=page_size, extra=tokens)
+    b = Batch.prefill(state, {0: tokens})
+    inputs = _inputs(spec, tokens)
+    flops = 4 * hq * dim * tokens * tokens / 2  # QK^T and PV, causal half
+    case = f"prefill causal T{tokens} {hq}q/{hkv}kv d{dim}"
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (inputs.q, inputs.k, inputs.v))  # [1, H, T, D]
+    runs = {
+        "torch sdpa": lambda: (lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)),
+    }
+    for name in ("triton", "flashinfer"):
+        ma = ModelAttention([spec], prefer=(name,), device="cuda", phases=("prefill",))
+        runs[f"fnattn {name}"] = lambda ma=ma: fnattn_step(ma, state, b, spec, inputs)
+    records = []
+    for name, build in runs.items():
+        rec = {"case": case, "backend": name, "peer": "torch sdpa",
+               "shape": {"tokens": tokens, "hq": hq, "hkv": hkv, "dim": dim, "dtype": str(dtype)}}
+        try:
+            us = timed(build(), graph=False)
+            rec.update(time_us=us, tflop_s=flops / (us * 1e-6) / 1e12)
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"
+        records.append(rec)
+    return records
