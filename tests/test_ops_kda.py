@@ -1,0 +1,335 @@
+"""Kimi Delta Attention functional math: the per-channel recurrence forms agree with each
+other and with fla's naive reference, and ``kda_layer`` reproduces transformers'
+``KimiLinearDeltaAttention`` (prefill, chunked prefill and cached decode)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fnattn.ops.delta_rule import gated_delta_chunked, gated_delta_recurrent
+from fnattn.ops.kda import KDAWeights, kda_layer
+
+TIGHT = dict(atol=1e-5, rtol=1e-5)
+
+
+def _recurrence_inputs(T, H, K, V, *, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, K, generator=gen)
+    k = F.normalize(torch.randn(T, H, K, generator=gen), dim=-1)
+    v = torch.randn(T, H, V, generator=gen)
+    g = -0.7 * torch.rand(T, H, K, generator=gen) - 0.01  # per-channel log-decay
+    beta = torch.rand(T, H, generator=gen)
+    state = 0.5 * torch.randn(H, K, V, generator=gen)
+    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    return q, k, v, g, beta, state
+
+
+# --------------------------------------------------------------------------- recurrence
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 100])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_recurrent_matches_chunked_per_channel(T, chunk_size):
+    q, k, v, g, beta, state = _recurrence_inputs(T, 2, 16, 24, seed=T)
+    o_rec, states = gated_delta_recurrent(q, k, v, g, beta, state, scale=16**-0.5)
+    o_chk, final = gated_delta_chunked(q, k, v, g, beta, state, scale=16**-0.5, chunk_size=chunk_size)
+    assert o_rec.shape == (T, 2, 24) and states.shape == (T, 2, 16, 24)
+    torch.testing.assert_close(o_chk, o_rec, **TIGHT)
+    torch.testing.assert_close(final, states[-1], **TIGHT)
+
+
+def test_scalar_decay_equals_constant_per_channel_decay():
+    q, k, v, g, beta, state = _recurrence_inputs(13, 2, 16, 16, seed=3)
+    g_scalar = g[..., 0]
+    g_channels = g_scalar[..., None].expand(13, 2, 16)
+    for fn, kw in ((gated_delta_recurrent, {}), (gated_delta_chunked, {"chunk_size": 4})):
+        a = fn(q, k, v, g_scalar, beta, state, scale=0.3, **kw)
+        b = fn(q, k, v, g_channels, beta, state, scale=0.3, **kw)
+        torch.testing.assert_close(a[0], b[0], **TIGHT)
+        torch.testing.assert_close(a[1], b[1], **TIGHT)
+
+
+def test_recurrence_matches_fla_naive_kda():
+    pytest.importorskip("fla")
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    T, H, K, V = 29, 2, 16, 32
+    q, k, v, g, beta, state = _recurrence_inputs(T, H, K, V, seed=6)
+    # fla takes [B, T, H, *].
+    o_ref, s_ref = naive_recurrent_kda(
+        q[None], k[None], v[None], g[None], beta[None], scale=0.2, initial_state=state[None], output_final_state=True
+    )
+    o, states = gated_delta_recurrent(q, k, v, g, beta, state, scale=0.2)
+    torch.testing.assert_close(o, o_ref[0], **TIGHT)
+    torch.testing.assert_close(states[-1], s_ref[0], **TIGHT)
+    o_chk, final = gated_delta_chunked(q, k, v, g, beta, state, scale=0.2, chunk_size=8)
+    torch.testing.assert_close(o_chk, o_ref[0], **TIGHT)
+    torch.testing.assert_close(final, s_ref[0], **TIGHT)
+
+
+def test_strong_decay_stays_finite():
+    # Large per-channel decays underflow to zero instead of overflowing.
+    q, k, v, g, beta, state = _recurrence_inputs(70, 2, 16, 16, seed=4)
+    g = g * 60.0
+    o_rec, states = gated_delta_recurrent(q, k, v, g, beta, state, scale=0.25)
+    o_chk, final = gated_delta_chunked(q, k, v, g, beta, state, scale=0.25, chunk_size=64)
+    assert torch.isfinite(o_chk).all() and torch.isfinite(final).all()
+    torch.testing.assert_close(o_chk, o_rec, **TIGHT)
+    torch.testing.assert_close(final, states[-1], **TIGHT)
+
+
+def test_states_per_position_match_decode_steps():
+    T, P = 10, 4
+    q, k, v, g, beta, state = _recurrence_inputs(T, 2, 16, 8, seed=12)
+    o_all, states = gated_delta_recurrent(q, k, v, g, beta, state, scale=0.25)
+    _, s = gated_delta_chunked(q[:P], k[:P], v[:P], g[:P], beta[:P], state, scale=0.25)
+    for i in range(P, T):
+        o_i, s_i = gated_delta_recurrent(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], s, scale=0.25
+        )
+        s = s_i[0]
+        torch.testing.assert_close(o_i[0], o_all[i], **TIGHT)
+        torch.testing.assert_close(s, states[i], **TIGHT)
+
+
+# --------------------------------------------------------------------------- layer
+
+
+def _random_weights(*, seed, D=64, H=2, K=16, V=16, W=4, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape, s=0.1):
+        return (s * torch.randn(*shape, generator=gen)).to(dtype)
+
+    return KDAWeights(
+        q_proj=r(H * K, D),
+        k_proj=r(H * K, D),
+        v_proj=r(H * V, D),
+        q_conv_weight=r(H * K, W, s=0.5),
+        k_conv_weight=r(H * K, W, s=0.5),
+        v_conv_weight=r(H * V, W, s=0.5),
+        f_a_proj=r(K, D),
+        f_b_proj=r(H * K, K),
+        A_log=torch.empty(H).uniform_(0.1, 1.0, generator=gen).log().to(dtype),
+        dt_bias=r(H * K, s=1.0),
+        b_proj=r(H, D),
+        g_a_proj=r(V, D),
+        g_b_proj=r(H * V, V),
+        o_norm_weight=1 + r(V),
+        o_proj=r(D, H * V),
+        num_heads=H,
+        head_k_dim=K,
+        head_v_dim=V,
+    )
+
+
+def _zero_states(w: KDAWeights, dtype=torch.float32):
+    return (
+        torch.zeros(w.conv_dim, w.conv_kernel - 1, dtype=dtype),
+        torch.zeros(w.num_heads, w.head_k_dim, w.head_v_dim),
+    )
+
+
+def _run_ours(w, chunks, *, chunked=True, chunk_size=64):
+    window, state = _zero_states(w, chunks[0].dtype)
+    outs = []
+    for c in chunks:
+        r = kda_layer(w, c, window, state, chunked=chunked and c.shape[0] > 1, chunk_size=chunk_size)
+        outs.append(r.output)
+        window, state = r.conv_window, r.state
+    return outs, window, state
+
+
+@pytest.mark.parametrize("V", [16, 32], ids=["K=V", "K!=V"])
+def test_layer_forms_agree_and_per_position_states(V):
+    w = _random_weights(seed=4, V=V)
+    x = torch.randn(11, w.hidden_size, generator=torch.Generator().manual_seed(4))
+    window, state = _zero_states(w)
+    rec = kda_layer(w, x, window, state)
+    chk = kda_layer(w, x, window, state, chunked=True, chunk_size=4)
+    torch.testing.assert_close(chk.output, rec.output, **TIGHT)
+    torch.testing.assert_close(chk.state, rec.state, **TIGHT)
+    assert chk.states is None and rec.states.shape == (11, 2, 16, V)
+    assert rec.conv_windows.shape == (11, 2 * 2 * 16 + 2 * V, 3)
+
+    P = 5
+    pre = kda_layer(w, x[:P], window, state, chunked=True)
+    win, st = pre.conv_window, pre.state
+    for i in range(P, 11):
+        step = kda_layer(w, x[i : i + 1], win, st)
+        win, st = step.conv_window, step.state
+        torch.testing.assert_close(step.output[0], rec.output[i], **TIGHT)
+        torch.testing.assert_close(st, rec.states[i], **TIGHT)
+        torch.testing.assert_close(win, rec.conv_windows[i], **TIGHT)
+
+
+def test_layer_two_chunk_prefill_equals_one_shot():
+    w = _random_weights(seed=5)
+    x = torch.randn(21, w.hidden_size, generator=torch.Generator().manual_seed(5))
+    (one,), win1, st1 = _run_ours(w, [x], chunk_size=8)
+    two, win2, st2 = _run_ours(w, [x[:9], x[9:]], chunk_size=8)
+    torch.testing.assert_close(torch.cat(two), one, **TIGHT)
+    torch.testing.assert_close(st2, st1, **TIGHT)
+    torch.testing.assert_close(win2, win1, **TIGHT)
+
+
+def test_inputs_are_not_mutated():
+    w = _random_weights(seed=2)
+    x = torch.randn(6, w.hidden_size)
+    window = torch.randn(w.conv_dim, w.conv_kernel - 1)
+    st = torch.randn(w.num_heads, w.head_k_dim, w.head_v_dim)
+    params = {name: t.clone() for name, t in vars(w).items() if isinstance(t, torch.Tensor)}
+    inputs = [t.clone() for t in (x, window, st)]
+    for chunked in (False, True):
+        kda_layer(w, x, window, st, chunked=chunked, chunk_size=4)
+    for t, b in zip((x, window, st), inputs):
+        torch.testing.assert_close(t, b, atol=0, rtol=0)
+    for name, t in params.items():
+        torch.testing.assert_close(getattr(w, name), t, atol=0, rtol=0)
+
+
+def test_layer_bad_shapes():
+    w = _random_weights(seed=6)
+    window, state = _zero_states(w)
+    with pytest.raises(ValueError, match=r"x: expected shape \[\*, 64\], got \[3, 65\]"):
+        kda_layer(w, torch.randn(3, 65), window, state)
+    with pytest.raises(ValueError, match=r"conv_window: expected shape \[96, 3\], got \[95, 3\]"):
+        kda_layer(w, torch.randn(3, 64), window[:-1], state)
+    with pytest.raises(ValueError, match=r"state: expected shape \[2, 16, 16\]"):
+        kda_layer(w, torch.randn(3, 64), window, state[:, :8])
+    with pytest.raises(ValueError, match="dt_bias"):
+        KDAWeights(**{**vars(w), "dt_bias": w.dt_bias[:-1]})
+
+
+def test_annotations_are_valid_jaxtyping():
+    beartype = pytest.importorskip("beartype").beartype
+    from jaxtyping import jaxtyped
+
+    w = _random_weights(seed=1, V=32)
+    window, state = _zero_states(w)
+    jaxtyped(typechecker=beartype)(kda_layer)(w, torch.randn(3, w.hidden_size), window, state, chunked=True)
+
+
+# --------------------------------------------------------------------------- transformers parity
+
+_TORCH_PATH = (
+    "chunk_kimi_delta_attention",
+    "recurrent_kimi_delta_attention",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' Kimi Linear module, forced onto its pure-torch code path."""
+    pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.kimi_linear import modeling_kimi_linear
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+
+    with pytest.MonkeyPatch.context() as mp:
+        # With fla / causal_conv1d installed these names may point at GPU kernels; the
+        # reference torch functions sit at the bottom of the decorator chain.
+        for name in _TORCH_PATH:
+            fn = inspect.unwrap(getattr(modeling_kimi_linear, name))
+            assert fn.__module__ == modeling_kimi_linear.__name__ and fn.__name__ == name
+            mp.setattr(modeling_kimi_linear, name, fn)
+        yield modeling_kimi_linear, KimiLinearConfig, DynamicCache
+
+
+def _hf_module(hf, *, seed, dtype=torch.float32):
+    modeling, config_cls, _ = hf
+    config = config_cls(
+        hidden_size=64,
+        linear_num_heads=2,
+        linear_head_dim=32,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        vocab_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    m = modeling.KimiLinearDeltaAttention(config, layer_idx=0).eval()
+    with torch.no_grad():
+        # A_log and dt_bias are left uninitialized by the module itself.
+        m.forget_gate.A_log.copy_(torch.empty_like(m.forget_gate.A_log).uniform_(0.1, 1.0).log())
+        m.forget_gate.dt_bias.normal_()
+        m.o_norm.weight.copy_(1 + 0.1 * torch.randn_like(m.o_norm.weight))
+    return m.to(dtype), config
+
+
+def _run_hf(hf, module, config, chunks):
+    DynamicCache = hf[2]
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        outs = [module(c[None], cache=cache)[0] for c in chunks]
+    layer = cache.layers[0]
+    # transformers keeps the last W conv inputs; the window is the last W - 1 of them.
+    return outs, layer.conv_states[0][0, :, 1:], layer.recurrent_states[0][0]
+
+
+@pytest.mark.parametrize(
+    "split", [(9, 1, 1, 1, 1), (2, 7, 1, 1), (5, 6, 1)], ids=["prefill+decode", "short-prefill", "2-chunk"]
+)
+def test_layer_matches_transformers(hf, split):
+    m, config = _hf_module(hf, seed=7)
+    w = KDAWeights.from_state_dict(m.state_dict(), eps=config.rms_norm_eps, activation=config.hidden_act)
+    assert (w.num_heads, w.head_k_dim, w.head_v_dim, w.conv_kernel) == (2, 32, 32, 4)
+    x = torch.randn(sum(split), config.hidden_size, generator=torch.Generator().manual_seed(8))
+    chunks = list(x.split(list(split)))
+    hf_outs, hf_window, hf_state = _run_hf(hf, m, config, chunks)
+    outs, window, state = _run_ours(w, chunks)
+    for ours, ref in zip(outs, hf_outs):
+        torch.testing.assert_close(ours, ref, **TIGHT)
+    torch.testing.assert_close(state, hf_state, **TIGHT)
+    torch.testing.assert_close(window, hf_window, **TIGHT)
+    rec_outs, _, rec_state = _run_ours(w, chunks, chunked=False)
+    torch.testing.assert_close(torch.cat(rec_outs), torch.cat(hf_outs), **TIGHT)
+    torch.testing.assert_close(rec_state, hf_state, **TIGHT)
+
+
+def test_from_state_dict_original_checkpoint_names(hf):
+    m, config = _hf_module(hf, seed=3)
+    sd = m.state_dict()
+    w = KDAWeights.from_state_dict(sd, eps=config.rms_norm_eps)
+    # The released checkpoint keeps separate q/k/v convs and the gate weights on the attention module.
+    q_conv, k_conv, v_conv = sd["conv1d.weight"].split(64)
+    original = {k_.replace("forget_gate.", ""): t for k_, t in sd.items() if k_ != "conv1d.weight"} | {
+        "q_conv1d.weight": q_conv,
+        "k_conv1d.weight": k_conv,
+        "v_conv1d.weight": v_conv,
+    }
+    prefix = "model.layers.0.self_attn."
+    w2 = KDAWeights.from_state_dict(
+        {prefix + k_: t for k_, t in original.items()}, eps=config.rms_norm_eps, prefix=prefix
+    )
+    for name, t in vars(w).items():
+        if isinstance(t, torch.Tensor):
+            torch.testing.assert_close(getattr(w2, name), t, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="missing key 'b_proj.weight'"):
+        KDAWeights.from_state_dict({k_: t for k_, t in sd.items() if k_ != "b_proj.weight"}, eps=1e-5)
+
+
+def test_layer_matches_transformers_bf16(hf):
+    m, config = _hf_module(hf, seed=10, dtype=torch.bfloat16)
+    w = KDAWeights.from_state_dict(m.state_dict(), eps=config.rms_norm_eps)
+    x = torch.randn(12, config.hidden_size, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    chunks = list(x.split([9, 1, 1, 1]))
+    hf_outs, hf_window, hf_state = _run_hf(hf, m, config, chunks)
+    outs, window, state = _run_ours(w, chunks)
+    for ours, ref in zip(outs, hf_outs):
+        assert ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours, ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(state, hf_state, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(window, hf_window, atol=3e-2, rtol=3e-2)
