@@ -4,8 +4,13 @@ import os
 
 os.environ.setdefault("FNATTN_CHECKS", "1")
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton reads this when a kernel module is first imported: set it before any test imports one.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,29 @@
+"""Triton kernels: plain tensors in and out, each with a pure-torch `*_ref` beside it.
+
+Importing this package imports neither torch nor triton; names load on first use.
+Of the attention kernels (paged_attention, lse_merge, scatter), only `scatter_kv` /
+`scatter_rows` write into their arguments.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "paged_decode": "paged_attention",
+    "paged_decode_ref": "paged_attention",
+    "paged_prefill": "paged_attention",
+    "paged_prefill_ref": "paged_attention",
+    "merge_attention_states": "lse_merge",
+    "merge_attention_states_ref": "lse_merge",
+    "scatter_kv": "scatter",
+    "scatter_kv_ref": "scatter",
+    "scatter_rows": "scatter",
+    "scatter_rows_ref": "scatter",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -1,0 +1,154 @@
+"""Merging partial attention results by their log-sum-exp (Triton).
+
+Two partial results over disjoint key sets combine as (docs/layout.md)
+    lse = logaddexp(lse1, lse2)
+    o   = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)
+A part with lse == -inf attended nothing: its o is ignored (it may hold
+anything), and when both are -inf the result is o = 0, lse = -inf.
+"""
+
+import torch
+
+from ._triton import next_pow2, require_triton, tl, triton
+
+
+@triton.jit
+def _merge_two_kernel(
+    O1, L1, O2, L2, OUT, LSE_OUT, rows,
+    so1, so2, so,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    r_ok = r < rows
+    r64 = r.to(tl.int64)
+    dv = tl.arange(0, DV_PAD)
+    mask = r_ok[:, None] & (dv < DV)[None, :]
+    l1 = tl.load(L1 + r64, mask=r_ok, other=float("-inf"))
+    l2 = tl.load(L2 + r64, mask=r_ok, other=float("-inf"))
+    m = tl.maximum(l1, l2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w1 = tl.exp(l1 - m_safe)
+    w2 = tl.exp(l2 - m_safe)
+    total = w1 + w2
+    o1 = tl.load(O1 + r64[:, None] * so1 + dv[None, :], mask=mask, other=0.0).to(tl.float32)
+    o2 = tl.load(O2 + r64[:, None] * so2 + dv[None, :], mask=mask, other=0.0).to(tl.float32)
+    # A zero weight must not let a NaN/inf in an unused o through.
+    o = tl.where(w1[:, None] > 0, o1, 0.0) * w1[:, None] + tl.where(w2[:, None] > 0, o2, 0.0) * w2[:, None]
+    o = o / tl.where(total > 0, total, 1.0)[:, None]
+    lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(OUT + r64[:, None] * so + dv[None, :], o.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE_OUT + r64, lse, mask=r_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    O_PART, LSE_PART, SINKS, OUT, LSE, num_splits,
+    sop_t, sop_h, sop_s, slp_t, slp_h, so_t, so_h, sl_t, sl_h,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, NS_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, NS_PAD)
+    s_ok = s < num_splits
+    dv = tl.arange(0, DV_PAD)
+    lse_s = tl.load(LSE_PART + t * slp_t + h * slp_h + s, mask=s_ok, other=float("-inf"))  # [NS]
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)  # [NS]; 0 for splits that attended nothing
+    total = tl.sum(w, 0)
+    o_s = tl.load(
+        O_PART + t * sop_t + h * sop_h + s[:, None] * sop_s + dv[None, :],
+        mask=s_ok[:, None] & (dv < DV)[None, :], other=0.0,
+    )  # [NS, DV_PAD]
+    o = tl.sum(tl.where(w[:, None] > 0, o_s, 0.0) * w[:, None], 0)  # [DV_PAD]
+    if HAS_SINK:
+        denom = total + tl.exp(tl.load(SINKS + h) - m_safe)
+    else:
+        denom = tl.where(total > 0, total, 1.0)
+    tl.store(OUT + t * so_t + h * so_h + dv, (o / denom).to(OUT.dtype.element_ty), mask=dv < DV)
+    lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(LSE + t * sl_t + h * sl_h, lse)
+
+
+def merge_splits(o_part, lse_part, o, lse, *, sinks=None):
+    """Merge split-K partials into `o` / `lse` (fresh outputs of the caller).
+
+    o_part [T, H, NS, Dv] fp32, lse_part [T, H, NS] fp32, o [T, H, Dv],
+    lse [T, H] fp32, sinks [H] fp32 applied once here. Internal to the
+    attention kernels: o and lse are the caller's own new buffers.
+    """
+    require_triton()
+    T, H, NS, Dv = o_part.shape
+    if T == 0 or H == 0:
+        return o, lse
+    _merge_splits_kernel[(T, H)](
+        o_part, lse_part, sinks if sinks is not None else lse_part, o, lse, NS,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        DV=Dv, DV_PAD=next_pow2(Dv), NS_PAD=next_pow2(NS), HAS_SINK=sinks is not None,
+        num_warps=4,
+    )
+    return o, lse
+
+
+def _check_pair(o1, lse1, o2, lse2):
+    for name, t in (("o1", o1), ("lse1", lse1), ("o2", o2), ("lse2", lse2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if o1.dim() < 1 or tuple(lse1.shape) != tuple(o1.shape[:-1]):
+        raise ValueError(f"lse1: expected shape o1.shape[:-1] = {tuple(o1.shape[:-1])}, "
+                         f"got {tuple(lse1.shape)}")
+    if o2.shape != o1.shape:
+        raise ValueError(f"o2: expected shape {tuple(o1.shape)} (o1's), got {tuple(o2.shape)}")
+    if lse2.shape != lse1.shape:
+        raise ValueError(f"lse2: expected shape {tuple(lse1.shape)} (lse1's), got {tuple(lse2.shape)}")
+    if o2.dtype != o1.dtype:
+        raise ValueError(f"o2: expected dtype {o1.dtype} (o1's), got {o2.dtype}")
+    for name, t in (("lse1", lse1), ("lse2", lse2)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name}: expected dtype torch.float32, got {t.dtype}")
+    for name, t in (("lse1", lse1), ("o2", o2), ("lse2", lse2)):
+        if t.device != o1.device:
+            raise ValueError(f"{name}: expected device {o1.device} (o1's), got {t.device}")
+
+
+def merge_attention_states(o1, lse1, o2, lse2):
+    """Merge two partial attention results over disjoint key sets.
+
+    o1, o2 [..., Dv] (e.g. [T, H, Dv]); lse1, lse2 [...] fp32 natural log.
+    Returns new tensors o [..., Dv] in o1's dtype and lse [...] fp32.
+    """
+    require_triton()
+    _check_pair(o1, lse1, o2, lse2)
+    Dv = o1.shape[-1]
+    o = torch.empty_like(o1, memory_format=torch.contiguous_format)
+    lse = torch.empty_like(lse1, memory_format=torch.contiguous_format)
+    rows = lse1.numel()
+    if rows == 0 or Dv == 0:
+        return o, lse
+    o1r, o2r = o1.reshape(rows, Dv), o2.reshape(rows, Dv)
+    if o1r.stride(-1) != 1:
+        o1r = o1r.contiguous()
+    if o2r.stride(-1) != 1:
+        o2r = o2r.contiguous()
+    dv_pad = next_pow2(Dv)
+    block_r = max(1, min(64, 4096 // dv_pad))
+    _merge_two_kernel[(triton.cdiv(rows, block_r),)](
+        o1r, lse1.reshape(rows).contiguous(), o2r, lse2.reshape(rows).contiguous(),
+        o, lse, rows, o1r.stride(0), o2r.stride(0), Dv,
+        DV=Dv, DV_PAD=dv_pad, BLOCK_R=block_r, num_warps=4,
+    )
+    return o, lse
+
+
+def merge_attention_states_ref(o1, lse1, o2, lse2):
+    """Reference for `merge_attention_states`, in fp32."""
+    lse = torch.logaddexp(lse1, lse2)
+    both_empty = lse == float("-inf")
+    safe = torch.where(both_empty, torch.zeros_like(lse), lse)
+    w1 = torch.exp(lse1 - safe)[..., None]
+    w2 = torch.exp(lse2 - safe)[..., None]
+    # An lse of -inf means that part attended nothing: ignore its o.
+    o = torch.where(w1 > 0, o1.float(), 0.0) * w1 + torch.where(w2 > 0, o2.float(), 0.0) * w2
+    return o.to(o1.dtype), lse

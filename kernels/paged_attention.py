@@ -1,0 +1,500 @@
+"""Paged GQA attention over a KV cache plus this step's new tokens (Triton).
+
+One kernel serves decode, verify, chunked prefill and prefill. Query token `i`
+of request `b` sits at position `p = cache_lens[b] + i`; it attends to the
+request's cached tokens (read through `block_table`, non-causal) and to the
+step's new tokens `0..i` (causal), all in one online softmax, so the new K/V
+are never written to the cache before attention and need no merge launch.
+
+Layouts follow docs/layout.md: caches are `[P, S, Hkv, D]` (one layer of a
+pool), query head `h` reads kv head `h // (Hq // Hkv)`, `lse` is the natural-log
+log-sum-exp without the sink and `-inf` when nothing was attended.
+
+The query heads sharing a kv head are packed into the rows of one tile (row =
+token * G_PAD + head in group), so each K/V tile is loaded once per kv head.
+Long contexts with few programs are split over the key range (split-K); a
+small second kernel merges the partial results by LSE and applies the sinks.
+
+Nothing here writes into its arguments (see `scatter.py` for the writes).
+"""
+
+import torch
+
+from ._triton import next_pow2, num_sms, require_triton, tl, triton
+from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_splits  # noqa: F401
+from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+_MAX_SPLITS = 64
+_MIN_SPLIT_TOKENS = 256
+
+
+# ----------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # Portable across triton versions and the interpreter; exp overflow gives
+    # the exact +-1 limits.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _scores(q, k, sm_scale, softcap, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    # q [BM, D_PAD], k [BN, D_PAD] -> scores [BM, BN] in log2 units
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    s = qk * sm_scale
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    return s * _LOG2E
+
+
+@triton.jit
+def _online_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    # A row can be fully masked in a tile (window, padding rows); keep exp2
+    # away from (-inf) - (-inf).
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, CACHE_LENS, CU_SEQLENS, SINKS,
+    OUT, LSE, O_PART, LSE_PART,
+    sm_scale, softcap, window, num_splits,
+    sq_t, sq_h, skn_t, skn_h, svn_t, svn_h,
+    skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
+    so_t, so_h, sl_t, sl_h, sop_t, sop_h, sop_s, slp_t, slp_h,
+    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr, HAS_NEW: tl.constexpr, HAS_SINK: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    TOK: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
+    # Last tiles see the most keys under the causal mask: start them first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1) // HKV
+    kvh = tl.program_id(1) % HKV
+    split = tl.program_id(2)
+
+    ctx = tl.load(CACHE_LENS + b)
+    if DECODE:
+        tok0 = b
+        n_q = 1
+    else:
+        tok0 = tl.load(CU_SEQLENS + b)
+        n_q = tl.load(CU_SEQLENS + b + 1) - tok0
+    if pid_m * TOK >= n_q:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = pid_m * TOK + rows // G_PAD  # [BM] new-token index within the request
+    g = rows % G_PAD
+    row_ok = (tok < n_q) & (g < G)
+    head = kvh * G + g  # [BM]
+    pos = ctx + tok  # [BM] absolute query position
+    t_row = (tok0 + tok).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    dv = tl.arange(0, DV_PAD)
+    d_ok = d < D
+    dv_ok = dv < DV
+    n_off = tl.arange(0, BLOCK_N)
+
+    q = tl.load(
+        Q + t_row[:, None] * sq_t + head[:, None] * sq_h + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # [BM, D_PAD]
+
+    # Key positions this tile can see: [lo, hi). Cached keys are [0, ctx),
+    # new keys [ctx, ctx + n_q).
+    first = ctx + pid_m * TOK
+    last = tl.minimum(first + TOK, ctx + n_q) - 1
+    lo = first * 0
+    if WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+    if HAS_NEW:
+        hi = last + 1
+    else:
+        hi = ctx
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * chunk
+    s_hi = tl.minimum(s_lo + chunk, hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+
+    c_hi = tl.minimum(s_hi, ctx)
+    for start in range(s_lo, c_hi, BLOCK_N):
+        j = start + n_off  # [BN]
+        j_ok = j < c_hi
+        page = tl.load(BLOCK_TABLE + b * sbt_b + j // PAGE, mask=j_ok, other=0).to(tl.int64)
+        off = j % PAGE
+        k = tl.load(
+            K_CACHE + page[:, None] * skc_p + off[:, None] * skc_s + kvh * skc_h + d[None, :],
+            mask=j_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # [BN, D_PAD]
+        v = tl.load(
+            V_CACHE + page[:, None] * svc_p + off[:, None] * svc_s + kvh * svc_h + dv[None, :],
+            mask=j_ok[:, None] & dv_ok[None, :], other=0.0,
+        )  # [BN, DV_PAD]
+        s = _scores(q, k, sm_scale, softcap, SOFTCAP, IEEE)
+        visible = j_ok[None, :]
+        if WINDOW:
+            visible = visible & (pos[:, None] - j[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, IEEE)
+
+    if HAS_NEW:
+        for start in range(tl.maximum(s_lo, ctx), s_hi, BLOCK_N):
+            j = start + n_off  # [BN]
+            j_ok = j < s_hi
+            kn_row = (tok0 + j - ctx).to(tl.int64)
+            k = tl.load(
+                K_NEW + kn_row[:, None] * skn_t + kvh * skn_h + d[None, :],
+                mask=j_ok[:, None] & d_ok[None, :], other=0.0,
+            )
+            v = tl.load(
+                V_NEW + kn_row[:, None] * svn_t + kvh * svn_h + dv[None, :],
+                mask=j_ok[:, None] & dv_ok[None, :], other=0.0,
+            )
+            s = _scores(q, k, sm_scale, softcap, SOFTCAP, IEEE)
+            visible = j_ok[None, :] & (j[None, :] <= pos[:, None])
+            if WINDOW:
+                visible = visible & (pos[:, None] - j[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, IEEE)
+
+    attended = l_i > 0
+    l_safe = tl.where(attended, l_i, 1.0)
+    lse = tl.where(attended, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+    if SPLIT:
+        o = acc / l_safe[:, None]
+        tl.store(
+            O_PART + t_row[:, None] * sop_t + head[:, None] * sop_h + split * sop_s + dv[None, :],
+            o, mask=row_ok[:, None] & dv_ok[None, :],
+        )
+        tl.store(LSE_PART + t_row * slp_t + head * slp_h + split, lse, mask=row_ok)
+    else:
+        denom = l_safe
+        if HAS_SINK:
+            # The sink joins the denominator only; with nothing attended
+            # (acc == 0) the output stays 0.
+            sink = tl.load(SINKS + head, mask=row_ok, other=0.0) * _LOG2E
+            m_safe = tl.where(attended, m_i, 0.0)
+            denom = l_i + tl.exp2(sink - m_safe)
+        o = acc / denom[:, None]
+        tl.store(
+            OUT + t_row[:, None] * so_t + head[:, None] * so_h + dv[None, :],
+            o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :],
+        )
+        tl.store(LSE + t_row * sl_t + head * sl_h, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_shape(name, t, dims, expected):
+    """`dims` names the axes ("B, Hq, D"); None in `expected` matches anything."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor [{dims}], got {type(t).__name__}")
+    ok = t.dim() == len(expected) and all(e is None or e == n for e, n in zip(expected, t.shape))
+    if not ok:
+        want = tuple("*" if e is None else e for e in expected)
+        raise ValueError(f"{name}: expected shape [{dims}] = {want}, got {tuple(t.shape)}")
+
+
+def _check_dtype(name, t, dtypes):
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {[str(x) for x in dtypes]}, got {t.dtype}")
+
+
+def _check_common(q, k_cache, v_cache, block_table, cache_lens, sinks, scale, softcap, window, B):
+    Hq = q.shape[1]
+    _check_shape("k_cache", k_cache, "P, S, Hkv, D", (None, None, None, q.shape[2]))
+    P, S, Hkv, D = k_cache.shape
+    _check_shape("v_cache", v_cache, "P, S, Hkv, Dv", (P, S, Hkv, None))
+    _check_shape("block_table", block_table, "B, max_pages", (B, None))
+    _check_shape("cache_lens", cache_lens, "B", (B,))
+    _check_dtype("q", q, _FLOATS)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (q's), got {t.dtype}")
+    _check_dtype("block_table", block_table, (torch.int32,))
+    _check_dtype("cache_lens", cache_lens, (torch.int32,))
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q: expected Hq a multiple of Hkv={Hkv}, got Hq={Hq}")
+    Dv = v_cache.shape[3]
+    for name, n in (("D", D), ("Dv", Dv)):
+        if not 1 <= n <= 256:
+            raise ValueError(f"{name}: expected a head dim in 1..256, got {n}")
+    if sinks is not None:
+        _check_shape("sinks", sinks, "Hq", (Hq,))
+        if not sinks.is_floating_point():
+            raise ValueError(f"sinks: expected a float dtype, got {sinks.dtype}")
+    if softcap < 0:
+        raise ValueError(f"softcap: expected >= 0 (0 disables), got {softcap}")
+    if window < 0:
+        raise ValueError(f"sliding_window: expected >= 0 (0 disables), got {window}")
+    if not scale > 0:
+        raise ValueError(f"scale: expected > 0, got {scale}")
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                   cache_lens=cache_lens)
+    if sinks is not None:
+        tensors["sinks"] = sinks
+    for name, t in tensors.items():
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a unit stride on the last dim, got strides {t.stride()}")
+    return P, S, Hkv, D, Dv
+
+
+def _check_new(name, t, expected, dims, q):
+    _check_shape(name, t, dims, expected)
+    if t.dtype != q.dtype:
+        raise ValueError(f"{name}: expected dtype {q.dtype} (q's), got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected a unit stride on the last dim, got strides {t.stride()}")
+
+
+def pick_num_splits(programs, max_keys, device=None):
+    """Split the keys only while the grid is under ~2 waves, >= 256 keys a split."""
+    sms = num_sms(device.index if device is not None and device.type == "cuda" else None)
+    if programs >= sms:
+        return 1
+    want = triton.cdiv(2 * sms, max(programs, 1))
+    return max(1, min(want, max_keys // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+
+
+def _config(d_pad, dv_pad, g_pad, q_len, dtype):
+    d_max = max(d_pad, dv_pad)
+    rows = g_pad * q_len
+    if rows <= 64:
+        block_m = max(16, next_pow2(rows))
+    else:
+        block_m = 128 if d_max <= 128 and dtype != torch.float32 else 64
+    block_m = max(block_m, g_pad)  # a tile holds at least one token's whole group
+    block_n = 64 if d_max <= 128 and dtype != torch.float32 else 32
+    num_warps = 8 if block_m >= 128 else 4
+    num_stages = 2 if dtype == torch.float32 else 3
+    return block_m, block_n, num_warps, num_stages
+
+
+def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqlens,
+            sinks, scale, softcap, window, num_splits, q_len, B, decode):
+    T, Hq, D = q.shape
+    _, S, Hkv, _ = k_cache.shape
+    Dv = v_cache.shape[3]
+    G = Hq // Hkv
+    g_pad, d_pad, dv_pad = next_pow2(G), max(16, next_pow2(D)), max(16, next_pow2(Dv))
+    block_m, block_n, num_warps, num_stages = _config(d_pad, dv_pad, g_pad, q_len, q.dtype)
+    m_tiles = triton.cdiv(q_len, block_m // g_pad)
+    if num_splits is None:
+        max_keys = block_table.shape[1] * S + q_len
+        num_splits = pick_num_splits(m_tiles * B * Hkv, max_keys, q.device)
+    if not 1 <= num_splits <= 256:
+        raise ValueError(f"num_splits: expected 1..256, got {num_splits}")
+
+    o = torch.empty(T, Hq, Dv, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
+    lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)  # [T, Hq]
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty(T, Hq, num_splits, Dv, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(T, Hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = o, lse  # unused
+    has_new = k_new is not None
+    if not has_new:
+        k_new, v_new = k_cache[0], v_cache[0]  # unused; any [*, Hkv, D] view
+    sinks_f = sinks.float().contiguous() if sinks is not None else lse
+    cu = cu_seqlens if cu_seqlens is not None else cache_lens
+
+    grid = (m_tiles, B * Hkv, num_splits)
+    _paged_attn_kernel[grid](
+        q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu, sinks_f,
+        o, lse, o_part, lse_part,
+        float(scale), float(softcap), int(window), num_splits,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2) if split else 0,
+        lse_part.stride(0), lse_part.stride(1),
+        HKV=Hkv, G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, DV=Dv, DV_PAD=dv_pad,
+        PAGE=S, BLOCK_M=block_m, BLOCK_N=block_n,
+        DECODE=decode, HAS_NEW=has_new, HAS_SINK=sinks is not None,
+        SOFTCAP=softcap > 0, WINDOW=window > 0, SPLIT=split,
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        merge_splits(o_part, lse_part, o, lse, sinks=sinks_f if sinks is not None else None)
+    return o, lse
+
+
+def paged_decode(q, k_cache, v_cache, block_table, cache_lens, *, k_new=None, v_new=None,
+                 scale, softcap=0.0, sliding_window=0, sinks=None, num_splits=None):
+    """One query token per request over its cached tokens and (optionally) its new token.
+
+    q [B, Hq, D]; k_cache [P, S, Hkv, D]; v_cache [P, S, Hkv, Dv];
+    block_table [B, max_pages] int32; cache_lens [B] int32 (cached tokens);
+    k_new [B, Hkv, D], v_new [B, Hkv, Dv]: the step's own token, not in the
+    cache, at position cache_lens[b] (the query's position either way).
+    Without k_new the result is the cached part alone, ready to merge.
+    cache_lens[b] must fit in the block table row (max_pages * S); that is
+    not checked here, as checking needs a device sync.
+    num_splits: split-K factor; None picks one from B*Hkv and the block table
+    capacity (no device sync, so it is safe under CUDA graph capture).
+    Returns o [B, Hq, Dv] (q's dtype) and lse [B, Hq] fp32 (without the sink).
+    """
+    require_triton()
+    _check_shape("q", q, "B, Hq, D", (None, None, None))
+    B = q.shape[0]
+    _, _, Hkv, D, Dv = _check_common(q, k_cache, v_cache, block_table, cache_lens, sinks,
+                                     scale, softcap, sliding_window, B)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new / v_new: expected both or neither")
+    if k_new is not None:
+        _check_new("k_new", k_new, (B, Hkv, D), "B, Hkv, D", q)
+        _check_new("v_new", v_new, (B, Hkv, Dv), "B, Hkv, Dv", q)
+    if B == 0:
+        return (q.new_empty(0, q.shape[1], Dv), torch.empty(0, q.shape[1], device=q.device))
+    return _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, None, sinks,
+                   scale, softcap, sliding_window, num_splits, 1, B, decode=True)
+
+
+def paged_prefill(q, k_new, v_new, cu_seqlens, k_cache, v_cache, block_table, cache_lens, *,
+                  scale, softcap=0.0, sliding_window=0, sinks=None, max_new_len=None,
+                  num_splits=None):
+    """New tokens of each request over its cached prefix (non-causal) and each other (causal).
+
+    q [T, Hq, D]; k_new [T, Hkv, D]; v_new [T, Hkv, Dv]; cu_seqlens [B+1] int32;
+    caches, block_table, cache_lens as in `paged_decode`. Serves prefill,
+    chunked prefill and speculative verify (1 + k new tokens per request).
+    max_new_len: the longest request's new-token count (an upper bound is
+    fine); None reads it from cu_seqlens (a device sync: pass it under CUDA
+    graph capture).
+    num_splits: split-K factor (useful for verify at small batch); None picks.
+    Returns o [T, Hq, Dv] (q's dtype) and lse [T, Hq] fp32 (without the sink).
+    """
+    require_triton()
+    _check_shape("q", q, "T, Hq, D", (None, None, None))
+    _check_shape("cu_seqlens", cu_seqlens, "B+1", (None,))
+    _check_dtype("cu_seqlens", cu_seqlens, (torch.int32,))
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("cu_seqlens: expected shape [B+1] with B >= 0, got (0,)")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens: expected device {q.device} (q's), got {cu_seqlens.device}")
+    B, T = cu_seqlens.shape[0] - 1, q.shape[0]
+    _, _, Hkv, D, Dv = _check_common(q, k_cache, v_cache, block_table, cache_lens, sinks,
+                                     scale, softcap, sliding_window, B)
+    _check_new("k_new", k_new, (T, Hkv, D), "T, Hkv, D", q)
+    _check_new("v_new", v_new, (T, Hkv, Dv), "T, Hkv, Dv", q)
+    if max_new_len is None:
+        max_new_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if B > 0 else 0
+    if B == 0 or max_new_len <= 0:
+        return (torch.zeros(T, q.shape[1], Dv, dtype=q.dtype, device=q.device),
+                torch.full((T, q.shape[1]), float("-inf"), device=q.device))
+    return _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqlens,
+                   sinks, scale, softcap, sliding_window, num_splits, max_new_len, B,
+                   decode=False)
+
+
+# ----------------------------------------------------------------------------
+# Pure-torch references
+# ----------------------------------------------------------------------------
+
+
+def attend_ref(q, k, v, q_pos, k_pos, *, scale, softcap=0.0, sliding_window=0, sinks=None):
+    """Dense masked attention in fp32 over explicit positions.
+
+    q [n, Hq, D], k [m, Hkv, D], v [m, Hkv, Dv], q_pos [n], k_pos [m].
+    Returns o [n, Hq, Dv] fp32 and lse [n, Hq] fp32 (without the sink).
+    """
+    Hq, Hkv = q.shape[1], k.shape[1]
+    kf = k.float().repeat_interleave(Hq // Hkv, dim=1)  # [m, Hq, D]
+    vf = v.float().repeat_interleave(Hq // Hkv, dim=1)  # [m, Hq, Dv]
+    s = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale  # [Hq, n, m]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    visible = k_pos[None, :] <= q_pos[:, None]  # [n, m]
+    if sliding_window > 0:
+        visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hq, n]
+    denom = lse if sinks is None else torch.logaddexp(lse, sinks.float()[:, None])
+    p = torch.where(visible, torch.exp(s - denom[..., None]), torch.zeros_like(s))
+    o = torch.einsum("hnm,mhd->nhd", p, vf)
+    return o, lse.T.contiguous()
+
+
+def _gather_cache(cache, pages, n):
+    """The first n tokens of one request: cache [P, S, H, X], pages [max_pages] -> [n, H, X]."""
+    t = torch.arange(n, device=cache.device)
+    S = cache.shape[1]
+    return cache[pages.long()[t // S], t % S]
+
+
+def paged_decode_ref(q, k_cache, v_cache, block_table, cache_lens, *, k_new=None, v_new=None,
+                     scale, softcap=0.0, sliding_window=0, sinks=None, num_splits=None):
+    """Reference for `paged_decode` (num_splits is accepted and ignored)."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(cache_lens[b])
+        k = _gather_cache(k_cache, block_table[b], n)
+        v = _gather_cache(v_cache, block_table[b], n)
+        if k_new is not None:
+            k = torch.cat([k, k_new[b:b + 1]])
+            v = torch.cat([v, v_new[b:b + 1]])
+        o, lse = attend_ref(
+            q[b:b + 1], k, v,
+            torch.tensor([n], device=q.device), torch.arange(k.shape[0], device=q.device),
+            scale=scale, softcap=softcap, sliding_window=sliding_window, sinks=sinks,
+        )
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses)
+
+
+def paged_prefill_ref(q, k_new, v_new, cu_seqlens, k_cache, v_cache, block_table, cache_lens, *,
+                      scale, softcap=0.0, sliding_window=0, sinks=None, max_new_len=None,
+                      num_splits=None):
+    """Reference for `paged_prefill` (max_new_len and num_splits are ignored)."""
+    o = torch.zeros(q.shape[0], q.shape[1], v_new.shape[2], device=q.device)
+    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), device=q.device)
+    for b in range(cu_seqlens.shape[0] - 1):
+        lo, hi = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+        n = int(cache_lens[b])
+        k = torch.cat([_gather_cache(k_cache, block_table[b], n), k_new[lo:hi]])
+        v = torch.cat([_gather_cache(v_cache, block_table[b], n), v_new[lo:hi]])
+        o[lo:hi], lse[lo:hi] = attend_ref(
+            q[lo:hi], k, v,
+            torch.arange(n, n + hi - lo, device=q.device), torch.arange(n + hi - lo, device=q.device),
+            scale=scale, softcap=softcap, sliding_window=sliding_window, sinks=sinks,
+        )
+    return o.to(q.dtype), lse
