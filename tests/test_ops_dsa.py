@@ -1,0 +1,400 @@
+"""DSA indexer and sparse MLA: top-k semantics, GLM-5 top-k sharing, and
+parity with transformers' DeepSeek-V3.2 and GLM-MoE-DSA attention modules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import DeepseekV32Config, GlmMoeDsaConfig
+from transformers.cache_utils import DynamicCache
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
+
+from fnattn.ops.dsa import (
+    INDEXER_ROPE_INTERLEAVE,
+    IndexerWeights,
+    dsa_layer,
+    glm_indexer_types,
+    indexer_keys,
+    indexer_queries,
+    indexer_scores,
+    topk_indices,
+    topk_mask,
+    topk_source_layers,
+)
+from fnattn.ops.mla import MLAWeights, mla_layer, mla_softmax_scale
+
+H, Dn, Dr, Dv, R, Rq, Dm = 4, 16, 8, 16, 32, 24, 64
+Hi, Di, TOPK = 2, 16, 4
+
+COMMON = dict(
+    hidden_size=Dm,
+    num_attention_heads=H,
+    num_key_value_heads=H,
+    kv_lora_rank=R,
+    q_lora_rank=Rq,
+    qk_nope_head_dim=Dn,
+    qk_rope_head_dim=Dr,
+    v_head_dim=Dv,
+    intermediate_size=32,
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    vocab_size=32,
+    max_position_embeddings=128,
+    index_n_heads=Hi,
+    index_head_dim=Di,
+    index_topk=TOPK,
+)
+
+
+# --------------------------------------------------------------------------- #
+# helpers
+# --------------------------------------------------------------------------- #
+
+
+def v32_config():
+    config = DeepseekV32Config(num_hidden_layers=1, **COMMON)
+    config._attn_implementation = "eager"
+    return config
+
+
+def glm_config():
+    config = GlmMoeDsaConfig(num_hidden_layers=2, indexer_types=["full", "shared"], **COMMON)
+    config._attn_implementation = "eager"
+    return config
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    """Random weights everywhere, norms included (not ones / zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
+
+
+def causal_additive_mask(n_past: int, S: int, dtype=torch.float32) -> torch.Tensor:
+    key_pos = torch.arange(n_past + S)
+    blocked = key_pos[None, :] > (n_past + torch.arange(S))[:, None]
+    return torch.zeros(S, n_past + S, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
+
+
+class HFRunner:
+    """Runs one HF attention module step by step, recording its indexer's top-k."""
+
+    def __init__(self, attn, rotary, cache):
+        self.attn, self.rotary, self.cache = attn, rotary, cache
+        self.hf_topk = None
+        if attn.indexer is not None:
+            attn.indexer.register_forward_hook(lambda mod, args, out: setattr(self, "hf_topk", out[0].long()))
+
+    def step(self, x, n_past, **kwargs):
+        S = x.shape[0]
+        positions = torch.arange(n_past, n_past + S)[None]
+        cos, sin = self.rotary(x[None], positions)
+        with torch.no_grad():
+            outs = self.attn(
+                x[None], (cos, sin), causal_additive_mask(n_past, S), cache=self.cache, position_ids=positions, **kwargs
+            )
+        return outs, cos[0], sin[0]
+
+
+def assert_same_selection(ours: torch.Tensor, hf: torch.Tensor, n_past: int) -> None:
+    """HF picks min(topk, N) keys including masked ones when fewer are visible;
+    compare the visible picks as sets. With 2 indexer heads many scores are
+    exactly 0 (every head's ReLU is 0); such ties are resolved by torch.topk,
+    which sees rows with the same ordering on both sides and picks alike."""
+    for i in range(ours.shape[0]):
+        hf_set = {j for j in hf[i].tolist() if j <= n_past + i}
+        ours_set = {j for j in ours[i].tolist() if j >= 0}
+        assert ours_set == hf_set, (i, ours[i].tolist(), hf[i].tolist())
+
+
+def weights_of(attn):
+    sd = attn.state_dict()
+    indexer = IndexerWeights.from_state_dict(sd) if attn.indexer is not None else None
+    return MLAWeights.from_state_dict(sd), indexer
+
+
+# --------------------------------------------------------------------------- #
+# top-k and scores
+# --------------------------------------------------------------------------- #
+
+
+def test_topk_is_causal_and_includes_current_token():
+    n_cached, T = 3, 4
+    scores = torch.arange(n_cached + T, dtype=torch.float32).repeat(T, 1)  # later keys score higher
+    idx = topk_indices(scores, n_cached=n_cached, topk=2)
+    assert idx.dtype == torch.int64
+    assert idx.tolist() == [[n_cached + i, n_cached + i - 1] for i in range(T)]
+
+
+def test_topk_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    n_cached, T, k = 5, 6, 4
+    scores = torch.randn(T, n_cached + T, generator=g)
+    idx = topk_indices(scores, n_cached=n_cached, topk=k)
+    for i in range(T):
+        visible = list(range(n_cached + i + 1))
+        best = sorted(visible, key=lambda j: -float(scores[i, j]))[:k]
+        assert idx[i].tolist() == best
+
+
+def test_topk_pads_with_minus_one_when_few_visible():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(5, 5, generator=g)
+    idx = topk_indices(scores, n_cached=0, topk=4)
+    assert idx[0].tolist() == [0, -1, -1, -1]
+    assert sorted(idx[2].tolist()) == [-1, 0, 1, 2]
+    assert -1 not in idx[3].tolist() and sorted(idx[3].tolist()) == [0, 1, 2, 3]
+    assert -1 not in idx[4].tolist()
+    wide = topk_indices(scores, n_cached=0, topk=9)
+    assert wide.shape == (5, 9)
+    for i in range(5):
+        assert sorted(j for j in wide[i].tolist() if j >= 0) == list(range(i + 1))
+
+
+def test_topk_bad_arguments():
+    with pytest.raises(ValueError, match="n_cached"):
+        topk_indices(torch.zeros(3, 5), n_cached=1, topk=2)
+    with pytest.raises(ValueError, match="topk"):
+        topk_indices(torch.zeros(3, 5), n_cached=2, topk=0)
+    with pytest.raises(ValueError, match=r"scores: expected shape \[\*, \*\], got \[3\]"):
+        topk_indices(torch.zeros(3), n_cached=2, topk=2)
+
+
+def test_topk_mask():
+    idx = torch.tensor([[2, -1], [0, 3]])
+    mask = topk_mask(idx, n_keys=4)
+    assert mask.tolist() == [[False, False, True, False], [True, False, False, True]]
+    with pytest.raises(ValueError, match="indices"):
+        topk_mask(torch.tensor([[4]]), n_keys=4)
+    with pytest.raises(ValueError, match="indices"):
+        topk_mask(torch.tensor([[-2]]), n_keys=4)
+
+
+def test_indexer_scores_formula():
+    g = torch.Generator().manual_seed(2)
+    q, w, keys = torch.randn(3, Hi, Di, generator=g), torch.randn(3, Hi, generator=g), torch.randn(7, Di, generator=g)
+    scores = indexer_scores(q, w, keys)
+    expected = torch.zeros(3, 7)
+    for t in range(3):
+        for j in range(7):
+            expected[t, j] = sum(w[t, h] * max(float(q[t, h] @ keys[j]) * Di**-0.5, 0.0) for h in range(Hi))
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"keys: expected shape \[\*, 16\], got \[7, 15\]"):
+        indexer_scores(q, w, torch.zeros(7, Di - 1))
+
+
+# --------------------------------------------------------------------------- #
+# GLM-5 sharing fields
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(num_hidden_layers=5),
+        dict(num_hidden_layers=7, index_topk_freq=3, index_skip_topk_offset=2),
+        dict(num_hidden_layers=6, index_topk_freq=2, index_skip_topk_offset=0),
+        dict(num_hidden_layers=4, index_topk_pattern="FSSF"),
+        dict(num_hidden_layers=3, indexer_types=["full", "shared", "full"]),
+    ],
+)
+def test_glm_indexer_types_match_transformers(fields):
+    hf_types = GlmMoeDsaConfig(**{**COMMON, **fields}).indexer_types
+    assert glm_indexer_types(fields) == tuple(hf_types)
+
+
+def test_topk_source_layers():
+    assert topk_source_layers(("full", "shared", "shared", "full", "shared")) == (0, 0, 0, 3, 3)
+    with pytest.raises(ValueError, match="no earlier full layer"):
+        topk_source_layers(("shared", "full"))
+    with pytest.raises(ValueError, match="index_topk_pattern"):
+        glm_indexer_types({"index_topk_pattern": "FX"})
+
+
+# --------------------------------------------------------------------------- #
+# layer parity: DeepSeek-V3.2
+# --------------------------------------------------------------------------- #
+
+
+def test_v32_layer_matches_hf_prefill_then_decode():
+    config = v32_config()
+    attn = hf_v32.DeepseekV32Attention(config, layer_idx=0).eval()
+    randomize_(attn, seed=0)
+    runner = HFRunner(attn, hf_v32.DeepseekV32RotaryEmbedding(config), DynamicCache(config=config))
+    weights, indexer = weights_of(attn)
+    scale = mla_softmax_scale(qk_head_dim=Dn + Dr, rope_parameters=config.rope_parameters)
+    kw = dict(scale=scale, index_topk=TOPK, indexer_rope_interleave=INDEXER_ROPE_INTERLEAVE["deepseek_v32"])
+    g = torch.Generator().manual_seed(1)
+    prompt, steps = torch.randn(12, Dm, generator=g), torch.randn(3, Dm, generator=g)
+
+    (hf_out, _), cos, sin = runner.step(prompt, 0)
+    ours = dsa_layer(weights, indexer, prompt, cos, sin, torch.zeros(0, R + Dr), torch.zeros(0, Di), **kw)
+    torch.testing.assert_close(ours.output, hf_out[0], atol=1e-5, rtol=1e-5)
+    assert_same_selection(ours.topk, runner.hf_topk, 0)
+    # sparsity matters here: dense MLA gives another answer
+    dense = mla_layer(weights, prompt, cos, sin, torch.zeros(0, R + Dr), scale=scale)
+    assert not torch.allclose(dense.output, ours.output, atol=1e-3)
+    rows, keys = ours.latent_rows, ours.index_key_rows
+
+    for t in range(steps.shape[0]):
+        x = steps[t : t + 1]
+        (hf_out, _), cos, sin = runner.step(x, rows.shape[0])
+        ours = dsa_layer(weights, indexer, x, cos, sin, rows, keys, **kw, form="expanded" if t % 2 else "absorbed")
+        torch.testing.assert_close(ours.output, hf_out[0], atol=1e-5, rtol=1e-5)
+        assert_same_selection(ours.topk, runner.hf_topk, rows.shape[0])
+        rows, keys = torch.cat((rows, ours.latent_rows)), torch.cat((keys, ours.index_key_rows))
+
+    layer = runner.cache.layers[0]
+    torch.testing.assert_close(rows, torch.cat((layer.keys[0, 0], layer.values[0, 0]), -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(keys, layer.indexer_keys[0], atol=1e-5, rtol=1e-5)
+
+
+def test_v32_chunked_prefill_equals_one_shot():
+    config = v32_config()
+    attn = hf_v32.DeepseekV32Attention(config, layer_idx=0).eval()
+    randomize_(attn, seed=2)
+    weights, indexer = weights_of(attn)
+    rotary = hf_v32.DeepseekV32RotaryEmbedding(config)
+    x = torch.randn(12, Dm, generator=torch.Generator().manual_seed(3))
+    cos, sin = (t[0] for t in rotary(x[None], torch.arange(12)[None]))
+    kw = dict(scale=0.2, index_topk=TOPK, indexer_rope_interleave=False)
+    whole = dsa_layer(weights, indexer, x, cos, sin, torch.zeros(0, R + Dr), torch.zeros(0, Di), **kw)
+    a = dsa_layer(weights, indexer, x[:7], cos[:7], sin[:7], torch.zeros(0, R + Dr), torch.zeros(0, Di), **kw)
+    b = dsa_layer(weights, indexer, x[7:], cos[7:], sin[7:], a.latent_rows, a.index_key_rows, **kw)
+    torch.testing.assert_close(torch.cat((a.output, b.output)), whole.output, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.cat((a.topk, b.topk)), whole.topk)
+    torch.testing.assert_close(torch.cat((a.index_key_rows, b.index_key_rows)), whole.index_key_rows)
+    torch.testing.assert_close(torch.cat((a.latent_rows, b.latent_rows)), whole.latent_rows)
+
+
+# --------------------------------------------------------------------------- #
+# layer parity: GLM-MoE-DSA (interleaved indexer rope, shared top-k)
+# --------------------------------------------------------------------------- #
+
+
+def test_glm_layers_match_hf_with_shared_topk():
+    config = glm_config()
+    assert config.indexer_types == ["full", "shared"]
+    attn0 = hf_glm.GlmMoeDsaAttention(config, layer_idx=0).eval()
+    attn1 = hf_glm.GlmMoeDsaAttention(config, layer_idx=1).eval()
+    assert attn1.indexer is None
+    randomize_(attn0, seed=4)
+    randomize_(attn1, seed=5)
+    rotary, cache = hf_glm.GlmMoeDsaRotaryEmbedding(config), DynamicCache(config=config)
+    run0, run1 = HFRunner(attn0, rotary, cache), HFRunner(attn1, rotary, cache)
+    (w0, i0), (w1, _) = weights_of(attn0), weights_of(attn1)
+    scale = mla_softmax_scale(qk_head_dim=Dn + Dr, rope_parameters=config.rope_parameters)
+    kw = dict(scale=scale, index_topk=TOPK, indexer_rope_interleave=INDEXER_ROPE_INTERLEAVE["glm_moe_dsa"])
+    g = torch.Generator().manual_seed(6)
+    x0, x1 = torch.randn(14, Dm, generator=g), torch.randn(14, Dm, generator=g)
+
+    rows0, keys0, rows1 = torch.zeros(0, R + Dr), torch.zeros(0, Di), torch.zeros(0, R + Dr)
+    for lo, hi in ((0, 12), (12, 13), (13, 14)):  # prefill, then two decode steps
+        (hf0, _, hf_topk), cos, sin = run0.step(x0[lo:hi], lo)
+        (hf1, _, _), _, _ = run1.step(x1[lo:hi], lo, prev_topk_indices=hf_topk)
+        r0 = dsa_layer(w0, i0, x0[lo:hi], cos, sin, rows0, keys0, **kw)
+        r1 = dsa_layer(w1, None, x1[lo:hi], cos, sin, rows1, None, scale=scale, shared_topk=r0.topk)
+        assert r1.index_key_rows is None and torch.equal(r1.topk, r0.topk)
+        torch.testing.assert_close(r0.output, hf0[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r1.output, hf1[0], atol=1e-5, rtol=1e-5)
+        assert_same_selection(r0.topk, hf_topk[0], lo)
+        # the indexer rope is interleaved for GLM: the half-split keys differ
+        half_split = indexer_keys(i0, x0[lo:hi], cos, sin, rope_interleave=False)
+        assert not torch.allclose(half_split, r0.index_key_rows, atol=1e-3)
+        rows0, keys0 = torch.cat((rows0, r0.latent_rows)), torch.cat((keys0, r0.index_key_rows))
+        rows1 = torch.cat((rows1, r1.latent_rows))
+
+    torch.testing.assert_close(keys0, cache.layers[0].indexer_keys[0], atol=1e-5, rtol=1e-5)
+    assert not cache.layers[1].is_indexer_initialized
+
+
+def test_shared_topk_equals_recomputing_with_identical_keys():
+    """A layer reusing another layer's top-k == the same layer recomputing it
+    with an indexer that sees identical keys and queries."""
+    config = glm_config()
+    attn_a = hf_glm.GlmMoeDsaAttention(config, layer_idx=0).eval()
+    attn_b = hf_glm.GlmMoeDsaAttention(config, layer_idx=0).eval()
+    randomize_(attn_a, seed=7)
+    randomize_(attn_b, seed=8)
+    (wa, ia), (wb, _) = weights_of(attn_a), weights_of(attn_b)
+    # same q latent path as layer A, so the indexer queries are identical too
+    wb = dataclasses.replace(wb, q_a_proj=wa.q_a_proj, q_a_norm=wa.q_a_norm, q_a_proj_bias=wa.q_a_proj_bias)
+    g = torch.Generator().manual_seed(9)
+    n_cached, T = 6, 5
+    x = torch.randn(T, Dm, generator=g)
+    cached_a, cached_b = torch.randn(n_cached, R + Dr, generator=g), torch.randn(n_cached, R + Dr, generator=g)
+    cached_keys = torch.randn(n_cached, Di, generator=g)
+    rotary = hf_glm.GlmMoeDsaRotaryEmbedding(config)
+    cos, sin = (t[0] for t in rotary(x[None], torch.arange(n_cached, n_cached + T)[None]))
+    kw = dict(scale=0.2, index_topk=TOPK, indexer_rope_interleave=True)
+
+    source = dsa_layer(wa, ia, x, cos, sin, cached_a, cached_keys, **kw)
+    shared = dsa_layer(wb, None, x, cos, sin, cached_b, None, scale=0.2, shared_topk=source.topk)
+    recomputed = dsa_layer(wb, ia, x, cos, sin, cached_b, cached_keys, **kw)
+    assert torch.equal(shared.topk, recomputed.topk)
+    torch.testing.assert_close(shared.output, recomputed.output, atol=0, rtol=0)
+    torch.testing.assert_close(shared.latent_rows, recomputed.latent_rows, atol=0, rtol=0)
+    assert not torch.allclose(shared.output, source.output, atol=1e-3)  # different MLA weights
+
+
+# --------------------------------------------------------------------------- #
+# purity and argument errors
+# --------------------------------------------------------------------------- #
+
+
+def _layer_inputs(seed=10):
+    config = v32_config()
+    attn = hf_v32.DeepseekV32Attention(config, layer_idx=0).eval()
+    randomize_(attn, seed=seed)
+    weights, indexer = weights_of(attn)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, Dm, generator=g)
+    cos, sin = (t[0] for t in hf_v32.DeepseekV32RotaryEmbedding(config)(x[None], torch.arange(5, 8)[None]))
+    cached, cached_keys = torch.randn(5, R + Dr, generator=g), torch.randn(5, Di, generator=g)
+    return weights, indexer, x, cos, sin, cached, cached_keys
+
+
+def test_inputs_not_mutated():
+    weights, indexer, *tensors = _layer_inputs()
+    before = [t.clone() for t in tensors]
+    w_before = {k: v.clone() for k, v in vars(weights).items() if isinstance(v, torch.Tensor)}
+    i_before = {k: v.clone() for k, v in vars(indexer).items() if isinstance(v, torch.Tensor)}
+    result = dsa_layer(weights, indexer, *tensors, scale=0.2, index_topk=TOPK, indexer_rope_interleave=False)
+    shared = result.topk.clone()
+    dsa_layer(weights, None, *tensors[:-1], None, scale=0.2, shared_topk=shared, form="expanded")
+    queries = indexer_queries(indexer, torch.randn(3, Rq), tensors[0], tensors[1], tensors[2], rope_interleave=True)
+    q_before, w_copy = queries.q.clone(), queries.w.clone()
+    scores = indexer_scores(queries.q, queries.w, tensors[-1])
+    scores_before = scores.clone()
+    topk_mask(topk_indices(scores[:, :5].contiguous(), n_cached=2, topk=2), n_keys=5)
+    assert torch.equal(scores, scores_before) and torch.equal(queries.q, q_before) and torch.equal(queries.w, w_copy)
+    assert torch.equal(shared, result.topk)
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b)
+    for owner, saved in ((weights, w_before), (indexer, i_before)):
+        for k, v in saved.items():
+            assert torch.equal(getattr(owner, k), v), k
+
+
+def test_dsa_layer_argument_errors():
+    weights, indexer, x, cos, sin, cached, cached_keys = _layer_inputs()
+    kw = dict(scale=0.2, index_topk=TOPK, indexer_rope_interleave=False)
+    with pytest.raises(ValueError, match=r"cached_index_keys: expected shape \[5, 16\], got \[4, 16\]"):
+        dsa_layer(weights, indexer, x, cos, sin, cached, cached_keys[:4], **kw)
+    with pytest.raises(ValueError, match="shared_topk: required"):
+        dsa_layer(weights, None, x, cos, sin, cached, None, scale=0.2)
+    with pytest.raises(ValueError, match=r"shared_topk: expected shape \[3, \*\], got \[2, 4\]"):
+        dsa_layer(weights, None, x, cos, sin, cached, None, scale=0.2, shared_topk=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="index_topk"):
+        dsa_layer(weights, indexer, x, cos, sin, cached, cached_keys, scale=0.2)
+    with pytest.raises(ValueError, match="missing key 'indexer.wq_b.weight'"):
+        IndexerWeights.from_state_dict({})

@@ -1,0 +1,393 @@
+"""MLA functional math: absorbed == expanded, semantics, and parity with
+transformers' DeepseekV3Attention (prefill, token-by-token decode, chunked
+prefill)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DeepseekV3Config
+from transformers.cache_utils import DynamicCache
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+
+from fnattn.ops.mla import (
+    MLAWeights,
+    apply_rope,
+    key_visibility,
+    mla_absorbed,
+    mla_expanded,
+    mla_layer,
+    mla_softmax_scale,
+    rope_cos_sin,
+)
+
+H, Dn, Dr, Dv, R, Dm = 4, 16, 8, 16, 32, 64
+
+
+# --------------------------------------------------------------------------- #
+# helpers
+# --------------------------------------------------------------------------- #
+
+
+def core_inputs(T: int, n_cached: int, *, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    N = n_cached + T
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    return dict(
+        q_nope=rnd(T, H, Dn),
+        q_pe=rnd(T, H, Dr),
+        latent=rnd(N, R + Dr),
+        w_uk=rnd(H, Dn, R, std=R**-0.5),
+        w_uv=rnd(H, Dv, R, std=R**-0.5),
+    )
+
+
+def random_mask(T: int, N: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(T, N, generator=g) < 0.5
+
+
+def naive_mla(q_nope, q_pe, latent, w_uk, w_uv, *, scale, n_cached, allowed=None):
+    """Per-query loop over explicitly listed keys, in float64."""
+    d = torch.float64
+    q_nope, q_pe, latent, w_uk, w_uv = (x.to(d) for x in (q_nope, q_pe, latent, w_uk, w_uv))
+    T, N = q_nope.shape[0], latent.shape[0]
+    c, k_pe = latent[:, :R], latent[:, R:]
+    o = torch.zeros(T, H, Dv, dtype=d)
+    lse = torch.full((T, H), -math.inf, dtype=d)
+    for i in range(T):
+        keys = [j for j in range(n_cached + i + 1) if allowed is None or bool(allowed[i, j])]
+        if not keys:
+            continue
+        for h in range(H):
+            s = torch.stack([(q_nope[i, h] @ (w_uk[h] @ c[j]) + q_pe[i, h] @ k_pe[j]) * scale for j in keys])
+            p = torch.softmax(s, 0)
+            o[i, h] = sum(p[n] * (w_uv[h] @ c[j]) for n, j in enumerate(keys))
+            lse[i, h] = torch.logsumexp(s, 0)
+    assert N == n_cached + T
+    return o, lse
+
+
+def tiny_config(*, q_lora_rank=24, rope_interleave=True, attention_bias=False, rope_parameters=None):
+    config = DeepseekV3Config(
+        hidden_size=Dm,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        kv_lora_rank=R,
+        q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=Dn,
+        qk_rope_head_dim=Dr,
+        v_head_dim=Dv,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        vocab_size=32,
+        max_position_embeddings=128,
+        rope_interleave=rope_interleave,
+        attention_bias=attention_bias,
+        rope_parameters=rope_parameters,
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    """Random weights everywhere, norms included (not ones / zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
+
+
+def build_hf(config, seed=0):
+    attn = hf_v3.DeepseekV3Attention(config, layer_idx=0).eval()
+    randomize_(attn, seed)
+    return attn, hf_v3.DeepseekV3RotaryEmbedding(config)
+
+
+def causal_additive_mask(n_past: int, S: int, dtype) -> torch.Tensor:
+    key_pos = torch.arange(n_past + S)
+    query_pos = n_past + torch.arange(S)
+    blocked = key_pos[None, :] > query_pos[:, None]
+    return torch.zeros(S, n_past + S, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
+
+
+def hf_step(attn, rotary, x, n_past, cache):
+    """Run the HF module on new tokens x [S, Dm] after n_past cached tokens."""
+    S = x.shape[0]
+    positions = torch.arange(n_past, n_past + S)[None]
+    cos, sin = rotary(x[None], positions)
+    with torch.no_grad():
+        out = attn(x[None], (cos, sin), causal_additive_mask(n_past, S, x.dtype), cache=cache)[0]
+    return out[0], cos[0], sin[0]
+
+
+def hf_cache_rows(cache) -> torch.Tensor:
+    layer = cache.layers[0]
+    return torch.cat((layer.keys[0, 0], layer.values[0, 0]), dim=-1)
+
+
+# --------------------------------------------------------------------------- #
+# core
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("n_cached", [0, 5])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_expanded_equals_absorbed_and_naive(n_cached, sparse):
+    T = 6
+    inputs = core_inputs(T, n_cached)
+    allowed = random_mask(T, n_cached + T) if sparse else None
+    kw = dict(scale=0.2, n_cached=n_cached, allowed=allowed)
+    o_e, lse_e = mla_expanded(**inputs, **kw)
+    o_a, lse_a = mla_absorbed(**inputs, **kw)
+    torch.testing.assert_close(o_a, o_e, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_a, lse_e, atol=1e-5, rtol=1e-5)
+    o_n, lse_n = naive_mla(**inputs, **kw)
+    torch.testing.assert_close(o_e, o_n.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_e, lse_n.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_query_without_keys_gives_zero_and_minus_inf():
+    inputs = core_inputs(3, 2)
+    allowed = torch.ones(3, 5, dtype=torch.bool)
+    allowed[1] = False
+    for core in (mla_expanded, mla_absorbed):
+        o, lse = core(**inputs, scale=0.3, n_cached=2, allowed=allowed)
+        assert torch.all(o[1] == 0) and torch.all(lse[1] == -math.inf)
+        assert torch.isfinite(o).all() and torch.isfinite(lse[[0, 2]]).all()
+
+
+def test_lse_merges_cached_and_new_parts():
+    n_cached, T = 7, 4
+    inputs = core_inputs(T, n_cached, seed=3)
+    latent = inputs.pop("latent")
+    o, lse = mla_absorbed(**inputs, latent=latent, scale=0.25, n_cached=n_cached)
+    o1, lse1 = mla_absorbed(**inputs, latent=latent[:n_cached], scale=0.25, n_cached=n_cached, causal=False)
+    o2, lse2 = mla_expanded(**inputs, latent=latent[n_cached:], scale=0.25, n_cached=0)
+    merged_lse = torch.logaddexp(lse1, lse2)
+    merged = o1 * (lse1 - merged_lse).exp()[..., None] + o2 * (lse2 - merged_lse).exp()[..., None]
+    torch.testing.assert_close(merged_lse, lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, o, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_close_to_fp32():
+    inputs = core_inputs(5, 4, seed=5)
+    own_token = torch.cat((torch.zeros(5, 4, dtype=torch.bool), torch.eye(5, dtype=torch.bool)), dim=1)
+    allowed = random_mask(5, 9, seed=6) | own_token
+    ref, _ = mla_expanded(**inputs, scale=0.2, n_cached=4, allowed=allowed)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in inputs.items()}
+    for core in (mla_expanded, mla_absorbed):
+        o, lse = core(**bf16, scale=0.2, n_cached=4, allowed=allowed)
+        assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        torch.testing.assert_close(o.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_key_visibility():
+    vis = key_visibility(3, 5, n_cached=2)
+    assert vis.tolist() == [[True, True, True, False, False], [True] * 4 + [False], [True] * 5]
+    assert key_visibility(2, 3, n_cached=3, causal=False).all()
+    with pytest.raises(ValueError, match="n_cached"):
+        key_visibility(3, 6, n_cached=2)
+
+
+def test_core_inputs_not_mutated():
+    inputs = core_inputs(4, 3)
+    allowed = random_mask(4, 7)
+    before = {k: v.clone() for k, v in inputs.items()}
+    for core in (mla_expanded, mla_absorbed):
+        core(**inputs, scale=0.2, n_cached=3, allowed=allowed)
+    for k, v in inputs.items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(allowed, random_mask(4, 7))
+
+
+@pytest.mark.parametrize(
+    "name, bad, match",
+    [
+        ("q_pe", torch.zeros(4, H + 1, Dr), r"q_pe: expected shape \[4, 4, \*\], got \[4, 5, 8\]"),
+        ("latent", torch.zeros(7, R), r"latent: expected shape \[\*, 40\], got \[7, 32\]"),
+        ("w_uv", torch.zeros(H + 1, Dv, R), r"w_uv: expected shape \[4, \*, 32\], got \[5, 16, 32\]"),
+        ("allowed", torch.ones(4, 6, dtype=torch.bool), r"allowed: expected shape \[4, 7\], got \[4, 6\]"),
+    ],
+)
+def test_bad_shapes_raise(name, bad, match):
+    inputs = core_inputs(4, 3)
+    inputs[name] = bad
+    with pytest.raises(ValueError, match=match):
+        mla_absorbed(**inputs, scale=0.2, n_cached=3)
+
+
+# --------------------------------------------------------------------------- #
+# pieces vs transformers
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_matches_transformers(interleave):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, H, Dr, generator=g), torch.randn(5, Dr, generator=g)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, Dr, 2).float() / Dr))
+    cos, sin = rope_cos_sin(torch.arange(3, 8), inv_freq)
+    hf_rope = hf_v3.apply_rotary_pos_emb_interleave if interleave else hf_v3.apply_rotary_pos_emb
+    hf_q, hf_k = hf_rope(q.transpose(0, 1)[None], k[None, None], cos[None], sin[None])
+    torch.testing.assert_close(apply_rope(q, cos, sin, interleave=interleave), hf_q[0].transpose(0, 1))
+    torch.testing.assert_close(apply_rope(k, cos, sin, interleave=interleave), hf_k[0, 0])
+
+
+def test_rope_cos_sin_matches_rotary_module():
+    config = tiny_config()
+    rotary = hf_v3.DeepseekV3RotaryEmbedding(config)
+    positions = torch.tensor([0, 4, 9, 31])
+    cos, sin = rotary(torch.zeros(1, 4, Dm), positions[None])
+    ours = rope_cos_sin(positions, rotary.inv_freq, attention_scaling=rotary.attention_scaling)
+    torch.testing.assert_close(ours[0], cos[0])
+    torch.testing.assert_close(ours[1], sin[0])
+
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.7,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+
+
+@pytest.mark.parametrize("rope_parameters", [None, YARN])
+def test_softmax_scale_matches_module(rope_parameters):
+    config = tiny_config(rope_parameters=rope_parameters)
+    attn = hf_v3.DeepseekV3Attention(config, layer_idx=0)
+    ours = mla_softmax_scale(qk_head_dim=Dn + Dr, rope_parameters=config.rope_parameters)
+    assert ours == pytest.approx(attn.scaling, rel=1e-12)
+    if rope_parameters is not None:
+        assert ours != pytest.approx((Dn + Dr) ** -0.5)
+
+
+def test_weights_from_state_dict():
+    attn, _ = build_hf(tiny_config(q_lora_rank=24))
+    sd = {f"model.layers.2.self_attn.{k}": v for k, v in attn.state_dict().items()}
+    w = MLAWeights.from_state_dict(sd, prefix="model.layers.2.self_attn.", num_heads=H)
+    assert (w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim) == (H, Dn, Dr, Dv)
+    assert (w.kv_lora_rank, w.q_lora_rank, w.hidden_size) == (R, 24, Dm)
+    kv_b = attn.kv_b_proj.weight.view(H, Dn + Dv, R)
+    assert torch.equal(w.w_uk, kv_b[:, :Dn]) and torch.equal(w.w_uv, kv_b[:, Dn:])
+    with pytest.raises(ValueError, match="num_heads"):
+        MLAWeights.from_state_dict(sd, prefix="model.layers.2.self_attn.", num_heads=H + 1)
+    with pytest.raises(ValueError, match="missing key"):
+        MLAWeights.from_state_dict(sd)
+
+
+# --------------------------------------------------------------------------- #
+# layer parity with DeepseekV3Attention
+# --------------------------------------------------------------------------- #
+
+CASES = {
+    "q_lora": dict(q_lora_rank=24),
+    "no_q_lora_yarn_bias": dict(q_lora_rank=None, attention_bias=True, rope_parameters=YARN),
+    "no_interleave": dict(q_lora_rank=24, rope_interleave=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_matches_hf_prefill_then_decode(case):
+    config = tiny_config(**CASES[case])
+    attn, rotary = build_hf(config, seed=1)
+    weights = MLAWeights.from_state_dict(attn.state_dict())
+    scale = mla_softmax_scale(qk_head_dim=Dn + Dr, rope_parameters=config.rope_parameters)
+    interleave = config.rope_interleave
+    g = torch.Generator().manual_seed(2)
+    prompt, steps = torch.randn(12, Dm, generator=g), torch.randn(3, Dm, generator=g)
+
+    cache = DynamicCache(config=config)
+    hf_out, cos, sin = hf_step(attn, rotary, prompt, 0, cache)
+    ours = mla_layer(weights, prompt, cos, sin, torch.zeros(0, R + Dr), scale=scale, rope_interleave=interleave)
+    torch.testing.assert_close(ours.output, hf_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.latent_rows, hf_cache_rows(cache), atol=1e-5, rtol=1e-5)
+    rows = ours.latent_rows
+
+    for t in range(steps.shape[0]):
+        hf_out, cos, sin = hf_step(attn, rotary, steps[t : t + 1], rows.shape[0], cache)
+        form = "expanded" if t % 2 else "absorbed"
+        ours = mla_layer(weights, steps[t : t + 1], cos, sin, rows, scale=scale, rope_interleave=interleave, form=form)
+        torch.testing.assert_close(ours.output, hf_out, atol=1e-5, rtol=1e-5)
+        rows = torch.cat((rows, ours.latent_rows))
+        torch.testing.assert_close(rows, hf_cache_rows(cache), atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_equals_one_shot():
+    config = tiny_config(q_lora_rank=24)
+    attn, rotary = build_hf(config, seed=4)
+    weights = MLAWeights.from_state_dict(attn.state_dict())
+    scale = mla_softmax_scale(qk_head_dim=Dn + Dr, rope_parameters=config.rope_parameters)
+    x = torch.randn(12, Dm, generator=torch.Generator().manual_seed(5))
+    cos, sin = rotary(x[None], torch.arange(12)[None])
+    cos, sin = cos[0], sin[0]
+    whole = mla_layer(weights, x, cos, sin, torch.zeros(0, R + Dr), scale=scale)
+    first = mla_layer(weights, x[:7], cos[:7], sin[:7], torch.zeros(0, R + Dr), scale=scale)
+    second = mla_layer(weights, x[7:], cos[7:], sin[7:], first.latent_rows, scale=scale, form="expanded")
+    torch.testing.assert_close(torch.cat((first.output, second.output)), whole.output, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat((first.latent_rows, second.latent_rows)), whole.latent_rows)
+    torch.testing.assert_close(torch.cat((first.lse, second.lse)), whole.lse, atol=1e-5, rtol=1e-5)
+
+
+def test_layer_matches_hf_bf16_loose():
+    config = tiny_config(q_lora_rank=24)
+    attn, rotary = build_hf(config, seed=6)
+    attn = attn.to(torch.bfloat16)
+    weights = MLAWeights.from_state_dict(attn.state_dict())
+    scale = mla_softmax_scale(qk_head_dim=Dn + Dr, rope_parameters=config.rope_parameters)
+    g = torch.Generator().manual_seed(7)
+    prompt, step = torch.randn(12, Dm, generator=g).bfloat16(), torch.randn(1, Dm, generator=g).bfloat16()
+    cache = DynamicCache(config=config)
+    hf_out, cos, sin = hf_step(attn, rotary, prompt, 0, cache)
+    assert cos.dtype == torch.bfloat16
+    ours = mla_layer(weights, prompt, cos, sin, torch.zeros(0, R + Dr, dtype=torch.bfloat16), scale=scale)
+    assert ours.output.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.latent_rows, hf_cache_rows(cache))
+    torch.testing.assert_close(ours.output, hf_out, atol=3e-2, rtol=3e-2)
+    hf_out, cos, sin = hf_step(attn, rotary, step, 12, cache)
+    ours = mla_layer(weights, step, cos, sin, ours.latent_rows, scale=scale)
+    torch.testing.assert_close(ours.output, hf_out, atol=3e-2, rtol=3e-2)
+
+
+def test_layer_inputs_not_mutated():
+    attn, rotary = build_hf(tiny_config(q_lora_rank=24), seed=8)
+    weights = MLAWeights.from_state_dict(attn.state_dict())
+    weights_before = {k: v.clone() for k, v in vars(weights).items() if isinstance(v, torch.Tensor)}
+    x = torch.randn(3, Dm)
+    cached = torch.randn(5, R + Dr)
+    cos, sin = rotary(x[None], torch.arange(5, 8)[None])
+    args = (x, cos[0], sin[0], cached)
+    before = [a.clone() for a in args]
+    mla_layer(weights, *args, scale=0.2)
+    mla_layer(weights, *args, scale=0.2, form="expanded")
+    for a, b in zip(args, before):
+        assert torch.equal(a, b)
+    for k, v in weights_before.items():
+        assert torch.equal(getattr(weights, k), v), k
+
+
+def test_layer_bad_cache_shape():
+    attn, rotary = build_hf(tiny_config(q_lora_rank=None))
+    weights = MLAWeights.from_state_dict(attn.state_dict())
+    x = torch.randn(2, Dm)
+    cos, sin = rotary(x[None], torch.arange(2)[None])
+    with pytest.raises(ValueError, match=r"cached_latent: expected shape \[\*, 40\], got \[3, 39\]"):
+        mla_layer(weights, x, cos[0], sin[0], torch.zeros(3, R + Dr - 1), scale=0.2)
+    with pytest.raises(ValueError, match=r"hidden: expected shape \[\*, 64\]"):
+        mla_layer(weights, torch.randn(2, Dm + 1), cos[0], sin[0], torch.zeros(0, R + Dr), scale=0.2)
