@@ -59,8 +59,14 @@ def main(argv=None) -> int:
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default 16)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.set_defaults(fn=demo)
+    from .bench.cli import add_arguments
+    from .bench.cli import run as bench
+
+    b = sub.add_parser("bench", help="time kernels and backends on a GPU against their peers (JSON, PNG)")
+    add_arguments(b)
+    b.set_defaults(fn=bench)
     args = parser.parse_args(argv)
-    if getattr(args, "tokens", 1) < 1:
+    if args.command == "demo" and args.tokens < 1:
         parser.error(f"--tokens must be >= 1, got {args.tokens}")
     return args.fn(args)
 

@@ -1,0 +1,64 @@
+"""Argument parsing for ``fnattn bench`` / ``python -m fnattn.bench``."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from . import draw_png, print_table, with_ratios, write_json
+
+CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "kda-prefill", "standard")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("case", choices=CASES, help="what to time; 'standard' runs the reference set of cases")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
+    p.add_argument("--ctx", type=int, default=4096, help="cached tokens per request (decode)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384], help="prefill tokens")
+    p.add_argument("--hq", type=int, default=32, help="query heads")
+    p.add_argument("--hkv", type=int, default=8, help="key/value heads")
+    p.add_argument("--dim", type=int, default=128, help="head dim")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    p.add_argument("--out", default="bench.json", help="JSON output path")
+    p.add_argument("--png", default=None, help="also draw a PNG here")
+
+
+def run(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fnattn bench: needs a CUDA device (none found)", file=sys.stderr)
+        return 2
+    from .attention import decode_case, prefill_case
+
+    records = []
+    graph = not args.eager
+    if args.case in ("decode", "standard"):
+        for b in args.batch:
+            records += decode_case(batch=b, ctx=args.ctx, hq=args.hq, hkv=args.hkv, dim=args.dim,
+                                   page_size=args.page_size, graph=graph)
+    if args.case == "standard":  # the Qwen3.5 full-attention shape too
+        for b in args.batch:
+            records += decode_case(batch=b, ctx=args.ctx, hq=16, hkv=4, dim=256, page_size=args.page_size,
+                                   graph=graph)
+    if args.case in ("prefill", "standard"):
+        for t in args.tokens:
+            records += prefill_case(tokens=t, hq=args.hq, hkv=args.hkv, dim=args.dim)
+    if args.case in ("gdn-prefill", "gdn-decode", "kda-prefill", "standard"):
+        from .recurrent import recurrent_cases
+
+        records += recurrent_cases(args.case)
+    with_ratios(records)
+    print_table(records)
+    write_json(records, args.out, command="fnattn bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+    if args.png:
+        draw_png(records, args.png)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fnattn bench", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,41 @@
+"""GPU parity tests: every fast backend against the reference, recorded as JSON.
+
+Set FNATTN_GPU_RESULTS=path.json to write every compared case (shape, backend,
+errors, pass/fail) with the command and commit that produced it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROWS: list[dict] = []
+
+
+@pytest.fixture
+def record():
+    return ROWS.append
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("FNATTN_GPU_RESULTS")
+    if not path or not ROWS:
+        return
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc = {
+        "command": "FNATTN_GPU_RESULTS=... " + " ".join(["pytest"] + sys.argv[1:]),
+        "commit": commit or os.environ.get("FNATTN_COMMIT"),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "passed": sum(r["ok"] for r in ROWS),
+        "failed": sum(not r["ok"] for r in ROWS),
+        "cases": ROWS,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
