@@ -109,8 +109,12 @@ class MLAInputs:
     meta: StepMeta | None = field(default=None, repr=False)
 
     def validate(self, spec, batch, device) -> None:
-        m = spec.config if spec.kind == "mla" else spec.config.mla
         T, where = batch.num_tokens, f"layer {spec.index} inputs"
+        if spec.kind not in ("mla", "sparse_mla"):
+            fail(where, "inputs", f"the inputs of a {spec.kind!r} layer", type(self).__name__)
+        if spec.kind == "sparse_mla" and not isinstance(self, SparseMLAInputs):
+            fail(where, "inputs", "SparseMLAInputs (the layer is sparse_mla)", type(self).__name__)
+        m = spec.config if spec.kind == "mla" else spec.config.mla
         H, R = m.num_heads, m.kv_lora_rank
         _check(where, "q_nope", self.q_nope, (T, H, m.qk_nope_head_dim), spec.dtype, device)
         _check(where, "q_pe", self.q_pe, (T, H, m.qk_rope_head_dim), spec.dtype, device)
@@ -151,16 +155,25 @@ class SparseMLAInputs(MLAInputs):
         c, T, where = spec.config, batch.num_tokens, f"layer {spec.index} inputs"
         if not isinstance(self.sparse, SparseQueryMetadata):
             fail(where, "sparse", "the step's SparseQueryMetadata", type(self.sparse).__name__)
+        _check(where, "sparse.visible_keys", self.sparse.visible_keys, (T,), torch.int64, device)
         if c.index_source_layer is None:
             ix = c.indexer
             _check(where, "index_q", self.index_q, (T, ix.num_heads, ix.head_dim), spec.dtype, device)
-            _check(where, "index_w", self.index_w, (T, ix.num_heads), self.index_w.dtype if self.index_w is not None
-                   else spec.dtype, device)
+            w_dtype = self.index_w.dtype if isinstance(self.index_w, Tensor) else spec.dtype
+            _check(where, "index_w", self.index_w, (T, ix.num_heads), w_dtype, device)
+            if not w_dtype.is_floating_point:
+                fail(where, "index_w", "a floating-point tensor", w_dtype)
             _check(where, "index_k", self.index_k, (T, ix.head_dim), spec.dtype, device)
             if self.topk_indices is not None:
                 fail(where, "topk_indices", "None (this layer runs its own indexer)", tuple(self.topk_indices.shape))
         else:
             _check(where, "topk_indices", self.topk_indices, (T, self.sparse.topk), torch.int64, device)
+            # A layer that reuses another layer's top-k has no indexer: indexer
+            # inputs given to it are a wiring mistake, not something to ignore.
+            for name in ("index_q", "index_w", "index_k"):
+                if getattr(self, name) is not None:
+                    fail(where, name, f"None (this layer reuses layer {c.index_source_layer}'s top-k)",
+                         tuple(getattr(self, name).shape))
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ class ModelAttention:
                 raise ValueError(f"ModelAttention: `phases` entries must be in {PHASES}, got {p!r}")
         self.prefer = tuple(prefer)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.spec_by_layer = {s.index: s for s in self.specs}
         rank = {name: i for i, name in enumerate(self.prefer)}
         backends = all_backends()

@@ -146,6 +146,8 @@ class State:
         if len(set(indices)) != len(indices):
             fail("State", "specs", "layer specs with unique indices", indices)
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # tensors report their index
         groups: dict[tuple, dict] = {}  # storage signature -> pool under construction
         layer_pools: dict[int, list[str]] = {s.index: [] for s in specs}
         for spec in specs:

@@ -7,7 +7,24 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import DeepseekV32Config, GlmMoeDsaConfig
+from hf_mla import (
+    COMMON,
+    TOPK,
+    Di,
+    Dm,
+    Dn,
+    Dr,
+    HFRunner,
+    Hi,
+    R,
+    Rq,
+    assert_same_selection,
+    glm_config,
+    randomize_,
+    v32_config,
+    weights_of,
+)
+from transformers import GlmMoeDsaConfig
 from transformers.cache_utils import DynamicCache
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
@@ -24,103 +41,7 @@ from fnattn.ops.dsa import (
     topk_mask,
     topk_source_layers,
 )
-from fnattn.ops.mla import MLAWeights, mla_layer, mla_softmax_scale
-
-H, Dn, Dr, Dv, R, Rq, Dm = 4, 16, 8, 16, 32, 24, 64
-Hi, Di, TOPK = 2, 16, 4
-
-COMMON = dict(
-    hidden_size=Dm,
-    num_attention_heads=H,
-    num_key_value_heads=H,
-    kv_lora_rank=R,
-    q_lora_rank=Rq,
-    qk_nope_head_dim=Dn,
-    qk_rope_head_dim=Dr,
-    v_head_dim=Dv,
-    intermediate_size=32,
-    moe_intermediate_size=16,
-    n_routed_experts=4,
-    vocab_size=32,
-    max_position_embeddings=128,
-    index_n_heads=Hi,
-    index_head_dim=Di,
-    index_topk=TOPK,
-)
-
-
-# --------------------------------------------------------------------------- #
-# helpers
-# --------------------------------------------------------------------------- #
-
-
-def v32_config():
-    config = DeepseekV32Config(num_hidden_layers=1, **COMMON)
-    config._attn_implementation = "eager"
-    return config
-
-
-def glm_config():
-    config = GlmMoeDsaConfig(num_hidden_layers=2, indexer_types=["full", "shared"], **COMMON)
-    config._attn_implementation = "eager"
-    return config
-
-
-def randomize_(module: torch.nn.Module, seed: int) -> None:
-    """Random weights everywhere, norms included (not ones / zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
-
-
-def causal_additive_mask(n_past: int, S: int, dtype=torch.float32) -> torch.Tensor:
-    key_pos = torch.arange(n_past + S)
-    blocked = key_pos[None, :] > (n_past + torch.arange(S))[:, None]
-    return torch.zeros(S, n_past + S, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
-
-
-class HFRunner:
-    """Runs one HF attention module step by step, recording its indexer's top-k."""
-
-    def __init__(self, attn, rotary, cache):
-        self.attn, self.rotary, self.cache = attn, rotary, cache
-        self.hf_topk = None
-        if attn.indexer is not None:
-            attn.indexer.register_forward_hook(lambda mod, args, out: setattr(self, "hf_topk", out[0].long()))
-
-    def step(self, x, n_past, **kwargs):
-        S = x.shape[0]
-        positions = torch.arange(n_past, n_past + S)[None]
-        cos, sin = self.rotary(x[None], positions)
-        with torch.no_grad():
-            outs = self.attn(
-                x[None], (cos, sin), causal_additive_mask(n_past, S), cache=self.cache, position_ids=positions, **kwargs
-            )
-        return outs, cos[0], sin[0]
-
-
-def assert_same_selection(ours: torch.Tensor, hf: torch.Tensor, n_past: int) -> None:
-    """HF picks min(topk, N) keys including masked ones when fewer are visible;
-    compare the visible picks as sets. With 2 indexer heads many scores are
-    exactly 0 (every head's ReLU is 0); such ties are resolved by torch.topk,
-    which sees rows with the same ordering on both sides and picks alike."""
-    for i in range(ours.shape[0]):
-        hf_set = {j for j in hf[i].tolist() if j <= n_past + i}
-        ours_set = {j for j in ours[i].tolist() if j >= 0}
-        assert ours_set == hf_set, (i, ours[i].tolist(), hf[i].tolist())
-
-
-def weights_of(attn):
-    sd = attn.state_dict()
-    indexer = IndexerWeights.from_state_dict(sd) if attn.indexer is not None else None
-    return MLAWeights.from_state_dict(sd), indexer
-
+from fnattn.ops.mla import mla_layer, mla_softmax_scale
 
 # --------------------------------------------------------------------------- #
 # top-k and scores

@@ -4,11 +4,10 @@ GatedDeltaNet modules (prefill, chunked prefill and cached decode)."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_recurrent import gdn_module, gdn_modules, run_hf
 
 from fnattn.ops.conv import causal_conv1d
 from fnattn.ops.delta_rule import gated_delta_chunked, gated_delta_recurrent
@@ -284,75 +283,11 @@ def test_layer_bad_shapes():
 
 # --------------------------------------------------------------------------- transformers parity
 
-HF_SIZES = dict(
-    hidden_size=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=32,
-    linear_conv_kernel_dim=4,
-    num_hidden_layers=1,
-    layer_types=["linear_attention"],
-    vocab_size=32,
-    intermediate_size=64,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-)
-_TORCH_PATH = (
-    "torch_chunk_gated_delta_rule",
-    "torch_recurrent_gated_delta_rule",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-)
-
-
 @pytest.fixture(scope="module")
 def hf():
     """transformers' modules for both families, forced onto their pure-torch code path."""
-    pytest.importorskip("transformers")
-    from transformers.cache_utils import DynamicCache
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-    from transformers.models.qwen3_next import modeling_qwen3_next
-    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-
-    families = {
-        "qwen3_5": (modeling_qwen3_5, Qwen3_5TextConfig, modeling_qwen3_5.Qwen3_5GatedDeltaNet),
-        "qwen3_next": (modeling_qwen3_next, Qwen3NextConfig, modeling_qwen3_next.Qwen3NextGatedDeltaNet),
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        # With fla / causal_conv1d installed these names may point at GPU kernels; the
-        # reference torch functions sit at the bottom of the decorator chain.
-        for module, _, _ in families.values():
-            for name in _TORCH_PATH:
-                fn = inspect.unwrap(getattr(module, name))
-                assert fn.__module__ == module.__name__ and fn.__name__ == name
-                mp.setattr(module, name, fn)
-        yield families, DynamicCache
-
-
-def _hf_module(hf, family, *, seed, dtype=torch.float32):
-    families, _ = hf
-    _, config_cls, module_cls = families[family]
-    config = config_cls(**HF_SIZES, pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(seed)
-    m = module_cls(config, layer_idx=0).eval()
-    with torch.no_grad():
-        m.A_log.copy_(torch.empty_like(m.A_log).uniform_(0.1, 1.0).log())
-        m.dt_bias.normal_()
-        m.norm.weight.copy_(1 + 0.1 * torch.randn_like(m.norm.weight))
-    return m.to(dtype), config
-
-
-def _run_hf(hf, module, config, chunks):
-    _, DynamicCache = hf
-    cache = DynamicCache(config=config)
-    with torch.no_grad():
-        outs = [module(c[None], cache=cache)[0] for c in chunks]
-    layer = cache.layers[0]
-    # transformers keeps the last W conv inputs; the window is the last W - 1 of them.
-    return outs, layer.conv_states[0][0, :, 1:], layer.recurrent_states[0][0]
+    with gdn_modules() as families:
+        yield families
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -360,13 +295,13 @@ def _run_hf(hf, module, config, chunks):
     "split", [(9, 1, 1, 1, 1), (2, 7, 1, 1), (5, 6, 1)], ids=["prefill+decode", "short-prefill", "2-chunk"]
 )
 def test_layer_matches_transformers(hf, family, split):
-    m, config = _hf_module(hf, family, seed=7)
+    m, config = gdn_module(hf, family, seed=7)
     w = GDNWeights.from_state_dict(
         m.state_dict(), num_k_heads=config.linear_num_key_heads, eps=config.rms_norm_eps, activation=config.hidden_act
     )
     x = torch.randn(sum(split), config.hidden_size, generator=torch.Generator().manual_seed(8))
     chunks = list(x.split(list(split)))
-    hf_outs, hf_window, hf_state = _run_hf(hf, m, config, chunks)
+    hf_outs, hf_window, hf_state = run_hf(m, config, chunks)
     outs, window, state = _run_ours(w, chunks)
     for ours, ref in zip(outs, hf_outs):
         torch.testing.assert_close(ours, ref, **TIGHT)
@@ -379,8 +314,8 @@ def test_layer_matches_transformers(hf, family, split):
 
 
 def test_from_state_dict_prefix_and_qwen3_next_reorder(hf):
-    m35, config = _hf_module(hf, "qwen3_5", seed=9)
-    mnext, _ = _hf_module(hf, "qwen3_next", seed=9)
+    m35, config = gdn_module(hf, "qwen3_5", seed=9)
+    mnext, _ = gdn_module(hf, "qwen3_next", seed=9)
     sd = {"model.layers.3.linear_attn." + k: t for k, t in m35.state_dict().items()}
     w = GDNWeights.from_state_dict(sd, num_k_heads=2, eps=1e-6, prefix="model.layers.3.linear_attn.")
     assert (w.num_k_heads, w.num_v_heads, w.head_k_dim, w.head_v_dim, w.conv_kernel) == (2, 4, 16, 32, 4)
@@ -417,11 +352,11 @@ def test_from_state_dict_prefix_and_qwen3_next_reorder(hf):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_layer_matches_transformers_bf16(hf, family):
-    m, config = _hf_module(hf, family, seed=10, dtype=torch.bfloat16)
+    m, config = gdn_module(hf, family, seed=10, dtype=torch.bfloat16)
     w = GDNWeights.from_state_dict(m.state_dict(), num_k_heads=2, eps=config.rms_norm_eps)
     x = torch.randn(12, config.hidden_size, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     chunks = list(x.split([9, 1, 1, 1]))
-    hf_outs, hf_window, hf_state = _run_hf(hf, m, config, chunks)
+    hf_outs, hf_window, hf_state = run_hf(m, config, chunks)
     outs, window, state = _run_ours(w, chunks)
     for ours, ref in zip(outs, hf_outs):
         assert ours.dtype == torch.bfloat16

@@ -4,11 +4,10 @@ other and with fla's naive reference, and ``kda_layer`` reproduces transformers'
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_recurrent import kda_module, kda_modules, run_hf
 
 from fnattn.ops.delta_rule import gated_delta_chunked, gated_delta_recurrent
 from fnattn.ops.kda import KDAWeights, kda_layer
@@ -216,79 +215,23 @@ def test_annotations_are_valid_jaxtyping():
 
 # --------------------------------------------------------------------------- transformers parity
 
-_TORCH_PATH = (
-    "chunk_kimi_delta_attention",
-    "recurrent_kimi_delta_attention",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-)
-
-
 @pytest.fixture(scope="module")
 def hf():
     """transformers' Kimi Linear module, forced onto its pure-torch code path."""
-    pytest.importorskip("transformers")
-    from transformers.cache_utils import DynamicCache
-    from transformers.models.kimi_linear import modeling_kimi_linear
-    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
-
-    with pytest.MonkeyPatch.context() as mp:
-        # With fla / causal_conv1d installed these names may point at GPU kernels; the
-        # reference torch functions sit at the bottom of the decorator chain.
-        for name in _TORCH_PATH:
-            fn = inspect.unwrap(getattr(modeling_kimi_linear, name))
-            assert fn.__module__ == modeling_kimi_linear.__name__ and fn.__name__ == name
-            mp.setattr(modeling_kimi_linear, name, fn)
-        yield modeling_kimi_linear, KimiLinearConfig, DynamicCache
-
-
-def _hf_module(hf, *, seed, dtype=torch.float32):
-    modeling, config_cls, _ = hf
-    config = config_cls(
-        hidden_size=64,
-        linear_num_heads=2,
-        linear_head_dim=32,
-        linear_conv_kernel_dim=4,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
-        vocab_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    m = modeling.KimiLinearDeltaAttention(config, layer_idx=0).eval()
-    with torch.no_grad():
-        # A_log and dt_bias are left uninitialized by the module itself.
-        m.forget_gate.A_log.copy_(torch.empty_like(m.forget_gate.A_log).uniform_(0.1, 1.0).log())
-        m.forget_gate.dt_bias.normal_()
-        m.o_norm.weight.copy_(1 + 0.1 * torch.randn_like(m.o_norm.weight))
-    return m.to(dtype), config
-
-
-def _run_hf(hf, module, config, chunks):
-    DynamicCache = hf[2]
-    cache = DynamicCache(config=config)
-    with torch.no_grad():
-        outs = [module(c[None], cache=cache)[0] for c in chunks]
-    layer = cache.layers[0]
-    # transformers keeps the last W conv inputs; the window is the last W - 1 of them.
-    return outs, layer.conv_states[0][0, :, 1:], layer.recurrent_states[0][0]
+    with kda_modules() as kda:
+        yield kda
 
 
 @pytest.mark.parametrize(
     "split", [(9, 1, 1, 1, 1), (2, 7, 1, 1), (5, 6, 1)], ids=["prefill+decode", "short-prefill", "2-chunk"]
 )
 def test_layer_matches_transformers(hf, split):
-    m, config = _hf_module(hf, seed=7)
+    m, config = kda_module(hf, seed=7)
     w = KDAWeights.from_state_dict(m.state_dict(), eps=config.rms_norm_eps, activation=config.hidden_act)
     assert (w.num_heads, w.head_k_dim, w.head_v_dim, w.conv_kernel) == (2, 32, 32, 4)
     x = torch.randn(sum(split), config.hidden_size, generator=torch.Generator().manual_seed(8))
     chunks = list(x.split(list(split)))
-    hf_outs, hf_window, hf_state = _run_hf(hf, m, config, chunks)
+    hf_outs, hf_window, hf_state = run_hf(m, config, chunks)
     outs, window, state = _run_ours(w, chunks)
     for ours, ref in zip(outs, hf_outs):
         torch.testing.assert_close(ours, ref, **TIGHT)
@@ -300,7 +243,7 @@ def test_layer_matches_transformers(hf, split):
 
 
 def test_from_state_dict_original_checkpoint_names(hf):
-    m, config = _hf_module(hf, seed=3)
+    m, config = kda_module(hf, seed=3)
     sd = m.state_dict()
     w = KDAWeights.from_state_dict(sd, eps=config.rms_norm_eps)
     # The released checkpoint keeps separate q/k/v convs and the gate weights on the attention module.
@@ -322,11 +265,11 @@ def test_from_state_dict_original_checkpoint_names(hf):
 
 
 def test_layer_matches_transformers_bf16(hf):
-    m, config = _hf_module(hf, seed=10, dtype=torch.bfloat16)
+    m, config = kda_module(hf, seed=10, dtype=torch.bfloat16)
     w = KDAWeights.from_state_dict(m.state_dict(), eps=config.rms_norm_eps)
     x = torch.randn(12, config.hidden_size, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     chunks = list(x.split([9, 1, 1, 1]))
-    hf_outs, hf_window, hf_state = _run_hf(hf, m, config, chunks)
+    hf_outs, hf_window, hf_state = run_hf(m, config, chunks)
     outs, window, state = _run_ours(w, chunks)
     for ours, ref in zip(outs, hf_outs):
         assert ours.dtype == torch.bfloat16

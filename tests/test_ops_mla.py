@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from transformers import DeepseekV3Config
+from hf_mla import YARN, Dm, Dn, Dr, Dv, H, R, build_hf, hf_cache_rows, hf_step, tiny_config
 from transformers.cache_utils import DynamicCache
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
@@ -22,9 +22,6 @@ from fnattn.ops.mla import (
     mla_softmax_scale,
     rope_cos_sin,
 )
-
-H, Dn, Dr, Dv, R, Dm = 4, 16, 8, 16, 32, 64
-
 
 # --------------------------------------------------------------------------- #
 # helpers
@@ -71,71 +68,6 @@ def naive_mla(q_nope, q_pe, latent, w_uk, w_uv, *, scale, n_cached, allowed=None
             lse[i, h] = torch.logsumexp(s, 0)
     assert N == n_cached + T
     return o, lse
-
-
-def tiny_config(*, q_lora_rank=24, rope_interleave=True, attention_bias=False, rope_parameters=None):
-    config = DeepseekV3Config(
-        hidden_size=Dm,
-        num_attention_heads=H,
-        num_key_value_heads=H,
-        kv_lora_rank=R,
-        q_lora_rank=q_lora_rank,
-        qk_nope_head_dim=Dn,
-        qk_rope_head_dim=Dr,
-        v_head_dim=Dv,
-        num_hidden_layers=1,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        vocab_size=32,
-        max_position_embeddings=128,
-        rope_interleave=rope_interleave,
-        attention_bias=attention_bias,
-        rope_parameters=rope_parameters,
-    )
-    config._attn_implementation = "eager"
-    return config
-
-
-def randomize_(module: torch.nn.Module, seed: int) -> None:
-    """Random weights everywhere, norms included (not ones / zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
-
-
-def build_hf(config, seed=0):
-    attn = hf_v3.DeepseekV3Attention(config, layer_idx=0).eval()
-    randomize_(attn, seed)
-    return attn, hf_v3.DeepseekV3RotaryEmbedding(config)
-
-
-def causal_additive_mask(n_past: int, S: int, dtype) -> torch.Tensor:
-    key_pos = torch.arange(n_past + S)
-    query_pos = n_past + torch.arange(S)
-    blocked = key_pos[None, :] > query_pos[:, None]
-    return torch.zeros(S, n_past + S, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
-
-
-def hf_step(attn, rotary, x, n_past, cache):
-    """Run the HF module on new tokens x [S, Dm] after n_past cached tokens."""
-    S = x.shape[0]
-    positions = torch.arange(n_past, n_past + S)[None]
-    cos, sin = rotary(x[None], positions)
-    with torch.no_grad():
-        out = attn(x[None], (cos, sin), causal_additive_mask(n_past, S, x.dtype), cache=cache)[0]
-    return out[0], cos[0], sin[0]
-
-
-def hf_cache_rows(cache) -> torch.Tensor:
-    layer = cache.layers[0]
-    return torch.cat((layer.keys[0, 0], layer.values[0, 0]), dim=-1)
 
 
 # --------------------------------------------------------------------------- #
@@ -254,18 +186,6 @@ def test_rope_cos_sin_matches_rotary_module():
     ours = rope_cos_sin(positions, rotary.inv_freq, attention_scaling=rotary.attention_scaling)
     torch.testing.assert_close(ours[0], cos[0])
     torch.testing.assert_close(ours[1], sin[0])
-
-
-YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 32,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.7,
-    "beta_fast": 32,
-    "beta_slow": 1,
-}
 
 
 @pytest.mark.parametrize("rope_parameters", [None, YARN])

@@ -6,4 +6,10 @@ is missing.
 """
 
 from . import flashinfer_full, triton_full  # noqa: F401
-from .reference import full  # noqa: F401
+from .reference import (
+    full,  # noqa: F401
+    gdn,  # noqa: F401
+    kda,  # noqa: F401
+    mla,  # noqa: F401
+    sparse_mla,  # noqa: F401
+)

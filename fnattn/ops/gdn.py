@@ -1,7 +1,16 @@
 """Gated DeltaNet layer (Qwen3.5 / Qwen3-Next) as a pure function of weights, inputs and states.
 
 ``gdn_layer`` reproduces transformers' ``Qwen3_5GatedDeltaNet`` and
-``Qwen3NextGatedDeltaNet`` for one request::
+``Qwen3NextGatedDeltaNet`` for one request. It is built from three pieces a
+model can also call around an attention session (projections and the output
+norm stay with the model; the conv, q/k/v split and recurrence are the
+backend's)::
+
+    gdn_project(w, x) -> (conv_input, z, g, beta)
+    causal conv + gdn_qkv(...) + gated delta rule      # the backend's part
+    gdn_finish(w, o, z) -> out
+
+In full::
 
     x -> in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
       -> causal conv over [q | k | v] channels (with the conv window state), activation
@@ -35,7 +44,10 @@ __all__ = [
     "gated_delta_chunked",
     "gated_delta_recurrent",
     "gated_rmsnorm_silu",
+    "gdn_finish",
     "gdn_layer",
+    "gdn_project",
+    "gdn_qkv",
     "l2norm_rsqrt",
 ]
 
@@ -244,6 +256,51 @@ def gated_rmsnorm_silu(
     return h.to(dtype)
 
 
+def gdn_project(
+    w: GDNWeights, x: Float[Tensor, "T Dmodel"]
+) -> tuple[Float[Tensor, "T C"], Float[Tensor, "T H V"], Float[Tensor, "T H"], Float[Tensor, "T H"]]:
+    """The input projections: ``(conv_input, z, g, beta)``.
+
+    ``conv_input`` ``[T, C]`` holds the q | k | v channels before the causal
+    conv; ``z`` ``[T, H, V]`` is the output gate; ``g`` ``[T, H]`` is the fp32
+    log-decay ``-exp(A_log) * softplus(a + dt_bias)``; ``beta`` ``[T, H]`` is
+    ``sigmoid(b)``. All but ``g`` are in ``x.dtype``.
+    """
+    expect_float("x", x)
+    expect_shape("x", x, (None, w.hidden_size))
+    T = x.shape[0]
+    conv_input = F.linear(x, w.in_proj_qkv)
+    z = F.linear(x, w.in_proj_z).reshape(T, w.num_v_heads, w.head_v_dim)
+    beta = torch.sigmoid(F.linear(x, w.in_proj_b))
+    a = F.linear(x, w.in_proj_a)
+    g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
+    return conv_input, z, g, beta
+
+
+def gdn_qkv(
+    mixed: Float[Tensor, "T C"], *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
+) -> tuple[Float[Tensor, "T H K"], Float[Tensor, "T H K"], Float[Tensor, "T H V"]]:
+    """Split the conv output into q, k, v; l2-normalize q and k (fp32); repeat them to the value heads."""
+    T = mixed.shape[0]
+    Hk, H, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    expect_shape("mixed", mixed, (None, 2 * Hk * K + H * V))
+    q, k, v = mixed.split([Hk * K, Hk * K, H * V], dim=-1)
+    q = l2norm_rsqrt(q.reshape(T, Hk, K))
+    k = l2norm_rsqrt(k.reshape(T, Hk, K))
+    # Each key head serves H / Hk consecutive value heads.
+    q = q.repeat_interleave(H // Hk, dim=1)
+    k = k.repeat_interleave(H // Hk, dim=1)
+    return q, k, v.reshape(T, H, V)
+
+
+def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V"]) -> Float[Tensor, "T Dmodel"]:
+    """The gated RMSNorm and the output projection, in ``z.dtype`` (the activation dtype)."""
+    expect_shape("o", o, (None, w.num_v_heads, w.head_v_dim))
+    expect_shape("z", z, (o.shape[0], w.num_v_heads, w.head_v_dim))
+    o = gated_rmsnorm_silu(o.to(z.dtype), z, w.norm_weight, eps=w.eps)
+    return F.linear(o.reshape(o.shape[0], w.value_dim), w.out_proj)
+
+
 def gdn_layer(
     w: GDNWeights,
     x: Float[Tensor, "T Dmodel"],
@@ -268,25 +325,12 @@ def gdn_layer(
     expect_shape("conv_window", conv_window, (w.conv_dim, w.conv_kernel - 1))
     expect_shape("state", state, (w.num_v_heads, w.head_k_dim, w.head_v_dim))
     T = x.shape[0]
-    Hk, HV, K, V = w.num_k_heads, w.num_v_heads, w.head_k_dim, w.head_v_dim
-    scale = K**-0.5 if scale is None else scale
+    scale = w.head_k_dim**-0.5 if scale is None else scale
 
-    qkv = F.linear(x, w.in_proj_qkv)
-    z = F.linear(x, w.in_proj_z).reshape(T, HV, V)
-    b = F.linear(x, w.in_proj_b)
-    a = F.linear(x, w.in_proj_a)
-
-    qkv, conv_windows = causal_conv1d(qkv, w.conv_weight, w.conv_bias, conv_window, activation=w.activation)
-    q, k, v = qkv.split([w.key_dim, w.key_dim, w.value_dim], dim=-1)
-    q = l2norm_rsqrt(q.reshape(T, Hk, K))
-    k = l2norm_rsqrt(k.reshape(T, Hk, K))
-    v = v.reshape(T, HV, V)
-
-    # Each key head serves HV / Hk consecutive value heads.
-    q = q.repeat_interleave(HV // Hk, dim=1)
-    k = k.repeat_interleave(HV // Hk, dim=1)
-    beta = torch.sigmoid(b)
-    g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
+    conv_input, z, g, beta = gdn_project(w, x)
+    mixed, conv_windows = causal_conv1d(conv_input, w.conv_weight, w.conv_bias, conv_window, activation=w.activation)
+    q, k, v = gdn_qkv(mixed, num_k_heads=w.num_k_heads, num_v_heads=w.num_v_heads, head_k_dim=w.head_k_dim,
+                      head_v_dim=w.head_v_dim)
 
     if chunked:
         o, new_state = gated_delta_chunked(q, k, v, g, beta, state, scale=scale, chunk_size=chunk_size)
@@ -295,7 +339,6 @@ def gdn_layer(
         o, states = gated_delta_recurrent(q, k, v, g, beta, state, scale=scale)
         new_state = states[-1] if T else state.clone()
 
-    o = gated_rmsnorm_silu(o.to(x.dtype), z, w.norm_weight, eps=w.eps)
-    out = F.linear(o.reshape(T, HV * V), w.out_proj)
+    out = gdn_finish(w, o, z)
     new_window = conv_windows[-1] if T else conv_window.to(x.dtype, copy=True)
     return RecurrentLayerOutput(out, new_window, new_state, conv_windows, states)

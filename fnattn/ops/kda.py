@@ -1,7 +1,15 @@
 """Kimi Delta Attention layer (Kimi Linear) as a pure function of weights, inputs and states.
 
 ``kda_layer`` reproduces transformers' ``KimiLinearDeltaAttention`` for one
-request::
+request. It is built from three pieces a model can also call around an
+attention session (projections and the output norm stay with the model; the
+conv, q/k/v split and recurrence are the backend's)::
+
+    kda_project(w, x) -> (conv_input, gate, g, beta)
+    causal conv + kda_qkv(...) + gated delta rule      # the backend's part
+    kda_finish(w, o, gate) -> out
+
+In full::
 
     x -> q_proj, k_proj (H heads of size K), v_proj (H heads of size V)
       -> a short causal conv per projection (q, k and v each have their own
@@ -12,9 +20,11 @@ request::
       -> gated delta rule with per-channel decay
       -> RMSNorm per head (fp32, weight in fp32) times sigmoid(g_b(g_a(x))) -> o_proj
 
-The three conv windows are stored as one ``[2 H K + H V, W - 1]`` tensor,
-channel blocks q, then k, then v (the layout of transformers' fused ``conv1d`` and of
-``docs/layout.md``); each conv reads and writes only its own block.
+The three convs run as one depthwise conv over ``[2 H K + H V]`` channels,
+blocks q, then k, then v (``KDAWeights.conv_weight``, the layout of
+transformers' fused ``conv1d`` and of ``docs/layout.md``): a depthwise conv
+never mixes channels, so this is the same as three separate convs, and the
+three windows are stored as one ``[2 H K + H V, W - 1]`` tensor.
 """
 
 from __future__ import annotations
@@ -34,8 +44,11 @@ from fnattn.ops.delta_rule import RecurrentLayerOutput, gated_delta_chunked, gat
 __all__ = [
     "KDAWeights",
     "RecurrentLayerOutput",
+    "kda_finish",
     "kda_forget_gate",
     "kda_layer",
+    "kda_project",
+    "kda_qkv",
     "l2norm_sqrt",
     "rmsnorm_sigmoid_gate",
 ]
@@ -117,6 +130,16 @@ class KDAWeights:
     @property
     def conv_kernel(self) -> int:
         return self.q_conv_weight.shape[1]
+
+    @property
+    def conv_weight(self) -> Tensor:
+        """``[2 H K + H V, W]``: the q, k and v conv taps as one depthwise conv."""
+        return torch.cat([self.q_conv_weight, self.k_conv_weight, self.v_conv_weight], dim=0)
+
+    @property
+    def conv_bias(self) -> None:
+        """Kimi's short convs have no bias; here so GDN and KDA weights read alike."""
+        return None
 
     @classmethod
     def from_state_dict(
@@ -226,6 +249,45 @@ def rmsnorm_sigmoid_gate(
     return h.to(x.dtype)
 
 
+def kda_project(
+    w: KDAWeights, x: Float[Tensor, "T Dmodel"]
+) -> tuple[Float[Tensor, "T C"], Float[Tensor, "T H V"], Float[Tensor, "T H K"], Float[Tensor, "T H"]]:
+    """The input projections: ``(conv_input, gate, g, beta)``.
+
+    ``conv_input`` ``[T, C]`` is ``q_proj(x) | k_proj(x) | v_proj(x)`` before the
+    conv; ``gate`` ``[T, H, V]`` is the output gate ``g_b(g_a(x))`` before its
+    sigmoid; ``g`` ``[T, H, K]`` is the fp32 per-channel log-decay; ``beta``
+    ``[T, H]`` is ``sigmoid(b_proj(x))``. All but ``g`` are in ``x.dtype``.
+    """
+    expect_float("x", x)
+    expect_shape("x", x, (None, w.hidden_size))
+    T = x.shape[0]
+    conv_input = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
+    gate = F.linear(F.linear(x, w.g_a_proj), w.g_b_proj).reshape(T, w.num_heads, w.head_v_dim)
+    g = kda_forget_gate(w, x)
+    beta = torch.sigmoid(F.linear(x, w.b_proj))
+    return conv_input, gate, g, beta
+
+
+def kda_qkv(
+    mixed: Float[Tensor, "T C"], *, num_heads: int, head_k_dim: int, head_v_dim: int
+) -> tuple[Float[Tensor, "T H K"], Float[Tensor, "T H K"], Float[Tensor, "T H V"]]:
+    """Split the conv output into q, k, v and l2-normalize q and k (fp32)."""
+    T = mixed.shape[0]
+    H, K, V = num_heads, head_k_dim, head_v_dim
+    expect_shape("mixed", mixed, (None, 2 * H * K + H * V))
+    q, k, v = mixed.split([H * K, H * K, H * V], dim=-1)
+    return l2norm_sqrt(q.reshape(T, H, K)), l2norm_sqrt(k.reshape(T, H, K)), v.reshape(T, H, V)
+
+
+def kda_finish(w: KDAWeights, o: Float[Tensor, "T H V"], gate: Float[Tensor, "T H V"]) -> Float[Tensor, "T Dmodel"]:
+    """The sigmoid-gated RMSNorm and the output projection, in ``gate.dtype`` (the activation dtype)."""
+    expect_shape("o", o, (None, w.num_heads, w.head_v_dim))
+    expect_shape("gate", gate, (o.shape[0], w.num_heads, w.head_v_dim))
+    o = rmsnorm_sigmoid_gate(o.to(gate.dtype), gate, w.o_norm_weight, eps=w.eps)
+    return F.linear(o.reshape(o.shape[0], w.value_dim), w.o_proj)
+
+
 def kda_layer(
     w: KDAWeights,
     x: Float[Tensor, "T Dmodel"],
@@ -250,20 +312,11 @@ def kda_layer(
     expect_shape("conv_window", conv_window, (w.conv_dim, w.conv_kernel - 1))
     expect_shape("state", state, (w.num_heads, w.head_k_dim, w.head_v_dim))
     T = x.shape[0]
-    H, K, V = w.num_heads, w.head_k_dim, w.head_v_dim
-    scale = K**-0.5 if scale is None else scale
+    scale = w.head_k_dim**-0.5 if scale is None else scale
 
-    q_window, k_window, v_window = conv_window.split([w.key_dim, w.key_dim, w.value_dim], dim=0)
-    q, q_windows = causal_conv1d(F.linear(x, w.q_proj), w.q_conv_weight, None, q_window, activation=w.activation)
-    k, k_windows = causal_conv1d(F.linear(x, w.k_proj), w.k_conv_weight, None, k_window, activation=w.activation)
-    v, v_windows = causal_conv1d(F.linear(x, w.v_proj), w.v_conv_weight, None, v_window, activation=w.activation)
-    conv_windows = torch.cat([q_windows, k_windows, v_windows], dim=1)
-
-    q = l2norm_sqrt(q.reshape(T, H, K))
-    k = l2norm_sqrt(k.reshape(T, H, K))
-    v = v.reshape(T, H, V)
-    g = kda_forget_gate(w, x)
-    beta = torch.sigmoid(F.linear(x, w.b_proj))
+    conv_input, gate, g, beta = kda_project(w, x)
+    mixed, conv_windows = causal_conv1d(conv_input, w.conv_weight, None, conv_window, activation=w.activation)
+    q, k, v = kda_qkv(mixed, num_heads=w.num_heads, head_k_dim=w.head_k_dim, head_v_dim=w.head_v_dim)
 
     if chunked:
         o, new_state = gated_delta_chunked(q, k, v, g, beta, state, scale=scale, chunk_size=chunk_size)
@@ -272,8 +325,6 @@ def kda_layer(
         o, states = gated_delta_recurrent(q, k, v, g, beta, state, scale=scale)
         new_state = states[-1] if T else state.clone()
 
-    gate = F.linear(F.linear(x, w.g_a_proj), w.g_b_proj).reshape(T, H, V)
-    o = rmsnorm_sigmoid_gate(o.to(x.dtype), gate, w.o_norm_weight, eps=w.eps)
-    out = F.linear(o.reshape(T, H * V), w.o_proj)
+    out = kda_finish(w, o, gate)
     new_window = conv_windows[-1] if T else conv_window.to(x.dtype, copy=True)
     return RecurrentLayerOutput(out, new_window, new_state, conv_windows, states)
