@@ -4,6 +4,8 @@ Every backend is ``backend(spec, views, inputs) -> (outputs, deltas)``; a
 driver applies a step's deltas once, with `State.apply`.
 """
 
+import os as _os
+
 from .batch import PHASES, Batch
 from .deltas import CursorAdvance, IndexKeyWrite, KVWrite, LatentWrite, RecurrentWrite, StepDeltas
 from .errors import (
@@ -42,3 +44,12 @@ __all__ = [
     "DSV4Config", "FullAttentionConfig", "GDNConfig", "IndexerConfig", "KDAConfig", "LayerSpec", "MLAConfig",
     "SparseMLAConfig", "Checkpoint", "State", "Views",
 ]
+
+# In a source checkout that was not installed (a notebook or a GPU box at the repo
+# root), kernels/ and models/ sit beside fnattn/; an install maps them into the
+# package instead. Only a checkout (pyproject.toml beside) gets the extra path.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
+    _os.path.join(_root, "kernels", "__init__.py")
+):
+    __path__.append(_root)  # noqa: F821 - the package's own search path
