@@ -18,6 +18,13 @@ _EXPORTS = {
     "scatter_kv_ref": "scatter",
     "scatter_rows": "scatter",
     "scatter_rows_ref": "scatter",
+    "gated_delta_recurrent": "gated_delta",
+    "gated_delta_recurrent_ref": "gated_delta",
+    "gated_delta_chunked": "gated_delta",
+    "gated_delta_chunked_ref": "gated_delta",
+    "causal_conv1d": "gated_delta",
+    "causal_conv1d_ref": "gated_delta",
+    "chunk_indices": "gated_delta",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,182 @@
+"""Depthwise causal conv1d over packed requests, with the left context from a saved window.
+
+For channel c of a request whose saved window is s[c, 0..W-2] (oldest first) and
+whose new inputs are x_0..x_{n-1}, let z = [s[c, :], x[:, c]]. Then
+
+    y_i[c] = act(bias[c] + sum_w weight[c, w] * z[i + w])       w = 0..W-1
+
+so weight[c, W-1] multiplies the current token. The new window is the last W-1
+entries of z (after every token, with per_position_states). The pool is never written.
+"""
+
+import torch
+
+from ._triton import require_triton, tl, triton
+from .gdn_common import cdiv, check_out, check_varlen, pow2
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, y_ptr, out_ptr,
+    T, C, B, n_search,
+    sx_t, sw_c, sw_w, sp_n, sp_c, sp_w, sy_t, so_t, so_c, so_w,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PER_POS: tl.constexpr,
+):
+    rt = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # T * C may pass 2^31
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mt = rt < T
+    mc = rc < C
+
+    # request of each token: the b with cu[b] <= t < cu[b+1], by binary search (no host sync)
+    lo = tl.zeros([BT], dtype=tl.int32)
+    hi = tl.zeros([BT], dtype=tl.int32) + B
+    for _ in range(n_search):
+        mid = (lo + hi) // 2
+        go = tl.load(cu_ptr + mid) <= rt
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    bos = tl.load(cu_ptr + lo, mask=mt, other=0)
+    slot = tl.load(slots_ptr + lo, mask=mt, other=-1).to(tl.int64)
+
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for w in tl.static_range(W):
+        p = rt - (W - 1) + w  # [BT] input position feeding tap w
+        from_x = (mt & (p >= bos))[:, None] & mc[None, :]
+        from_s = (mt & (p < bos) & (slot >= 0))[:, None] & mc[None, :]
+        xv = tl.load(x_ptr + p[:, None] * sx_t + rc[None, :], mask=from_x, other=0.0)
+        j = p - bos + (W - 1)  # index into the saved window when p < bos
+        sv = tl.load(pool_ptr + slot[:, None] * sp_n + rc[None, :] * sp_c + j[:, None] * sp_w, mask=from_s, other=0.0)
+        val = tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))  # [BT, BC]
+        wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
+        acc += val * wt[None, :]
+        if PER_POS:
+            if w > 0:
+                p_o = out_ptr + rt[:, None] * so_t + rc[None, :] * so_c + (w - 1) * so_w
+                tl.store(p_o, val.to(out_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(y_ptr + rt[:, None] * sy_t + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+
+
+@triton.jit
+def _conv_final_window_kernel(
+    x_ptr, pool_ptr, slots_ptr, cu_ptr, out_ptr,
+    C, sx_t, sp_n, sp_c, sp_w, so_n, so_c, so_w,
+    W: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = rc < C
+    bos = tl.load(cu_ptr + b).to(tl.int64)
+    eos = tl.load(cu_ptr + b + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    j = tl.arange(0, BW)
+    mj = j < W - 1
+    p = eos - (W - 1) + j  # [BW] position of window entry j
+    from_x = mc[:, None] & (mj & (p >= bos))[None, :]
+    live = (j * 0 + slot) >= 0  # tensor-shaped: TRITON_INTERPRET mishandles bool tensor & bool scalar
+    from_s = mc[:, None] & (mj & (p < bos) & live)[None, :]
+    xv = tl.load(x_ptr + p[None, :] * sx_t + rc[:, None], mask=from_x, other=0.0)
+    p_s = pool_ptr + slot * sp_n + rc[:, None] * sp_c + (p - bos + W - 1)[None, :] * sp_w
+    sv = tl.load(p_s, mask=from_s, other=0.0)
+    val = tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))  # [BC, BW]
+    p_o = out_ptr + b.to(tl.int64) * so_n + rc[:, None] * so_c + j[None, :] * so_w
+    tl.store(p_o, val.to(out_ptr.dtype.element_ty), mask=mc[:, None] & mj[None, :])
+
+
+def _check_conv_args(x, weight, bias, conv_state_pool, slots, cu_seqlens, activation):
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [T, C], got shape {tuple(x.shape)}")
+    T, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 2:
+        raise ValueError(f"weight: expected [C={C}, W] with W >= 2, got shape {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if bias is not None and tuple(bias.shape) != (C,):
+        raise ValueError(f"bias: expected [C={C}] or None, got shape {tuple(bias.shape)}")
+    if conv_state_pool.dim() != 3 or tuple(conv_state_pool.shape[1:]) != (C, W - 1):
+        raise ValueError(
+            f"conv_state_pool: expected [N, C, W-1] = [N, {C}, {W - 1}], got shape {tuple(conv_state_pool.shape)}"
+        )
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation: expected 'silu', 'swish' or None, got {activation!r}")
+    for name, t in (("weight", weight), ("bias", bias), ("conv_state_pool", conv_state_pool)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: expected device {x.device}, got {t.device}")
+    B = check_varlen(slots, cu_seqlens, T, x.device)
+    return T, C, W, B
+
+
+def causal_conv1d(
+    x, weight, bias, conv_state_pool, slots, cu_seqlens, *,
+    activation="silu", per_position_states=False, out_states=None,
+):
+    """Depthwise causal conv over packed requests; left context from conv_state_pool[slots].
+
+    x [T, C]; weight [C, W]; bias [C] or None; conv_state_pool [N, C, W-1] (last W-1
+    inputs, oldest first); slots [B] (< 0: zero context); cu_seqlens [B+1] int32.
+    Returns (y [T, C] in x.dtype, windows): windows is [B, C, W-1] (after each request)
+    or, with per_position_states, [T, C, W-1] (after every token); written to
+    `out_states` when given, else to a new tensor of conv_state_pool.dtype.
+    """
+    require_triton()
+    T, C, W, B = _check_conv_args(x, weight, bias, conv_state_pool, slots, cu_seqlens, activation)
+    rows = T if per_position_states else B
+    if out_states is None:
+        out_states = torch.empty(rows, C, W - 1, dtype=conv_state_pool.dtype, device=x.device)
+    else:
+        check_out("out_states", out_states, (rows, C, W - 1), x.device)
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    BC = min(pow2(C), 128)
+    if T > 0:
+        BT = min(pow2(T), 32)
+        _conv_kernel[(cdiv(T, BT), cdiv(C, BC))](
+            x, weight, bias if bias is not None else weight, conv_state_pool, slots, cu_seqlens, y, out_states,
+            T, C, B, B.bit_length(),
+            x.stride(0), weight.stride(0), weight.stride(1), *conv_state_pool.stride(), y.stride(0),
+            *(out_states.stride() if per_position_states else (0, 0, 0)),
+            W=W, BT=BT, BC=BC, HAS_BIAS=bias is not None, SILU=activation is not None,
+            PER_POS=bool(per_position_states),
+        )
+    if not per_position_states and B > 0:
+        _conv_final_window_kernel[(B, cdiv(C, BC))](
+            x, conv_state_pool, slots, cu_seqlens, out_states,
+            C, x.stride(0), *conv_state_pool.stride(), *out_states.stride(),
+            W=W, BC=BC, BW=pow2(W - 1, lo=2),
+        )
+    return y, out_states
+
+
+def causal_conv1d_ref(
+    x, weight, bias, conv_state_pool, slots, cu_seqlens, *,
+    activation="silu", per_position_states=False,
+):
+    """Plain fp32 token loop; same contract as causal_conv1d."""
+    T, C, W, B = _check_conv_args(x, weight, bias, conv_state_pool, slots, cu_seqlens, activation)
+    wf = weight.float()
+    y = torch.zeros(T, C, dtype=torch.float32, device=x.device)
+    states = torch.zeros(T if per_position_states else B, C, W - 1, dtype=torch.float32, device=x.device)
+    cu = cu_seqlens.tolist()
+    for b, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            win = conv_state_pool[slot].float().clone()  # [C, W-1]
+        else:
+            win = torch.zeros(C, W - 1, dtype=torch.float32, device=x.device)
+        for t in range(cu[b], cu[b + 1]):
+            taps = torch.cat([win, x[t].float()[:, None]], dim=1)  # [C, W]
+            out = (taps * wf).sum(1)
+            if bias is not None:
+                out = out + bias.float()
+            if activation is not None:
+                out = out * torch.sigmoid(out)
+            y[t] = out
+            win = taps[:, 1:]
+            if per_position_states:
+                states[t] = win
+        if not per_position_states:
+            states[b] = win
+    return y.to(x.dtype), states.to(conv_state_pool.dtype)

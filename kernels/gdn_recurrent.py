@@ -1,0 +1,155 @@
+"""Token-by-token gated delta rule (GDN and KDA) for decode and speculative verify.
+
+Per value head, with state S [K, V] (key dim first):
+    S_t = decay_t * S_{t-1}                   GDN: exp(g_t) scalar; KDA: diag(exp(g_t)), g_t [K]
+    S_t = S_t + k_t^T (beta_t * (v_t - k_t S_t))
+    o_t = scale * q_t S_t
+
+The state is read from state_pool[slots[b]] and never written back: the new state goes
+to a fresh tensor or to a caller-given buffer (e.g. a ring buffer that is not the live one).
+"""
+
+import torch
+
+from ._triton import require_triton, tl, triton
+from .gdn_common import cdiv, check_gated_delta_args, check_out, inner_contiguous, l2norm, pow2
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+    pool_ptr, slots_ptr, cu_ptr, o_ptr, out_ptr,
+    scale,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
+    sp_n, sp_h, sp_k, sp_v,
+    so_t, so_h,
+    sx_n, sx_h, sx_k, sx_v,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    IS_KDA: tl.constexpr, PER_POS: tl.constexpr, L2NORM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = hv // (HV // HK)
+    bos = tl.load(cu_ptr + b).to(tl.int64)
+    eos = tl.load(cu_ptr + b + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    mkv = mk[:, None] & mv[None, :]
+
+    # [BK, BV] slice of this head's state, fp32 whatever the pool dtype
+    p_s = pool_ptr + slot * sp_n + hv * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
+    # slot < 0: fresh request, zero state; the test is made tensor-shaped because
+    # TRITON_INTERPRET mishandles a bool tensor & a bool scalar
+    live = (rk[:, None] * 0 + slot) >= 0
+    S = tl.load(p_s, mask=mkv & live, other=0.0).to(tl.float32)
+
+    for t in range(bos, eos):
+        b_q = tl.load(q_ptr + t * sq_t + hk * sq_h + rk, mask=mk, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * sk_t + hk * sk_h + rk, mask=mk, other=0.0).to(tl.float32)
+        b_v = tl.load(v_ptr + t * sv_t + hv * sv_h + rv, mask=mv, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta_ptr + t * sb_t + hv * sb_h).to(tl.float32)
+        if L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        if IS_KDA:
+            b_g = tl.load(g_ptr + t * sg_t + hv * sg_h + rk, mask=mk, other=0.0).to(tl.float32)
+            S = S * tl.exp(b_g)[:, None]
+        else:
+            b_g = tl.load(g_ptr + t * sg_t + hv * sg_h).to(tl.float32)
+            S = S * tl.exp(b_g)
+        pred = tl.sum(S * b_k[:, None], axis=0)  # [BV] = k_t S
+        u = (b_v - pred) * b_beta
+        S = S + b_k[:, None] * u[None, :]
+        b_o = tl.sum(S * b_q[:, None], axis=0) * scale
+        tl.store(o_ptr + t * so_t + hv * so_h + rv, b_o.to(o_ptr.dtype.element_ty), mask=mv)
+        if PER_POS:
+            p_x = out_ptr + t * sx_n + hv * sx_h + rk[:, None] * sx_k + rv[None, :] * sx_v
+            tl.store(p_x, S.to(out_ptr.dtype.element_ty), mask=mkv)
+
+    if not PER_POS:
+        p_x = out_ptr + b.to(tl.int64) * sx_n + hv * sx_h + rk[:, None] * sx_k + rv[None, :] * sx_v
+        tl.store(p_x, S.to(out_ptr.dtype.element_ty), mask=mkv)
+
+
+def gated_delta_recurrent(
+    q, k, v, g, beta, state_pool, slots, cu_seqlens, *,
+    scale, per_position_states=False, out_states=None, use_qk_l2norm=False, block_v=None,
+):
+    """Gated delta rule, one token after another, for all requests of a packed step.
+
+    q, k [T, Hk, K]; v [T, HV, V]; g [T, HV] (GDN) or [T, HV, K] (KDA), log decay;
+    beta [T, HV]; state_pool [N, HV, K, V]; slots [B]; cu_seqlens [B+1] int32.
+
+    Returns (o [T, HV, V] in v.dtype, states): states is [B, HV, K, V] (after each
+    request's last token) or, with per_position_states, [T, HV, K, V] (after every
+    token). States are written to `out_states` when given (any float dtype, any
+    strides), else to a new tensor of state_pool.dtype. The pool is never written.
+    """
+    require_triton()
+    T, Hk, HV, K, V, B, is_kda = check_gated_delta_args(q, k, v, g, beta, state_pool, slots, cu_seqlens)
+    rows = T if per_position_states else B
+    if out_states is None:
+        out_states = torch.empty(rows, HV, K, V, dtype=state_pool.dtype, device=q.device)
+    else:
+        check_out("out_states", out_states, (rows, HV, K, V), q.device)
+    o = torch.empty(T, HV, V, dtype=v.dtype, device=q.device)
+    if B == 0:
+        return o, out_states
+
+    q, k, v, g = (inner_contiguous(x) for x in (q, k, v, g))
+    BK = pow2(K)
+    # smaller V tiles give decode more programs to hide state-load latency
+    BV = block_v or min(pow2(V), 32 if BK >= 128 else 64)
+    grid = (B, HV, cdiv(V, BV))
+    _recurrent_kernel[grid](
+        q, k, v, g, beta, state_pool, slots, cu_seqlens, o, out_states,
+        float(scale),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        *state_pool.stride(),
+        o.stride(0), o.stride(1),
+        *out_states.stride(),
+        HK=Hk, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        IS_KDA=is_kda, PER_POS=bool(per_position_states), L2NORM=bool(use_qk_l2norm),
+    )
+    return o, out_states
+
+
+def gated_delta_recurrent_ref(
+    q, k, v, g, beta, state_pool, slots, cu_seqlens, *,
+    scale, per_position_states=False, use_qk_l2norm=False,
+):
+    """Plain fp32 token loop; same contract as gated_delta_recurrent (states in state_pool.dtype)."""
+    T, Hk, HV, K, V, B, is_kda = check_gated_delta_args(q, k, v, g, beta, state_pool, slots, cu_seqlens)
+    if use_qk_l2norm:
+        q, k = l2norm(q.float()), l2norm(k.float())
+    group = HV // Hk
+    qf = q.float().repeat_interleave(group, dim=1)  # [T, HV, K]
+    kf = k.float().repeat_interleave(group, dim=1)  # [T, HV, K]
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    o = torch.zeros(T, HV, V, dtype=torch.float32, device=q.device)
+    states = torch.zeros(T if per_position_states else B, HV, K, V, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens.tolist()
+    for b, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            S = state_pool[slot].float().clone()  # [HV, K, V]
+        else:
+            S = torch.zeros(HV, K, V, dtype=torch.float32, device=q.device)
+        for t in range(cu[b], cu[b + 1]):
+            decay = gf[t].exp()  # [HV] or [HV, K]
+            S = S * (decay[:, :, None] if is_kda else decay[:, None, None])
+            pred = torch.einsum("hk,hkv->hv", kf[t], S)
+            u = (vf[t] - pred) * bf[t][:, None]
+            S = S + kf[t][:, :, None] * u[:, None, :]
+            o[t] = scale * torch.einsum("hk,hkv->hv", qf[t], S)
+            if per_position_states:
+                states[t] = S
+        if not per_position_states:
+            states[b] = S
+    return o.to(v.dtype), states.to(state_pool.dtype)
