@@ -1,0 +1,136 @@
+"""Reference Gated DeltaNet / Kimi Delta Attention: the part shared by both kinds.
+
+A backend receives the conv input ``x`` (q | k | v channels), the conv taps and
+the per-token gates, and owns everything between the model's projections and
+its output norm: the causal conv continuing from the request's conv window,
+silu, the q/k/v split with l2-normalized q and k, and the gated delta rule
+continuing from the request's recurrent state. The new states leave as one
+`RecurrentWrite`:
+
+* prefill (chunked form) and decode (token by token): one row per request,
+  the states after its last token;
+* verify (token by token): one row per token, the states after every token,
+  so `StepDeltas.accept` can keep the row of the last accepted token. Only
+  each request's last row carries its slot; the others are -1 (skipped), so
+  applying the deltas without `accept` keeps every token, like the cursor.
+
+Requests loop on the host; the math is `fnattn.ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from ...checks import fail
+from ...deltas import RecurrentWrite
+from ...inputs import RecurrentInputs, RecurrentOutput
+from ...ops.conv import causal_conv1d
+from ...ops.delta_rule import gated_delta_chunked, gated_delta_recurrent
+from ...ops.gdn import gdn_qkv
+from ...ops.kda import kda_qkv
+from ...spec import LayerSpec
+from ...state import Views
+
+#: Tokens per chunk of the chunked (prefill) form.
+CHUNK_SIZE = 64
+
+
+def heads(spec: LayerSpec) -> int:
+    """Heads of the recurrent state: GDN's value heads, KDA's heads."""
+    c = spec.config
+    return c.num_v_heads if spec.kind == "gdn" else c.num_heads
+
+
+def split_qkv(spec: LayerSpec, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Conv output ``[n, C]`` -> q, k ``[n, H, K]`` (fp32, l2-normalized) and v ``[n, H, V]``."""
+    c = spec.config
+    if spec.kind == "gdn":
+        return gdn_qkv(mixed, num_k_heads=c.num_k_heads, num_v_heads=c.num_v_heads,
+                       head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim)
+    return kda_qkv(mixed, num_heads=c.num_heads, head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim)
+
+
+def check_inputs(spec: LayerSpec, inputs: RecurrentInputs) -> None:
+    """What `RecurrentInputs.validate` leaves open: the type of the inputs and beta's dtype."""
+    where = f"layer {spec.index} inputs"
+    if not isinstance(inputs, RecurrentInputs):
+        fail(where, "inputs", f"RecurrentInputs (the layer is {spec.kind})", type(inputs).__name__)
+    # An integer or fp64 beta is a wiring mistake, not a value to cast silently.
+    allowed = tuple(dict.fromkeys((spec.dtype, torch.float32)))
+    if inputs.beta.dtype not in allowed:
+        fail(where, "beta", f"dtype {' or '.join(map(str, allowed))}", inputs.beta.dtype)
+
+
+def start_states(spec: LayerSpec, views: Views, batch, b: int) -> tuple[Tensor, Tensor]:
+    """The conv window ``[C, W - 1]`` and recurrent state ``[H, K, V]`` request ``b`` starts from.
+
+    A request with nothing cached is fresh: its slot may hold a previous
+    request's state (slots are reused), so it is never read.
+    """
+    c = spec.config
+    device = views.ssm.device
+    if batch.host_cache_lens[b] == 0:
+        window = torch.zeros(c.conv_dim, c.conv_kernel - 1, dtype=spec.dtype, device=device)
+        state = torch.zeros(heads(spec), c.head_k_dim, c.head_v_dim, dtype=c.state_dtype, device=device)
+        return window, state
+    slot = batch.recurrent_slots[b : b + 1]  # [1]: index_select keeps the slot on the device
+    return views.conv.index_select(0, slot)[0], views.ssm.index_select(0, slot)[0]
+
+
+def run(spec: LayerSpec, views: Views, inputs: RecurrentInputs, *, per_token: bool):
+    """Every request of the step: ``-> (o [T, H, V], states, windows)``.
+
+    ``per_token=False``: chunked form; ``states`` [B, H, K, V] and ``windows``
+    [B, C, W - 1] hold each request's final states. ``per_token=True``: the
+    token-by-token form; ``states`` [T, H, K, V] and ``windows`` [T, C, W - 1]
+    hold the states after every token.
+    """
+    check_inputs(spec, inputs)
+    c, batch = spec.config, inputs.meta.batch
+    cu = batch.host_cu_seqlens
+    outs, states, windows = [], [], []
+    for b in range(batch.num_requests):
+        rows = slice(cu[b], cu[b + 1])
+        window, state = start_states(spec, views, batch, b)
+        mixed, conv_after = causal_conv1d(inputs.x[rows], inputs.conv_weight, inputs.conv_bias, window,
+                                          activation="silu")  # [n, C], [n, C, W - 1]
+        q, k, v = split_qkv(spec, mixed)
+        g, beta = inputs.g[rows], inputs.beta[rows]  # [n, H] or [n, H, K]; [n, H]
+        if per_token:
+            o, after = gated_delta_recurrent(q, k, v, g, beta, state, scale=c.scale)  # [n, H, V], [n, H, K, V]
+            states.append(after)
+            windows.append(conv_after)
+        else:
+            o, final = gated_delta_chunked(q, k, v, g, beta, state, scale=c.scale, chunk_size=CHUNK_SIZE)
+            states.append(final[None])
+            windows.append(conv_after[-1:])
+        outs.append(o)
+    o = torch.cat(outs).to(spec.dtype)  # [T, H, V]
+    return o, torch.cat(states), torch.cat(windows)
+
+
+def per_request(spec: LayerSpec, views: Views, inputs: RecurrentInputs, *, chunked: bool):
+    """Prefill (chunked) and decode (token by token): one state row per request."""
+    batch = inputs.meta.batch
+    if chunked:
+        o, states, windows = run(spec, views, inputs, per_token=False)
+    else:
+        o, states, windows = run(spec, views, inputs, per_token=True)
+        last = torch.tensor(batch.host_cu_seqlens[1:], device=o.device) - 1  # [B] each request's last row
+        states, windows = states.index_select(0, last), windows.index_select(0, last)
+    write = RecurrentWrite(layer=spec.index, slots=batch.recurrent_slots, state=states, conv=windows)
+    return RecurrentOutput(o=o), (write,)
+
+
+def per_token(spec: LayerSpec, views: Views, inputs: RecurrentInputs):
+    """Verify: the states after every token, and the inputs to replay accepted tokens."""
+    batch = inputs.meta.batch
+    o, states, windows = run(spec, views, inputs, per_token=True)  # [T, H, V], [T, H, K, V], [T, C, W - 1]
+    last = torch.tensor(batch.host_cu_seqlens[1:], device=o.device) - 1  # [B]
+    slots = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=o.device)
+    slots = slots.index_copy(0, last, batch.recurrent_slots.long())  # [T]
+    write = RecurrentWrite(layer=spec.index, slots=slots, state=states, conv=windows)
+    return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), (write,)

@@ -1,0 +1,84 @@
+"""Reference sparse MLA with the DSA indexer (DeepSeek-V3.2, GLM-5) over paged caches.
+
+A layer that runs its own indexer (``index_source_layer is None``) scores every
+visible token of the request (the cached index keys plus this step's, causal,
+the token itself included), keeps the ``sparse.topk`` best and attends MLA over
+only those. Its new latent rows and index keys leave as deltas. A layer that
+reuses another layer's selection (GLM-5 "shared") attends over the
+``topk_indices`` the model passes in and writes only its latent rows.
+
+Top-k indices are absolute positions within the request, ``-1`` padded, and
+are returned so later layers can reuse them. Forms as in `.mla`: prefill
+expanded, decode and verify absorbed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...checks import fail
+from ...deltas import IndexKeyWrite
+from ...inputs import SparseAttentionOutput, SparseMLAInputs
+from ...ops.dsa import indexer_scores, topk_indices
+from ...registry import register
+from ...spec import LayerSpec
+from ...state import Views
+from .mla import latent_write, paged_mla, request_rows
+
+
+def select(views: Views, inputs: SparseMLAInputs) -> Tensor:
+    """The indexer's top-k of every new token: ``[T, topk]`` int64 positions, -1 padded."""
+    batch = inputs.meta.batch
+    cu = batch.host_cu_seqlens
+    picked = []
+    for b, n_cached in enumerate(batch.host_cache_lens):
+        rows = slice(cu[b], cu[b + 1])
+        keys = request_rows(views.index_k, inputs.index_k[rows], batch, b)  # [N, Di]
+        scores = indexer_scores(inputs.index_q[rows], inputs.index_w[rows], keys)  # [n, N] fp32
+        picked.append(topk_indices(scores, n_cached=n_cached, topk=inputs.sparse.topk))  # [n, topk]
+    return torch.cat(picked)
+
+
+def check_reused(spec: LayerSpec, inputs: SparseMLAInputs) -> Tensor:
+    """Reused indices must be causal positions of the token's own request.
+
+    The mask would silently drop any other value, which would hide a wiring bug
+    (indices from another step or another request's layout).
+    """
+    idx = inputs.topk_indices  # [T, topk]
+    positions = inputs.meta.batch.positions  # [T]
+    bad = (idx < -1) | (idx > positions[:, None])
+    if bool(bad.any()):
+        t = int(bad.any(dim=1).nonzero()[0, 0])
+        fail(f"layer {spec.index} inputs", "topk_indices",
+             f"positions in -1..{int(positions[t])} for token {t} (causal, within its request)",
+             idx[t].tolist())
+    return idx
+
+
+def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str):
+    owns_indexer = spec.config.index_source_layer is None
+    selected = select(views, inputs) if owns_indexer else check_reused(spec, inputs)
+    att = paged_mla(spec, views, inputs, phase=phase, selected=selected)
+    out = SparseAttentionOutput(o=att.o, lse=att.lse, topk_indices=selected)
+    deltas = (latent_write(spec, inputs),)
+    if owns_indexer:
+        deltas += (IndexKeyWrite(layer=spec.index, slots=inputs.meta.batch.slot_mapping, keys=inputs.index_k),)
+    return out, deltas
+
+
+# One function per phase, as the registry wants; the reference math is shared.
+@register("sparse_mla", "prefill", "reference")
+def sparse_mla_prefill(spec, views, inputs):
+    return sparse_step(spec, views, inputs, "prefill")
+
+
+@register("sparse_mla", "decode", "reference")
+def sparse_mla_decode(spec, views, inputs):
+    return sparse_step(spec, views, inputs, "decode")
+
+
+@register("sparse_mla", "verify", "reference")
+def sparse_mla_verify(spec, views, inputs):
+    return sparse_step(spec, views, inputs, "verify")
