@@ -18,6 +18,7 @@ Every case runs in its own try/except; the JSON holds whatever finished.
 
 import argparse
 import json
+import signal
 import sys
 import time
 import traceback
@@ -346,15 +347,19 @@ def main():
     torch.manual_seed(0)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, parity=[], timing=[])
-    if not args.skip_parity:
-        parity(report["parity"])
-    if not args.skip_timing:
-        timing(report["timing"], not args.no_fla)
-    failed = [r for r in report["parity"] if not r.get("passed")]
-    report["summary"] = dict(parity_cases=len(report["parity"]), parity_failed=len(failed))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"parity: {len(report['parity']) - len(failed)}/{len(report['parity'])} PASS; wrote {args.out}")
+    # A time limit (SIGTERM) still leaves the cases finished so far in the JSON.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    try:
+        if not args.skip_parity:
+            parity(report["parity"])
+        if not args.skip_timing:
+            timing(report["timing"], not args.no_fla)
+    finally:
+        failed = [r for r in report["parity"] if not r.get("passed")]
+        report["summary"] = dict(parity_cases=len(report["parity"]), parity_failed=len(failed))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"parity: {len(report['parity']) - len(failed)}/{len(report['parity'])} PASS; wrote {args.out}")
     sys.exit(1 if failed else 0)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 
 from . import draw_png, print_table, with_ratios, write_json
@@ -34,27 +35,30 @@ def run(args) -> int:
     from .attention import decode_case, prefill_case
 
     records = []
-    graph = not args.eager
-    if args.case in ("decode", "standard"):
-        for b in args.batch:
-            records += decode_case(batch=b, ctx=args.ctx, hq=args.hq, hkv=args.hkv, dim=args.dim,
-                                   page_size=args.page_size, graph=graph)
-    if args.case == "standard":  # the Qwen3.5 full-attention shape too
-        for b in args.batch:
-            records += decode_case(batch=b, ctx=args.ctx, hq=16, hkv=4, dim=256, page_size=args.page_size,
-                                   graph=graph)
-    if args.case in ("prefill", "standard"):
-        for t in args.tokens:
-            records += prefill_case(tokens=t, hq=args.hq, hkv=args.hkv, dim=args.dim)
-    if args.case in ("gdn-prefill", "gdn-decode", "kda-prefill", "standard"):
-        from .recurrent import recurrent_cases
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
+    try:
+        graph = not args.eager
+        if args.case in ("decode", "standard"):
+            for b in args.batch:
+                records += decode_case(batch=b, ctx=args.ctx, hq=args.hq, hkv=args.hkv, dim=args.dim,
+                                       page_size=args.page_size, graph=graph)
+        if args.case == "standard":  # the Qwen3.5 full-attention shape too
+            for b in args.batch:
+                records += decode_case(batch=b, ctx=args.ctx, hq=16, hkv=4, dim=256, page_size=args.page_size,
+                                       graph=graph)
+        if args.case in ("prefill", "standard"):
+            for t in args.tokens:
+                records += prefill_case(tokens=t, hq=args.hq, hkv=args.hkv, dim=args.dim)
+        if args.case in ("gdn-prefill", "gdn-decode", "kda-prefill", "standard"):
+            from .recurrent import recurrent_cases
 
-        records += recurrent_cases(args.case)
-    with_ratios(records)
-    print_table(records)
-    write_json(records, args.out, command="fnattn bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
-    if args.png:
-        draw_png(records, args.png)
+            records += recurrent_cases(args.case)
+    finally:
+        with_ratios(records)
+        print_table(records)
+        write_json(records, args.out, command="fnattn bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+        if args.png and records:
+            draw_png(records, args.png)
     return 0
 
 

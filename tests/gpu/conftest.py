@@ -15,6 +15,16 @@ import pytest
 ROWS: list[dict] = []
 
 
+def pytest_configure(config):
+    # A time limit (SIGTERM) ends the run like Ctrl-C, so the finished cases are still written.
+    import signal
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 @pytest.fixture
 def record():
     return ROWS.append
