@@ -61,12 +61,22 @@ def environment() -> dict:
             env[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - absence is a fact worth recording, not an error
             env[name] = None
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                       cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        env["commit"] = None
+    env["commit"] = commit()
     return env
+
+
+def commit() -> str | None:
+    """The source commit: FNATTN_COMMIT when set (copies without git history), else git's answer."""
+    import os
+
+    if os.environ.get("FNATTN_COMMIT"):
+        return os.environ["FNATTN_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return None
+    return out if len(out) == 40 else None
 
 
 def write_json(records: list[dict], path: str | Path, *, command: str) -> dict:

@@ -6,7 +6,6 @@ errors, pass/fail) with the command and commit that produced it.
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -36,10 +35,11 @@ def pytest_sessionfinish(session, exitstatus):
         return
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from fnattn.bench import commit
+
     doc = {
         "command": "FNATTN_GPU_RESULTS=... " + " ".join(["pytest"] + sys.argv[1:]),
-        "commit": commit or os.environ.get("FNATTN_COMMIT"),
+        "commit": commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
