@@ -1,0 +1,101 @@
+"""Model families: each turns a Hugging Face config dict into specs and a step function.
+
+A family module registers one `Family`. Loading is generic: the family lists
+every tensor it reads with its shape (`weight_shapes`), the checkpoint reader
+checks and loads each once, and `load` arranges them into the family's params.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .loading import CheckpointReader, read_config
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # short name, e.g. "qwen3_5"
+    model_types: tuple[str, ...]  # the config.json `model_type` values it reads
+    adapt: Callable[[dict], Any]  # config dict -> frozen model config (with `.specs` and `.vocab_size`)
+    weight_shapes: Callable[[Any], dict[str, tuple[int, ...]]]  # every tensor read, by checkpoint name
+    load: Callable[[Any, Any], Any]  # (model config, mapping name -> tensor) -> params
+    step: Callable  # (params, session, tokens [T]) -> (logits [T, vocab], StepDeltas)
+    tiny_config: Callable[[], dict]  # a small config.json dict for demos and tests
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    if family.name in FAMILIES:
+        raise ValueError(f"register_family: family {family.name!r} is already registered")
+    FAMILIES[family.name] = family
+    return family
+
+
+def _load_builtin() -> None:
+    import importlib
+
+    for module in ("qwen3_5", "qwen3_next", "deepseek_v32", "glm5", "kimi_linear"):
+        try:
+            importlib.import_module(f"{__package__}.{module}")
+        except ModuleNotFoundError as e:  # a family not shipped in this build
+            if e.name != f"{__package__}.{module}":
+                raise
+
+
+def family_for(config: dict) -> Family:
+    _load_builtin()
+    model_type = config.get("model_type")
+    for fam in FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam
+    known = sorted(t for f in FAMILIES.values() for t in f.model_types)
+    raise ValueError(f"config.json: `model_type` must be one of {known}, got {model_type!r}")
+
+
+def family_named(name: str) -> Family:
+    _load_builtin()
+    if name not in FAMILIES:
+        raise ValueError(f"model family must be one of {sorted(FAMILIES)}, got {name!r}")
+    return FAMILIES[name]
+
+
+@dataclass(frozen=True)
+class Model:
+    family: Family
+    config: Any
+    params: Any
+
+    @property
+    def specs(self):
+        return self.config.specs
+
+    def step(self, params, session, tokens):
+        return self.family.step(params, session, tokens)
+
+
+def load_model(path, *, dtype: torch.dtype = torch.float32, device="cpu") -> Model:
+    """Read config.json and the safetensors of a local checkpoint directory."""
+    raw = read_config(path)
+    fam = family_for(raw)
+    cfg = fam.adapt(raw)
+    reader = CheckpointReader(path, dtype=dtype, device=device)
+    weights = {name: reader.expect(name, shape) for name, shape in fam.weight_shapes(cfg).items()}
+    return Model(fam, cfg, fam.load(cfg, weights))
+
+
+def random_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu",
+                 config: dict | None = None) -> Model:
+    """A family's tiny config with random weights (scaled so activations stay O(1))."""
+    fam = family_named(name)
+    cfg = fam.adapt(config or fam.tiny_config())
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for wname, shape in fam.weight_shapes(cfg).items():
+        scale = shape[-1] ** -0.5 if len(shape) > 1 else 0.1
+        weights[wname] = (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+    return Model(fam, cfg, fam.load(cfg, weights))
