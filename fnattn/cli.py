@@ -18,6 +18,8 @@ def _progress(done: int, total: int, started: float, stream=sys.stderr) -> None:
 
 
 def demo(args) -> int:
+    if args.model != "tiny":
+        return demo_family(args)
     import torch
 
     from . import ModelAttention, State
@@ -38,7 +40,7 @@ def demo(args) -> int:
     started = time.perf_counter()
     _progress(0, args.tokens, started)
     state, out = generate(tiny.step, params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
-                          on_step=lambda i: _progress(i + 1, args.tokens, started))
+                          on_step=lambda i, _: _progress(i + 1, args.tokens, started))
     elapsed = time.perf_counter() - started
     text = bytes(t for t in out[0]).decode("utf-8", errors="replace")
     print(f"generated {len(out[0])} tokens: {text!r}")
@@ -46,6 +48,85 @@ def demo(args) -> int:
     print(f"pages free after release: {state.free_pages}/{state.num_pages}")
     print()
     print(ma.explain())
+    return 0
+
+
+def _state_for(model, *, tokens: int, page_size: int, device, max_requests: int = 1):
+    from . import State
+
+    pages = max_requests * (tokens // page_size + 2)
+    return State(model.specs, num_pages=pages, page_size=page_size, max_requests=max_requests, device=device)
+
+
+def demo_family(args) -> int:
+    """A built-in tiny config of one model family, random weights, token ids as the prompt."""
+    import torch
+
+    from . import ModelAttention
+    from .driver import generate
+    from .models.registry import random_model
+
+    model = random_model(args.model, seed=args.seed, dtype=torch.float32, device=args.device)
+    ma = ModelAttention(model.specs, device=args.device)
+    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(12)]
+    state = _state_for(model, tokens=len(prompt) + args.tokens, page_size=args.page_size, device=args.device)
+    kinds = sorted({s.kind for s in model.specs})
+    print(f"fnattn demo: {args.model} (tiny config, {len(model.specs)} layers: {', '.join(kinds)}, random weights)")
+    print(f"prompt token ids: {prompt}")
+    started = time.perf_counter()
+    _progress(0, args.tokens, started)
+    state, out = generate(model.step, model.params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
+                          on_step=lambda i, _: _progress(i + 1, args.tokens, started))
+    elapsed = time.perf_counter() - started
+    print(f"generated token ids: {out[0]}")
+    print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, greedy, batch 1)")
+    print()
+    print(ma.explain())
+    return 0
+
+
+def generate_text(args) -> int:
+    """Greedy generation from a local checkpoint directory with its tokenizer, streaming text."""
+    from pathlib import Path
+
+    import torch
+
+    from . import ModelAttention
+    from .driver import generate
+    from .models.registry import load_model
+
+    path = Path(args.model)
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        print(f"fnattn generate: {path} has no tokenizer.json", file=sys.stderr)
+        return 2
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tok_file))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = load_model(path, dtype=dtype, device=args.device)
+    ma = ModelAttention(model.specs, device=args.device)
+    prompt = tokenizer.encode(args.prompt).ids
+    if not prompt:
+        print("fnattn generate: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    state = _state_for(model, tokens=len(prompt) + args.tokens, page_size=args.page_size, device=args.device)
+    generated: list[int] = []
+    shown = ""
+
+    def stream(i, tokens):
+        nonlocal shown
+        generated.append(tokens[0])
+        text = tokenizer.decode(generated)
+        sys.stdout.write(text[len(shown):])
+        sys.stdout.flush()
+        shown = text
+
+    sys.stdout.write(args.prompt)
+    started = time.perf_counter()
+    generate(model.step, model.params, ma, state, {0: prompt}, max_new_tokens=args.tokens, on_step=stream)
+    elapsed = time.perf_counter() - started
+    print(f"\n[{len(generated)} tokens, {len(generated) / elapsed:.1f} tokens/s]", file=sys.stderr)
     return 0
 
 
@@ -58,7 +139,18 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default 16)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--model", default="tiny",
+                   help="tiny (default), or a built-in tiny config of a model family: qwen3_5, qwen3_next, "
+                        "deepseek_v32, glm5, kimi_linear")
     p.set_defaults(fn=demo)
+    g = sub.add_parser("generate", help="greedy generation from a local checkpoint directory")
+    g.add_argument("--model", required=True, help="directory with config.json, safetensors and tokenizer.json")
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default 16)")
+    g.set_defaults(fn=generate_text)
     from .bench.cli import add_arguments
     from .bench.cli import run as bench
 
@@ -66,7 +158,7 @@ def main(argv=None) -> int:
     add_arguments(b)
     b.set_defaults(fn=bench)
     args = parser.parse_args(argv)
-    if args.command == "demo" and args.tokens < 1:
+    if args.command in ("demo", "generate") and args.tokens < 1:
         parser.error(f"--tokens must be >= 1, got {args.tokens}")
     return args.fn(args)
 

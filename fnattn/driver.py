@@ -46,15 +46,20 @@ def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence
 
 
 def generate(step, params, model_attention, state, prompts: Mapping[int, Sequence[int]], *,
-             max_new_tokens: int, chunk: int | None = None, on_step: Callable[[int], None] | None = None,
-             release: bool = True):
-    """Greedy generation for a batch of new requests; ``-> (state, {rid: new tokens})``."""
+             max_new_tokens: int, chunk: int | None = None,
+             on_step: Callable[[int, dict[int, int]], None] | None = None, release: bool = True):
+    """Greedy generation for a batch of new requests; ``-> (state, {rid: new tokens})``.
+
+    ``on_step(i, {rid: token})`` is called after each generated token (i = 0 after prefill).
+    """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         fail("generate", "max_new_tokens", "an int >= 1", max_new_tokens)
     for r in prompts:
         state = state.admit(r)
     state, last = prefill(step, params, model_attention, state, prompts, chunk=chunk)
     out = {r: [int(last[r].argmax())] for r in prompts}
+    if on_step:
+        on_step(0, {r: out[r][-1] for r in prompts})
     for i in range(1, max_new_tokens):
         ids = list(prompts)
         state = state.reserve({r: 1 for r in ids})
@@ -64,7 +69,7 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
         for b, r in enumerate(batch.request_ids):
             out[r].append(int(logits[b].argmax()))
         if on_step:
-            on_step(i)
+            on_step(i, {r: out[r][-1] for r in ids})
     if release:
         for r in prompts:
             state = state.release(r)
