@@ -19,6 +19,7 @@ from .checks import fail
 from .deltas import CursorAdvance
 
 PHASES = ("prefill", "decode", "verify")
+RECOVERY = ("native", "replay")
 _steps = itertools.count(1)
 
 
@@ -34,6 +35,7 @@ class Batch:
     recurrent_slots: Tensor  # [B] int64: recurrent state slot per request
     page_size: int  # S
     num_draft: int  # verify: k draft tokens per request (1 + k new tokens); else 0
+    recovery: str  # verify: "native" (recurrent state after every token) or "replay" (inputs only)
     state_version: int  # the State version this batch was built from
     step_id: int  # unique per batch; a step's deltas carry it
     host_new_lens: tuple[int, ...]  # [B] new tokens per request
@@ -77,17 +79,39 @@ class Batch:
         return _build(state, "decode", {r: 1 for r in ids}, num_draft=0, ids=ids)
 
     @staticmethod
-    def verify(state, request_ids: Iterable[int], *, num_draft: int) -> "Batch":
-        """The last accepted token plus ``num_draft`` draft tokens per request."""
+    def verify(state, request_ids: Iterable[int], *, num_draft: int, recovery: str = "native") -> "Batch":
+        """The last accepted token plus ``num_draft`` draft tokens per request.
+
+        ``recovery="native"``: recurrent layers return their state after every
+        token and `StepDeltas.accept` keeps the accepted one. ``"replay"``: they
+        return only their per-token inputs; the accepted tokens are replayed
+        afterwards with `Batch.replay`.
+        """
         ids = tuple(request_ids)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Batch.verify", "num_draft", "an int >= 1", num_draft)
+        if recovery not in RECOVERY:
+            fail("Batch.verify", "recovery", f"one of {RECOVERY}", recovery)
         if not ids:
             fail("Batch.verify", "request_ids", "at least one request", ids)
-        return _build(state, "verify", {r: 1 + num_draft for r in ids}, num_draft=num_draft, ids=ids)
+        return _build(state, "verify", {r: 1 + num_draft for r in ids}, num_draft=num_draft, ids=ids,
+                      recovery=recovery)
+
+    @staticmethod
+    def replay(state, counts: Mapping[int, int]) -> "Batch":
+        """Re-run the accepted tokens of a verify step (token by token) from the same state.
+
+        Built from the state the verify step read; each request replays its
+        ``counts[r]`` accepted tokens, so recurrent layers leave exactly the
+        state a native verify would have kept.
+        """
+        if not isinstance(counts, Mapping) or not counts:
+            fail("Batch.replay", "counts", "a non-empty mapping request id -> accepted tokens", counts)
+        return _build(state, "verify", dict(counts), num_draft=max(counts.values()) - 1, recovery="native")
 
 
-def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None) -> Batch:
+def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None,
+           recovery: str = "native") -> Batch:
     where = f"Batch.{phase}"
     if ids is not None and len(set(ids)) != len(ids):
         fail(where, "request_ids", "unique ids", ids)
@@ -130,6 +154,7 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         recurrent_slots=t([r.slot for r, _ in reqs], torch.int64),
         page_size=S,
         num_draft=num_draft,
+        recovery=recovery,
         state_version=state.version,
         step_id=next(_steps),
         host_new_lens=new_lens,
@@ -139,7 +164,7 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
 
 
 _TENSORS = ("cu_seqlens", "cache_lens", "positions", "block_table", "slot_mapping", "recurrent_slots")
-_STATIC = ("phase", "request_ids", "page_size", "num_draft", "state_version", "step_id",
+_STATIC = ("phase", "request_ids", "page_size", "num_draft", "recovery", "state_version", "step_id",
            "host_new_lens", "host_cache_lens", "host_pages")
 optree.register_pytree_node(
     Batch,

@@ -93,23 +93,39 @@ def run(spec: LayerSpec, views: Views, inputs: RecurrentInputs, *, per_token: bo
     cu = batch.host_cu_seqlens
     outs, states, windows = [], [], []
     for b in range(batch.num_requests):
-        rows = slice(cu[b], cu[b + 1])
         window, state = start_states(spec, views, batch, b)
-        mixed, conv_after = causal_conv1d(inputs.x[rows], inputs.conv_weight, inputs.conv_bias, window,
-                                          activation="silu")  # [n, C], [n, C, W - 1]
-        q, k, v = split_qkv(spec, mixed)
-        g, beta = inputs.g[rows], inputs.beta[rows]  # [n, H] or [n, H, K]; [n, H]
         if per_token:
-            o, after = gated_delta_recurrent(q, k, v, g, beta, state, scale=c.scale)  # [n, H, V], [n, H, K, V]
-            states.append(after)
-            windows.append(conv_after)
+            # One token at a time, every op on the same shapes whatever the request's
+            # length: the state after token i is then bit-for-bit the same whether i
+            # was the last token of a step or not (native vs replay recovery).
+            for t in range(cu[b], cu[b + 1]):
+                o, window, state = _advance(spec, inputs, slice(t, t + 1), window, state, chunked=False)
+                outs.append(o)
+                states.append(state[None])
+                windows.append(window[None])
         else:
-            o, final = gated_delta_chunked(q, k, v, g, beta, state, scale=c.scale, chunk_size=CHUNK_SIZE)
-            states.append(final[None])
-            windows.append(conv_after[-1:])
-        outs.append(o)
+            o, window, state = _advance(spec, inputs, slice(cu[b], cu[b + 1]), window, state, chunked=True)
+            outs.append(o)
+            states.append(state[None])
+            windows.append(window[None])
     o = torch.cat(outs).to(spec.dtype)  # [T, H, V]
     return o, torch.cat(states), torch.cat(windows)
+
+
+def _advance(spec: LayerSpec, inputs: RecurrentInputs, rows: slice, window: Tensor, state: Tensor, *,
+             chunked: bool):
+    """Run ``rows`` of one request: ``-> (o [n, H, V], window after, state after)``."""
+    c = spec.config
+    mixed, conv_after = causal_conv1d(inputs.x[rows], inputs.conv_weight, inputs.conv_bias, window,
+                                      activation="silu")  # [n, C], [n, C, W - 1]
+    q, k, v = split_qkv(spec, mixed)
+    g, beta = inputs.g[rows], inputs.beta[rows]  # [n, H] or [n, H, K]; [n, H]
+    if chunked:
+        o, final = gated_delta_chunked(q, k, v, g, beta, state, scale=c.scale, chunk_size=CHUNK_SIZE)
+    else:
+        o, after = gated_delta_recurrent(q, k, v, g, beta, state, scale=c.scale)
+        final = after[-1]
+    return o, conv_after[-1], final
 
 
 def per_request(spec: LayerSpec, views: Views, inputs: RecurrentInputs, *, chunked: bool):
@@ -126,9 +142,15 @@ def per_request(spec: LayerSpec, views: Views, inputs: RecurrentInputs, *, chunk
 
 
 def per_token(spec: LayerSpec, views: Views, inputs: RecurrentInputs):
-    """Verify: the states after every token, and the inputs to replay accepted tokens."""
+    """Verify: the states after every token, and the inputs to replay accepted tokens.
+
+    With ``batch.recovery == "replay"`` no state leaves the step: the accepted
+    tokens are replayed later (`Batch.replay`) from the same pre-step state.
+    """
     batch = inputs.meta.batch
     o, states, windows = run(spec, views, inputs, per_token=True)  # [T, H, V], [T, H, K, V], [T, C, W - 1]
+    if batch.recovery == "replay":
+        return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), ()
     last = torch.tensor(batch.host_cu_seqlens[1:], device=o.device) - 1  # [B]
     slots = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=o.device)
     slots = slots.index_copy(0, last, batch.recurrent_slots.long())  # [T]
