@@ -5,7 +5,7 @@ Fast backends import their GPU libraries only when called, and refuse a layer
 is missing.
 """
 
-from . import flashinfer_full, triton_full  # noqa: F401
+from . import flashinfer_full, triton_full, triton_recurrent  # noqa: F401
 from .reference import (
     full,  # noqa: F401
     gdn,  # noqa: F401

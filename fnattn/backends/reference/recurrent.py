@@ -89,7 +89,7 @@ def run(spec: LayerSpec, views: Views, inputs: RecurrentInputs, *, per_token: bo
     hold the states after every token.
     """
     check_inputs(spec, inputs)
-    c, batch = spec.config, inputs.meta.batch
+    batch = inputs.meta.batch
     cu = batch.host_cu_seqlens
     outs, states, windows = [], [], []
     for b in range(batch.num_requests):
