@@ -91,14 +91,16 @@ def write_step(pools, targets: list[_Target]) -> None:
     groups: dict[tuple[str, str], list[_Target]] = {}
     for t in targets:
         groups.setdefault((t.pool, t.tensor), []).append(t)
+    fused = _fused_kv(pools, groups)
     for (pool, tensor), ts in groups.items():
+        if (pool, tensor) in fused:
+            continue
         live = pools[pool].tensors[tensor]
         row = ts[0].value.shape[1:]
         if live.is_cuda and _whole_pool(ts, live.shape[0]):
             from .kernels import scatter_rows
 
-            ts.sort(key=lambda t: t.layer_pos)
-            scatter_rows(live.view(live.shape[0], -1, *row), ts[0].index, torch.stack([t.value for t in ts]))
+            scatter_rows(live.view(live.shape[0], -1, *row), ts[0].index, _stacked(ts))
             continue
         for t in ts:
             flat = live[t.layer_pos].view(-1, *row)
@@ -108,6 +110,31 @@ def write_step(pools, targets: list[_Target]) -> None:
                 flat.index_copy_(0, index, t.value)
             else:
                 flat.index_copy_(0, index[keep], t.value[keep])
+
+
+def _stacked(ts: list[_Target]):
+    """Values of every layer of a pool as [L, N, *row], in pool order (a view when L == 1)."""
+    ts.sort(key=lambda t: t.layer_pos)
+    return ts[0].value.unsqueeze(0) if len(ts) == 1 else torch.stack([t.value for t in ts])
+
+
+def _fused_kv(pools, groups) -> set:
+    """On a GPU, write a pool's K and V (same rows, every layer) in one launch; returns what was written."""
+    done = set()
+    for pool_name, pool in pools.items():
+        k, v = groups.get((pool_name, "k")), groups.get((pool_name, "v"))
+        if not (k and v) or not pool.tensors["k"].is_cuda:
+            continue
+        L = pool.tensors["k"].shape[0]
+        if not (_whole_pool(k, L) and _whole_pool(v, L) and k[0].index is v[0].index):
+            continue
+        from .kernels import scatter_rows_pair
+
+        kt, vt = pool.tensors["k"], pool.tensors["v"]
+        scatter_rows_pair(kt.view(L, -1, *kt.shape[3:]), vt.view(L, -1, *vt.shape[3:]), k[0].index,
+                          _stacked(k), _stacked(v))
+        done |= {(pool_name, "k"), (pool_name, "v")}
+    return done
 
 
 def _whole_pool(ts: list[_Target], num_layers: int) -> bool:

@@ -18,6 +18,7 @@ _EXPORTS = {
     "scatter_kv_ref": "scatter",
     "scatter_rows": "scatter",
     "scatter_rows_ref": "scatter",
+    "scatter_rows_pair": "scatter",
     "gated_delta_recurrent": "gated_delta",
     "gated_delta_recurrent_ref": "gated_delta",
     "gated_delta_chunked": "gated_delta",

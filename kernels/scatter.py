@@ -33,6 +33,28 @@ def _scatter_rows_kernel(
     tl.store(DST + layer * sd_l + idx * sd_m + e, row, mask=e_ok)
 
 
+@triton.jit
+def _scatter_pair_kernel(
+    DST_A, SRC_A, DST_B, SRC_B, INDEX, n_dst_rows, len_a, len_b,
+    sda_l, sda_m, ssa_l, ssa_n, sdb_l, sdb_m, ssb_l, ssb_n,
+    BLOCK: tl.constexpr,
+):
+    # K and V of a pool share their slots: one program writes a chunk of both rows.
+    n = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2)
+    idx = tl.load(INDEX + n).to(tl.int64)
+    if (idx < 0) | (idx >= n_dst_rows):
+        return
+    e = chunk * BLOCK + tl.arange(0, BLOCK)
+    a_ok = e < len_a
+    a = tl.load(SRC_A + layer * ssa_l + n.to(tl.int64) * ssa_n + e, mask=a_ok)
+    tl.store(DST_A + layer * sda_l + idx * sda_m + e, a, mask=a_ok)
+    b_ok = e < len_b
+    b = tl.load(SRC_B + layer * ssb_l + n.to(tl.int64) * ssb_n + e, mask=b_ok)
+    tl.store(DST_B + layer * sdb_l + idx * sdb_m + e, b, mask=b_ok)
+
+
 def _flat_rows(name, t, dims):
     """View t [L, M, *row] as [L, M, R] without copying (the write must land in t)."""
     try:
@@ -91,6 +113,45 @@ def scatter_rows(dst, index, src):
         BLOCK=block, num_warps=4,
     )
     return dst
+
+
+def scatter_rows_pair(dst_a, dst_b, index, src_a, src_b):
+    """`scatter_rows` of two tensors that share one index (a pool's K and V), in one launch.
+
+    dst_a [L, M, *row_a], dst_b [L, M, *row_b]; src_a [L, N, *row_a], src_b
+    [L, N, *row_b]; index [N] (< 0 skipped). Returns (dst_a, dst_b).
+    """
+    require_triton()
+    for dst, src, name in ((dst_a, src_a, "a"), (dst_b, src_b, "b")):
+        if dst.dim() < 2 or src.dim() < 2 or src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
+            raise ValueError(f"src_{name}: expected shape [L, N, *row] matching dst_{name} {tuple(dst.shape)}, "
+                             f"got {tuple(src.shape)}")
+        if src.dtype != dst.dtype or src.device != dst.device:
+            raise ValueError(f"src_{name}: expected {dst.dtype} on {dst.device} (dst_{name}'s), "
+                             f"got {src.dtype} on {src.device}")
+    if dst_a.shape[:2] != dst_b.shape[:2] or src_a.shape[1] != src_b.shape[1]:
+        raise ValueError(f"dst_b/src_b: expected the same [L, M] and N as dst_a/src_a, got "
+                         f"{tuple(dst_b.shape[:2])} vs {tuple(dst_a.shape[:2])}")
+    L, M, N = dst_a.shape[0], dst_a.shape[1], src_a.shape[1]
+    _check_index("index", index, N, dst_a.device)
+    da, db = _flat_rows("dst_a", dst_a, "L, M, *row"), _flat_rows("dst_b", dst_b, "L, M, *row")
+    sa, sb = src_a.reshape(L, N, -1), src_b.reshape(L, N, -1)
+    if sa.shape[2] > 1 and sa.stride(2) != 1:
+        sa = sa.contiguous()
+    if sb.shape[2] > 1 and sb.stride(2) != 1:
+        sb = sb.contiguous()
+    R = max(da.shape[2], db.shape[2])
+    if N == 0 or L == 0 or R == 0:
+        return dst_a, dst_b
+    block = min(next_pow2(R), 4096)
+    grid = (N, L, triton.cdiv(R, block))
+    _scatter_pair_kernel[grid](
+        da, sa, db, sb, index, M, da.shape[2], db.shape[2],
+        da.stride(0), da.stride(1), sa.stride(0), sa.stride(1),
+        db.stride(0), db.stride(1), sb.stride(0), sb.stride(1),
+        BLOCK=block, num_warps=4,
+    )
+    return dst_a, dst_b
 
 
 def scatter_kv(cache, slot_mapping, new):

@@ -14,10 +14,11 @@ from . import timed
 _setup_steps = itertools.count(-1, -1)  # negative ids: setup steps never collide with real ones
 
 
-def cached_state(spec, *, batch: int, ctx: int, page_size: int, extra: int = 1):
+def cached_state(specs, *, batch: int, ctx: int, page_size: int, extra: int = 1):
     """``batch`` requests with ``ctx`` random cached tokens each, room for ``extra`` more."""
+    specs = [specs] if isinstance(specs, LayerSpec) else list(specs)
     pages = batch * (-(-(ctx + extra) // page_size))
-    state = State([spec], num_pages=pages, page_size=page_size, max_requests=batch, device="cuda")
+    state = State(specs, num_pages=pages, page_size=page_size, max_requests=batch, device="cuda")
     for r in range(batch):
         state = state.admit(r)
     state = state.reserve({r: ctx + extra for r in range(batch)})
@@ -38,28 +39,32 @@ def _inputs(spec, T):
                                v=r(T, c.num_kv_heads, c.head_dim_v))
 
 
-def time_fnattn(ma, state, batch, spec, inputs, *, graph: bool) -> float:
-    """The pure path: attention through a session, then the step's scatter.
+def time_fnattn(ma, state, batch, specs, inputs, *, graph: bool) -> float:
+    """The pure path: every layer's attention through a session, then the step's one apply.
 
     The session (and with it each backend's plan) opens outside the timed
     region, as a served decode step plans before replaying its graph.
     """
+    specs = [specs] if isinstance(specs, LayerSpec) else list(specs)
     with ma.session(state, batch) as s:
 
         def run():
-            _, deltas = s.forward(spec.index, inputs)
-            step = StepDeltas(batch.step_id, batch.state_version, deltas)
+            writes = []
+            for spec in specs:
+                writes += s.forward(spec.index, inputs)[1]
+            step = StepDeltas(batch.step_id, batch.state_version, tuple(writes))
             write_step(state._storage.pools, validate_step(state, step))
 
         return timed(run, graph=graph)
 
 
-def usual_flashinfer_decode(state, batch, spec, inputs):
-    """The usual design: append the new K/V into the cache, then decode over it."""
+def usual_flashinfer_decode(state, batch, specs, inputs):
+    """The usual design, per layer: append the new K/V into the cache, then decode over it."""
     import flashinfer
 
+    spec = specs[0]
     c, S = spec.config, batch.page_size
-    views = state.views(spec.index)
+    views = [state.views(s.index) for s in specs]
     lens = [n + 1 for n in batch.host_cache_lens]
     indptr, indices, last = [0], [], []
     for pages, n in zip(batch.host_pages, lens):
@@ -77,31 +82,35 @@ def usual_flashinfer_decode(state, batch, spec, inputs):
     positions = batch.cache_lens.clone()
 
     def run():
-        flashinfer.append_paged_kv_cache(inputs.k, inputs.v, batch_idx, positions, (views.k, views.v), indices,
-                                         indptr, last)
-        wrapper.run(inputs.q, (views.k, views.v))
+        for view in views:
+            flashinfer.append_paged_kv_cache(inputs.k, inputs.v, batch_idx, positions, (view.k, view.v), indices,
+                                             indptr, last)
+            wrapper.run(inputs.q, (view.k, view.v))
 
     return run
 
 
-def decode_case(*, batch: int, ctx: int, hq: int, hkv: int, dim: int, page_size: int = 16,
+def decode_case(*, batch: int, ctx: int, hq: int, hkv: int, dim: int, page_size: int = 16, layers: int = 1,
                 dtype=torch.bfloat16, graph: bool = True) -> list[dict]:
-    spec = LayerSpec(index=0, config=FullAttentionConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim), dtype=dtype)
-    state = cached_state(spec, batch=batch, ctx=ctx, page_size=page_size)
+    """One decode step over ``layers`` identical layers: pure (attend, then one apply) vs usual."""
+    cfg = FullAttentionConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=dim)
+    specs = [LayerSpec(index=i, config=cfg, dtype=dtype) for i in range(layers)]
+    state = cached_state(specs, batch=batch, ctx=ctx, page_size=page_size)
     b = Batch.decode(state, range(batch))
-    inputs = _inputs(spec, batch)
-    case = f"decode B{batch} ctx{ctx} {hq}q/{hkv}kv d{dim} p{page_size}" + (" graph" if graph else " eager")
-    kv_bytes = batch * ctx * hkv * dim * 2 * dtype.itemsize
+    inputs = _inputs(specs[0], batch)
+    case = (f"decode B{batch} ctx{ctx} {hq}q/{hkv}kv d{dim} p{page_size} L{layers}"
+            + (" graph" if graph else " eager"))
+    kv_bytes = layers * batch * ctx * hkv * dim * 2 * dtype.itemsize
     records = []
     runs = {"flashinfer usual (append+decode)":
-            lambda: timed(usual_flashinfer_decode(state, b, spec, inputs), graph=graph)}
+            lambda: timed(usual_flashinfer_decode(state, b, specs, inputs), graph=graph)}
     for name in ("triton", "flashinfer"):
-        ma = ModelAttention([spec], prefer=(name,), device="cuda", phases=("decode",))
-        runs[f"fnattn {name} (pure)"] = lambda ma=ma: time_fnattn(ma, state, b, spec, inputs, graph=graph)
+        ma = ModelAttention(specs, prefer=(name,), device="cuda", phases=("decode",))
+        runs[f"fnattn {name} (pure)"] = lambda ma=ma: time_fnattn(ma, state, b, specs, inputs, graph=graph)
     for name, measure in runs.items():
         rec = {"case": case, "backend": name, "peer": "flashinfer usual (append+decode)",
                "shape": {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "dim": dim, "page_size": page_size,
-                         "dtype": str(dtype)}}
+                         "layers": layers, "dtype": str(dtype)}}
         try:
             us = measure()
             rec.update(time_us=us, tb_s=kv_bytes / (us * 1e-6) / 1e12)

@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hkv", type=int, default=8, help="key/value heads")
     p.add_argument("--dim", type=int, default=128, help="head dim")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--layers", type=int, nargs="+", default=[1],
+                   help="decode: layers per step (the pure path applies all their writes at once)")
     p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     p.add_argument("--out", default="bench.json", help="JSON output path")
     p.add_argument("--png", default=None, help="also draw a PNG here")
@@ -39,9 +41,10 @@ def run(args) -> int:
     try:
         graph = not args.eager
         if args.case in ("decode", "standard"):
-            for b in args.batch:
-                records += decode_case(batch=b, ctx=args.ctx, hq=args.hq, hkv=args.hkv, dim=args.dim,
-                                       page_size=args.page_size, graph=graph)
+            for layers in args.layers:
+                for b in args.batch:
+                    records += decode_case(batch=b, ctx=args.ctx, hq=args.hq, hkv=args.hkv, dim=args.dim,
+                                           page_size=args.page_size, layers=layers, graph=graph)
         if args.case == "standard":  # the Qwen3.5 full-attention shape too
             for b in args.batch:
                 records += decode_case(batch=b, ctx=args.ctx, hq=16, hkv=4, dim=256, page_size=args.page_size,

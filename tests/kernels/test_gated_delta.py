@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.gated_delta import (  # noqa: E402
+from fnattn.kernels.gated_delta import (  # noqa: E402
     causal_conv1d,
     causal_conv1d_ref,
     chunk_indices,

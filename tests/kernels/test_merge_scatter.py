@@ -12,8 +12,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.lse_merge import merge_attention_states, merge_attention_states_ref  # noqa: E402
-from kernels.scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: E402
+from fnattn.kernels.lse_merge import merge_attention_states, merge_attention_states_ref  # noqa: E402
+from fnattn.kernels.scatter import (  # noqa: E402
+    scatter_kv,
+    scatter_kv_ref,
+    scatter_rows,
+    scatter_rows_pair,
+    scatter_rows_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +56,7 @@ def test_merge_matches_reference_with_empty_parts(dtype, tol, Dv):
 
 def test_merge_equals_attention_over_the_union():
     """Splitting keys in two and merging equals one softmax over all keys."""
-    from kernels.paged_attention import attend_ref
+    from fnattn.kernels.paged_attention import attend_ref
 
     q, k, v = randn(5, 4, 32, seed=1), randn(20, 2, 32, seed=2), randn(20, 2, 16, seed=3)
     q_pos, k_pos = torch.full((5,), 100, device=DEVICE), torch.arange(20, device=DEVICE)
@@ -109,6 +115,20 @@ def test_scatter_rows_large_rows_and_int32_index():
     assert torch.equal(dst[:, 1], expect[:, 1])
 
 
+def test_scatter_rows_pair_writes_both_tensors_in_one_call():
+    L, M, N = 3, 10, 4
+    k, v = randn(L, M, 2, 8), randn(L, M, 2, 4)  # K and V rows of different widths
+    index = torch.tensor([7, -1, 0, 3], device=DEVICE)
+    sk, sv = randn(L, N, 2, 8), randn(L, N, 2, 4)
+    want_k, want_v = scatter_rows_ref(k.clone(), index, sk), scatter_rows_ref(v.clone(), index, sv)
+    got_k, got_v = scatter_rows_pair(k, v, index, sk, sv)
+    assert got_k is k and got_v is v
+    torch.testing.assert_close(k, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(v, want_v, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="src_b"):
+        scatter_rows_pair(k, v, index, sk, sv[:, :2])
+
+
 def test_scatter_bad_arguments():
     cache = randn(2, 3, 4, 1, 8)
     with pytest.raises(ValueError, match="src"):
@@ -123,8 +143,8 @@ def test_scatter_bad_arguments():
 def test_modules_import_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None; sys.path.insert(0, sys.argv[1])\n"
-        "import torch, kernels\n"
-        "from kernels.paged_attention import paged_decode, attend_ref\n"
+        "import torch, fnattn.kernels\n"
+        "from fnattn.kernels.paged_attention import paged_decode, attend_ref\n"
         "z = torch.zeros(1, 1, 4); p = torch.zeros(1)\n"
         "attend_ref(z, z, z, p, p, scale=1.0)\n"
         "try:\n"

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.lse_merge import merge_attention_states  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from fnattn.kernels.lse_merge import merge_attention_states  # noqa: E402
+from fnattn.kernels.paged_attention import (  # noqa: E402
     attend_ref,
     paged_decode,
     paged_decode_ref,
