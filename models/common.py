@@ -98,7 +98,9 @@ def grouped_topk(
     keep_groups = group_scores.topk(topk_group, dim=-1).indices
     group_mask = torch.zeros_like(group_scores).scatter_(1, keep_groups, 1.0)
     expert_mask = group_mask[:, :, None].expand(T, n_group, E // n_group).reshape(T, E)
-    ids = biased.masked_fill(expert_mask == 0, 0.0).topk(k, dim=-1).indices
+    # -inf, not 0: a kept expert's biased score may be negative and must still beat
+    # every expert of a dropped group (transformers' routers mask with -inf).
+    ids = biased.masked_fill(expert_mask == 0, float("-inf")).topk(k, dim=-1).indices
     w = scores.gather(1, ids)
     if normalize:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
