@@ -6,9 +6,11 @@ the group's plan) before the backend sees them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import optree
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -21,6 +23,23 @@ class StepMeta:
     batch: Any  # the step's Batch
     plan: Any = None  # the backend's plan for this layer's group, if it makes one
     workspace: Any = None  # the session's workspace lease
+
+
+def _output_pytree(cls):
+    """Register an output dataclass with optree (namespace fnattn): every field is a child.
+
+    `fnattn.probe` flattens outputs with optree; without this an output would be one
+    opaque leaf and only the deltas would be compared. Non-tensor children (verify's
+    ``replay`` inputs) stay leaves of their own.
+    """
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    optree.register_pytree_node(
+        cls,
+        lambda out: (tuple(getattr(out, n) for n in names), None, names),
+        lambda _, children: cls(**dict(zip(names, children))),
+        namespace="fnattn",
+    )
+    return cls
 
 
 def _check(where: str, name: str, t: Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
@@ -55,6 +74,7 @@ class FullAttentionInputs:
             fail(where, "sinks", "None (config has sinks=False)", tuple(self.sinks.shape))
 
 
+@_output_pytree
 @dataclass(frozen=True)
 class AttentionOutput:
     o: Float[Tensor, "T Hq Dv"]  # [T, Hq, Dv] in the layer dtype
@@ -89,6 +109,7 @@ class RecurrentInputs:
         _check(where, "beta", self.beta, (T, H), self.beta.dtype, device)
 
 
+@_output_pytree
 @dataclass(frozen=True)
 class RecurrentOutput:
     o: Float[Tensor, "T H V"]  # [T, H, V] in the layer dtype, before the output norm
@@ -176,6 +197,7 @@ class SparseMLAInputs(MLAInputs):
                          tuple(getattr(self, name).shape))
 
 
+@_output_pytree
 @dataclass(frozen=True)
 class SparseAttentionOutput:
     o: Float[Tensor, "T H Dv"]  # [T, H, Dv]

@@ -1,0 +1,207 @@
+"""Triton backends for Gated DeltaNet and Kimi Delta Attention, and fla-core as a prefill provider.
+
+Same contract as the reference backends (`reference/recurrent.py`): the causal
+conv continuing from the request's conv window, silu, the q/k/v split with
+l2-normalized q and k, and the gated delta rule continuing from the request's
+recurrent state; the new states leave as one `RecurrentWrite`. The kernels
+(`fnattn.kernels.gated_delta`) read the pools by slot and never write them:
+
+* prefill: `causal_conv1d` + `gated_delta_chunked` (the "fla" provider runs
+  fla-core's `chunk_gated_delta_rule` / `chunk_kda` after the same conv);
+* decode: `causal_conv1d` + `gated_delta_recurrent`, one state row per request;
+* verify: both with ``per_position_states``, one state row per token, the slot
+  only on each request's last row (see `StepDeltas.accept`).
+
+The group's plan is built once per step and shared by its layers: the slot each
+request reads (-1 when nothing is cached: a reused slot may still hold another
+request's state), the slots of the write rows and prefill's chunk list. Decode
+and verify then read nothing back to the host, so they can be captured in a
+CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from ..deltas import RecurrentWrite
+from ..inputs import RecurrentOutput
+from ..registry import register
+from .availability import needs_cuda, needs_dtype, package_missing
+from .reference.recurrent import check_inputs, heads
+
+#: Tokens per chunk of the chunked (prefill) kernels: a power of two >= 16.
+CHUNK_SIZE = 64
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class RecurrentPlan:
+    read_slots: Tensor  # [B] int64: the slot each request starts from, -1: fresh (zero states)
+    write_slots: Tensor  # [R] int64: slot of each write row; R = B, or T for verify (-1 but on last rows)
+    chunks: tuple[Tensor, Tensor] | None = None  # prefill: (request, chunk of request) per chunk, int32
+    chunk_size: int = CHUNK_SIZE
+    cu_seqlens_long: Tensor | None = None  # [B + 1] int64 (fla-core's cu_seqlens)
+    cu_seqlens_cpu: Tensor | None = None  # [B + 1] int64 on the host: fla-core then needs no sync
+
+
+def _chunk_list(batch, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """`kernels.chunk_indices` from the host lengths: no device read-back."""
+    seq, idx = [], []
+    for b, n in enumerate(batch.host_new_lens):
+        count = -(-n // chunk_size)
+        seq += [b] * count
+        idx += range(count)
+    device = batch.cu_seqlens.device
+    return (torch.tensor(seq, dtype=torch.int32, device=device), torch.tensor(idx, dtype=torch.int32, device=device))
+
+
+def plan(specs, batch, lease) -> RecurrentPlan:
+    """Per-step slot tensors (and chunk list), built once for every layer of a group."""
+    slots = batch.recurrent_slots  # [B] int64
+    # From the device tensors, not the host copies: no host-to-device copy, so building it may be captured too.
+    read = slots.masked_fill(batch.cache_lens == 0, -1)  # [B]
+    if batch.phase == "verify":
+        last = batch.cu_seqlens[1:].long() - 1  # [B] each request's last row
+        write = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=slots.device)
+        write = write.index_copy(0, last, slots.long())  # [T]
+    else:
+        write = slots
+    if batch.phase != "prefill":
+        return RecurrentPlan(read_slots=read, write_slots=write)
+    cu_cpu = torch.tensor(batch.host_cu_seqlens, dtype=torch.long)
+    return RecurrentPlan(read_slots=read, write_slots=write, chunks=_chunk_list(batch, CHUNK_SIZE),
+                         chunk_size=CHUNK_SIZE, cu_seqlens_long=batch.cu_seqlens.long(), cu_seqlens_cpu=cu_cpu)
+
+
+def _plan_of(spec, inputs) -> RecurrentPlan:
+    meta = inputs.meta
+    return meta.plan if meta.plan is not None else plan((spec,), meta.batch, meta.workspace)
+
+
+def _conv(spec, views, inputs, p: RecurrentPlan, *, per_token: bool):
+    """``-> (mixed [T, C], windows)``: windows [B, C, W - 1], or [T, C, W - 1] per token."""
+    from ..kernels import causal_conv1d
+
+    return causal_conv1d(inputs.x, inputs.conv_weight, inputs.conv_bias, views.conv, p.read_slots,
+                         inputs.meta.batch.cu_seqlens, activation="silu", per_position_states=per_token)
+
+
+def _split(spec, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Views of the conv output: q, k [T, Hk, K] (GDN's key heads, not repeated) and v [T, H, V]."""
+    c = spec.config
+    hk = c.num_k_heads if spec.kind == "gdn" else c.num_heads
+    qk = hk * c.head_k_dim
+    q = mixed[:, :qk].unflatten(1, (hk, c.head_k_dim))
+    k = mixed[:, qk : 2 * qk].unflatten(1, (hk, c.head_k_dim))
+    v = mixed[:, 2 * qk :].unflatten(1, (heads(spec), c.head_v_dim))
+    return q, k, v
+
+
+def _write(spec, p: RecurrentPlan, states: Tensor, windows: Tensor) -> tuple[RecurrentWrite]:
+    return (RecurrentWrite(layer=spec.index, slots=p.write_slots, state=states, conv=windows),)
+
+
+# ------------------------------------------------------------------ triton
+
+
+def _prefill(spec, views, inputs):
+    from ..kernels import gated_delta_chunked
+
+    check_inputs(spec, inputs)
+    c, p = spec.config, _plan_of(spec, inputs)
+    mixed, windows = _conv(spec, views, inputs, p, per_token=False)  # [T, C], [B, C, W - 1]
+    q, k, v = _split(spec, mixed)
+    o, states = gated_delta_chunked(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
+                                    inputs.meta.batch.cu_seqlens, scale=c.scale, chunk_size=p.chunk_size,
+                                    use_qk_l2norm=True, chunks=p.chunks)  # [T, H, V], [B, H, K, V]
+    return RecurrentOutput(o=o), _write(spec, p, states, windows)
+
+
+def _decode(spec, views, inputs):
+    from ..kernels import gated_delta_recurrent
+
+    check_inputs(spec, inputs)
+    c, p = spec.config, _plan_of(spec, inputs)
+    mixed, windows = _conv(spec, views, inputs, p, per_token=False)  # [T, C], [B, C, W - 1]
+    q, k, v = _split(spec, mixed)
+    o, states = gated_delta_recurrent(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
+                                      inputs.meta.batch.cu_seqlens, scale=c.scale,
+                                      use_qk_l2norm=True)  # [T, H, V], [B, H, K, V]
+    return RecurrentOutput(o=o), _write(spec, p, states, windows)
+
+
+def _verify(spec, views, inputs):
+    from ..kernels import gated_delta_recurrent
+
+    check_inputs(spec, inputs)
+    c, p = spec.config, _plan_of(spec, inputs)
+    mixed, windows = _conv(spec, views, inputs, p, per_token=True)  # [T, C], [T, C, W - 1]
+    q, k, v = _split(spec, mixed)
+    o, states = gated_delta_recurrent(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
+                                      inputs.meta.batch.cu_seqlens, scale=c.scale, per_position_states=True,
+                                      use_qk_l2norm=True)  # [T, H, V], [T, H, K, V]
+    return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), _write(spec, p, states, windows)
+
+
+def supports(spec, device) -> list[str]:
+    c = spec.config
+    reasons = needs_cuda(device) + package_missing("triton") + needs_dtype(spec, _DTYPES)
+    if c.head_k_dim > 256:
+        reasons.append(f"head_k_dim={c.head_k_dim} > 256")
+    if c.head_v_dim > 512:
+        reasons.append(f"head_v_dim={c.head_v_dim} > 512")
+    return reasons
+
+
+# ------------------------------------------------------------------ fla-core
+
+
+@functools.cache
+def _fla_import_error() -> str | None:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+        import fla.ops.kda  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to refuse, not to crash
+        return f"fla-core does not import: {type(e).__name__}: {e}"
+    return None
+
+
+def fla_supports(spec, device) -> list[str]:
+    c = spec.config
+    reasons = needs_cuda(device) + package_missing("fla") + needs_dtype(spec, _DTYPES)
+    if c.head_k_dim > 256 or c.head_v_dim > 256:
+        reasons.append(f"head dims K={c.head_k_dim}, V={c.head_v_dim}: fla-core takes <= 256")
+    if not reasons and _fla_import_error():  # importing fla only where it could run
+        reasons.append(_fla_import_error())
+    return reasons
+
+
+def _fla_prefill(spec, views, inputs):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+
+    check_inputs(spec, inputs)
+    c, p = spec.config, _plan_of(spec, inputs)
+    mixed, windows = _conv(spec, views, inputs, p, per_token=False)  # [T, C], [B, C, W - 1]
+    q, k, v = _split(spec, mixed)
+    # fla-core takes dense initial states, one per request, not a pool and slots: gather
+    # them, and zero fresh requests (masked_fill, so a NaN in a stale slot cannot leak).
+    h0 = views.ssm.index_select(0, p.read_slots.clamp(min=0)).float()  # [B, H, K, V]
+    h0 = h0.masked_fill((p.read_slots < 0)[:, None, None, None], 0.0)
+    op = chunk_gated_delta_rule if spec.kind == "gdn" else chunk_kda
+    o, final = op(q[None], k[None], v[None], inputs.g[None], inputs.beta[None], scale=c.scale, initial_state=h0,
+                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=p.cu_seqlens_long,
+                  cu_seqlens_cpu=p.cu_seqlens_cpu)  # [1, T, H, V], [B, H, K, V] fp32
+    return RecurrentOutput(o=o[0].to(spec.dtype)), _write(spec, p, final.to(c.state_dtype), windows)
+
+
+for _kind in ("gdn", "kda"):
+    register(_kind, "prefill", "triton", supports=supports, plan=plan)(_prefill)
+    register(_kind, "decode", "triton", supports=supports, plan=plan)(_decode)
+    register(_kind, "verify", "triton", supports=supports, plan=plan)(_verify)
+    register(_kind, "prefill", "fla", supports=fla_supports, plan=plan)(_fla_prefill)

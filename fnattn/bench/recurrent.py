@@ -1,0 +1,174 @@
+"""GDN / KDA cases: the fnattn backends through a session next to fla-core on the same inputs.
+
+fnattn's time covers the whole backend (causal conv, q/k/v split, l2 norm,
+recurrence); fla-core's covers its kernel on q/k/v taken from the same conv
+output. The "fnattn fla" rows run fla-core's kernel inside the fnattn backend,
+so the gap between them and the fla-core rows is the conv and the plumbing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import Batch, GDNConfig, KDAConfig, LayerSpec, ModelAttention
+from ..apply import validate_step, write_step
+from ..deltas import StepDeltas
+from ..inputs import RecurrentInputs
+from . import timed
+from .attention import cached_state
+
+DEVICE = "cuda"
+
+
+def recurrent_cases(case: str) -> list[dict]:
+    """Records of the bench CLI cases "gdn-prefill", "gdn-decode", "kda-prefill" ("standard": all three)."""
+    records = []
+    if case in ("gdn-prefill", "standard"):
+        for requests, length in ((16, 4096), (1, 65536)):
+            records += prefill_case("gdn", requests=requests, length=length, hk=16, hv=32, dim=128)
+    if case in ("gdn-decode", "standard"):
+        for batch in (64, 256):
+            records += decode_case(batch=batch, hk=16, hv=32, dim=128)
+    if case in ("kda-prefill", "standard"):
+        for requests, length in ((1, 16384), (4, 4096)):
+            records += prefill_case("kda", requests=requests, length=length, hk=32, hv=32, dim=128)
+    return records
+
+
+def _spec(kind: str, *, hk: int, hv: int, dim: int, dtype) -> LayerSpec:
+    if kind == "gdn":
+        cfg = GDNConfig(num_k_heads=hk, num_v_heads=hv, head_k_dim=dim, head_v_dim=dim)
+    else:
+        cfg = KDAConfig(num_heads=hv, head_k_dim=dim, head_v_dim=dim)
+    return LayerSpec(index=0, config=cfg, dtype=dtype)
+
+
+def _inputs(spec: LayerSpec, T: int) -> RecurrentInputs:
+    """Conv input and gates shaped like a model's projections (log decays near 0, beta in (0, 1))."""
+    c = spec.config
+    H = c.num_v_heads if spec.kind == "gdn" else c.num_heads
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    g_shape = (T, H) if spec.kind == "gdn" else (T, H, c.head_k_dim)
+    return RecurrentInputs(x=r(T, c.conv_dim).to(spec.dtype),
+                           conv_weight=(0.5 * r(c.conv_dim, c.conv_kernel)).to(spec.dtype),
+                           g=F.logsigmoid(r(*g_shape) + 3.0), beta=torch.sigmoid(r(T, H)).to(spec.dtype))
+
+
+def _peer_qkv(spec, state, batch, inputs):
+    """q, k [T, Hk, K] and v [T, H, V] (contiguous) from the same conv the backend runs."""
+    from ..kernels import causal_conv1d
+
+    c = spec.config
+    hk = c.num_k_heads if spec.kind == "gdn" else c.num_heads
+    slots = batch.recurrent_slots.masked_fill(batch.cache_lens == 0, -1)
+    mixed, _ = causal_conv1d(inputs.x, inputs.conv_weight, None, state.views(0).conv, slots, batch.cu_seqlens)
+    qk = hk * c.head_k_dim
+    q, k, v = mixed.split([qk, qk, mixed.shape[1] - 2 * qk], dim=1)
+    return (q.unflatten(1, (hk, -1)).contiguous(), k.unflatten(1, (hk, -1)).contiguous(),
+            v.unflatten(1, (-1, c.head_v_dim)).contiguous())
+
+
+def _session_run(name, spec, state, batch, inputs, *, graph: bool, apply: bool = False) -> float:
+    """One layer through backend ``name``; the session (and its plan) opens outside the timed region."""
+    ma = ModelAttention([spec], prefer=(name,), device=DEVICE, phases=(batch.phase,))
+    with ma.session(state, batch) as s:
+
+        def run():
+            _, deltas = s.forward(spec.index, inputs)
+            if apply:
+                step = StepDeltas(batch.step_id, batch.state_version, deltas)
+                write_step(state._storage.pools, validate_step(state, step))
+
+        return timed(run, graph=graph)
+
+
+def _measure(case: str, peer: str, shape: dict, runs: dict, rate) -> list[dict]:
+    """Time every run; ``rate(us) -> {"tb_s" or "mtok_s": value}``. One failure never hides the others."""
+    records = []
+    for name, measure in runs.items():
+        rec = {"case": case, "backend": name, "peer": peer, "shape": shape}
+        try:
+            us = measure()
+            rec.update(time_us=us, **rate(us))
+        except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
+            rec["error"] = f"{type(e).__name__}: {e}"
+        records.append(rec)
+        torch.cuda.empty_cache()
+    return records
+
+
+def _failed(case: str, peer: str, shape: dict, names, e: Exception) -> list[dict]:
+    err = f"setup {type(e).__name__}: {e}"
+    return [{"case": case, "backend": n, "peer": peer, "shape": shape, "error": err} for n in names]
+
+
+def prefill_case(kind: str, *, requests: int, length: int, hk: int, hv: int, dim: int,
+                 dtype=torch.bfloat16) -> list[dict]:
+    """Chunked prefill of ``requests`` fresh requests of ``length`` tokens (eager: prefill is not replayed)."""
+    T = requests * length
+    peer = "fla-core " + ("chunk_gated_delta_rule" if kind == "gdn" else "chunk_kda")
+    heads = f"{hk}qk/{hv}v" if kind == "gdn" else f"{hv}h"
+    case = f"{kind} prefill {requests}x{length} (T={T}) {heads} d{dim}"
+    shape = {"requests": requests, "length": length, "tokens": T, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype)}
+    names = ("fnattn triton", "fnattn fla", peer)
+    try:
+        spec = _spec(kind, hk=hk, hv=hv, dim=dim, dtype=dtype)
+        state = cached_state(spec, batch=requests, ctx=0, page_size=length, extra=length)
+        batch = Batch.prefill(state, {r: length for r in range(requests)})
+        inputs = _inputs(spec, T)
+    except Exception as e:  # noqa: BLE001 - a case that cannot be set up still leaves its records
+        return _failed(case, peer, shape, names, e)
+
+    def fla_peer():
+        if kind == "gdn":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as op
+        else:
+            from fla.ops.kda import chunk_kda as op
+        q, k, v = _peer_qkv(spec, state, batch, inputs)
+        args = (q[None], k[None], v[None], inputs.g[None], inputs.beta[None])
+        cu, cu_cpu = batch.cu_seqlens.long(), torch.tensor(batch.host_cu_seqlens, dtype=torch.long)
+        return timed(lambda: op(*args, scale=spec.config.scale, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                cu_seqlens=cu, cu_seqlens_cpu=cu_cpu), graph=False)
+
+    runs = {
+        "fnattn triton": lambda: _session_run("triton", spec, state, batch, inputs, graph=False),
+        "fnattn fla": lambda: _session_run("fla", spec, state, batch, inputs, graph=False),
+        peer: fla_peer,
+    }
+    return _measure(case, peer, shape, runs, lambda us: {"mtok_s": T / us})
+
+
+def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16) -> list[dict]:
+    """GDN decode, one token per request, replayed from a CUDA graph; bound by fp32 state traffic."""
+    peer = "fla-core fused_recurrent_gated_delta_rule"
+    case = f"gdn decode B{batch} {hk}qk/{hv}v d{dim} graph"
+    shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype), "state_dtype": "torch.float32"}
+    names = ("fnattn triton", "fnattn triton + apply", peer)
+    try:
+        spec = _spec("gdn", hk=hk, hv=hv, dim=dim, dtype=dtype)
+        state = cached_state(spec, batch=batch, ctx=16, page_size=16)
+        b = Batch.decode(state, range(batch))
+        inputs = _inputs(spec, batch)
+    except Exception as e:  # noqa: BLE001
+        return _failed(case, peer, shape, names, e)
+    # read + write of each request's [HV, K, V] fp32 state; q/k/v/o and the conv window are small
+    state_bytes = 2 * batch * hv * dim * dim * 4
+
+    def fla_peer():
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        q, k, v = _peer_qkv(spec, state, b, inputs)  # [B, Hk, K], [B, Hk, K], [B, HV, V]
+        h0 = state.views(0).ssm[:batch]  # slots 0..B-1 in order: the pool rows are the dense batch
+        args = (q[:, None], k[:, None], v[:, None])
+        return timed(lambda: fused_recurrent_gated_delta_rule(
+            *args, g=inputs.g[:, None], beta=inputs.beta[:, None], scale=spec.config.scale, initial_state=h0,
+            output_final_state=True, use_qk_l2norm_in_kernel=True), graph=True)
+
+    runs = {
+        "fnattn triton": lambda: _session_run("triton", spec, state, b, inputs, graph=True),
+        "fnattn triton + apply": lambda: _session_run("triton", spec, state, b, inputs, graph=True, apply=True),
+        peer: fla_peer,
+    }
+    return _measure(case, peer, shape, runs, lambda us: {"tb_s": state_bytes / (us * 1e-6) / 1e12})

@@ -1,0 +1,180 @@
+"""Triton (and fla-core prefill) GDN / KDA backends against the reference, bf16 activations, fp32 state.
+
+Every backend runs through a session on the same state and batch as the reference;
+outputs, recurrent states and conv windows are compared one tensor at a time as
+max |err| / max |ref|. Decode and verify are also captured in a CUDA graph, which
+fails on any host-device sync.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fnattn as fa
+from fnattn.inputs import RecurrentInputs
+from fnattn.registry import lookup
+
+pytestmark = pytest.mark.gpu
+TOL = 2e-2  # bf16 activations and bf16 operands of the chunked dots
+DEV = "cuda"
+
+SPECS = {  # name -> config
+    "gdn 16qk/32v d128": fa.GDNConfig(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128),
+    "gdn 2qk/4v d64": fa.GDNConfig(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64),
+    "kda 8h d128": fa.KDAConfig(num_heads=8, head_k_dim=128, head_v_dim=128),
+}
+
+
+def _spec(name):
+    return fa.LayerSpec(index=0, config=SPECS[name], dtype=torch.bfloat16)
+
+
+def _heads(spec):
+    c = spec.config
+    return c.num_v_heads if spec.kind == "gdn" else c.num_heads
+
+
+def _inputs(spec, T, *, seed=0):
+    """Conv input and gates like a model's projections: log decays near 0, beta in (0, 1)."""
+    c, H = spec.config, _heads(spec)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+    g_shape = (T, H) if spec.kind == "gdn" else (T, H, c.head_k_dim)
+    return RecurrentInputs(
+        x=r(T, c.conv_dim).to(spec.dtype),
+        conv_weight=(0.5 * r(c.conv_dim, c.conv_kernel)).to(spec.dtype),
+        conv_bias=(0.1 * r(c.conv_dim)).to(spec.dtype) if spec.kind == "gdn" else None,
+        g=F.logsigmoid(r(*g_shape) + 3.0),
+        beta=torch.sigmoid(r(T, H)).to(spec.dtype),
+    )
+
+
+def _forward(name, spec, st, batch, inp):
+    ma = fa.ModelAttention([spec], prefer=(name,), device=DEV, phases=(batch.phase,))
+    with ma.session(st, batch) as s:
+        return s.forward(spec.index, inp)
+
+
+def _state(spec, cached, extra):
+    """Requests with ``cached`` tokens prefilled by the reference; every other slot NaN."""
+    n = len(cached)
+    st = fa.State([spec], num_pages=n * 8, page_size=256, max_requests=n + 2, device=DEV, fill=float("nan"))
+    for r in range(n):
+        st = st.admit(r)
+    st = st.reserve({r: c + extra for r, c in enumerate(cached)})
+    counts = {r: c for r, c in enumerate(cached) if c}
+    if counts:
+        b = fa.Batch.prefill(st, counts)
+        _, d = _forward("reference", spec, st, b, _inputs(spec, b.num_tokens, seed=1))
+        st = st.apply(fa.StepDeltas.collect(b, [d]))
+    return st
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    scale = b.abs().max().item() if b.numel() else 0.0
+    err = (a - b).abs().max().item() if b.numel() else 0.0
+    return err / scale if scale else err
+
+
+def _names(spec, phase):
+    names = ["triton"]
+    if phase == "prefill" and importlib.util.find_spec("fla") is not None:
+        names.append("fla")  # installed: it must accept the layer, or the reason shows as a failure
+    return names
+
+
+def _check(spec, st, batch, record, label, *, seed=2):
+    inp = _inputs(spec, batch.num_tokens, seed=seed)
+    ref_out, (ref_w,) = _forward("reference", spec, st, batch, inp)
+    results = {}
+    for name in _names(spec, batch.phase):
+        reasons = lookup(spec.kind, batch.phase, name).supports(spec, torch.device(DEV))
+        assert not reasons, f"{label} {name} refused: {reasons}"
+        out, (w,) = _forward(name, spec, st, batch, inp)
+        errs = {"o": _rel(out.o, ref_out.o), "state": _rel(w.state, ref_w.state), "conv": _rel(w.conv, ref_w.conv)}
+        finite = bool(torch.isfinite(out.o).all() and torch.isfinite(w.state).all() and torch.isfinite(w.conv).all())
+        same_meta = (torch.equal(w.slots, ref_w.slots) and out.o.dtype == ref_out.o.dtype
+                     and w.state.dtype == ref_w.state.dtype and w.conv.dtype == ref_w.conv.dtype)
+        ok = finite and same_meta and max(errs.values()) <= TOL
+        record({"case": label, "phase": batch.phase, "backend": name, "max_rel_o": errs["o"],
+                "max_rel_state": errs["state"], "max_rel_conv": errs["conv"], "max_rel": max(errs.values()),
+                "finite": finite, "ok": ok})
+        assert ok, f"{label} {name}: {errs} finite={finite} same slots/dtypes={same_meta}"
+        results[name] = (out, (w,))
+    return inp, (ref_out, (ref_w,)), results
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("prefix", [False, True])
+def test_prefill(name, prefix, record):
+    spec = _spec(name)
+    new = [1, 63, 130, 200]
+    cached = [5, 0, 64, 129] if prefix else [0, 0, 0, 0]
+    st = _state(spec, cached, extra=max(new))
+    batch = fa.Batch.prefill(st, dict(enumerate(new)))
+    _check(spec, st, batch, record, f"prefill {name} new={new} cached={cached}")
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("cached", [[1, 17, 300, 64], [7] * 33])
+def test_decode(name, cached, record):
+    spec = _spec(name)
+    st = _state(spec, cached, extra=1)
+    batch = fa.Batch.decode(st, range(len(cached)))
+    _check(spec, st, batch, record, f"decode {name} B{len(cached)}")
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_verify_and_accept(name, k, record):
+    spec = _spec(name)
+    cached = [3, 64, 513]
+    st = _state(spec, cached, extra=k + 1)
+    batch = fa.Batch.verify(st, range(3), num_draft=k)
+    _, (_, ref_d), results = _check(spec, st, batch, record, f"verify k={k} {name}")
+    out, d = results["triton"]
+    assert out.replay is not None and out.replay.meta is None
+    accepted = {0: 1, 1: k + 1, 2: max(1, k // 2)}
+    ours = st.apply(fa.StepDeltas.collect(batch, [d]).accept(batch, accepted), inplace=False)
+    ref = st.apply(fa.StepDeltas.collect(batch, [ref_d]).accept(batch, accepted), inplace=False)
+    errs = {}
+    for r in accepted:
+        slot = st.request(r).slot
+        for t in ("ssm", "conv"):
+            errs[f"{t}[{r}]"] = _rel(getattr(ours.views(0), t)[slot], getattr(ref.views(0), t)[slot])
+    ok = max(errs.values()) <= TOL and all(ours.request(r).length == ref.request(r).length for r in accepted)
+    record({"case": f"verify k={k} {name} accept {accepted}", "phase": "verify", "backend": "triton",
+            "max_rel": max(errs.values()), "ok": ok})
+    assert ok, errs
+
+
+@pytest.mark.parametrize("name", ["gdn 16qk/32v d128", "kda 8h d128"])
+@pytest.mark.parametrize("phase", ["decode", "verify"])
+def test_decode_and_verify_replay_from_a_cuda_graph(name, phase, record):
+    """Captured with the session open (its plan built before), replayed: same results as eager."""
+    spec = _spec(name)
+    cached = [4, 90, 17, 1]
+    st = _state(spec, cached, extra=4)
+    ids = range(len(cached))
+    batch = fa.Batch.decode(st, ids) if phase == "decode" else fa.Batch.verify(st, ids, num_draft=3)
+    inp = _inputs(spec, batch.num_tokens, seed=5)
+    ma = fa.ModelAttention([spec], prefer=("triton",), device=DEV, phases=(phase,))
+    with ma.session(st, batch) as s:
+        eager_out, (eager_w,) = s.forward(0, inp)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            s.forward(0, inp)  # allocator warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, (w,) = s.forward(0, inp)
+        graph.replay()
+        torch.cuda.synchronize()
+    ok = all(torch.equal(a, b) for a, b in ((out.o, eager_out.o), (w.state, eager_w.state),
+                                             (w.conv, eager_w.conv), (w.slots, eager_w.slots)))
+    record({"case": f"cuda graph {phase} {name}", "phase": phase, "backend": "triton", "max_rel": 0.0, "ok": ok})
+    assert ok
