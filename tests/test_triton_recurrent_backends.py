@@ -266,3 +266,28 @@ def test_unchanged_state_and_repeatable_output():
     b = forward("triton", spec, st, batch, inp)
     assert same_bits(a[0].o, b[0].o) and same_bits(a[1][0].state, b[1][0].state)
     assert all(same_bits(getattr(st.views(0), n), t) for n, t in before.items())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_replay_recovery_equals_native_bit_for_bit(kind):
+    """Replay mode keeps no state per draft; replaying the accepted tokens leaves the native state exactly."""
+    spec = spec_of(kind)
+    k = 3
+    st = prefilled(spec, {0: 5, 1: 2})
+    st = st.reserve({0: 1 + k, 1: 1 + k})
+    native_b = fa.Batch.verify(st, [0, 1], num_draft=k)
+    replay_b = fa.Batch.verify(st, [0, 1], num_draft=k, recovery="replay")
+    inp = random_inputs(spec, native_b.num_tokens, seed=9)
+    native_out, native_d = forward("triton", spec, st, native_b, inp)
+    replay_out, replay_d = forward("triton", spec, st, replay_b, inp)
+    assert replay_d == () and torch.equal(native_out.o, replay_out.o)
+    accepted = {0: 2, 1: 4}
+    native = st.apply(fa.StepDeltas.collect(native_b, [native_d]).accept(native_b, accepted), inplace=False)
+    rows = [0, 1, 4, 5, 6, 7]  # the accepted tokens of each request
+    again = fa.Batch.replay(st, accepted)
+    sliced = dataclasses.replace(replay_out.replay, x=inp.x[rows], g=inp.g[rows], beta=inp.beta[rows])
+    _, writes = forward("triton", spec, st, again, sliced)
+    replayed = st.apply(fa.StepDeltas(step_id=replay_b.step_id, state_version=st.version, writes=writes,
+                                      cursor=fa.CursorAdvance((0, 1), (2, 4))), inplace=False)
+    for name in ("ssm", "conv"):
+        assert same_bits(getattr(native.views(0), name), getattr(replayed.views(0), name))

@@ -140,12 +140,20 @@ def _verify(spec, views, inputs):
 
     check_inputs(spec, inputs)
     c, p = spec.config, _plan_of(spec, inputs)
+    replay = replace(inputs, meta=None)
+    if inputs.meta.batch.recovery == "replay":
+        # Only the inputs leave the step: no state per draft position is kept.
+        mixed, _ = _conv(spec, views, inputs, p, per_token=False)
+        q, k, v = _split(spec, mixed)
+        o, _ = gated_delta_recurrent(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
+                                     inputs.meta.batch.cu_seqlens, scale=c.scale, use_qk_l2norm=True)
+        return RecurrentOutput(o=o, replay=replay), ()
     mixed, windows = _conv(spec, views, inputs, p, per_token=True)  # [T, C], [T, C, W - 1]
     q, k, v = _split(spec, mixed)
     o, states = gated_delta_recurrent(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
                                       inputs.meta.batch.cu_seqlens, scale=c.scale, per_position_states=True,
                                       use_qk_l2norm=True)  # [T, H, V], [T, H, K, V]
-    return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), _write(spec, p, states, windows)
+    return RecurrentOutput(o=o, replay=replay), _write(spec, p, states, windows)
 
 
 def supports(spec, device) -> list[str]:
