@@ -7,7 +7,8 @@ import sys
 import time
 
 
-def _progress(done: int, total: int, started: float, stream=sys.stderr) -> None:
+def _progress(done: int, total: int, started: float, stream=None) -> None:
+    stream = stream or sys.stderr  # looked up per call: tests and notebooks swap sys.stderr
     width = 30
     filled = int(width * done / total)
     rate = done / max(time.perf_counter() - started, 1e-9)
