@@ -7,8 +7,9 @@ checks and loads each once, and `load` arranges them into the family's params.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
