@@ -8,6 +8,7 @@ checks and loads each once, and `load` arranges them into the family's params.
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,11 +80,20 @@ class Model:
         return self.family.step(params, session, tokens)
 
 
+def _with_dtype(cfg, dtype: torch.dtype):
+    """The model config with its layers in ``dtype`` (the dtype the weights are loaded in)."""
+    cfg = dataclasses.replace(cfg, dtype=dtype)
+    wrong = [s.index for s in cfg.specs if s.dtype != dtype]
+    if wrong:
+        raise ValueError(f"model config: layers {wrong} did not take dtype {dtype}")
+    return cfg
+
+
 def load_model(path, *, dtype: torch.dtype = torch.float32, device="cpu") -> Model:
     """Read config.json and the safetensors of a local checkpoint directory."""
     raw = read_config(path)
     fam = family_for(raw)
-    cfg = fam.adapt(raw)
+    cfg = _with_dtype(fam.adapt(raw), dtype)
     reader = CheckpointReader(path, dtype=dtype, device=device)
     weights = {name: reader.expect(name, shape) for name, shape in fam.weight_shapes(cfg).items()}
     return Model(fam, cfg, fam.load(cfg, weights))
@@ -93,7 +103,7 @@ def random_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
                  config: dict | None = None) -> Model:
     """A family's tiny config with random weights (scaled so activations stay O(1))."""
     fam = family_named(name)
-    cfg = fam.adapt(config or fam.tiny_config())
+    cfg = _with_dtype(fam.adapt(config or fam.tiny_config()), dtype)
     g = torch.Generator().manual_seed(seed)
     weights = {}
     for wname, shape in fam.weight_shapes(cfg).items():
