@@ -28,6 +28,8 @@ class AttentionSession:
         self._closed = False
         self._plans: dict[int, object] = {}
         self._lease = None
+        #: layer -> output, for layers that returned replay inputs in a replay-mode verify step
+        self.replay_outputs: dict[int, object] = {}
 
     # ---------------------------------------------------------------- context
     def __enter__(self) -> "AttentionSession":
@@ -81,4 +83,7 @@ class AttentionSession:
         inputs.validate(spec, batch, self.state.device)
         group = ma.choices[(layer, batch.phase)].group
         meta = StepMeta(batch=batch, plan=self._plans.get(group), workspace=self._lease)
-        return backend.fn(spec, self.state.views(layer), replace(inputs, meta=meta))
+        out, deltas = backend.fn(spec, self.state.views(layer), replace(inputs, meta=meta))
+        if batch.recovery == "replay" and getattr(out, "replay", None) is not None:
+            self.replay_outputs[layer] = out
+        return out, deltas

@@ -90,3 +90,134 @@ def accept_step(deltas: StepDeltas, verify_batch: Batch, accepted: Mapping[int, 
     return StepDeltas(step_id=kept.step_id, state_version=kept.state_version, writes=kept.writes + tuple(extra_writes),
                       cursor=CursorAdvance(verify_batch.request_ids,
                                            tuple(accepted[r] for r in verify_batch.request_ids)))
+
+
+class Speculator:
+    """Greedy speculative decoding with a draft model that reads the target's hidden states.
+
+    ``target_step(params, session, tokens) -> (logits, hidden, StepDeltas)`` and
+    ``draft_step(params, session, tokens, hidden) -> (logits, hidden_out, StepDeltas)``
+    (multi-token prediction: the draft at position p reads the target's hidden
+    state at p and token p + 1, and predicts token p + 2). Each owns a State.
+
+    Per step: the draft proposes ``num_draft`` tokens (its speculative entries
+    are rolled back with a checkpoint), the target verifies ``1 + num_draft``
+    tokens per request, greedy acceptance keeps the matching prefix plus the
+    target's bonus token, the target's deltas are filtered and applied once,
+    and the draft catches up on the accepted positions with the target's true
+    hidden states.
+    """
+
+    def __init__(self, *, target_step, target_params, target_attn, target_state, draft_step, draft_params,
+                 draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None):
+        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
+            fail("Speculator", "num_draft", "an int >= 1", num_draft)
+        if recovery not in ("native", "replay"):
+            fail("Speculator", "recovery", "'native' or 'replay'", recovery)
+        self.k, self.recovery, self.propose_hook = num_draft, recovery, propose_hook
+        self.target = (target_step, target_params, target_attn)
+        self.draft = (draft_step, draft_params, draft_attn)
+        self.tstate, self.dstate = target_state, draft_state
+        self.last: dict[int, int] = {}  # newest token of each request, not yet fed to the target
+        self.proposal: dict[int, tuple[int, torch.Tensor]] = {}  # draft's next token and its hidden_out
+        self.steps = 0
+        #: every logits tensor computed, in order (target verify/prefill, draft), for comparisons
+        self.trace: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _run_target(self, batch, tokens):
+        step, params, attn = self.target
+        with attn.session(self.tstate, batch) as s:
+            logits, hidden, deltas = step(params, s, tokens)
+        self.trace.append(logits)
+        return logits, hidden, deltas, s.replay_outputs
+
+    def _run_draft(self, batch, tokens, hidden):
+        step, params, attn = self.draft
+        with attn.session(self.dstate, batch) as s:
+            logits, hout, deltas = step(params, s, tokens, hidden)
+        self.trace.append(logits)
+        self.dstate = self.dstate.apply(deltas)
+        return logits, hout
+
+    def _tokens(self, rows) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.tstate.device)
+
+    def _catch_up(self, counts, tokens, hidden):
+        """Draft entries for accepted positions; its last row gives the next proposal."""
+        self.dstate = self.dstate.reserve(counts)
+        batch = Batch.prefill(self.dstate, counts)
+        logits, hout = self._run_draft(batch, self._tokens(tokens), hidden)
+        for b, rid in enumerate(batch.request_ids):
+            row = batch.host_cu_seqlens[b + 1] - 1
+            self.proposal[rid] = (int(logits[row].argmax()), hout[row])
+
+    # ------------------------------------------------------------------ public
+    def start(self, prompts: Mapping[int, list[int]]) -> dict[int, int]:
+        """Admit requests and prefill them; ``-> {rid: first generated token}``."""
+        counts = {r: len(p) for r, p in prompts.items()}
+        for r, n in counts.items():
+            if n < 1:
+                fail("Speculator.start", f"prompts[{r}]", "at least one token", prompts[r])
+            self.tstate, self.dstate = self.tstate.admit(r), self.dstate.admit(r)
+        self.tstate = self.tstate.reserve(counts)
+        batch = Batch.prefill(self.tstate, counts)
+        tokens = [t for r in batch.request_ids for t in prompts[r]]
+        logits, hidden, deltas, _ = self._run_target(batch, self._tokens(tokens))
+        self.tstate = self.tstate.apply(deltas)
+        cu, first, shifted = batch.host_cu_seqlens, {}, []
+        for b, r in enumerate(batch.request_ids):
+            first[r] = int(logits[cu[b + 1] - 1].argmax())
+            shifted += list(prompts[r][1:]) + [first[r]]
+        self.last.update(first)
+        self._catch_up(counts, shifted, hidden)
+        return first
+
+    def step(self) -> dict[int, list[int]]:
+        """One speculative step for every active request; ``-> {rid: emitted tokens}``."""
+        ids = list(self.last)
+        if not ids:
+            fail("Speculator.step", "requests", "at least one active request", ids)
+        drafts = {r: [self.proposal[r][0]] for r in ids}
+        if self.k > 1:  # the draft's own chain: speculative entries, rolled back afterwards
+            ckpt = self.dstate.checkpoint(ids)
+            tok = {r: self.proposal[r][0] for r in ids}
+            hid = {r: self.proposal[r][1] for r in ids}
+            for _ in range(self.k - 1):
+                self.dstate = self.dstate.reserve({r: 1 for r in ids})
+                batch = Batch.decode(self.dstate, ids)
+                logits, hout = self._run_draft(batch, self._tokens([tok[r] for r in batch.request_ids]),
+                                               torch.stack([hid[r] for r in batch.request_ids]))
+                for b, r in enumerate(batch.request_ids):
+                    tok[r], hid[r] = int(logits[b].argmax()), hout[b]
+                    drafts[r].append(tok[r])
+            self.dstate = self.dstate.restore(ckpt)
+        if self.propose_hook is not None:
+            drafts = {r: list(d) for r, d in self.propose_hook(self.steps, drafts).items()}
+        self.tstate = self.tstate.reserve({r: self.k + 1 for r in ids})
+        batch = Batch.verify(self.tstate, ids, num_draft=self.k, recovery=self.recovery)
+        tokens = [t for r in batch.request_ids for t in [self.last[r], *drafts[r]]]
+        logits, hidden, deltas, replay_outputs = self._run_target(batch, self._tokens(tokens))
+        accepted, bonus = greedy_accept(logits, batch, drafts)
+        writes = ()
+        if self.recovery == "replay":
+            writes = replay_writes(self.target[2], self.tstate, batch, replay_outputs, accepted)
+        self.tstate = self.tstate.apply(accept_step(deltas, batch, accepted, extra_writes=writes))
+        emitted, shifted, rows = {}, [], []
+        cu = batch.host_cu_seqlens
+        for b, r in enumerate(batch.request_ids):
+            n = accepted[r]
+            emitted[r] = drafts[r][: n - 1] + [bonus[r]]
+            shifted += emitted[r]
+            rows += range(cu[b], cu[b] + n)
+            self.last[r] = bonus[r]
+        self._catch_up(accepted, shifted, hidden[self._tokens(rows)])
+        self.steps += 1
+        return emitted
+
+    def release(self, request_id: int) -> None:
+        """A finished or aborted request gives back every page and slot, in both states."""
+        self.tstate = self.tstate.release(request_id)
+        self.dstate = self.dstate.release(request_id)
+        self.last.pop(request_id, None)
+        self.proposal.pop(request_id, None)

@@ -7,7 +7,7 @@ caller applies the deltas. Byte-level vocabulary, so any text is a prompt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from jaxtyping import Float, Int
@@ -87,6 +87,12 @@ def rope(x: Float[Tensor, "T H D"], positions: Int[Tensor, " T"], theta: float) 
 @checked
 def step(params: dict, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
     """One step of any phase: ``(params, session, tokens) -> (logits, deltas)``."""
+    logits, _, deltas = step_hidden(params, session, tokens)
+    return logits, deltas
+
+
+def step_hidden(params: dict, session, tokens: Int[Tensor, " T"]):
+    """`step` that also returns the final-norm hidden states ``[T, hidden]`` (what a draft model reads)."""
     cfg: TinyConfig = params["config"]
     batch: Batch = session.batch
     if tokens.shape[0] != batch.num_tokens:
@@ -105,6 +111,46 @@ def step(params: dict, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor
         x = x + out.o.reshape(T, hq * d) @ p["o"].T
         h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
         x = x + (torch.nn.functional.silu(h @ p["gate"].T) * (h @ p["up"].T)) @ p["down"].T
-    logits = rms_norm(x, params["norm"], cfg.rms_eps) @ params["lm_head"].T
+    hidden = rms_norm(x, params["norm"], cfg.rms_eps)
+    logits = hidden @ params["lm_head"].T
     # The cursor advances once, after every layer has read the state.
-    return logits.float(), StepDeltas.collect(batch, layer_deltas)
+    return logits.float(), hidden, StepDeltas.collect(batch, layer_deltas)
+
+
+def draft_specs(cfg: TinyConfig) -> tuple[LayerSpec, ...]:
+    """The draft's one attention layer, indexed after the target's layers (it lives in its own State)."""
+    attn = layer_specs(cfg)[0].config
+    return (LayerSpec(index=cfg.num_layers, config=attn, dtype=cfg.dtype),)
+
+
+def init_draft(cfg: TinyConfig, target: dict, *, seed: int = 1) -> dict:
+    """A depth-1 multi-token-prediction head: embeddings and lm_head shared with the target."""
+    layer = init_params(replace(cfg, num_layers=1), seed=seed, device=target["embed"].device)["layers"][0]
+    g = torch.Generator().manual_seed(seed + 1)
+    h = cfg.hidden_size
+    fc = (torch.randn(h, 2 * h, generator=g) * (2 * h) ** -0.5).to(target["embed"])
+    return {"config": cfg, "target": target, "layer": layer, "fc": fc}
+
+
+def draft_step(params: dict, session, tokens: Int[Tensor, " T"], hidden: Float[Tensor, "T D"]):
+    """Position p reads the target's hidden state at p and token p + 1; predicts token p + 2.
+
+    ``-> (logits [T, vocab], hidden_out [T, D], StepDeltas)``.
+    """
+    cfg: TinyConfig = params["config"]
+    target, p = params["target"], params["layer"]
+    batch = session.batch
+    T, hq, hkv, d = tokens.shape[0], cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    e = rms_norm(target["embed"][tokens], target["norm"], cfg.rms_eps)
+    x = torch.cat([e, rms_norm(hidden, target["norm"], cfg.rms_eps)], dim=-1) @ params["fc"].T
+    h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
+    q = rms_norm((h @ p["q"].T).view(T, hq, d), p["q_norm"], cfg.rms_eps)
+    k = rms_norm((h @ p["k"].T).view(T, hkv, d), p["k_norm"], cfg.rms_eps)
+    v = (h @ p["v"].T).view(T, hkv, d)
+    q, k = rope(q, batch.positions, cfg.rope_theta), rope(k, batch.positions, cfg.rope_theta)
+    out, deltas = session.forward(cfg.num_layers, FullAttentionInputs(q=q, k=k, v=v))
+    x = x + out.o.reshape(T, hq * d) @ p["o"].T
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+    x = x + (torch.nn.functional.silu(h @ p["gate"].T) * (h @ p["up"].T)) @ p["down"].T
+    hidden_out = rms_norm(x, target["norm"], cfg.rms_eps)
+    return (hidden_out @ target["lm_head"].T).float(), hidden_out, StepDeltas.collect(batch, [deltas])
