@@ -19,6 +19,8 @@ def _progress(done: int, total: int, started: float, stream=None) -> None:
 
 
 def demo(args) -> int:
+    if args.mtp:
+        return demo_mtp(args)
     if args.model != "tiny":
         return demo_family(args)
     import torch
@@ -52,11 +54,11 @@ def demo(args) -> int:
     return 0
 
 
-def _state_for(model, *, tokens: int, page_size: int, device, max_requests: int = 1):
+def _state_for(specs, *, tokens: int, page_size: int, device, max_requests: int = 1):
     from . import State
 
     pages = max_requests * (tokens // page_size + 2)
-    return State(model.specs, num_pages=pages, page_size=page_size, max_requests=max_requests, device=device)
+    return State(specs, num_pages=pages, page_size=page_size, max_requests=max_requests, device=device)
 
 
 def demo_family(args) -> int:
@@ -70,7 +72,7 @@ def demo_family(args) -> int:
     model = random_model(args.model, seed=args.seed, dtype=torch.float32, device=args.device)
     ma = ModelAttention(model.specs, device=args.device)
     prompt = [(7 * i + 3) % model.config.vocab_size for i in range(12)]
-    state = _state_for(model, tokens=len(prompt) + args.tokens, page_size=args.page_size, device=args.device)
+    state = _state_for(model.specs, tokens=len(prompt) + args.tokens, page_size=args.page_size, device=args.device)
     kinds = sorted({s.kind for s in model.specs})
     print(f"fnattn demo: {args.model} (tiny config, {len(model.specs)} layers: {', '.join(kinds)}, random weights)")
     print(f"prompt token ids: {prompt}")
@@ -83,6 +85,62 @@ def demo_family(args) -> int:
     print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, greedy, batch 1)")
     print()
     print(ma.explain())
+    return 0
+
+
+def demo_mtp(args) -> int:
+    """Speculative decoding with a multi-token-prediction draft; prints acceptance and tokens per step."""
+    import torch
+
+    from . import ModelAttention
+    from .speculative import Speculator
+
+    if args.model == "tiny":
+        from .models import tiny
+
+        cfg = tiny.TinyConfig()
+        params = tiny.init_params(cfg, seed=args.seed, device=args.device)
+        target = (tiny.step_hidden, params, tiny.layer_specs(cfg))
+        draft = (tiny.draft_step, tiny.init_draft(cfg, params, seed=args.seed + 1), tiny.draft_specs(cfg))
+        prompt = list(args.prompt.encode("utf-8"))
+    else:
+        from .models.registry import family_named, random_model
+
+        fam = family_named(args.model)
+        if fam.draft is None or fam.step_hidden is None:
+            print(f"fnattn demo: family {args.model!r} has no draft model for --mtp", file=sys.stderr)
+            return 2
+        model = random_model(args.model, seed=args.seed, dtype=torch.float32, device=args.device)
+        d = fam.draft(model.config, model.params, None, seed=args.seed + 1)
+        target, draft = (fam.step_hidden, model.params, model.specs), (d.step, d.params, d.specs)
+        prompt = [(7 * i + 3) % model.config.vocab_size for i in range(12)]
+    total = len(prompt) + args.tokens + (args.mtp + 1) * 2
+
+    def parts(specs):
+        return (ModelAttention(specs, device=args.device),
+                _state_for(specs, tokens=total, page_size=args.page_size, device=args.device))
+
+    (t_attn, t_state), (d_attn, d_state) = parts(target[2]), parts(draft[2])
+    spec = Speculator(target_step=target[0], target_params=target[1], target_attn=t_attn, target_state=t_state,
+                      draft_step=draft[0], draft_params=draft[1], draft_attn=d_attn, draft_state=d_state,
+                      num_draft=args.mtp, recovery=args.recovery)
+    print(f"fnattn demo --mtp {args.mtp}: {args.model} target + draft head (random weights), "
+          f"{args.recovery} recovery")
+    started = time.perf_counter()
+    out = [spec.start({0: prompt})[0]]
+    steps, accepted = 0, 0
+    while len(out) < args.tokens:
+        emitted = spec.step()[0]
+        out += emitted
+        steps += 1
+        accepted += len(emitted) - 1
+        _progress(min(len(out), args.tokens), args.tokens, started)
+    elapsed = time.perf_counter() - started
+    spec.release(0)
+    print(f"generated token ids: {out[: args.tokens]}")
+    print(f"speculative steps: {steps}; mean accepted drafts per step: {accepted / max(steps, 1):.2f} of "
+          f"{args.mtp}; tokens per step: {(len(out) - 1) / max(steps, 1):.2f}")
+    print(f"{len(out) / elapsed:.1f} tokens/s (greedy, batch 1)")
     return 0
 
 
@@ -111,7 +169,7 @@ def generate_text(args) -> int:
     if not prompt:
         print("fnattn generate: the prompt encodes to no tokens", file=sys.stderr)
         return 2
-    state = _state_for(model, tokens=len(prompt) + args.tokens, page_size=args.page_size, device=args.device)
+    state = _state_for(model.specs, tokens=len(prompt) + args.tokens, page_size=args.page_size, device=args.device)
     generated: list[int] = []
     shown = ""
 
@@ -143,6 +201,10 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny",
                    help="tiny (default), or a built-in tiny config of a model family: qwen3_5, qwen3_next, "
                         "deepseek_v32, glm5, kimi_linear")
+    p.add_argument("--mtp", type=int, default=0, metavar="K",
+                   help="speculative decoding with a K-token draft head; prints acceptance and tokens per step")
+    p.add_argument("--recovery", choices=["native", "replay"], default="native",
+                   help="how recurrent layers recover after verification (with --mtp)")
     p.set_defaults(fn=demo)
     g = sub.add_parser("generate", help="greedy generation from a local checkpoint directory")
     g.add_argument("--model", required=True, help="directory with config.json, safetensors and tokenizer.json")
@@ -161,6 +223,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("demo", "generate") and args.tokens < 1:
         parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.command == "demo" and args.mtp < 0:
+        parser.error(f"--mtp must be >= 0, got {args.mtp}")
     return args.fn(args)
 
 

@@ -41,3 +41,11 @@ def test_checks_off_return_the_function_itself():
             "assert checked(f) is f\n")
     env = {**os.environ, "FNATTN_CHECKS": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_demo_mtp_prints_acceptance_and_tokens_per_step(capsys):
+    assert main(["demo", "--mtp", "2", "--tokens", "6", "--recovery", "replay"]) == 0
+    out = capsys.readouterr().out
+    assert "mean accepted drafts per step" in out and "tokens per step" in out
+    with pytest.raises(SystemExit):
+        main(["demo", "--mtp", "-1"])
