@@ -297,43 +297,49 @@ def adapt_v3(raw: dict) -> DeepseekConfig:
 
 
 def weight_shapes(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
-    D, H, R, Dr = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    Dq = cfg.qk_nope_head_dim + Dr
+    D = cfg.hidden_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, D)
     for i in range(cfg.num_layers):
-        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        shapes[p + "input_layernorm.weight"] = (D,)
-        shapes[p + "post_attention_layernorm.weight"] = (D,)
-        if cfg.q_lora_rank is None:
-            shapes[a + "q_proj.weight"] = (H * Dq, D)
-        else:
-            Rq = cfg.q_lora_rank
-            shapes.update({a + "q_a_proj.weight": (Rq, D), a + "q_a_layernorm.weight": (Rq,),
-                           a + "q_b_proj.weight": (H * Dq, Rq)})
-            if cfg.attention_bias:
-                shapes[a + "q_a_proj.bias"] = (Rq,)
-        shapes.update({a + "kv_a_proj_with_mqa.weight": (R + Dr, D), a + "kv_a_layernorm.weight": (R,),
-                       a + "kv_b_proj.weight": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R),
-                       a + "o_proj.weight": (D, H * cfg.v_head_dim)})
+        shapes.update(layer_shapes(cfg, i))
+    return shapes
+
+
+def layer_shapes(cfg: DeepseekConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Decoder layer ``i``'s tensors (``model.layers.{i}.*``)."""
+    D, H, R, Dr = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    Dq = cfg.qk_nope_head_dim + Dr
+    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+    shapes = {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
+    if cfg.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (H * Dq, D)
+    else:
+        Rq = cfg.q_lora_rank
+        shapes.update({a + "q_a_proj.weight": (Rq, D), a + "q_a_layernorm.weight": (Rq,),
+                       a + "q_b_proj.weight": (H * Dq, Rq)})
         if cfg.attention_bias:
-            shapes.update({a + "kv_a_proj_with_mqa.bias": (R + Dr,), a + "o_proj.bias": (D,)})
-        if cfg.indexer is not None and cfg.index_source(i) is None:
-            ix, x = cfg.indexer, a + "indexer."
-            shapes.update({x + "wq_b.weight": (ix.num_heads * ix.head_dim, cfg.q_lora_rank),
-                           x + "wk.weight": (ix.head_dim, D), x + "k_norm.weight": (ix.head_dim,),
-                           x + "k_norm.bias": (ix.head_dim,), x + "weights_proj.weight": (ix.num_heads, D)})
-        m = p + "mlp."
-        if cfg.mlp_types[i] == "dense":
-            shapes.update(_swiglu_shapes(m, D, cfg.intermediate_size))
-        else:
-            moe = cfg.moe
-            shapes[m + "gate.weight"] = (moe.n_routed_experts, D)
-            shapes[m + "gate.e_score_correction_bias"] = (moe.n_routed_experts,)
-            for e in range(moe.n_routed_experts):
-                shapes.update(_swiglu_shapes(f"{m}experts.{e}.", D, moe.moe_intermediate_size))
-            shapes.update(_swiglu_shapes(m + "shared_experts.", D, moe.moe_intermediate_size * moe.n_shared_experts))
+            shapes[a + "q_a_proj.bias"] = (Rq,)
+    shapes.update({a + "kv_a_proj_with_mqa.weight": (R + Dr, D), a + "kv_a_layernorm.weight": (R,),
+                   a + "kv_b_proj.weight": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R),
+                   a + "o_proj.weight": (D, H * cfg.v_head_dim)})
+    if cfg.attention_bias:
+        shapes.update({a + "kv_a_proj_with_mqa.bias": (R + Dr,), a + "o_proj.bias": (D,)})
+    if cfg.indexer is not None and cfg.index_source(i) is None:
+        ix, x = cfg.indexer, a + "indexer."
+        shapes.update({x + "wq_b.weight": (ix.num_heads * ix.head_dim, cfg.q_lora_rank),
+                       x + "wk.weight": (ix.head_dim, D), x + "k_norm.weight": (ix.head_dim,),
+                       x + "k_norm.bias": (ix.head_dim,), x + "weights_proj.weight": (ix.num_heads, D)})
+    m = p + "mlp."
+    if cfg.mlp_types[i] == "dense":
+        shapes.update(_swiglu_shapes(m, D, cfg.intermediate_size))
+    else:
+        moe = cfg.moe
+        shapes[m + "gate.weight"] = (moe.n_routed_experts, D)
+        shapes[m + "gate.e_score_correction_bias"] = (moe.n_routed_experts,)
+        for e in range(moe.n_routed_experts):
+            shapes.update(_swiglu_shapes(f"{m}experts.{e}.", D, moe.moe_intermediate_size))
+        shapes.update(_swiglu_shapes(m + "shared_experts.", D, moe.moe_intermediate_size * moe.n_shared_experts))
     return shapes
 
 
@@ -388,26 +394,29 @@ class Params:
 
 def load(cfg: DeepseekConfig, weights) -> Params:
     """Arrange checkpoint tensors (by HF name) into `Params`; views only."""
-    layers = []
-    for i in range(cfg.num_layers):
-        p, m = f"model.layers.{i}.", f"model.layers.{i}.mlp."
-        attn = MLAWeights.from_state_dict(weights, prefix=p + "self_attn.", num_heads=cfg.num_heads)
-        indexer = None
-        if cfg.indexer is not None and cfg.index_source(i) is None:
-            indexer = IndexerWeights.from_state_dict(weights, prefix=p + "self_attn.indexer.")
-        if cfg.mlp_types[i] == "dense":
-            mlp = SwiGLU.take(weights, m)
-        else:
-            experts = tuple(SwiGLU.take(weights, f"{m}experts.{e}.") for e in range(cfg.moe.n_routed_experts))
-            mlp = MoE(weights[m + "gate.weight"], weights[m + "gate.e_score_correction_bias"], experts,
-                      SwiGLU.take(weights, m + "shared_experts."))
-        layers.append(Layer(weights[p + "input_layernorm.weight"], weights[p + "post_attention_layernorm.weight"],
-                            attn, indexer, cfg.index_source(i), mlp))
+    layers = tuple(load_layer(cfg, weights, i) for i in range(cfg.num_layers))
     embed = weights["model.embed_tokens.weight"]
     inv_freq, scaling = rope_tables(cfg.rope_parameters, cfg.qk_rope_head_dim)
-    return Params(cfg, embed, tuple(layers), weights["model.norm.weight"],
+    return Params(cfg, embed, layers, weights["model.norm.weight"],
                   embed if cfg.tie_word_embeddings else weights["lm_head.weight"],
                   inv_freq.to(embed.device), scaling)
+
+
+def load_layer(cfg: DeepseekConfig, weights, i: int) -> Layer:
+    """Decoder layer ``i`` from ``model.layers.{i}.*``."""
+    p, m = f"model.layers.{i}.", f"model.layers.{i}.mlp."
+    attn = MLAWeights.from_state_dict(weights, prefix=p + "self_attn.", num_heads=cfg.num_heads)
+    indexer = None
+    if cfg.indexer is not None and cfg.index_source(i) is None:
+        indexer = IndexerWeights.from_state_dict(weights, prefix=p + "self_attn.indexer.")
+    if cfg.mlp_types[i] == "dense":
+        mlp = SwiGLU.take(weights, m)
+    else:
+        experts = tuple(SwiGLU.take(weights, f"{m}experts.{e}.") for e in range(cfg.moe.n_routed_experts))
+        mlp = MoE(weights[m + "gate.weight"], weights[m + "gate.e_score_correction_bias"], experts,
+                  SwiGLU.take(weights, m + "shared_experts."))
+    return Layer(weights[p + "input_layernorm.weight"], weights[p + "post_attention_layernorm.weight"],
+                 attn, indexer, cfg.index_source(i), mlp)
 
 
 # --------------------------------------------------------------------------- #
@@ -443,13 +452,26 @@ def attention_inputs(layer: Layer, cfg: DeepseekConfig, h: Tensor, cos: Tensor, 
     return SparseMLAInputs(**base, sparse=sparse, index_q=q.q, index_w=q.w, index_k=k)
 
 
+def decoder_layer(session, i: int, layer: Layer, cfg: DeepseekConfig, x: Float[Tensor, "T D"], cos: Tensor,
+                  sin: Tensor, sparse: SparseQueryMetadata | None, topk: dict[int, Tensor]):
+    """Decoder layer ``i``: ``-> (x [T, D], layer deltas)``; records its own top-k in ``topk``."""
+    h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+    reused = topk[layer.index_source] if layer.index_source is not None else None
+    out, deltas = session.forward(i, attention_inputs(layer, cfg, h, cos, sin, sparse, reused))
+    if sparse is not None and layer.indexer is not None:
+        topk[i] = out.topk_indices
+    x = x + F.linear(out.o.reshape(x.shape[0], -1), layer.attn.o_proj, layer.attn.o_proj_bias)
+    h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+    return x + (layer.mlp(h) if isinstance(layer.mlp, SwiGLU) else moe(layer.mlp, cfg.moe, h)), deltas
+
+
 @checked
-def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
-    """One step of any phase: ``(params, session, tokens) -> (logits [T, vocab] fp32, deltas)``."""
+def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
+                ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
+    """`step` that also returns the final norm's output (lm_head's input), which MTP drafts read."""
     cfg, batch = params.config, session.batch
     if tokens.shape[0] != batch.num_tokens:
         fail(f"{cfg.model_type}.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
-    T = tokens.shape[0]
     x = params.embed[tokens]  # [T, D]
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq, attention_scaling=params.attention_scaling,
                             dtype=x.dtype)  # [T, Dr]
@@ -458,18 +480,25 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
     topk: dict[int, Tensor] = {}  # layer -> its [T, topk] selection, for the layers that reuse it
     layer_deltas = []
     for i, layer in enumerate(params.layers):
-        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        reused = topk[layer.index_source] if layer.index_source is not None else None
-        out, deltas = session.forward(i, attention_inputs(layer, cfg, h, cos, sin, sparse, reused))
+        x, deltas = decoder_layer(session, i, layer, cfg, x, cos, sin, sparse, topk)
         layer_deltas.append(deltas)
-        if sparse is not None and layer.indexer is not None:
-            topk[i] = out.topk_indices
-        x = x + F.linear(out.o.reshape(T, -1), layer.attn.o_proj, layer.attn.o_proj_bias)
-        h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-        x = x + (layer.mlp(h) if isinstance(layer.mlp, SwiGLU) else moe(layer.mlp, cfg.moe, h))
-    logits = F.linear(rms_norm(x, params.norm, cfg.rms_norm_eps), params.lm_head)
+    hidden = rms_norm(x, params.norm, cfg.rms_norm_eps)  # [T, D]
     # The cursor advances once, after every layer has read the state.
-    return logits.float(), StepDeltas.collect(batch, layer_deltas)
+    return F.linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+
+
+@checked
+def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
+    """One step of any phase: ``(params, session, tokens) -> (logits [T, vocab] fp32, deltas)``."""
+    logits, _, deltas = step_hidden(params, session, tokens)
+    return logits, deltas
+
+
+def draft(cfg: DeepseekConfig, target_params: Params, weights=None, *, seed: int = 0):
+    """The NextN (MTP) draft model (`models/deepseek_mtp.py`, imported lazily: it builds on this module)."""
+    from .deepseek_mtp import draft as nextn_draft
+
+    return nextn_draft(cfg, target_params, weights, seed=seed)
 
 
 # --------------------------------------------------------------------------- #
@@ -495,7 +524,8 @@ def tiny_config(model_type: str = "deepseek_v32") -> dict:
 
 
 register_family(Family(name="deepseek_v32", model_types=("deepseek_v32",), adapt=adapt_v32,
-                       weight_shapes=weight_shapes, load=load, step=step, tiny_config=tiny_config))
+                       weight_shapes=weight_shapes, load=load, step=step, tiny_config=tiny_config,
+                       step_hidden=step_hidden, draft=draft))
 register_family(Family(name="deepseek_v3", model_types=("deepseek_v3",), adapt=adapt_v3,
                        weight_shapes=weight_shapes, load=load, step=step,
-                       tiny_config=lambda: tiny_config("deepseek_v3")))
+                       tiny_config=lambda: tiny_config("deepseek_v3"), step_hidden=step_hidden, draft=draft))

@@ -19,7 +19,8 @@ reuses all of this with its fused GDN projections.
 Checkpoints: text configs (``qwen3_5_text``, ``qwen3_5_moe_text``) keep the
 decoder under ``model.``; the multimodal wrappers (``qwen3_5``,
 ``qwen3_5_moe``) hold the text config in ``text_config`` and the decoder under
-``model.language_model.``. Vision and MTP weights are not read.
+``model.language_model.``. Vision weights are not read; the MTP module (``mtp.*``) is a
+draft model of its own (`models/qwen3_5_mtp.py`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class QwenConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     norm_topk_prob: bool = True
+    mtp_num_hidden_layers: int = 0  # decoder layers of the MTP draft module (0: none in the checkpoint)
     # checkpoint
     weight_prefix: str = "model."  # where the decoder's tensors live
     tie_word_embeddings: bool = False  # lm_head reuses embed_tokens (no lm_head.weight stored)
@@ -205,6 +207,7 @@ def common_fields(raw: dict, text: dict, where: str) -> dict:
         linear_conv_kernel_dim=read(text, where, "linear_conv_kernel_dim", int, 4, minimum=2),
         tie_word_embeddings=tie,
         checkpoint_dtype=dtype,
+        mtp_num_hidden_layers=read(text, where, "mtp_num_hidden_layers", int, 0, minimum=0),
     )
 
 
@@ -248,12 +251,18 @@ def weight_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
     shapes = {P + "embed_tokens.weight": (V, D), P + "norm.weight": (D,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)
-    for i, kind in enumerate(cfg.layer_types):
-        L = f"{P}layers.{i}."
-        shapes[L + "input_layernorm.weight"] = (D,)
-        shapes[L + "post_attention_layernorm.weight"] = (D,)
-        shapes.update(_gdn_shapes(cfg, L + "linear_attn.") if kind == LINEAR else _attn_shapes(cfg, L + "self_attn."))
-        shapes.update(_mlp_shapes(cfg, i, L + "mlp."))
+    for i in range(cfg.num_layers):
+        shapes.update(layer_shapes(cfg, i, f"{P}layers.{i}."))
+    return shapes
+
+
+def layer_shapes(cfg: QwenConfig, i: int, L: str) -> dict[str, tuple[int, ...]]:
+    """Decoder layer ``i``'s tensors under the prefix ``L`` (e.g. "model.layers.3.")."""
+    D = cfg.hidden_size
+    shapes = {L + "input_layernorm.weight": (D,), L + "post_attention_layernorm.weight": (D,)}
+    shapes.update(_gdn_shapes(cfg, L + "linear_attn.") if cfg.layer_types[i] == LINEAR
+                  else _attn_shapes(cfg, L + "self_attn."))
+    shapes.update(_mlp_shapes(cfg, i, L + "mlp."))
     return shapes
 
 
@@ -352,31 +361,32 @@ def load(cfg: QwenConfig, weights) -> Params:
     reordered (once) into the Qwen3.5 layout by `GDNWeights.from_state_dict`.
     """
     P = cfg.weight_prefix
-    layers = []
-    for i, kind in enumerate(cfg.layer_types):
-        L = f"{P}layers.{i}."
-        if kind == LINEAR:
-            attn = GDNWeights.from_state_dict(weights, num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
-                                              prefix=L + "linear_attn.")
-        else:
-            a = L + "self_attn."
-            attn = Attention(**{n: weights[f"{a}{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                        "q_norm", "k_norm")})
-        m = L + "mlp."
-        if cfg.moe_layers[i]:
-            shared = cfg.shared_expert_intermediate_size > 0
-            mlp = MoE(router=weights[m + "gate.weight"],
-                      experts=tuple(_swiglu(weights, f"{m}experts.{e}.") for e in range(cfg.num_experts)),
-                      shared=_swiglu(weights, m + "shared_expert.") if shared else None,
-                      shared_gate=weights[m + "shared_expert_gate.weight"] if shared else None)
-        else:
-            mlp = _swiglu(weights, m)
-        layers.append(Layer(weights[L + "input_layernorm.weight"], attn, weights[L + "post_attention_layernorm.weight"],
-                            mlp))
+    layers = tuple(load_layer(cfg, weights, i, f"{P}layers.{i}.") for i in range(cfg.num_layers))
     embed = weights[P + "embed_tokens.weight"]
-    return Params(config=cfg, embed=embed, layers=tuple(layers), norm=weights[P + "norm.weight"],
+    return Params(config=cfg, embed=embed, layers=layers, norm=weights[P + "norm.weight"],
                   lm_head=embed if cfg.tie_word_embeddings else weights["lm_head.weight"],
                   inv_freq=rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device=embed.device))
+
+
+def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
+    """Decoder layer ``i`` from the tensors under the prefix ``L`` (e.g. "model.layers.3.")."""
+    if cfg.layer_types[i] == LINEAR:
+        attn = GDNWeights.from_state_dict(weights, num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
+                                          prefix=L + "linear_attn.")
+    else:
+        a = L + "self_attn."
+        attn = Attention(**{n: weights[f"{a}{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "q_norm", "k_norm")})
+    m = L + "mlp."
+    if cfg.moe_layers[i]:
+        shared = cfg.shared_expert_intermediate_size > 0
+        mlp = MoE(router=weights[m + "gate.weight"],
+                  experts=tuple(_swiglu(weights, f"{m}experts.{e}.") for e in range(cfg.num_experts)),
+                  shared=_swiglu(weights, m + "shared_expert.") if shared else None,
+                  shared_gate=weights[m + "shared_expert_gate.weight"] if shared else None)
+    else:
+        mlp = _swiglu(weights, m)
+    return Layer(weights[L + "input_layernorm.weight"], attn, weights[L + "post_attention_layernorm.weight"], mlp)
 
 
 # --------------------------------------------------------------------------- step
@@ -420,29 +430,43 @@ def moe(h: Float[Tensor, "T D"], m: MoE, cfg: QwenConfig) -> Float[Tensor, "T D"
     return out
 
 
+def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: Tensor, sin: Tensor,
+                  cfg: QwenConfig):
+    """Decoder layer ``i`` (attention through the session, then the MLP): ``-> (x [T, D], layer deltas)``."""
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, layer.input_norm, eps, offset=1.0)
+    if isinstance(layer.attn, GDNWeights):
+        y, deltas = linear_attention(session, i, layer.attn, h, cfg)
+    else:
+        y, deltas = gated_attention(session, i, layer.attn, h, cos, sin, cfg)
+    x = x + y
+    h = rms_norm(x, layer.post_norm, eps, offset=1.0)
+    return x + (moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp(h)), deltas
+
+
 @checked
-def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
-    """One step of any phase: ``(params, session, tokens) -> (logits, deltas)``."""
+def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
+                ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
+    """`step` that also returns the final norm's output (lm_head's input), which MTP drafts read."""
     cfg, batch = params.config, session.batch
     if tokens.shape[0] != batch.num_tokens:
         fail(f"{cfg.model_type}.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
-    eps = cfg.rms_norm_eps
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim]
     x = F.embedding(tokens, params.embed)  # [T, D]
     layer_deltas = []
     for i, layer in enumerate(params.layers):
-        h = rms_norm(x, layer.input_norm, eps, offset=1.0)
-        if isinstance(layer.attn, GDNWeights):
-            y, deltas = linear_attention(session, i, layer.attn, h, cfg)
-        else:
-            y, deltas = gated_attention(session, i, layer.attn, h, cos, sin, cfg)
+        x, deltas = decoder_layer(session, i, layer, x, cos, sin, cfg)
         layer_deltas.append(deltas)
-        x = x + y
-        h = rms_norm(x, layer.post_norm, eps, offset=1.0)
-        x = x + (moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp(h))
-    logits = F.linear(rms_norm(x, params.norm, eps, offset=1.0), params.lm_head)
+    hidden = rms_norm(x, params.norm, cfg.rms_norm_eps, offset=1.0)  # [T, D]
     # The cursor advances once, after every layer has read the state.
-    return logits.float(), StepDeltas.collect(batch, layer_deltas)
+    return F.linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+
+
+@checked
+def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
+    """One step of any phase: ``(params, session, tokens) -> (logits, deltas)``."""
+    logits, _, deltas = step_hidden(params, session, tokens)
+    return logits, deltas
 
 
 def tiny_config() -> dict:
@@ -457,5 +481,13 @@ def tiny_config() -> dict:
     }
 
 
+def draft(cfg: QwenConfig, target_params: Params, weights=None, *, seed: int = 0):
+    """The MTP draft model (`models/qwen3_5_mtp.py`, imported here lazily: it builds on this module)."""
+    from .qwen3_5_mtp import draft as mtp_draft
+
+    return mtp_draft(cfg, target_params, weights, seed=seed)
+
+
 register_family(Family(name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
-                       adapt=adapt, weight_shapes=weight_shapes, load=load, step=step, tiny_config=tiny_config))
+                       adapt=adapt, weight_shapes=weight_shapes, load=load, step=step, tiny_config=tiny_config,
+                       step_hidden=step_hidden, draft=draft))

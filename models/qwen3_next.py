@@ -55,4 +55,4 @@ def tiny_config() -> dict:
 
 register_family(Family(name="qwen3_next", model_types=("qwen3_next",), adapt=adapt,
                        weight_shapes=qwen3_5.weight_shapes, load=qwen3_5.load, step=qwen3_5.step,
-                       tiny_config=tiny_config))
+                       tiny_config=tiny_config, step_hidden=qwen3_5.step_hidden, draft=qwen3_5.draft))

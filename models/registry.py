@@ -7,8 +7,8 @@ checks and loads each once, and `load` arranges them into the family's params.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,10 @@ class Family:
     load: Callable[[Any, Any], Any]  # (model config, mapping name -> tensor) -> params
     step: Callable  # (params, session, tokens [T]) -> (logits [T, vocab], StepDeltas)
     tiny_config: Callable[[], dict]  # a small config.json dict for demos and tests
+    # (params, session, tokens [T]) -> (logits [T, vocab], hidden [T, D] (the final norm's output), StepDeltas)
+    step_hidden: Callable | None = None
+    # (model config, params, weights mapping | None, *, seed) -> models.mtp.DraftModel (random when no weights)
+    draft: Callable | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -104,9 +108,16 @@ def random_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
     """A family's tiny config with random weights (scaled so activations stay O(1))."""
     fam = family_named(name)
     cfg = _with_dtype(fam.adapt(config or fam.tiny_config()), dtype)
+    weights = random_weights(fam.weight_shapes(cfg), seed=seed, dtype=dtype, device=device)
+    return Model(fam, cfg, fam.load(cfg, weights))
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device="cpu") -> dict[str, torch.Tensor]:
+    """Seeded normal tensors in ``shapes`` order: matrices scaled by fan-in^-1/2, vectors by 0.1."""
     g = torch.Generator().manual_seed(seed)
     weights = {}
-    for wname, shape in fam.weight_shapes(cfg).items():
+    for wname, shape in shapes.items():
         scale = shape[-1] ** -0.5 if len(shape) > 1 else 0.1
         weights[wname] = (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
-    return Model(fam, cfg, fam.load(cfg, weights))
+    return weights

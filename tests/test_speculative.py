@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from fnattn.models import tiny
 
 import fnattn as fa
 from fnattn.driver import generate
-from fnattn.models import tiny
 from fnattn.speculative import Speculator
 
 K = 3
@@ -56,7 +56,7 @@ def forced(ref, emitted, vocab):
 
     def hook(step, drafts):
         out = {}
-        for i, (r, d) in enumerate(drafts.items()):
+        for i, r in enumerate(drafts):
             m = pattern[(step + i) % len(pattern)]
             pos = len(emitted[r])  # the next token the target will produce after `last`
             right = ref[r][pos : pos + K]

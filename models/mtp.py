@@ -1,0 +1,77 @@
+"""Draft models for speculative decoding: multi-token prediction (MTP) modules, depth 1.
+
+A target family that exposes its final hidden states (``Family.step_hidden``)
+can carry a small draft module trained next to it (DeepSeek-V3 "NextN",
+Qwen3-Next / Qwen3.5 "MTP"). At draft position ``p`` the module reads the
+target's hidden state at ``p`` (the final norm's output) and the embedding of
+token ``p + 1``; its logits predict token ``p + 2``. Its ``hidden_out`` (its own
+final norm's output) stands in for the target's hidden state when it drafts
+further ahead than the target has verified.
+
+The draft's attention layers are its own: ``specs`` carry layer indices after
+the target's (``num_hidden_layers + j``) and live in a separate fnattn
+`State`; a draft step runs through a session over that state with
+``batch.positions`` equal to the target positions it drafts from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from fnattn import LayerSpec
+from fnattn.checks import fail
+
+from .loading import CheckpointError, CheckpointReader
+from .registry import random_weights
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    specs: tuple[LayerSpec, ...]  # the draft's own attention layers; they live in their own fnattn State
+    params: Any
+    # (params, session, tokens [T] int64, hidden [T, D]) -> (logits [T, vocab] fp32, hidden_out [T, D], StepDeltas)
+    step: Callable
+
+
+def has_weights(weights: Mapping | None, marker: str) -> bool:
+    """Whether ``weights`` holds the draft module (checkpoints written by transformers do not)."""
+    return weights is not None and marker in weights
+
+
+def draft_weights(weights: Mapping | None, shapes: dict[str, tuple[int, ...]], *, marker: str, seed: int,
+                  like: Tensor, shared: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """The draft's tensors by checkpoint name, checked against ``shapes``.
+
+    Read from ``weights`` when it holds ``marker``; otherwise random (seeded,
+    scaled like `random_model`) in ``like``'s dtype and device. ``shared``
+    names tensors that random drafts take from the target instead (a NextN
+    head equal to the target's lm_head); a real checkpoint stores its own.
+    """
+    if not has_weights(weights, marker):
+        shared = shared or {}
+        own = {n: s for n, s in shapes.items() if n not in shared}
+        return {**random_weights(own, seed=seed, dtype=like.dtype, device=like.device), **shared}
+    if isinstance(weights, CheckpointReader):
+        return {name: weights.expect(name, shape) for name, shape in shapes.items()}
+    out = {}
+    for name, shape in shapes.items():
+        if name not in weights:
+            raise CheckpointError(f"draft weights: tensor {name!r} is missing")
+        t = weights[name]
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"draft weights: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        out[name] = t.to(device=like.device, dtype=like.dtype if t.is_floating_point() else t.dtype)
+    return out
+
+
+def check_step_inputs(owner: str, batch, tokens: Tensor, hidden: Tensor, hidden_size: int) -> None:
+    """A draft step feeds one token and one hidden row per new position of its batch."""
+    if tokens.shape[0] != batch.num_tokens:
+        fail(owner, "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
+    if tuple(hidden.shape) != (batch.num_tokens, hidden_size):
+        fail(owner, "hidden", f"of shape {(batch.num_tokens, hidden_size)}", tuple(hidden.shape))
+
