@@ -20,7 +20,16 @@ def bf16_specs(specs):
     return tuple(fa.LayerSpec(index=s.index, config=s.config, dtype=torch.bfloat16) for s in specs)
 
 
-def run(m, recovery, steps, k):
+def greedy(m, n_tokens):
+    from fnattn.driver import generate
+
+    specs = bf16_specs(m["target_specs"])
+    ma = fa.ModelAttention(specs, prefer=("reference",), device="cuda")
+    st = fa.State(specs, num_pages=64, page_size=16, max_requests=4, device="cuda")
+    return generate(m["plain_step"], m["target_params"], ma, st, cpu.PROMPTS, max_new_tokens=n_tokens)[1]
+
+
+def run(m, recovery, steps, k, ref):
     specs_t, specs_d = bf16_specs(m["target_specs"]), bf16_specs(m["draft_specs"])
 
     def st(specs):
@@ -31,7 +40,10 @@ def run(m, recovery, steps, k):
                       target_state=st(specs_t), draft_step=m["draft_step"], draft_params=m["draft_params"],
                       draft_attn=fa.ModelAttention(specs_d, prefer=("reference",), device="cuda"),
                       draft_state=st(specs_d), num_draft=k, recovery=recovery)
-    out = {r: [t] for r, t in spec.start(cpu.PROMPTS).items()}
+    out = {r: [] for r in cpu.PROMPTS}
+    spec.propose_hook = cpu.forced(ref, out, m["vocab"])  # forces 0..k accepted drafts
+    for r, t in spec.start(cpu.PROMPTS).items():
+        out[r].append(t)
     accepted = []
     for _ in range(steps):
         for r, toks in spec.step().items():
@@ -59,11 +71,13 @@ def test_native_and_replay_bitwise_on_gpu_bf16(name, record):
         draft = fam.draft(model.config, model.params, None, seed=1)
         m.update(target_params=model.params, draft_params=draft.params, target_specs=model.specs,
                  draft_specs=draft.specs)
-    steps, k = 16, 3
-    native, out_n, acc_n = run(m, "native", steps, k)
-    replay, out_r, acc_r = run(m, "replay", steps, k)
+    steps, k = 16, cpu.K
+    ref = greedy(m, steps * (k + 1) + 2)
+    native, out_n, acc_n = run(m, "native", steps, k, ref)
+    replay, out_r, acc_r = run(m, "replay", steps, k, ref)
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(native.trace, replay.trace))
     ok = out_n == out_r and acc_n == acc_r and diff == 0.0
     record({"case": f"speculative {name} bf16 k={k} {steps} steps", "phase": "verify", "backend": "reference",
-            "max_abs": diff, "max_rel": 0.0, "ok": ok, "accepted_per_step": sum(acc_n) / len(acc_n)})
+            "max_abs": diff, "max_rel": 0.0, "ok": ok, "accepted_lengths": sorted(set(acc_n)),
+            "equals_plain_greedy": all(out_n[r] == ref[r][: len(out_n[r])] for r in out_n)})
     assert ok, f"native vs replay: max abs {diff}"
