@@ -17,7 +17,17 @@ from .errors import (
     StaleDeltasError,
     StaleStateError,
 )
-from .inputs import AttentionOutput, FullAttentionInputs, StepMeta
+from .inputs import (
+    AttentionOutput,
+    FullAttentionInputs,
+    MLAInputs,
+    RecurrentInputs,
+    RecurrentOutput,
+    SparseAttentionOutput,
+    SparseMLAInputs,
+    SparseQueryMetadata,
+    StepMeta,
+)
 from .model_attention import ModelAttention
 from .probe import ProbeReport, probe
 from .registry import Backend, register
@@ -40,7 +50,9 @@ __all__ = [
     "PHASES", "Batch", "CursorAdvance", "IndexKeyWrite", "KVWrite", "LatentWrite", "RecurrentWrite",
     "StepDeltas", "DoubleApplyError", "LeaseError", "NoBackendError", "PoolExhaustedError",
     "SessionClosedError", "StaleDeltasError", "StaleStateError", "AttentionOutput", "FullAttentionInputs",
-    "StepMeta", "ModelAttention", "ProbeReport", "probe", "Backend", "register", "AttentionSession",
+    "MLAInputs", "RecurrentInputs", "RecurrentOutput", "SparseAttentionOutput", "SparseMLAInputs",
+    "SparseQueryMetadata", "StepMeta", "ModelAttention", "ProbeReport", "probe", "Backend", "register",
+    "AttentionSession",
     "DSV4Config", "FullAttentionConfig", "GDNConfig", "IndexerConfig", "KDAConfig", "LayerSpec", "MLAConfig",
     "SparseMLAConfig", "Checkpoint", "State", "Views",
 ]
