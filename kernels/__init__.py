@@ -14,6 +14,8 @@ _EXPORTS = {
     "paged_prefill_ref": "paged_attention",
     "merge_attention_states": "lse_merge",
     "merge_attention_states_ref": "lse_merge",
+    "merge_new_token": "lse_merge",
+    "merge_new_token_ref": "lse_merge",
     "scatter_kv": "scatter",
     "scatter_kv_ref": "scatter",
     "scatter_rows": "scatter",

@@ -7,6 +7,8 @@ A part with lse == -inf attended nothing: its o is ignored (it may hold
 anything), and when both are -inf the result is o = 0, lse = -inf.
 """
 
+import math
+
 import torch
 
 from ._triton import next_pow2, require_triton, tl, triton
@@ -152,3 +154,85 @@ def merge_attention_states_ref(o1, lse1, o2, lse2):
     # An lse of -inf means that part attended nothing: ignore its o.
     o = torch.where(w1 > 0, o1.float(), 0.0) * w1 + torch.where(w2 > 0, o2.float(), 0.0) * w2
     return o.to(o1.dtype), lse
+
+
+@triton.jit
+def _merge_new_token_kernel(
+    O_C, L_C, Q, K, V, OUT, LSE_OUT,
+    sm_scale, softcap, lse_scale,
+    soc_b, soc_h, slc_b, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kvh = h // G
+    d = tl.arange(0, D_PAD)
+    dv = tl.arange(0, DV_PAD)
+    q = tl.load(Q + b * sq_b + h * sq_h + d, mask=d < D, other=0.0).to(tl.float32)
+    k = tl.load(K + b * sk_b + kvh * sk_h + d, mask=d < D, other=0.0).to(tl.float32)
+    s = tl.sum(q * k, 0) * sm_scale
+    if SOFTCAP:
+        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # tanh
+    lc = tl.load(L_C + b * slc_b + h) * lse_scale  # the cached part's LSE, natural log
+    m = tl.maximum(lc, s)
+    wc = tl.exp(lc - m)  # 0 when the cache part attended nothing (lc = -inf)
+    wn = tl.exp(s - m)
+    oc = tl.load(O_C + b * soc_b + h * soc_h + dv, mask=dv < DV, other=0.0).to(tl.float32)
+    oc = tl.where(wc > 0, oc, 0.0)  # an empty cached part may hold anything
+    v = tl.load(V + b * sv_b + kvh * sv_h + dv, mask=dv < DV, other=0.0).to(tl.float32)
+    o = (oc * wc + v * wn) / (wc + wn)
+    tl.store(OUT + b * so_b + h * so_h + dv, o.to(OUT.dtype.element_ty), mask=dv < DV)
+    tl.store(LSE_OUT + b * tl.num_programs(1) + h, m + tl.log(wc + wn))
+
+
+def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False):
+    """Fold each request's own new token into the attention over its cache, in one launch.
+
+    o_c [B, Hq, Dv] and lse_c [B, Hq] fp32: attention of each decode query over
+    its cached tokens (lse in base 2 when ``lse_base2``, as FlashInfer reports
+    it); q [B, Hq, D]; k_new [B, Hkv, D]; v_new [B, Hkv, Dv]: the token the query
+    is (not in the cache). Returns o [B, Hq, Dv] in o_c's dtype and lse [B, Hq]
+    fp32 in natural log, as if the new token had been in the cache.
+    """
+    require_triton()
+    B, Hq, D = q.shape
+    Hkv, Dv = k_new.shape[1], v_new.shape[2]
+    for name, t, shape in (("o_c", o_c, (B, Hq, Dv)), ("lse_c", lse_c, (B, Hq)), ("k_new", k_new, (B, Hkv, D)),
+                           ("v_new", v_new, (B, Hkv, Dv))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+    if Hq % Hkv:
+        raise ValueError(f"k_new: expected a head count dividing q's {Hq}, got {Hkv}")
+    if lse_c.dtype != torch.float32:
+        raise ValueError(f"lse_c: expected dtype torch.float32, got {lse_c.dtype}")
+    for name, t in (("o_c", o_c), ("q", q), ("k_new", k_new), ("v_new", v_new)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a unit stride on the last dim, got strides {t.stride()}")
+    lse_c = lse_c.contiguous()
+    o = torch.empty(B, Hq, Dv, dtype=o_c.dtype, device=q.device)
+    lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return o, lse
+    _merge_new_token_kernel[(B, Hq)](
+        o_c, lse_c, q, k_new, v_new, o, lse,
+        float(scale), float(softcap), math.log(2.0) if lse_base2 else 1.0,
+        o_c.stride(0), o_c.stride(1), lse_c.stride(0), q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1), o.stride(0), o.stride(1),
+        G=Hq // Hkv, D=D, D_PAD=next_pow2(D), DV=Dv, DV_PAD=next_pow2(Dv), SOFTCAP=softcap > 0, num_warps=1,
+    )
+    return o, lse
+
+
+def merge_new_token_ref(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False):
+    """Reference for `merge_new_token`: the new token's own score and value, merged by LSE."""
+    g = q.shape[1] // k_new.shape[1]
+    s = torch.einsum("bhd,bhd->bh", q.float(), k_new.float().repeat_interleave(g, dim=1)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    lse_c = lse_c.float() * (math.log(2.0) if lse_base2 else 1.0)
+    v = v_new.float().repeat_interleave(g, dim=1)
+    o, lse = merge_attention_states_ref(o_c.float(), lse_c, v, s)
+    return o.to(o_c.dtype), lse

@@ -8,6 +8,7 @@ per step. FlashInfer reports LSE in base 2; outputs here use the natural log.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -104,9 +105,18 @@ def _merge(o1, lse1, o2, lse2):
 def _decode(spec, views, inputs):
     batch, plan = inputs.meta.batch, inputs.meta.plan
     o_c, lse_c = plan["decode"].run(inputs.q, (views.k, views.v), return_lse=True)
-    o_n, lse_n = _self_token(spec, inputs.q, inputs.k, inputs.v)
-    o, lse = _merge(o_c, lse_c, o_n, lse_n)
-    return (AttentionOutput(o=o, lse=lse * LN2),
+    c = spec.config
+    if importlib.util.find_spec("triton") is not None:
+        from ..kernels import merge_new_token
+
+        # The step's own token and the merge in one launch instead of four small ones.
+        o, lse = merge_new_token(o_c, lse_c, inputs.q, inputs.k, inputs.v, scale=c.scale, softcap=c.softcap,
+                                 lse_base2=True)
+    else:
+        o_n, lse_n = _self_token(spec, inputs.q, inputs.k, inputs.v)
+        o, lse = _merge(o_c, lse_c, o_n, lse_n)
+        lse = lse * LN2
+    return (AttentionOutput(o=o, lse=lse),
             (KVWrite(layer=spec.index, slots=batch.slot_mapping, k=inputs.k, v=inputs.v),))
 
 

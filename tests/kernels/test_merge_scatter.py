@@ -1,5 +1,6 @@
 """merge_attention_states, scatter_kv and scatter_rows against their references."""
 
+import math
 import os
 import subprocess
 import sys
@@ -156,3 +157,33 @@ def test_modules_import_without_triton():
     res = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     assert "ImportError" in res.stdout and "triton" in res.stdout
+
+
+@pytest.mark.parametrize("softcap, base2", [(0.0, False), (5.0, True)])
+def test_merge_new_token_equals_attention_with_the_token_cached(softcap, base2):
+    from fnattn.kernels.lse_merge import merge_new_token, merge_new_token_ref
+    from fnattn.kernels.paged_attention import attend_ref
+
+    B, Hq, Hkv, D, Dv, n = 3, 8, 2, 16, 8, 5
+    q, k_new, v_new = randn(B, Hq, D), randn(B, Hkv, D), randn(B, Hkv, Dv)
+    kc, vc = randn(B, n, Hkv, D), randn(B, n, Hkv, Dv)
+    pos = torch.arange(n + 1, device=DEVICE)
+    parts, fulls = [], []
+    for b in range(B):
+        o, lse = attend_ref(q[b : b + 1], kc[b], vc[b], pos[n:], pos[:n], scale=0.25, softcap=softcap)
+        parts.append((o, lse))
+        fulls.append(attend_ref(q[b : b + 1], torch.cat([kc[b], k_new[b : b + 1]]),
+                                torch.cat([vc[b], v_new[b : b + 1]]), pos[n:], pos, scale=0.25, softcap=softcap))
+    o_c = torch.cat([p[0] for p in parts])
+    lse_c = torch.cat([p[1] for p in parts])
+    lse_c[1] = float("-inf")  # request 1: nothing cached; its cached output is garbage
+    o_c[1] = float("nan")
+    if base2:
+        lse_c = lse_c / math.log(2.0)
+    got = merge_new_token(o_c, lse_c, q, k_new, v_new, scale=0.25, softcap=softcap, lse_base2=base2)
+    want = merge_new_token_ref(o_c, lse_c, q, k_new, v_new, scale=0.25, softcap=softcap, lse_base2=base2)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    for b in (0, 2):
+        torch.testing.assert_close(got[0][b], fulls[b][0][0].to(got[0].dtype), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0][1], v_new[1].repeat_interleave(Hq // Hkv, dim=0), atol=1e-6, rtol=1e-6)
