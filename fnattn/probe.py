@@ -46,6 +46,9 @@ def probe(spec, *, state, batch, inputs, backends: Sequence[str] = ("reference",
         ma = ModelAttention([spec], prefer=(name,), device=state.device, phases=(batch.phase,))
         with ma.session(state, batch) as s:
             out, deltas = s.forward(spec.index, inputs)
+        if not _leaves(out):  # an unregistered output type would flatten to nothing and compare nothing
+            raise TypeError(f"probe: backend {name!r} returned {type(out).__name__}, which is not a pytree of "
+                            "tensors (register it with optree, namespace 'fnattn'); its outputs cannot be compared")
         results[name] = _leaves((out, deltas))
     ref = results["reference"]
     rows = []

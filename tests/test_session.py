@@ -130,3 +130,20 @@ def test_layers_with_one_config_share_a_group_and_a_plan():
         for i in range(3):
             s.forward(i, full_inputs(specs[i], 3))
     assert planned == [(0, 1, 2)]
+
+
+def test_probe_compares_outputs_not_only_deltas():
+    from fnattn.backends.reference.full import paged_attention
+
+    @fa.register("full", "decode", "test_off_by_one")
+    def off_by_one(spec, views, inputs):
+        out, deltas = paged_attention(spec, views, inputs)
+        return fa.AttentionOutput(o=out.o + 1.0, lse=out.lse), deltas
+
+    spec = full_spec(0)
+    st = nan_state([spec]).admit(0)
+    st = st.reserve({0: 1})
+    report = fa.probe(spec, state=st, batch=fa.Batch.decode(st, [0]), inputs=full_inputs(spec, 1),
+                      backends=["reference", "test_off_by_one"])
+    errors = {r.backend: r.max_abs for r in report.rows}
+    assert errors["reference"] == 0.0 and errors["test_off_by_one"] == pytest.approx(1.0, abs=1e-6)
