@@ -4,6 +4,8 @@ GatedDeltaNet modules (prefill, chunked prefill and cached decode)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -363,3 +365,32 @@ def test_layer_matches_transformers_bf16(hf, family):
         torch.testing.assert_close(ours, ref, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(state, hf_state.float(), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(window, hf_window, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_chunked_form_equals_an_elementwise_recurrence(per_channel):
+    """A scalar loop, written here independently: S = S*a; S += k (beta (v - k S)); o = scale q S."""
+    T, H, K, V = 11, 2, 3, 2
+    g_ = torch.Generator().manual_seed(5)
+    q, k = torch.randn(T, H, K, generator=g_), torch.randn(T, H, K, generator=g_)
+    v, beta = torch.randn(T, H, V, generator=g_), torch.rand(T, H, generator=g_)
+    g = -torch.rand(T, H, K, generator=g_) if per_channel else -torch.rand(T, H, generator=g_)
+    S0 = torch.randn(H, K, V, generator=g_)
+    S = [[[float(S0[h, i, j]) for j in range(V)] for i in range(K)] for h in range(H)]
+    want = torch.zeros(T, H, V, dtype=torch.float64)
+    for t in range(T):
+        for h in range(H):
+            for i in range(K):
+                a = math.exp(float(g[t, h, i] if per_channel else g[t, h]))
+                for j in range(V):
+                    S[h][i][j] *= a
+            for j in range(V):
+                pred = sum(float(k[t, h, i]) * S[h][i][j] for i in range(K))
+                err = float(beta[t, h]) * (float(v[t, h, j]) - pred)
+                for i in range(K):
+                    S[h][i][j] += float(k[t, h, i]) * err
+            for j in range(V):
+                want[t, h, j] = 0.5 * sum(float(q[t, h, i]) * S[h][i][j] for i in range(K))
+    o, final = gated_delta_chunked(q, k, v, g, beta, S0, scale=0.5, chunk_size=4)
+    torch.testing.assert_close(o.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final.double(), torch.tensor(S, dtype=torch.float64), atol=1e-5, rtol=1e-5)
