@@ -106,7 +106,8 @@ class RecurrentInputs:
             _check(where, "conv_bias", self.conv_bias, (c.conv_dim,), spec.dtype, device)
         g_shape = (T, H) if spec.kind == "gdn" else (T, H, c.head_k_dim)
         _check(where, "g", self.g, g_shape, torch.float32, device)
-        _check(where, "beta", self.beta, (T, H), self.beta.dtype, device)
+        beta_dtype = self.beta.dtype if self.beta.dtype in (spec.dtype, torch.float32) else spec.dtype
+        _check(where, "beta", self.beta, (T, H), beta_dtype, device)
 
 
 @_output_pytree
@@ -203,3 +204,8 @@ class SparseAttentionOutput:
     o: Float[Tensor, "T H Dv"]  # [T, H, Dv]
     lse: Float[Tensor, "T H"] | None  # [T, H]
     topk_indices: Tensor  # [T, topk] int64 positions attended (-1: padding); reusable by later layers
+
+
+#: The inputs class each kind's backends take.
+INPUTS_BY_KIND = {"full": FullAttentionInputs, "mla": MLAInputs, "sparse_mla": SparseMLAInputs,
+                  "gdn": RecurrentInputs, "kda": RecurrentInputs}

@@ -16,7 +16,7 @@ from dataclasses import replace
 from .batch import PHASES, Batch
 from .checks import fail
 from .errors import SessionClosedError
-from .inputs import StepMeta
+from .inputs import INPUTS_BY_KIND, StepMeta
 
 
 class AttentionSession:
@@ -80,6 +80,10 @@ class AttentionSession:
             fail("AttentionSession.forward", "layer", f"one of {sorted(ma.spec_by_layer)}", layer)
         spec = ma.spec_by_layer[layer]
         backend = ma.backend(layer, batch.phase)
+        expected = INPUTS_BY_KIND.get(spec.kind)
+        if expected is None or not isinstance(inputs, expected):
+            fail("AttentionSession.forward", "inputs",
+                 f"{expected.__name__ if expected else 'inputs'} (layer {layer} is {spec.kind})", type(inputs).__name__)
         inputs.validate(spec, batch, self.state.device)
         group = ma.choices[(layer, batch.phase)].group
         meta = StepMeta(batch=batch, plan=self._plans.get(group), workspace=self._lease)

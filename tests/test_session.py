@@ -147,3 +147,12 @@ def test_probe_compares_outputs_not_only_deltas():
                       backends=["reference", "test_off_by_one"])
     errors = {r.backend: r.max_abs for r in report.rows}
     assert errors["reference"] == 0.0 and errors["test_off_by_one"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_inputs_of_another_kind_are_refused_by_name():
+    spec, st, batch, ma = setup()
+    wrong = fa.RecurrentInputs(x=torch.zeros(3, 4), conv_weight=torch.zeros(4, 4), g=torch.zeros(3, 2),
+                               beta=torch.zeros(3, 2))
+    with ma.session(st, batch) as s:
+        with pytest.raises(ValueError, match="`inputs` must be FullAttentionInputs"):
+            s.forward(0, wrong)
