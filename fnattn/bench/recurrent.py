@@ -112,7 +112,7 @@ def prefill_case(kind: str, *, requests: int, length: int, hk: int, hv: int, dim
     heads = f"{hk}qk/{hv}v" if kind == "gdn" else f"{hv}h"
     case = f"{kind} prefill {requests}x{length} (T={T}) {heads} d{dim}"
     shape = {"requests": requests, "length": length, "tokens": T, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype)}
-    names = ("fnattn triton", "fnattn fla", peer)
+    names = ("fnattn triton", "fnattn fla", peer, "fla-core conv + " + peer[len("fla-core "):])
     try:
         spec = _spec(kind, hk=hk, hv=hv, dim=dim, dtype=dtype)
         state = cached_state(spec, batch=requests, ctx=0, page_size=length, extra=length)
@@ -132,10 +132,35 @@ def prefill_case(kind: str, *, requests: int, length: int, hk: int, hv: int, dim
         return timed(lambda: op(*args, scale=spec.config.scale, output_final_state=True, use_qk_l2norm_in_kernel=True,
                                 cu_seqlens=cu, cu_seqlens_cpu=cu_cpu), graph=False)
 
+    def fla_layer_peer():
+        """fla-core's own causal conv in front of the chunk kernel: the same work as a backend call."""
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        if kind == "gdn":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as op
+        else:
+            from fla.ops.kda import chunk_kda as op
+        c = spec.config
+        hq = c.num_k_heads if kind == "gdn" else c.num_heads
+        qk = hq * c.head_k_dim
+        cu, cu_cpu = batch.cu_seqlens.long(), torch.tensor(batch.host_cu_seqlens, dtype=torch.long)
+
+        def run():
+            y, _ = causal_conv1d(inputs.x[None], inputs.conv_weight, inputs.conv_bias, activation="silu",
+                                 cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+            q = y[..., :qk].unflatten(-1, (hq, c.head_k_dim))
+            k = y[..., qk : 2 * qk].unflatten(-1, (hq, c.head_k_dim))
+            v = y[..., 2 * qk :].unflatten(-1, (-1, c.head_v_dim))
+            return op(q, k, v, inputs.g[None], inputs.beta[None], scale=c.scale, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+
+        return timed(run, graph=False)
+
     runs = {
         "fnattn triton": lambda: _session_run("triton", spec, state, batch, inputs, graph=False),
         "fnattn fla": lambda: _session_run("fla", spec, state, batch, inputs, graph=False),
         peer: fla_peer,
+        names[3]: fla_layer_peer,
     }
     return _measure(case, peer, shape, runs, lambda us: {"mtok_s": T / us})
 
