@@ -62,3 +62,19 @@ def phase_batch(state, phase, counts):
         return fa.Batch.decode(state, list(counts))
     (k,) = {n - 1 for n in counts.values()}
     return fa.Batch.verify(state, list(counts), num_draft=k)
+
+
+def recurrent_inputs(spec, T, *, seed=0):
+    """Conv input, taps and gates of ``T`` tokens for a GDN/KDA layer, like a model's projections would give."""
+    from fnattn.backends.reference.recurrent import heads
+
+    c, H = spec.config, heads(spec)
+    gen = torch.Generator().manual_seed(seed)
+    g_shape = (T, H) if spec.kind == "gdn" else (T, H, c.head_k_dim)
+    return fa.RecurrentInputs(
+        x=torch.randn(T, c.conv_dim, generator=gen).to(spec.dtype),
+        conv_weight=(0.5 * torch.randn(c.conv_dim, c.conv_kernel, generator=gen)).to(spec.dtype),
+        conv_bias=(0.1 * torch.randn(c.conv_dim, generator=gen)).to(spec.dtype) if spec.kind == "gdn" else None,
+        g=-0.7 * torch.rand(g_shape, generator=gen) - 0.01,
+        beta=torch.rand(T, H, generator=gen).to(spec.dtype),
+    )

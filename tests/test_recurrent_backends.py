@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import nan_state, phase_batch, run, same_bits, snapshot, unchanged
+from helpers import nan_state, phase_batch, recurrent_inputs, run, same_bits, snapshot, unchanged
 from hf_recurrent import gdn_modules, kda_modules, layer_pair, run_hf
 
 import fnattn as fa
 from fnattn.backends.reference.recurrent import CHUNK_SIZE, heads
-from fnattn.inputs import RecurrentInputs, RecurrentOutput
+from fnattn.inputs import RecurrentOutput
 
 TIGHT = dict(atol=1e-5, rtol=1e-5)
 LOOSE = dict(atol=3e-2, rtol=3e-2)
@@ -31,18 +31,6 @@ def small_spec(kind, *, dtype=torch.float32, state_dtype=torch.float32, index=0)
     return fa.LayerSpec(index=index, config=cfg, dtype=dtype)
 
 
-def random_inputs(spec, T, *, seed=0):
-    """Conv input, taps and gates of ``T`` tokens, like a model's projections would give."""
-    c, H = spec.config, heads(spec)
-    gen = torch.Generator().manual_seed(seed)
-    g_shape = (T, H) if spec.kind == "gdn" else (T, H, c.head_k_dim)
-    return RecurrentInputs(
-        x=torch.randn(T, c.conv_dim, generator=gen).to(spec.dtype),
-        conv_weight=(0.5 * torch.randn(c.conv_dim, c.conv_kernel, generator=gen)).to(spec.dtype),
-        conv_bias=(0.1 * torch.randn(c.conv_dim, generator=gen)).to(spec.dtype) if spec.kind == "gdn" else None,
-        g=-0.7 * torch.rand(g_shape, generator=gen) - 0.01,
-        beta=torch.rand(T, H, generator=gen).to(spec.dtype),
-    )
 
 
 def take(inp, rows):
@@ -196,7 +184,7 @@ def test_verify_accept_and_replay(kind):
     ma = fa.ModelAttention([spec])
     prompts = {0: 5, 1: 3}
     n_new = 1 + K_DRAFT
-    inp = {r: random_inputs(spec, n + n_new, seed=r + 1) for r, n in prompts.items()}
+    inp = {r: recurrent_inputs(spec, n + n_new, seed=r + 1) for r, n in prompts.items()}
     st = nan_state([spec]).admit(0).admit(1).reserve(prompts)
     prompt_in = cat(*(take(inp[r], slice(0, n)) for r, n in prompts.items()))
     _, _, st = step(ma, st, fa.Batch.prefill(st, prompts), prompt_in)
@@ -250,7 +238,7 @@ def test_verify_deltas_applied_without_accept_keep_every_token(kind):
     spec = small_spec(kind)
     ma = fa.ModelAttention([spec])
     st = nan_state([spec]).admit(0).reserve({0: 1 + K_DRAFT})
-    inp = random_inputs(spec, 1 + K_DRAFT, seed=3)
+    inp = recurrent_inputs(spec, 1 + K_DRAFT, seed=3)
     _, deltas, after = step(ma, st, fa.Batch.verify(st, [0], num_draft=K_DRAFT), inp)
     assert after.request(0).length == 1 + K_DRAFT
     ssm, conv = rows_of(after, 0)
@@ -265,7 +253,7 @@ def test_chunked_prefill_equals_decoding_token_by_token(kind):
     spec = small_spec(kind)
     ma = fa.ModelAttention([spec])
     P, T = 3, CHUNK_SIZE + 6  # a cached prefix, then more than one chunk
-    inp = random_inputs(spec, P + T, seed=4)
+    inp = recurrent_inputs(spec, P + T, seed=4)
     st = nan_state([spec], num_pages=32).admit(0).reserve({0: P + T})
     _, _, st = step(ma, st, fa.Batch.prefill(st, {0: P}), take(inp, slice(0, P)))
     chunked, _, by_prefill = step(ma, st, fa.Batch.prefill(st, {0: T}), take(inp, slice(P, P + T)), inplace=False)
@@ -283,12 +271,12 @@ def test_backends_leave_inputs_and_views_bit_identical(kind):
     spec = small_spec(kind)
     ma = fa.ModelAttention([spec])
     st = nan_state([spec]).admit(0).reserve({0: 4})
-    _, _, st = step(ma, st, fa.Batch.prefill(st, {0: 4}), random_inputs(spec, 4))
+    _, _, st = step(ma, st, fa.Batch.prefill(st, {0: 4}), recurrent_inputs(spec, 4))
     st = st.admit(1)  # fresh: its slot still holds NaN
     for phase, counts in (("prefill", {0: 3, 1: 2}), ("decode", {0: 1, 1: 1}), ("verify", {0: 3, 1: 3})):
         st = st.reserve(counts)
         batch = phase_batch(st, phase, counts)
-        inp = random_inputs(spec, batch.num_tokens, seed=5)
+        inp = recurrent_inputs(spec, batch.num_tokens, seed=5)
         fields = {f: getattr(inp, f).clone() for f in ("x", "conv_weight", "g", "beta")}
         snap = snapshot(st)
         batch_copy = [t.clone() for t in (batch.cu_seqlens, batch.recurrent_slots, batch.positions)]
@@ -308,12 +296,12 @@ def test_backends_leave_inputs_and_views_bit_identical(kind):
 def test_nan_and_stale_state_in_slots_never_reach_outputs(kind):
     spec = small_spec(kind)
     ma = fa.ModelAttention([spec])
-    inp = random_inputs(spec, 6, seed=6)
+    inp = recurrent_inputs(spec, 6, seed=6)
     zero = fa.State([spec], num_pages=8, page_size=4).admit(9).reserve({9: 6})
     clean, _, _ = step(ma, zero, fa.Batch.prefill(zero, {9: 6}), inp)
 
     st = nan_state([spec]).admit(0).admit(1).reserve({0: 6, 1: 6})
-    out, _, st = step(ma, st, fa.Batch.prefill(st, {0: 6, 1: 6}), cat(inp, random_inputs(spec, 6, seed=7)))
+    out, _, st = step(ma, st, fa.Batch.prefill(st, {0: 6, 1: 6}), cat(inp, recurrent_inputs(spec, 6, seed=7)))
     assert torch.isfinite(out.o).all() and torch.isnan(st.views(0).ssm[2:]).all()  # unused slots stay NaN
     slot = st.request(0).slot
     st = st.release(0).admit(5).reserve({5: 6})  # request 5 reuses request 0's slot, which holds its old state
@@ -335,7 +323,7 @@ def test_fp32_state_with_bf16_activations_round_trips_and_wrong_dtype_is_refused
     spec = small_spec(kind, dtype=torch.bfloat16, state_dtype=torch.float32)
     ma = fa.ModelAttention([spec])
     st = nan_state([spec]).admit(0).reserve({0: 6})
-    out, deltas, st = step(ma, st, fa.Batch.prefill(st, {0: 5}), random_inputs(spec, 5))
+    out, deltas, st = step(ma, st, fa.Batch.prefill(st, {0: 5}), recurrent_inputs(spec, 5))
     (write,) = deltas.writes
     assert out.o.dtype == torch.bfloat16 and write.state.dtype == torch.float32 and write.conv.dtype == torch.bfloat16
     v = st.views(0)
@@ -344,7 +332,7 @@ def test_fp32_state_with_bf16_activations_round_trips_and_wrong_dtype_is_refused
     assert same_bits(ssm, write.state[0]) and same_bits(conv, write.conv[0])
 
     batch = fa.Batch.decode(st, [0])
-    _, good = run(ma, st, batch, {0: random_inputs(spec, 1, seed=1)})
+    _, good = run(ma, st, batch, {0: recurrent_inputs(spec, 1, seed=1)})
     (w,) = good.writes
     snap = snapshot(st)
     for bad in (dataclasses.replace(w, state=w.state.to(torch.bfloat16)),
@@ -364,10 +352,10 @@ def test_checkpoint_restore_of_a_recurrent_request(kind):
     spec = small_spec(kind)
     ma = fa.ModelAttention([spec])
     st = nan_state([spec]).admit(0).admit(1).reserve({0: 8, 1: 8})
-    _, _, st = step(ma, st, fa.Batch.prefill(st, {0: 4, 1: 2}), random_inputs(spec, 6))
+    _, _, st = step(ma, st, fa.Batch.prefill(st, {0: 4, 1: 2}), recurrent_inputs(spec, 6))
     before = rows_of(st, 0), st.request(0).length
     ckpt = st.checkpoint([0])
-    nxt = random_inputs(spec, 2, seed=2)
+    nxt = recurrent_inputs(spec, 2, seed=2)
     first, _, st = step(ma, st, fa.Batch.decode(st, [0, 1]), nxt)
     assert not same_bits(rows_of(st, 0)[0], before[0][0])
     other = rows_of(st, 1)
@@ -385,7 +373,7 @@ def test_bad_inputs_raise_value_error_naming_the_field(kind):
     ma = fa.ModelAttention([spec])
     st = nan_state([spec]).admit(0).reserve({0: 3})
     batch = fa.Batch.prefill(st, {0: 3})
-    good = random_inputs(spec, 3)
+    good = recurrent_inputs(spec, 3)
     H, T = heads(spec), 3
     wrong_g = torch.zeros(T, H, spec.config.head_k_dim) if kind == "gdn" else torch.zeros(T, H)
     bad = {

@@ -13,12 +13,11 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import nan_state, same_bits
+from helpers import nan_state, recurrent_inputs, same_bits
 
 import fnattn as fa
 from fnattn.backends import triton_recurrent
-from fnattn.backends.reference.recurrent import heads
-from fnattn.inputs import RecurrentInputs, RecurrentOutput, StepMeta
+from fnattn.inputs import RecurrentOutput, StepMeta
 from fnattn.registry import backend_names, lookup
 
 pytest.importorskip("triton")
@@ -42,17 +41,6 @@ def spec_of(kind, *, index=0, dtype=torch.float32, state_dtype=torch.float32):
     return fa.LayerSpec(index=index, config=cfg, dtype=dtype)
 
 
-def random_inputs(spec, T, *, seed=0):
-    c, H = spec.config, heads(spec)
-    gen = torch.Generator().manual_seed(seed)
-    g_shape = (T, H) if spec.kind == "gdn" else (T, H, c.head_k_dim)
-    return RecurrentInputs(
-        x=torch.randn(T, c.conv_dim, generator=gen).to(spec.dtype),
-        conv_weight=(0.5 * torch.randn(c.conv_dim, c.conv_kernel, generator=gen)).to(spec.dtype),
-        conv_bias=(0.1 * torch.randn(c.conv_dim, generator=gen)).to(spec.dtype) if spec.kind == "gdn" else None,
-        g=-0.7 * torch.rand(g_shape, generator=gen) - 0.01,
-        beta=torch.rand(T, H, generator=gen).to(spec.dtype),
-    )
 
 
 def forward(name, spec, st, batch, inp, plan=None):
@@ -88,7 +76,7 @@ def prefilled(spec, prompts, *, seed=1, max_requests=4):
         st = st.admit(r)
     st = st.reserve(prompts)
     batch = fa.Batch.prefill(st, prompts)
-    _, deltas = forward("reference", spec, st, batch, random_inputs(spec, batch.num_tokens, seed=seed))
+    _, deltas = forward("reference", spec, st, batch, recurrent_inputs(spec, batch.num_tokens, seed=seed))
     return st.apply(fa.StepDeltas.collect(batch, [deltas]))
 
 
@@ -104,7 +92,7 @@ def test_prefill_without_prefix_matches_reference(kind):
         st = st.admit(r)
     st = st.reserve(counts)
     batch = fa.Batch.prefill(st, counts)
-    got, want = both(spec, st, batch, random_inputs(spec, batch.num_tokens))
+    got, want = both(spec, st, batch, recurrent_inputs(spec, batch.num_tokens))
     assert_matches(got, want)
     assert torch.isfinite(got[0].o).all()
 
@@ -121,7 +109,7 @@ def test_prefill_after_a_cached_prefix_matches_reference(kind):
     counts = {0: 18, 2: 1, 3: 9}
     st = st.reserve(counts)
     batch = fa.Batch.prefill(st, counts)
-    got, want = both(spec, st, batch, random_inputs(spec, batch.num_tokens, seed=2))
+    got, want = both(spec, st, batch, recurrent_inputs(spec, batch.num_tokens, seed=2))
     assert_matches(got, want)
     assert torch.isfinite(got[0].o).all() and torch.isfinite(got[1][0].state).all()
     assert got[0].replay is None
@@ -137,7 +125,7 @@ def test_decode_steps_match_reference(kind):
     for i in range(2):
         st = st.reserve({0: 1, 1: 1, 2: 1})
         batch = fa.Batch.decode(st, [2, 0, 1])
-        got, want = both(spec, st, batch, random_inputs(spec, 3, seed=10 + i))
+        got, want = both(spec, st, batch, recurrent_inputs(spec, 3, seed=10 + i))
         assert_matches(got, want)
         st = st.apply(fa.StepDeltas.collect(batch, [got[1]]))
 
@@ -149,7 +137,7 @@ def test_decode_keeps_the_pool_dtype_for_states(kind):
     st = prefilled(spec, {0: 4, 1: 7})
     st = st.reserve({0: 1, 1: 1})
     batch = fa.Batch.decode(st, [0, 1])
-    got, want = both(spec, st, batch, random_inputs(spec, 2, seed=3))
+    got, want = both(spec, st, batch, recurrent_inputs(spec, 2, seed=3))
     (w,) = got[1]
     assert w.state.dtype == torch.float16 and w.conv.dtype == torch.float32
     torch.testing.assert_close(got[0].o, want[0].o, atol=2e-3, rtol=2e-3)
@@ -167,7 +155,7 @@ def test_verify_and_accept_match_reference(kind):
     st = prefilled(spec, {0: 5, 1: 2})
     st = st.reserve({0: 1 + k, 1: 1 + k})
     batch = fa.Batch.verify(st, [1, 0], num_draft=k)
-    inp = random_inputs(spec, batch.num_tokens, seed=4)
+    inp = recurrent_inputs(spec, batch.num_tokens, seed=4)
     got, want = both(spec, st, batch, inp)
     assert_matches(got, want)
     out, (w,) = got
@@ -197,7 +185,7 @@ def test_one_plan_serves_every_layer_of_a_group():
     specs = [spec_of("gdn", index=i) for i in range(2)]
     st = nan_state(specs, num_pages=64).admit(0).admit(1).reserve({0: 3})
     first = fa.Batch.prefill(st, {0: 3})
-    layer_deltas = [forward("reference", s, st, first, random_inputs(s, 3, seed=s.index))[1] for s in specs]
+    layer_deltas = [forward("reference", s, st, first, recurrent_inputs(s, 3, seed=s.index))[1] for s in specs]
     st = st.apply(fa.StepDeltas.collect(first, layer_deltas))
     counts = {0: 17, 1: 2}  # request 1 is fresh
     st = st.reserve(counts)
@@ -207,7 +195,7 @@ def test_one_plan_serves_every_layer_of_a_group():
     assert plan.write_slots.tolist() == [st.request(0).slot, st.request(1).slot]
     assert [t.tolist() for t in plan.chunks] == [[0, 0, 1], [0, 1, 0]] and plan.chunk_size == 16
     for spec in specs:
-        inp = random_inputs(spec, batch.num_tokens, seed=6 + spec.index)
+        inp = recurrent_inputs(spec, batch.num_tokens, seed=6 + spec.index)
         assert_matches(forward("triton", spec, st, batch, inp, plan=plan), forward("reference", spec, st, batch, inp))
 
 
@@ -261,7 +249,7 @@ def test_unchanged_state_and_repeatable_output():
     st = st.reserve({0: 1})
     batch = fa.Batch.decode(st, [0])
     before = {n: getattr(st.views(0), n).clone() for n in ("ssm", "conv")}
-    inp = random_inputs(spec, 1, seed=9)
+    inp = recurrent_inputs(spec, 1, seed=9)
     a = forward("triton", spec, st, batch, inp)
     b = forward("triton", spec, st, batch, inp)
     assert same_bits(a[0].o, b[0].o) and same_bits(a[1][0].state, b[1][0].state)
@@ -277,7 +265,7 @@ def test_replay_recovery_equals_native_bit_for_bit(kind):
     st = st.reserve({0: 1 + k, 1: 1 + k})
     native_b = fa.Batch.verify(st, [0, 1], num_draft=k)
     replay_b = fa.Batch.verify(st, [0, 1], num_draft=k, recovery="replay")
-    inp = random_inputs(spec, native_b.num_tokens, seed=9)
+    inp = recurrent_inputs(spec, native_b.num_tokens, seed=9)
     native_out, native_d = forward("triton", spec, st, native_b, inp)
     replay_out, replay_d = forward("triton", spec, st, replay_b, inp)
     assert replay_d == () and torch.equal(native_out.o, replay_out.o)

@@ -36,11 +36,13 @@ def supports(spec, device) -> list[str]:
     return reasons
 
 
-def _cache_layout(batch, device):
-    """indptr [B+1], indices [pages], last_page_len [B] of the cached tokens only."""
+def cache_layout(batch, device, *, extra: int = 0):
+    """FlashInfer's indptr [B+1], indices [pages], last_page_len [B] over each request's
+    cached tokens plus ``extra`` more (1: the usual append-then-decode layout)."""
     S = batch.page_size
     indptr, indices, last = [0], [], []
-    for pages, n in zip(batch.host_pages, batch.host_cache_lens):
+    for pages, cached in zip(batch.host_pages, batch.host_cache_lens):
+        n = cached + extra
         used = -(-n // S)
         indices.extend(pages[:used])
         indptr.append(len(indices))
@@ -63,7 +65,7 @@ def plan_decode(specs, batch, lease):
     spec = specs[0]
     c, device = spec.config, lease.workspace.device
     w = _wrapper(lease, ("fi_decode", spec.config, spec.dtype), "BatchDecodeWithPagedKVCacheWrapper", "NHD")
-    indptr, indices, last = _cache_layout(batch, device)
+    indptr, indices, last = cache_layout(batch, device)
     w.plan(indptr, indices, last, c.num_q_heads, c.num_kv_heads, c.head_dim, batch.page_size,
            logits_soft_cap=c.softcap or None, sm_scale=c.scale, q_data_type=spec.dtype, kv_data_type=spec.dtype)
     return {"decode": w}
@@ -78,7 +80,7 @@ def plan_varlen(specs, batch, lease):
     plan = {"ragged": ragged}
     if batch.has_prefix:
         paged = _wrapper(lease, ("fi_paged", spec.config, spec.dtype), "BatchPrefillWithPagedKVCacheWrapper", "NHD")
-        indptr, indices, last = _cache_layout(batch, device)
+        indptr, indices, last = cache_layout(batch, device)
         paged.plan(batch.cu_seqlens, indptr, indices, last, c.num_q_heads, c.num_kv_heads, c.head_dim,
                    batch.page_size, causal=False, logits_soft_cap=c.softcap or None, sm_scale=c.scale,
                    q_data_type=spec.dtype, kv_data_type=spec.dtype)

@@ -8,6 +8,7 @@ import torch
 
 from .. import Batch, CursorAdvance, FullAttentionConfig, FullAttentionInputs, LayerSpec, ModelAttention, State
 from ..apply import validate_step, write_step
+from ..backends.flashinfer_full import cache_layout
 from ..deltas import StepDeltas
 from . import timed
 
@@ -65,15 +66,7 @@ def usual_flashinfer_decode(state, batch, specs, inputs):
     spec = specs[0]
     c, S = spec.config, batch.page_size
     views = [state.views(s.index) for s in specs]
-    lens = [n + 1 for n in batch.host_cache_lens]
-    indptr, indices, last = [0], [], []
-    for pages, n in zip(batch.host_pages, lens):
-        used = -(-n // S)
-        indices += pages[:used]
-        indptr.append(len(indices))
-        last.append(n - (used - 1) * S)
-    t = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
-    indptr, indices, last = t(indptr), t(indices), t(last)
+    indptr, indices, last = cache_layout(batch, "cuda", extra=1)  # the new token is appended first
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
     wrapper.plan(indptr, indices, last, c.num_q_heads, c.num_kv_heads, c.head_dim, S, sm_scale=c.scale,
