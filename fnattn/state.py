@@ -22,6 +22,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
+from .apply import validate_step, write_step
 from .checks import fail
 from .deltas import StepDeltas
 from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, StaleStateError
@@ -323,8 +324,6 @@ class State:
                 f"State.apply: `deltas` were computed against state version {deltas.state_version}, "
                 f"this state is version {self._version}"
             )
-        from .apply import validate_step, write_step
-
         plan = validate_step(self, deltas)
         storage = self._storage if inplace else self._storage.cloned(self._storage.live_version)
         write_step(storage.pools, plan)
