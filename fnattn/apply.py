@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from .checks import CHECKS_ENABLED, fail
-from .deltas import StepDeltas
+from .deltas import RecurrentWrite, StepDeltas
+from .errors import StaleDeltasError
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ def validate_step(state, deltas: StepDeltas) -> list[_Target]:
         if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
             fail(where, "slots", "a 1-D int32/int64 tensor", (tuple(index.shape), index.dtype))
         found = 0
+        if isinstance(w, RecurrentWrite) and w.ring_step is not None and w.ring_step != storage.ring_owner:
+            if w.in_place:  # its rows were handed to a later batch, which may have overwritten them
+                raise StaleDeltasError(f"{where}: its states were written in place into the spare ring rows of "
+                                       f"step {w.ring_step}; step {storage.ring_owner} has been handed those "
+                                       "rows since (build a batch only for the step you apply)")
         for tname, field in w.targets:
             pool = next((storage.pools[p] for p in storage.layer_pools[w.layer]
                          if tname in storage.pools[p].tensors), None)
@@ -53,6 +59,10 @@ def validate_step(state, deltas: StepDeltas) -> list[_Target]:
             row = live.shape[3:] if pool.index_space == "token" else live.shape[2:]
             rows = live.shape[1] * live.shape[2] if pool.index_space == "token" else live.shape[1]
             value = getattr(w, field)
+            if value is None:
+                if w.ring_step is None:
+                    fail(where, field, "a tensor (in-place states need the batch's spare ring rows)", None)
+                continue  # already in place: nothing to write
             if tuple(value.shape) != (index.shape[0], *row):
                 fail(where, field, f"shape {(index.shape[0], *row)}", tuple(value.shape))
             if value.dtype != live.dtype:
@@ -70,6 +80,11 @@ def validate_step(state, deltas: StepDeltas) -> list[_Target]:
             fail(where, "layer", f"a layer that owns {[t for t, _ in w.targets]} storage", state.spec(w.layer).kind)
     if deltas.cursor is not None:
         c = deltas.cursor
+        if c.ring is not None:
+            _check_ring(state, deltas)
+        elif any(isinstance(w, RecurrentWrite) and w.ring_step is not None for w in deltas.writes):
+            fail("State.apply: cursor", "ring", "the ring positions the step's recurrent writes moved to "
+                 "(Batch.cursor_advance / StepDeltas.accept)", None)
         for rid, n in zip(c.request_ids, c.counts):
             if rid not in state._requests:
                 fail("State.apply: cursor", "request_ids", "admitted requests", rid)
@@ -79,6 +94,21 @@ def validate_step(state, deltas: StepDeltas) -> list[_Target]:
                 fail("State.apply: cursor", f"counts[{rid}]",
                      f"<= {room - req.length} (reserved room of request {rid})", n)
     return targets
+
+
+def _check_ring(state, deltas: StepDeltas) -> None:
+    """A ring move must land on rows the step wrote: every recurrent layer, in range."""
+    c = deltas.cursor
+    for rid, pos in zip(c.request_ids, c.ring):
+        if not pos < state.recurrent_ring:
+            fail("State.apply: cursor", f"ring[{rid}]", f"a ring position below {state.recurrent_ring}", pos)
+    written = {w.layer for w in deltas.writes if isinstance(w, RecurrentWrite) and w.ring_step is not None}
+    recurrent = {layer for layer, names in state._storage.layer_pools.items()
+                 if any(state._storage.pools[n].index_space == "request" for n in names)}
+    if written != recurrent:
+        fail("State.apply: cursor", "ring",
+             f"recurrent writes into the ring for every recurrent layer {sorted(recurrent)} "
+             "(a moved ring position would otherwise point at a row nothing wrote)", sorted(written))
 
 
 def write_step(pools, targets: list[_Target]) -> None:

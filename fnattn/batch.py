@@ -32,7 +32,8 @@ class Batch:
     positions: Tensor  # [T] int64: absolute position of each new token
     block_table: Tensor  # [B, M] int32: reserved pages per request, 0-padded
     slot_mapping: Tensor  # [T] int64: flat cache slot (page * S + offset) of each new token
-    recurrent_slots: Tensor  # [B] int64: recurrent state slot per request
+    recurrent_slots: Tensor  # [B] int64: recurrent storage row each request reads (its current ring row)
+    recurrent_write_rows: Tensor  # [R] int64: row each new recurrent state goes to (R = B, or T for verify), -1 none
     page_size: int  # S
     num_draft: int  # verify: k draft tokens per request (1 + k new tokens); else 0
     recovery: str  # verify: "native" (recurrent state after every token) or "replay" (inputs only)
@@ -41,6 +42,9 @@ class Batch:
     host_new_lens: tuple[int, ...]  # [B] new tokens per request
     host_cache_lens: tuple[int, ...]  # [B]
     host_pages: tuple[tuple[int, ...], ...]  # [B][pages]: reserved pages per request
+    host_ring_pos: tuple[int, ...] = ()  # [B] current ring position of each request's recurrent state
+    ring: int = 0  # ring rows per slot when new states go to spare ring rows; 0: they overwrite the current row
+    ring_size: int = 1  # the State's recurrent_ring, whether or not this batch writes into the ring
 
     @property
     def num_requests(self) -> int:
@@ -60,7 +64,21 @@ class Batch:
 
     def cursor_advance(self) -> CursorAdvance:
         """Every new token of every request; verify steps are filtered by acceptance first."""
-        return CursorAdvance(self.request_ids, self.host_new_lens)
+        ring = None if self.recovery == "replay" else self.ring_after(self.host_new_lens)
+        return CursorAdvance(self.request_ids, self.host_new_lens, ring=ring)
+
+    def ring_after(self, counts, *, ring: bool | None = None) -> tuple[int, ...] | None:
+        """Ring positions holding each request's state after ``counts[b]`` tokens; None: no ring move.
+
+        Prefill and decode write one state per request (the next ring row);
+        verify and replay write one per token, token i of a request into the
+        ring row i + 1 after its current one. ``ring`` overrides whether the
+        writes went into the ring (a replay's do when its verify's did not fit).
+        """
+        if not (self.ring if ring is None else ring):
+            return None
+        steps = counts if self.phase == "verify" else (1,) * self.num_requests
+        return tuple((p + n) % self.ring_size for p, n in zip(self.host_ring_pos, steps))
 
     # --------------------------------------------------------------- builders
     @staticmethod
@@ -139,11 +157,13 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
             positions.append(p)
             slots.append(r.pages[p // S] * S + p % S)
     cu = list(itertools.accumulate(new_lens, initial=0))
+    ring_pos = tuple(r.ring_pos for r, _ in reqs)
+    rows, write_rows, ring = _recurrent_rows(state, phase, reqs)
 
     def t(x, dtype):
         return torch.tensor(x, dtype=dtype, device=device)
 
-    return Batch(
+    batch = Batch(
         phase=phase,
         request_ids=tuple(r.id for r, _ in reqs),
         cu_seqlens=t(cu, torch.int32),
@@ -151,7 +171,8 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         positions=t(positions, torch.int64),
         block_table=t(table, torch.int32),
         slot_mapping=t(slots, torch.int64),
-        recurrent_slots=t([r.slot for r, _ in reqs], torch.int64),
+        recurrent_slots=t(rows, torch.int64),
+        recurrent_write_rows=t(write_rows, torch.int64),
         page_size=S,
         num_draft=num_draft,
         recovery=recovery,
@@ -160,12 +181,37 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         host_new_lens=new_lens,
         host_cache_lens=cache_lens,
         host_pages=tuple(r.pages for r, _ in reqs),
+        host_ring_pos=ring_pos,
+        ring=ring,
+        ring_size=state.recurrent_ring,
     )
+    if ring:
+        # This batch now owns the spare ring rows: in-place writes of an older batch are void.
+        state._storage.ring_owner = batch.step_id
+    return batch
 
 
-_TENSORS = ("cu_seqlens", "cache_lens", "positions", "block_table", "slot_mapping", "recurrent_slots")
+def _recurrent_rows(state, phase: str, reqs) -> tuple[list[int], list[int], int]:
+    """``-> (row read per request, row written per state, ring)``; see `State` on the ring."""
+    N, R = state.max_requests, state.recurrent_ring
+    fits = max(n for _, n in reqs) <= R - 1 if phase == "verify" else R >= 2
+    ring = R if state.has_recurrent and fits else 0
+    rows = [r.ring_pos * N + r.slot for r, _ in reqs]
+    write_rows = []
+    for (r, n), row in zip(reqs, rows):
+        if phase != "verify":
+            write_rows.append((r.ring_pos + 1) % R * N + r.slot if ring else row)
+        elif ring:
+            write_rows += [(r.ring_pos + 1 + i) % R * N + r.slot for i in range(n)]
+        else:  # states after every token, but only the last one's row is the slot's
+            write_rows += [-1] * (n - 1) + [row]
+    return rows, write_rows, ring
+
+
+_TENSORS = ("cu_seqlens", "cache_lens", "positions", "block_table", "slot_mapping", "recurrent_slots",
+            "recurrent_write_rows")
 _STATIC = ("phase", "request_ids", "page_size", "num_draft", "recovery", "state_version", "step_id",
-           "host_new_lens", "host_cache_lens", "host_pages")
+           "host_new_lens", "host_cache_lens", "host_pages", "host_ring_pos", "ring", "ring_size")
 optree.register_pytree_node(
     Batch,
     lambda b: (tuple(getattr(b, n) for n in _TENSORS), tuple(getattr(b, n) for n in _STATIC), None),

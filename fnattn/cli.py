@@ -54,11 +54,12 @@ def demo(args) -> int:
     return 0
 
 
-def _state_for(specs, *, tokens: int, page_size: int, device, max_requests: int = 1):
+def _state_for(specs, *, tokens: int, page_size: int, device, max_requests: int = 1, recurrent_ring: int = 2):
     from . import State
 
     pages = max_requests * (tokens // page_size + 2)
-    return State(specs, num_pages=pages, page_size=page_size, max_requests=max_requests, device=device)
+    return State(specs, num_pages=pages, page_size=page_size, max_requests=max_requests, device=device,
+                 recurrent_ring=recurrent_ring)
 
 
 def demo_family(args) -> int:
@@ -118,7 +119,9 @@ def demo_mtp(args) -> int:
 
     def parts(specs):
         return (ModelAttention(specs, device=args.device),
-                _state_for(specs, tokens=total, page_size=args.page_size, device=args.device))
+                # room in the ring for every verify position's state: native recovery copies nothing
+                _state_for(specs, tokens=total, page_size=args.page_size, device=args.device,
+                           recurrent_ring=args.mtp + 2))
 
     (t_attn, t_state), (d_attn, d_state) = parts(target[2]), parts(draft[2])
     spec = Speculator(target_step=target[0], target_params=target[1], target_attn=t_attn, target_state=t_state,

@@ -107,16 +107,29 @@ class RecurrentWrite(_Write):
     """New recurrent and conv-window state of a GDN/KDA layer.
 
     One row per request (prefill, decode), or one row per token (verify: the
-    state after every draft position, all rows but each request's last
-    accepted one marked -1; see `StepDeltas.accept`).
+    state after every draft position). Rows go to `Batch.recurrent_write_rows`:
+    spare ring rows when the batch has a ring (the apply then moves each
+    request's ring position, see `State`), else the current rows, where all
+    verify rows but each request's last accepted one are marked -1 (see
+    `StepDeltas.accept`).
+
+    ``state=None``: the backend already wrote the states into the spare ring
+    rows ``slots`` while the step ran (fresh storage handed out by `State`,
+    never a live row), so the apply copies nothing; ``ring_step`` names the
+    batch that was handed those rows.
     """
 
     targets: ClassVar = (("ssm", "state"), ("conv", "conv"))
     index_space: ClassVar = "request"
     layer: int
-    slots: Int[Tensor, " R"] = _t()  # [R] recurrent slot per row (R = B or T), < 0 skipped
-    state: Float[Tensor, "R H K V"] = _t()  # [R, H, K, V]
+    slots: Int[Tensor, " R"] = _t()  # [R] recurrent storage row per state (R = B or T), < 0 skipped
+    state: Float[Tensor, "R H K V"] | None = _t()  # [R, H, K, V]; None: written in place
     conv: Float[Tensor, "R C W1"] = _t()  # [R, C, W - 1]
+    ring_step: int | None = None  # the batch whose spare ring rows `slots` are; None: current rows
+
+    @property
+    def in_place(self) -> bool:
+        return self.state is None
 
 
 WRITE_TYPES = (KVWrite, LatentWrite, IndexKeyWrite, RecurrentWrite)
@@ -128,12 +141,19 @@ class CursorAdvance:
 
     request_ids: tuple[int, ...]
     counts: tuple[int, ...]
+    ring: tuple[int, ...] | None = None  # new ring position of each request's recurrent state; None: unmoved
 
     def __post_init__(self):
         object.__setattr__(self, "request_ids", tuple(self.request_ids))
         object.__setattr__(self, "counts", tuple(self.counts))
         if len(self.request_ids) != len(self.counts):
             fail("CursorAdvance", "counts", f"{len(self.request_ids)} entries (one per request)", len(self.counts))
+        if self.ring is not None:
+            object.__setattr__(self, "ring", tuple(self.ring))
+            if len(self.ring) != len(self.request_ids) or not all(
+                    isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in self.ring):
+                fail("CursorAdvance", "ring", f"{len(self.request_ids)} non-negative ints (one per request)",
+                     self.ring)
         if len(set(self.request_ids)) != len(self.request_ids):
             fail("CursorAdvance", "request_ids", "unique ids", self.request_ids)
         for c in self.counts:
@@ -143,7 +163,7 @@ class CursorAdvance:
 
 optree.register_pytree_node(
     CursorAdvance,
-    lambda c: ((), (c.request_ids, c.counts), None),
+    lambda c: ((), (c.request_ids, c.counts, c.ring), None),
     lambda aux, _: CursorAdvance(*aux),
     namespace="fnattn",
 )
@@ -177,8 +197,10 @@ class StepDeltas:
         """Keep the first ``accepted[r]`` new tokens of each request of a verify step.
 
         Token-addressed writes of rejected tokens get slot -1 (skipped by apply);
-        per-token recurrent states keep only the row of the last accepted token;
-        the cursor advances by the accepted counts. Nothing else changes.
+        per-token recurrent states keep only the row of the last accepted token
+        (with a ring, every row is a spare one and the ring position moves to
+        the last accepted token's row instead); the cursor advances by the
+        accepted counts. Nothing else changes.
         """
         if batch.step_id != self.step_id:
             fail("StepDeltas.accept", "batch", f"the batch of step {self.step_id}", f"step {batch.step_id}")
@@ -199,11 +221,13 @@ class StepDeltas:
         for w in self.writes:
             if w.index_space == "token":
                 w = dataclasses.replace(w, slots=torch.where(keep_t, w.slots, torch.full_like(w.slots, -1)))
-            elif w.rows() == len(keep):  # one state per token: keep the last accepted one
+            elif w.rows() == len(keep) and w.ring_step is None:  # one state per token: keep the last accepted
                 index = torch.full((len(keep),), -1, dtype=torch.long, device=device)
                 w = dataclasses.replace(w, slots=index.index_copy(0, last_t, batch.recurrent_slots.long()))
             writes.append(w)
-        cursor = CursorAdvance(batch.request_ids, tuple(accepted[r] for r in batch.request_ids))
+        counts = tuple(accepted[r] for r in batch.request_ids)
+        ring = None if batch.recovery == "replay" else batch.ring_after(counts)
+        cursor = CursorAdvance(batch.request_ids, counts, ring=ring)
         return StepDeltas(step_id=self.step_id, state_version=self.state_version, writes=tuple(writes), cursor=cursor)
 
 

@@ -87,9 +87,12 @@ def accept_step(deltas: StepDeltas, verify_batch: Batch, accepted: Mapping[int, 
                 extra_writes: tuple = ()) -> StepDeltas:
     """The verify step's deltas filtered by acceptance, plus replayed recurrent writes."""
     kept = deltas.accept(verify_batch, accepted)
+    counts = tuple(accepted[r] for r in verify_batch.request_ids)
+    ring = kept.cursor.ring
+    if verify_batch.recovery == "replay":  # the replayed states went where the replay batch put them
+        ring = verify_batch.ring_after(counts, ring=any(w.ring_step is not None for w in extra_writes))
     return StepDeltas(step_id=kept.step_id, state_version=kept.state_version, writes=kept.writes + tuple(extra_writes),
-                      cursor=CursorAdvance(verify_batch.request_ids,
-                                           tuple(accepted[r] for r in verify_batch.request_ids)))
+                      cursor=CursorAdvance(verify_batch.request_ids, counts, ring=ring))
 
 
 class Speculator:

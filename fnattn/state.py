@@ -46,14 +46,17 @@ class Pool:
 
 @dataclass(frozen=True)
 class Views:
-    """Read-only views of the storage one layer owns. Backends never write them."""
+    """Views of the storage one layer owns. Backends never write them, with one
+    exception: a batch with a ring hands out spare recurrent rows
+    (`Batch.recurrent_write_rows`) that no request reads, which a backend may
+    fill with the step's new states in place of returning them."""
 
     k: Tensor | None = None  # [P, S, Hkv, D]
     v: Tensor | None = None  # [P, S, Hkv, Dv]
     latent: Tensor | None = None  # [P, S, R + Dr]
     index_k: Tensor | None = None  # [P, S, Di]
-    ssm: Tensor | None = None  # [N, H, K, V]
-    conv: Tensor | None = None  # [N, C, W - 1]
+    ssm: Tensor | None = None  # [N * ring, H, K, V]: row pos * N + slot (see State.recurrent_row)
+    conv: Tensor | None = None  # [N * ring, C, W - 1]
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Request:
     slot: int  # recurrent state slot
     pages: tuple[int, ...]  # reserved pages, in token order
     length: int  # the cursor: tokens already in the cache / recurrent steps taken
+    ring_pos: int = 0  # which of the slot's ring rows holds its current recurrent state
 
 
 @dataclass(frozen=True)
@@ -110,22 +114,35 @@ def _pool_layouts(spec: LayerSpec, *, num_pages: int, page_size: int, num_slots:
 class _Storage:
     """Tensors shared by the handles of one lineage, and which handle is live."""
 
-    def __init__(self, pools: dict[str, Pool], layer_pools: dict, live_version: int, applied: frozenset):
+    def __init__(self, pools: dict[str, Pool], layer_pools: dict, live_version: int, applied: frozenset,
+                 ring_owner: int | None = None):
         self.pools = pools
         self.layer_pools = layer_pools  # layer -> tuple of pool names
         self.live_version = live_version
         self.applied_steps = applied
+        # The step of the last batch handed the spare ring rows: only its in-place writes are valid.
+        self.ring_owner = ring_owner
 
     def cloned(self, version: int) -> "_Storage":
         pools = {
             name: replace(p, tensors=MappingProxyType({k: t.clone() for k, t in p.tensors.items()}))
             for name, p in self.pools.items()
         }
-        return _Storage(pools, self.layer_pools, version, self.applied_steps)
+        return _Storage(pools, self.layer_pools, version, self.applied_steps, self.ring_owner)
 
 
 class State:
-    """Storage, allocator and cursors for all layers of a model."""
+    """Storage, allocator and cursors for all layers of a model.
+
+    Recurrent (GDN/KDA) storage keeps a ring of ``recurrent_ring`` rows per
+    request slot; ``Request.ring_pos`` names the row holding the current state.
+    A step writes the new states into rows of the ring that are not current
+    (`Batch.recurrent_write_rows`), so a fast backend can write them there
+    directly, and the apply then only moves ``ring_pos``: the new state is
+    never copied. ``recurrent_ring=1`` keeps one row per slot, overwritten by
+    the apply. Verify needs ``1 + num_draft + 1`` rows to keep every draft
+    position's state in place; with fewer it falls back to copying.
+    """
 
     def __init__(
         self,
@@ -136,9 +153,11 @@ class State:
         max_requests: int = 8,
         device: str | torch.device = "cpu",
         fill: float = 0.0,
+        recurrent_ring: int = 2,
     ):
         specs = tuple(specs)
-        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_requests", max_requests)):
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_requests", max_requests),
+                            ("recurrent_ring", recurrent_ring)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 fail("State", name, "a positive int", value)
         if not specs or not all(isinstance(s, LayerSpec) for s in specs):
@@ -153,7 +172,7 @@ class State:
         layer_pools: dict[int, list[str]] = {s.index: [] for s in specs}
         for spec in specs:
             for key, space, layout in _pool_layouts(spec, num_pages=num_pages, page_size=page_size,
-                                                    num_slots=max_requests):
+                                                    num_slots=max_requests * recurrent_ring):
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = {"name": f"{key[0]}{len(groups)}", "space": space,
@@ -171,6 +190,8 @@ class State:
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_requests = max_requests
+        self.recurrent_ring = recurrent_ring
+        self.has_recurrent = any(p.index_space == "request" for p in pools.values())
         self.device = device
         self._version = next(_versions)
         self._storage = _Storage(pools, {k: tuple(v) for k, v in layer_pools.items()}, self._version, frozenset())
@@ -246,6 +267,14 @@ class State:
     def pools(self) -> Mapping[str, Pool]:
         self._check_live()
         return MappingProxyType(self._storage.pools)
+
+    def recurrent_row(self, request_id: int, ring_pos: int | None = None) -> int:
+        """The storage row of a request's recurrent state (its current ring row by default)."""
+        req = self.request(request_id)
+        pos = req.ring_pos if ring_pos is None else ring_pos
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.recurrent_ring:
+            fail("State.recurrent_row", "ring_pos", f"an int in 0..{self.recurrent_ring - 1}", pos)
+        return pos * self.max_requests + req.slot
 
     def views(self, layer: int) -> Views:
         """The storage of one layer, as views (no copies)."""
@@ -329,8 +358,11 @@ class State:
         write_step(storage.pools, plan)
         reqs = dict(self._requests)
         if deltas.cursor is not None:
-            for rid, n in zip(deltas.cursor.request_ids, deltas.cursor.counts):
-                reqs[rid] = replace(reqs[rid], length=reqs[rid].length + n)
+            c = deltas.cursor
+            ring = c.ring if c.ring is not None else (None,) * len(c.request_ids)
+            for rid, n, pos in zip(c.request_ids, c.counts, ring):
+                pos = reqs[rid].ring_pos if pos is None else pos
+                reqs[rid] = replace(reqs[rid], length=reqs[rid].length + n, ring_pos=pos)
         applied = self._storage.applied_steps | {deltas.step_id}
         return self._successor(requests=reqs, storage=storage, applied=applied)
 
@@ -338,7 +370,7 @@ class State:
     def checkpoint(self, request_ids: Iterable[int]) -> Checkpoint:
         """Capture cursors and recurrent state of some requests, as a value."""
         reqs = tuple(self.request(r) for r in request_ids)
-        slots = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
+        slots = torch.tensor([self.recurrent_row(r.id) for r in reqs], dtype=torch.long, device=self.device)
         copies = {}
         for pool in self._storage.pools.values():
             if pool.index_space == "request":
@@ -367,12 +399,14 @@ class State:
             live = pool.tensors[key[1]]
             if saved.shape[0] != live.shape[0] or saved.shape[2:] != live.shape[2:] or saved.dtype != live.dtype:
                 fail("State.restore", "checkpoint", f"rows shaped like pool {key}", tuple(saved.shape))
-        slots = torch.tensor([r.slot for r in checkpoint.requests], dtype=torch.long, device=self.device)
+        # Back into the ring row the request had then: every row of its ring is its own.
+        slots = torch.tensor([r.ring_pos * self.max_requests + r.slot for r in checkpoint.requests],
+                             dtype=torch.long, device=self.device)
         for (pname, t), saved in checkpoint.recurrent.items():
             self._storage.pools[pname].tensors[t].index_copy_(1, slots, saved.to(self.device))
         reqs = dict(self._requests)
         for old in checkpoint.requests:
-            reqs[old.id] = replace(reqs[old.id], length=old.length)
+            reqs[old.id] = replace(reqs[old.id], length=old.length, ring_pos=old.ring_pos)
         return self._successor(requests=reqs)
 
     def __repr__(self) -> str:

@@ -6,7 +6,8 @@ Per value head, with state S [K, V] (key dim first):
     o_t = scale * q_t S_t
 
 The state is read from state_pool[slots[b]] and never written back: the new state goes
-to a fresh tensor or to a caller-given buffer (e.g. a ring buffer that is not the live one).
+to a fresh tensor, a caller-given buffer, or caller-given rows of a pool (`out_rows`:
+spare rows of a ring of state buffers, never the rows being read).
 """
 
 import torch
@@ -18,7 +19,7 @@ from .gdn_common import cdiv, check_gated_delta_args, check_out, inner_contiguou
 @triton.jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-    pool_ptr, slots_ptr, cu_ptr, o_ptr, out_ptr,
+    pool_ptr, slots_ptr, cu_ptr, o_ptr, out_ptr, out_rows_ptr,
     scale,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
     sp_n, sp_h, sp_k, sp_v,
@@ -26,7 +27,7 @@ def _recurrent_kernel(
     sx_n, sx_h, sx_k, sx_v,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    IS_KDA: tl.constexpr, PER_POS: tl.constexpr, L2NORM: tl.constexpr,
+    IS_KDA: tl.constexpr, PER_POS: tl.constexpr, L2NORM: tl.constexpr, OUT_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     hv = tl.program_id(1)
@@ -69,17 +70,28 @@ def _recurrent_kernel(
         b_o = tl.sum(S * b_q[:, None], axis=0) * scale
         tl.store(o_ptr + t * so_t + hv * so_h + rv, b_o.to(o_ptr.dtype.element_ty), mask=mv)
         if PER_POS:
-            p_x = out_ptr + t * sx_n + hv * sx_h + rk[:, None] * sx_k + rv[None, :] * sx_v
-            tl.store(p_x, S.to(out_ptr.dtype.element_ty), mask=mkv)
+            _store_state(out_ptr, out_rows_ptr, t, S, hv, rk, rv, mkv, sx_n, sx_h, sx_k, sx_v, OUT_ROWS)
 
     if not PER_POS:
-        p_x = out_ptr + b.to(tl.int64) * sx_n + hv * sx_h + rk[:, None] * sx_k + rv[None, :] * sx_v
-        tl.store(p_x, S.to(out_ptr.dtype.element_ty), mask=mkv)
+        _store_state(out_ptr, out_rows_ptr, b.to(tl.int64), S, hv, rk, rv, mkv, sx_n, sx_h, sx_k, sx_v, OUT_ROWS)
+
+
+@triton.jit
+def _store_state(out_ptr, out_rows_ptr, r, S, hv, rk, rv, mkv, sx_n, sx_h, sx_k, sx_v, OUT_ROWS: tl.constexpr):
+    """State row r goes to out[r], or with OUT_ROWS to out[out_rows[r]] (skipped when < 0)."""
+    if OUT_ROWS:
+        row = tl.load(out_rows_ptr + r).to(tl.int64)
+        mkv = mkv & ((rk[:, None] * 0 + row) >= 0)
+    else:
+        row = r
+    p_x = out_ptr + row * sx_n + hv * sx_h + rk[:, None] * sx_k + rv[None, :] * sx_v
+    tl.store(p_x, S.to(out_ptr.dtype.element_ty), mask=mkv)
 
 
 def gated_delta_recurrent(
     q, k, v, g, beta, state_pool, slots, cu_seqlens, *,
-    scale, per_position_states=False, out_states=None, use_qk_l2norm=False, block_v=None,
+    scale, per_position_states=False, out_states=None, out_rows=None, use_qk_l2norm=False, block_v=None,
+    num_warps=None,
 ):
     """Gated delta rule, one token after another, for all requests of a packed step.
 
@@ -89,12 +101,25 @@ def gated_delta_recurrent(
     Returns (o [T, HV, V] in v.dtype, states): states is [B, HV, K, V] (after each
     request's last token) or, with per_position_states, [T, HV, K, V] (after every
     token). States are written to `out_states` when given (any float dtype, any
-    strides), else to a new tensor of state_pool.dtype. The pool is never written.
+    strides), else to a new tensor of state_pool.dtype. With `out_rows` ([B] or
+    [T] int64), `out_states` is a pool [N', HV, K, V] and state r goes to row
+    out_rows[r] (none when < 0): a caller's spare ring rows, written in place.
+    Those rows must not be ones `slots` reads. state_pool itself is read only.
+    block_v / num_warps override the tile (for tuning sweeps).
     """
     require_triton()
     T, Hk, HV, K, V, B, is_kda = check_gated_delta_args(q, k, v, g, beta, state_pool, slots, cu_seqlens)
     rows = T if per_position_states else B
-    if out_states is None:
+    if out_rows is not None:
+        if out_states is None:
+            raise ValueError("out_rows: given without out_states (the pool its rows index)")
+        if out_rows.dim() != 1 or out_rows.shape[0] != rows or out_rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"out_rows: expected [{rows}] int64 (one row per state), "
+                             f"got shape {tuple(out_rows.shape)} dtype {out_rows.dtype}")
+        if out_rows.device != q.device:
+            raise ValueError(f"out_rows: expected device {q.device}, got {out_rows.device}")
+        check_out("out_states", out_states, (out_states.shape[0], HV, K, V), q.device)
+    elif out_states is None:
         out_states = torch.empty(rows, HV, K, V, dtype=state_pool.dtype, device=q.device)
     else:
         check_out("out_states", out_states, (rows, HV, K, V), q.device)
@@ -109,6 +134,7 @@ def gated_delta_recurrent(
     grid = (B, HV, cdiv(V, BV))
     _recurrent_kernel[grid](
         q, k, v, g, beta, state_pool, slots, cu_seqlens, o, out_states,
+        out_rows if out_rows is not None else slots,
         float(scale),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
@@ -117,6 +143,7 @@ def gated_delta_recurrent(
         *out_states.stride(),
         HK=Hk, HV=HV, K=K, V=V, BK=BK, BV=BV,
         IS_KDA=is_kda, PER_POS=bool(per_position_states), L2NORM=bool(use_qk_l2norm),
+        OUT_ROWS=out_rows is not None, **({"num_warps": num_warps} if num_warps else {}),
     )
     return o, out_states
 

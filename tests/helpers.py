@@ -12,9 +12,10 @@ def full_spec(index=0, *, hq=4, hkv=2, d=8, dv=None, dtype=torch.float32, **kw):
     return fa.LayerSpec(index=index, config=cfg, dtype=dtype)
 
 
-def nan_state(specs, *, num_pages=16, page_size=4, max_requests=4):
+def nan_state(specs, *, num_pages=16, page_size=4, max_requests=4, recurrent_ring=2):
     """Storage starts as NaN so that any read of an unwritten row shows up."""
-    return fa.State(specs, num_pages=num_pages, page_size=page_size, max_requests=max_requests, fill=float("nan"))
+    return fa.State(specs, num_pages=num_pages, page_size=page_size, max_requests=max_requests, fill=float("nan"),
+                    recurrent_ring=recurrent_ring)
 
 
 def full_inputs(spec, T, *, gen=None, sinks=None):

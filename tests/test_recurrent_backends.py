@@ -51,7 +51,7 @@ def step(ma, st, batch, inp, *, inplace=True):
 
 def rows_of(st, rid):
     """The (ssm, conv) rows of a request's slot, copied."""
-    v, slot = st.views(0), st.request(rid).slot
+    v, slot = st.views(0), st.recurrent_row(rid)
     return v.ssm[slot].clone(), v.conv[slot].clone()
 
 
@@ -178,14 +178,15 @@ def decode_trace(ma, st, inp_of, n):
     return outs, rows
 
 
+@pytest.mark.parametrize("ring", [2, 2 + K_DRAFT], ids=["copy", "ring"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_verify_accept_and_replay(kind):
+def test_verify_accept_and_replay(kind, ring):
     spec = small_spec(kind)
     ma = fa.ModelAttention([spec])
     prompts = {0: 5, 1: 3}
     n_new = 1 + K_DRAFT
     inp = {r: recurrent_inputs(spec, n + n_new, seed=r + 1) for r, n in prompts.items()}
-    st = nan_state([spec]).admit(0).admit(1).reserve(prompts)
+    st = nan_state([spec], recurrent_ring=ring).admit(0).admit(1).reserve(prompts)
     prompt_in = cat(*(take(inp[r], slice(0, n)) for r, n in prompts.items()))
     _, _, st = step(ma, st, fa.Batch.prefill(st, prompts), prompt_in)
     st = st.reserve({r: n_new for r in prompts})
@@ -196,8 +197,15 @@ def test_verify_accept_and_replay(kind):
     verify_in = cat(new[0], new[1])
     outs, deltas = run(ma, st, batch, {0: verify_in})
     out, (write,) = outs[0], deltas.writes
-    slots = [st.request(r).slot for r in (0, 1)]
-    assert write.slots.tolist() == [-1] * K_DRAFT + [slots[0]] + [-1] * K_DRAFT + [slots[1]]
+    if ring > n_new:  # every token's state in a spare row of the ring, in order after the current one
+        pos = [st.request(r).ring_pos for r in (0, 1)]
+        want = [st.recurrent_row(r, (pos[b] + 1 + i) % ring) for b, r in enumerate((0, 1)) for i in range(n_new)]
+        assert batch.ring == ring and write.ring_step == batch.step_id
+    else:  # no room: only the last token's state, into the current row
+        slots = [st.recurrent_row(r) for r in (0, 1)]
+        want = [-1] * K_DRAFT + [slots[0]] + [-1] * K_DRAFT + [slots[1]]
+        assert batch.ring == 0 and write.ring_step is None
+    assert write.slots.tolist() == want
     assert write.state.shape[0] == write.conv.shape[0] == 2 * n_new
 
     # Verify position i equals decode after i tokens: outputs and states.
@@ -302,18 +310,21 @@ def test_nan_and_stale_state_in_slots_never_reach_outputs(kind):
 
     st = nan_state([spec]).admit(0).admit(1).reserve({0: 6, 1: 6})
     out, _, st = step(ma, st, fa.Batch.prefill(st, {0: 6, 1: 6}), cat(inp, recurrent_inputs(spec, 6, seed=7)))
-    assert torch.isfinite(out.o).all() and torch.isnan(st.views(0).ssm[2:]).all()  # unused slots stay NaN
-    slot = st.request(0).slot
+    used = [st.recurrent_row(r) for r in (0, 1)]
+    unused = [i for i in range(st.views(0).ssm.shape[0]) if i not in used]
+    assert torch.isfinite(out.o).all() and torch.isnan(st.views(0).ssm[unused]).all()  # unused rows stay NaN
+    slot, row = st.request(0).slot, st.recurrent_row(0)
     st = st.release(0).admit(5).reserve({5: 6})  # request 5 reuses request 0's slot, which holds its old state
-    assert st.request(5).slot == slot and torch.isfinite(st.views(0).ssm[slot]).all()
+    assert st.request(5).slot == slot and torch.isfinite(st.views(0).ssm[row]).all()
     again, _, st = step(ma, st, fa.Batch.prefill(st, {5: 6}), inp)
     assert same_bits(again.o, clean.o)
     # Poison the reused slot too: a fresh request still never reads it.
     pool = next(p for p in st.pools.values() if "ssm" in p.tensors)
     st = st.release(5).admit(6).reserve({6: 6})
     assert st.request(6).slot == slot
-    pool.tensors["ssm"][:, slot] = float("nan")
-    pool.tensors["conv"][:, slot] = float("nan")
+    ring_rows = slice(slot, None, st.max_requests)  # every row of the slot's ring
+    pool.tensors["ssm"][:, ring_rows] = float("nan")
+    pool.tensors["conv"][:, ring_rows] = float("nan")
     fresh, _, _ = step(ma, st, fa.Batch.prefill(st, {6: 6}), inp)
     assert same_bits(fresh.o, clean.o)
 

@@ -123,3 +123,95 @@ def test_checkpoint_restore_rolls_back_the_cursor():
     released = st.release(7).admit(7)
     with pytest.raises(ValueError, match="`checkpoint`"):
         released.restore(ckpt)
+
+
+# --------------------------------------------------------------------------- ring of recurrent rows
+
+
+def _gdn(index=0):
+    cfg = fa.GDNConfig(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4)
+    return fa.LayerSpec(index=index, config=cfg, dtype=torch.float32)
+
+
+def _ring_step(state, rids, *, value=1.0, in_place=False):
+    """A decode step of every recurrent layer writing ``value`` states into the batch's rows."""
+    batch = fa.Batch.decode(state, rids)
+    writes = []
+    for spec in state.specs:
+        c, n = spec.config, batch.recurrent_write_rows.shape[0]
+        st = torch.full((n, c.num_v_heads, c.head_k_dim, c.head_v_dim), value)
+        if in_place:  # what a fast backend does: fill the spare rows, return no values
+            state.views(spec.index).ssm.index_copy_(0, batch.recurrent_write_rows, st)
+            st = None
+        writes.append(fa.RecurrentWrite(layer=spec.index, slots=batch.recurrent_write_rows, state=st,
+                                        conv=torch.full((n, c.conv_dim, c.conv_kernel - 1), value),
+                                        ring_step=batch.step_id if batch.ring else None))
+    return batch, fa.StepDeltas.collect(batch, [tuple(writes)])
+
+
+def test_ring_rows_move_the_current_state_without_copying_it():
+    st = fa.State([_gdn(0), _gdn(1)], num_pages=4, page_size=4, max_requests=3, recurrent_ring=3, fill=float("nan"))
+    st = st.admit(0).admit(1).reserve({0: 8, 1: 8})
+    assert st.views(0).ssm.shape[0] == 9 and st.recurrent_row(1) == 1 and st.recurrent_row(1, 2) == 7
+    for i in range(4):
+        before = st.recurrent_row(0)
+        batch, deltas = _ring_step(st, [0, 1], value=float(i), in_place=i % 2 == 1)
+        assert batch.ring == 3 and batch.recurrent_slots.tolist() == [st.recurrent_row(0), st.recurrent_row(1)]
+        assert deltas.cursor.ring == ((i + 1) % 3,) * 2
+        st = st.apply(deltas)
+        assert st.request(0).ring_pos == (i + 1) % 3 and st.recurrent_row(0) != before
+        for layer in (0, 1):
+            assert (st.views(layer).ssm[st.recurrent_row(0)] == i).all()
+    with pytest.raises(ValueError, match="`ring_pos`"):
+        st.recurrent_row(0, 3)
+
+
+def test_ring_of_one_overwrites_the_current_row():
+    st = fa.State([_gdn()], num_pages=4, page_size=4, max_requests=2, recurrent_ring=1).admit(0).reserve({0: 2})
+    batch, deltas = _ring_step(st, [0], value=2.0)
+    assert batch.ring == 0 and deltas.cursor.ring is None and batch.recurrent_write_rows.tolist() == [0]
+    st = st.apply(deltas)
+    assert st.recurrent_row(0) == 0 and (st.views(0).ssm[0] == 2.0).all()
+    with pytest.raises(ValueError, match="`recurrent_ring`"):
+        fa.State([_gdn()], num_pages=4, recurrent_ring=0)
+
+
+def test_in_place_states_of_an_older_batch_are_refused():
+    st = fa.State([_gdn()], num_pages=4, page_size=4, max_requests=2).admit(0).reserve({0: 2})
+    _, old = _ring_step(st, [0], in_place=True)
+    _ring_step(st, [0], value=5.0, in_place=True)  # a newer batch was handed (and filled) the same spare rows
+    snap = snapshot(st)
+    with pytest.raises(fa.StaleDeltasError, match="spare ring rows"):
+        st.apply(old)
+    assert unchanged(st, snap) and st.request(0).ring_pos == 0
+
+
+def test_a_ring_move_needs_every_recurrent_layer_written():
+    st = fa.State([_gdn(0), _gdn(1)], num_pages=4, page_size=4, max_requests=2).admit(0).reserve({0: 2})
+    batch, deltas = _ring_step(st, [0])
+    snap = snapshot(st)
+    partial = dataclasses.replace(deltas, writes=deltas.writes[:1])
+    with pytest.raises(ValueError, match="every recurrent layer"):
+        st.apply(partial)
+    unmoved = dataclasses.replace(deltas, cursor=fa.CursorAdvance((0,), (1,)))
+    with pytest.raises(ValueError, match="`ring`"):
+        st.apply(unmoved)  # states in spare rows that nothing would point at
+    out_of_range = dataclasses.replace(deltas, cursor=fa.CursorAdvance((0,), (1,), ring=(2,)))
+    with pytest.raises(ValueError, match="ring position below 2"):
+        st.apply(out_of_range)
+    assert unchanged(st, snap) and st.request(0).ring_pos == 0
+    assert st.apply(deltas).request(0).ring_pos == 1
+
+
+def test_checkpoint_restore_across_ring_moves():
+    st = fa.State([_gdn()], num_pages=4, page_size=4, max_requests=2).admit(0).reserve({0: 4})
+    _, d = _ring_step(st, [0], value=1.0)
+    st = st.apply(d)
+    ckpt = st.checkpoint([0])
+    for v in (2.0, 3.0, 4.0):
+        _, d = _ring_step(st, [0], value=v, in_place=True)
+        st = st.apply(d)
+    assert (st.views(0).ssm[st.recurrent_row(0)] == 4.0).all()
+    st = st.restore(ckpt)
+    assert st.request(0).length == 1 and (st.views(0).ssm[st.recurrent_row(0)] == 1.0).all()
+    assert (st.views(0).conv[st.recurrent_row(0)] == 1.0).all()

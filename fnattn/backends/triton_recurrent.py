@@ -9,8 +9,13 @@ recurrent state; the new states leave as one `RecurrentWrite`. The kernels
 * prefill: `causal_conv1d` + `gated_delta_chunked` (the "fla" provider runs
   fla-core's `chunk_gated_delta_rule` / `chunk_kda` after the same conv);
 * decode: `causal_conv1d` + `gated_delta_recurrent`, one state row per request;
-* verify: both with ``per_position_states``, one state row per token, the slot
-  only on each request's last row (see `StepDeltas.accept`).
+* verify: both with ``per_position_states``, one state row per token.
+
+When the batch has a ring (`State`), decode and verify write the new states
+straight into its spare ring rows, which `State` hands out for that step and
+which no request reads, and return ``state=None``: the apply then moves ring
+positions and copies nothing but the small conv windows. Otherwise the states
+leave as values, like prefill's.
 
 The group's plan is built once per step and shared by its layers: the slot each
 request reads (-1 when nothing is cached: a reused slot may still hold another
@@ -41,8 +46,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class RecurrentPlan:
-    read_slots: Tensor  # [B] int64: the slot each request starts from, -1: fresh (zero states)
-    write_slots: Tensor  # [R] int64: slot of each write row; R = B, or T for verify (-1 but on last rows)
+    read_slots: Tensor  # [B] int64: the row each request starts from, -1: fresh (zero states)
+    write_slots: Tensor  # [R] int64: row of each new state; R = B, or T for verify (Batch.recurrent_write_rows)
+    ring_step: int | None = None  # the batch whose spare ring rows write_slots are; None: current rows
     chunks: tuple[Tensor, Tensor] | None = None  # prefill: (request, chunk of request) per chunk, int32
     chunk_size: int = CHUNK_SIZE
     cu_seqlens_long: Tensor | None = None  # [B + 1] int64 (fla-core's cu_seqlens)
@@ -62,19 +68,14 @@ def _chunk_list(batch, chunk_size: int) -> tuple[Tensor, Tensor]:
 
 def plan(specs, batch, lease) -> RecurrentPlan:
     """Per-step slot tensors (and chunk list), built once for every layer of a group."""
-    slots = batch.recurrent_slots  # [B] int64
     # From the device tensors, not the host copies: no host-to-device copy, so building it may be captured too.
-    read = slots.masked_fill(batch.cache_lens == 0, -1)  # [B]
-    if batch.phase == "verify":
-        last = batch.cu_seqlens[1:].long() - 1  # [B] each request's last row
-        write = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=slots.device)
-        write = write.index_copy(0, last, slots.long())  # [T]
-    else:
-        write = slots
+    read = batch.recurrent_slots.masked_fill(batch.cache_lens == 0, -1)  # [B]
+    write = batch.recurrent_write_rows  # [B] or [T]
+    ring_step = batch.step_id if batch.ring else None
     if batch.phase != "prefill":
-        return RecurrentPlan(read_slots=read, write_slots=write)
+        return RecurrentPlan(read_slots=read, write_slots=write, ring_step=ring_step)
     cu_cpu = torch.tensor(batch.host_cu_seqlens, dtype=torch.long)
-    return RecurrentPlan(read_slots=read, write_slots=write, chunks=_chunk_list(batch, CHUNK_SIZE),
+    return RecurrentPlan(read_slots=read, write_slots=write, ring_step=ring_step, chunks=_chunk_list(batch, CHUNK_SIZE),
                          chunk_size=CHUNK_SIZE, cu_seqlens_long=batch.cu_seqlens.long(), cu_seqlens_cpu=cu_cpu)
 
 
@@ -102,8 +103,20 @@ def _split(spec, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q, k, v
 
 
-def _write(spec, p: RecurrentPlan, states: Tensor, windows: Tensor) -> tuple[RecurrentWrite]:
-    return (RecurrentWrite(layer=spec.index, slots=p.write_slots, state=states, conv=windows),)
+def _write(spec, p: RecurrentPlan, states: Tensor | None, windows: Tensor) -> tuple[RecurrentWrite]:
+    return (RecurrentWrite(layer=spec.index, slots=p.write_slots, state=states, conv=windows, ring_step=p.ring_step),)
+
+
+def _recurrent(spec, views, inputs, p: RecurrentPlan, q, k, v, *, per_token: bool):
+    """``-> (o, states or None)``: with a ring the kernel writes the new states straight
+    into the batch's spare ring rows (never a row being read) and nothing is left to copy."""
+    from ..kernels import gated_delta_recurrent
+
+    into = dict(out_states=views.ssm, out_rows=p.write_slots) if p.ring_step is not None else {}
+    o, states = gated_delta_recurrent(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
+                                      inputs.meta.batch.cu_seqlens, scale=spec.config.scale,
+                                      per_position_states=per_token, use_qk_l2norm=True, **into)
+    return o, (None if into else states)
 
 
 # ------------------------------------------------------------------ triton
@@ -123,15 +136,11 @@ def _prefill(spec, views, inputs):
 
 
 def _decode(spec, views, inputs):
-    from ..kernels import gated_delta_recurrent
-
     check_inputs(spec, inputs)
-    c, p = spec.config, _plan_of(spec, inputs)
+    p = _plan_of(spec, inputs)
     mixed, windows = _conv(spec, views, inputs, p, per_token=False)  # [T, C], [B, C, W - 1]
     q, k, v = _split(spec, mixed)
-    o, states = gated_delta_recurrent(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
-                                      inputs.meta.batch.cu_seqlens, scale=c.scale,
-                                      use_qk_l2norm=True)  # [T, H, V], [B, H, K, V]
+    o, states = _recurrent(spec, views, inputs, p, q, k, v, per_token=False)  # [T, H, V], [B, H, K, V] | None
     return RecurrentOutput(o=o), _write(spec, p, states, windows)
 
 
@@ -150,9 +159,7 @@ def _verify(spec, views, inputs):
         return RecurrentOutput(o=o, replay=replay), ()
     mixed, windows = _conv(spec, views, inputs, p, per_token=True)  # [T, C], [T, C, W - 1]
     q, k, v = _split(spec, mixed)
-    o, states = gated_delta_recurrent(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
-                                      inputs.meta.batch.cu_seqlens, scale=c.scale, per_position_states=True,
-                                      use_qk_l2norm=True)  # [T, H, V], [T, H, K, V]
+    o, states = _recurrent(spec, views, inputs, p, q, k, v, per_token=True)  # [T, H, V], [T, H, K, V] | None
     return RecurrentOutput(o=o, replay=replay), _write(spec, p, states, windows)
 
 

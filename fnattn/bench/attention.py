@@ -15,11 +15,12 @@ from . import timed
 _setup_steps = itertools.count(-1, -1)  # negative ids: setup steps never collide with real ones
 
 
-def cached_state(specs, *, batch: int, ctx: int, page_size: int, extra: int = 1):
+def cached_state(specs, *, batch: int, ctx: int, page_size: int, extra: int = 1, recurrent_ring: int = 2):
     """``batch`` requests with ``ctx`` random cached tokens each, room for ``extra`` more."""
     specs = [specs] if isinstance(specs, LayerSpec) else list(specs)
     pages = batch * (-(-(ctx + extra) // page_size))
-    state = State(specs, num_pages=pages, page_size=page_size, max_requests=batch, device="cuda")
+    state = State(specs, num_pages=pages, page_size=page_size, max_requests=batch, device="cuda",
+                  recurrent_ring=recurrent_ring)
     for r in range(batch):
         state = state.admit(r)
     state = state.reserve({r: ctx + extra for r in range(batch)})

@@ -9,7 +9,7 @@ import sys
 
 from . import draw_png, print_table, with_ratios, write_json
 
-CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "kda-prefill", "standard")
+CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "standard")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def run(args) -> int:
         if args.case in ("prefill", "standard"):
             for t in args.tokens:
                 records += prefill_case(tokens=t, hq=args.hq, hkv=args.hkv, dim=args.dim)
-        if args.case in ("gdn-prefill", "gdn-decode", "kda-prefill", "standard"):
+        if args.case in ("gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "standard"):
             from .recurrent import recurrent_cases
 
             records += recurrent_cases(args.case)

@@ -30,6 +30,9 @@ def recurrent_cases(case: str) -> list[dict]:
     if case in ("gdn-decode", "standard"):
         for batch in (64, 256):
             records += decode_case(batch=batch, hk=16, hv=32, dim=128)
+    if case == "gdn-decode-sweep":
+        for batch in (64, 256):
+            records += decode_tile_sweep(batch=batch, hk=16, hv=32, dim=128)
     if case in ("kda-prefill", "standard"):
         for requests, length in ((1, 16384), (4, 4096)):
             records += prefill_case("kda", requests=requests, length=length, hk=32, hv=32, dim=128)
@@ -170,12 +173,14 @@ def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16)
     peer = "fla-core fused_recurrent_gated_delta_rule"
     case = f"gdn decode B{batch} {hk}qk/{hv}v d{dim} graph"
     shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype), "state_dtype": "torch.float32"}
-    names = ("fnattn triton", "fnattn triton + apply", peer)
+    names = ("fnattn triton", "fnattn triton + apply", "fnattn triton + apply, no ring", peer)
     try:
         spec = _spec("gdn", hk=hk, hv=hv, dim=dim, dtype=dtype)
         state = cached_state(spec, batch=batch, ctx=16, page_size=16)
-        b = Batch.decode(state, range(batch))
+        b = Batch.decode(state, range(batch))  # spare ring rows: states written in place, the apply moves cursors
         inputs = _inputs(spec, batch)
+        flat = cached_state(spec, batch=batch, ctx=16, page_size=16, recurrent_ring=1)
+        b_flat = Batch.decode(flat, range(batch))  # one row per slot: the apply copies every new state
     except Exception as e:  # noqa: BLE001
         return _failed(case, peer, shape, names, e)
     # read + write of each request's [HV, K, V] fp32 state; q/k/v/o and the conv window are small
@@ -194,6 +199,33 @@ def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16)
     runs = {
         "fnattn triton": lambda: _session_run("triton", spec, state, b, inputs, graph=True),
         "fnattn triton + apply": lambda: _session_run("triton", spec, state, b, inputs, graph=True, apply=True),
+        "fnattn triton + apply, no ring": lambda: _session_run("triton", spec, flat, b_flat, inputs, graph=True,
+                                                               apply=True),
         peer: fla_peer,
     }
     return _measure(case, peer, shape, runs, lambda us: {"tb_s": state_bytes / (us * 1e-6) / 1e12})
+
+
+def decode_tile_sweep(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16) -> list[dict]:
+    """The recurrent decode kernel alone (states into spare pool rows) over V tiles and warps."""
+    from ..kernels import gated_delta_recurrent
+
+    case = f"gdn decode kernel sweep B{batch} {hk}qk/{hv}v d{dim} graph"
+    shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype), "state_dtype": "torch.float32"}
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    q, k = r(batch, hk, dim).to(dtype), r(batch, hk, dim).to(dtype)
+    v, g, beta = r(batch, hv, dim).to(dtype), F.logsigmoid(r(batch, hv) + 3.0), torch.sigmoid(r(batch, hv)).to(dtype)
+    pool = r(2 * batch, hv, dim, dim)  # rows 0..B-1 read, B..2B-1 written
+    slots = torch.arange(batch, device=DEVICE)
+    rows = slots + batch
+    cu = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
+    state_bytes = 2 * batch * hv * dim * dim * 4
+    runs = {}
+    for block_v in (16, 32, 64):
+        for warps in (1, 2, 4, 8):
+            runs[f"BV{block_v} w{warps}"] = (lambda bv=block_v, w=warps: timed(lambda: gated_delta_recurrent(
+                q, k, v, g, beta, pool, slots, cu, scale=dim ** -0.5, out_states=pool, out_rows=rows,
+                use_qk_l2norm=True, block_v=bv, num_warps=w), graph=True))
+    # the peer is the default tile (BV 32, 4 warps): ratios > 1 beat it
+    return _measure(case, "BV32 w4", shape, runs, lambda us: {"tb_s": state_bytes / (us * 1e-6) / 1e12})

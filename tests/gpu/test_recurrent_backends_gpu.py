@@ -57,10 +57,11 @@ def _forward(name, spec, st, batch, inp):
         return s.forward(spec.index, inp)
 
 
-def _state(spec, cached, extra):
+def _state(spec, cached, extra, ring=2):
     """Requests with ``cached`` tokens prefilled by the reference; every other slot NaN."""
     n = len(cached)
-    st = fa.State([spec], num_pages=n * 8, page_size=256, max_requests=n + 2, device=DEV, fill=float("nan"))
+    st = fa.State([spec], num_pages=n * 8, page_size=256, max_requests=n + 2, device=DEV, fill=float("nan"),
+                  recurrent_ring=ring)
     for r in range(n):
         st = st.admit(r)
     st = st.reserve({r: c + extra for r, c in enumerate(cached)})
@@ -86,6 +87,11 @@ def _names(spec, phase):
     return names
 
 
+def _states(w, st):
+    """The new states of a write: its values, or the spare ring rows the backend filled in place."""
+    return st.views(w.layer).ssm.index_select(0, w.slots) if w.in_place else w.state
+
+
 def _check(spec, st, batch, record, label, *, seed=2):
     inp = _inputs(spec, batch.num_tokens, seed=seed)
     ref_out, (ref_w,) = _forward("reference", spec, st, batch, inp)
@@ -94,10 +100,12 @@ def _check(spec, st, batch, record, label, *, seed=2):
         reasons = lookup(spec.kind, batch.phase, name).supports(spec, torch.device(DEV))
         assert not reasons, f"{label} {name} refused: {reasons}"
         out, (w,) = _forward(name, spec, st, batch, inp)
-        errs = {"o": _rel(out.o, ref_out.o), "state": _rel(w.state, ref_w.state), "conv": _rel(w.conv, ref_w.conv)}
-        finite = bool(torch.isfinite(out.o).all() and torch.isfinite(w.state).all() and torch.isfinite(w.conv).all())
-        same_meta = (torch.equal(w.slots, ref_w.slots) and out.o.dtype == ref_out.o.dtype
-                     and w.state.dtype == ref_w.state.dtype and w.conv.dtype == ref_w.conv.dtype)
+        state = _states(w, st)
+        errs = {"o": _rel(out.o, ref_out.o), "state": _rel(state, ref_w.state), "conv": _rel(w.conv, ref_w.conv)}
+        finite = bool(torch.isfinite(out.o).all() and torch.isfinite(state).all() and torch.isfinite(w.conv).all())
+        same_meta = (torch.equal(w.slots, ref_w.slots) and w.ring_step == ref_w.ring_step
+                     and out.o.dtype == ref_out.o.dtype and state.dtype == ref_w.state.dtype
+                     and w.conv.dtype == ref_w.conv.dtype)
         ok = finite and same_meta and max(errs.values()) <= TOL
         record({"case": label, "phase": batch.phase, "backend": name, "max_rel_o": errs["o"],
                 "max_rel_state": errs["state"], "max_rel_conv": errs["conv"], "max_rel": max(errs.values()),
@@ -129,12 +137,14 @@ def test_decode(name, cached, record):
 
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_verify_and_accept(name, k, record):
+@pytest.mark.parametrize("ring", [2, 6], ids=["ring2", "ring6"])
+def test_verify_and_accept(name, k, ring, record):
     spec = _spec(name)
     cached = [3, 64, 513]
-    st = _state(spec, cached, extra=k + 1)
+    st = _state(spec, cached, extra=k + 1, ring=ring)
     batch = fa.Batch.verify(st, range(3), num_draft=k)
-    _, (_, ref_d), results = _check(spec, st, batch, record, f"verify k={k} {name}")
+    mode = "in ring" if batch.ring else "copied"
+    _, (_, ref_d), results = _check(spec, st, batch, record, f"verify k={k} {name} states {mode}")
     out, d = results["triton"]
     assert out.replay is not None and out.replay.meta is None
     accepted = {0: 1, 1: k + 1, 2: max(1, k // 2)}
@@ -142,11 +152,11 @@ def test_verify_and_accept(name, k, record):
     ref = st.apply(fa.StepDeltas.collect(batch, [ref_d]).accept(batch, accepted), inplace=False)
     errs = {}
     for r in accepted:
-        slot = st.request(r).slot
         for t in ("ssm", "conv"):
-            errs[f"{t}[{r}]"] = _rel(getattr(ours.views(0), t)[slot], getattr(ref.views(0), t)[slot])
+            errs[f"{t}[{r}]"] = _rel(getattr(ours.views(0), t)[ours.recurrent_row(r)],
+                                     getattr(ref.views(0), t)[ref.recurrent_row(r)])
     ok = max(errs.values()) <= TOL and all(ours.request(r).length == ref.request(r).length for r in accepted)
-    record({"case": f"verify k={k} {name} accept {accepted}", "phase": "verify", "backend": "triton",
+    record({"case": f"verify k={k} {name} states {mode} accept {accepted}", "phase": "verify", "backend": "triton",
             "max_rel": max(errs.values()), "ok": ok})
     assert ok, errs
 
@@ -157,13 +167,14 @@ def test_decode_and_verify_replay_from_a_cuda_graph(name, phase, record):
     """Captured with the session open (its plan built before), replayed: same results as eager."""
     spec = _spec(name)
     cached = [4, 90, 17, 1]
-    st = _state(spec, cached, extra=4)
+    st = _state(spec, cached, extra=4, ring=5)  # verify's 4 states per request fit the ring: written in place
     ids = range(len(cached))
     batch = fa.Batch.decode(st, ids) if phase == "decode" else fa.Batch.verify(st, ids, num_draft=3)
     inp = _inputs(spec, batch.num_tokens, seed=5)
     ma = fa.ModelAttention([spec], prefer=("triton",), device=DEV, phases=(phase,))
     with ma.session(st, batch) as s:
         eager_out, (eager_w,) = s.forward(0, inp)
+        eager_states = _states(eager_w, st).clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -174,7 +185,10 @@ def test_decode_and_verify_replay_from_a_cuda_graph(name, phase, record):
             out, (w,) = s.forward(0, inp)
         graph.replay()
         torch.cuda.synchronize()
-    ok = all(torch.equal(a, b) for a, b in ((out.o, eager_out.o), (w.state, eager_w.state),
-                                             (w.conv, eager_w.conv), (w.slots, eager_w.slots)))
+        st.views(0).ssm.index_fill_(0, w.slots, float("nan"))  # the replay must write the spare rows again
+        graph.replay()
+        torch.cuda.synchronize()
+    ok = w.in_place and all(torch.equal(a, b) for a, b in (
+        (out.o, eager_out.o), (_states(w, st), eager_states), (w.conv, eager_w.conv), (w.slots, eager_w.slots)))
     record({"case": f"cuda graph {phase} {name}", "phase": phase, "backend": "triton", "max_rel": 0.0, "ok": ok})
     assert ok

@@ -141,6 +141,32 @@ def test_recurrent_into_caller_buffers():
         gated_delta_recurrent(q, k, v, g, beta, pool, slots, cu, scale=0.25, out_states=ring[:2, 1])
 
 
+@pytest.mark.parametrize("per_pos", [False, True], ids=["final", "per_pos"])
+def test_recurrent_into_rows_of_the_pool_it_reads(per_pos):
+    # rows 0-2 are current states, 3-5 their spare ring rows: states land in the spare rows
+    # named by out_rows (-1: not written), and the rows being read stay untouched
+    lens = [1, 2]
+    q, k, v, g, beta = make_inputs(lens, 1, 2, kda=True, seed=8)
+    pool = make_pool(6, (2, K, V), live=[0, 2])
+    slots, cu = slots_of([2, 0]), cu_of(lens)
+    out_rows = slots_of([5, -1, 3] if per_pos else [5, 3])
+    before = pool.clone()
+    args = (q, k, v, g, beta, pool, slots, cu)
+    o, s = gated_delta_recurrent(*args, scale=0.25, per_position_states=per_pos, out_states=pool, out_rows=out_rows)
+    o_ref, s_ref = gated_delta_recurrent_ref(*args, scale=0.25, per_position_states=per_pos)
+    assert s is pool
+    close(o, o_ref, torch.float32)
+    for r, row in enumerate(out_rows.tolist()):
+        if row >= 0:
+            close(pool[row], s_ref[r], torch.float32)
+    untouched = [i for i in range(6) if i not in out_rows.tolist()]
+    assert same_pool(pool[untouched], before[untouched])
+    with pytest.raises(ValueError, match="out_rows"):
+        gated_delta_recurrent(*args, scale=0.25, per_position_states=per_pos, out_states=pool, out_rows=slots_of([1]))
+    with pytest.raises(ValueError, match="out_rows"):
+        gated_delta_recurrent(*args, scale=0.25, out_rows=slots_of([5, 3]))
+
+
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 def test_recurrent_qk_l2norm(kda):
     lens = [3, 2]

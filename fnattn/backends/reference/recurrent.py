@@ -10,9 +10,13 @@ continuing from the request's recurrent state. The new states leave as one
 * prefill (chunked form) and decode (token by token): one row per request,
   the states after its last token;
 * verify (token by token): one row per token, the states after every token,
-  so `StepDeltas.accept` can keep the row of the last accepted token. Only
-  each request's last row carries its slot; the others are -1 (skipped), so
-  applying the deltas without `accept` keeps every token, like the cursor.
+  so `StepDeltas.accept` can keep the row of the last accepted token.
+
+The rows are `Batch.recurrent_write_rows`: spare rows of the request's ring
+(the apply then moves its ring position), or without a ring its current row,
+where only each request's last verify row carries the slot (the others are -1,
+skipped), so applying the deltas without `accept` keeps every token, like the
+cursor.
 
 Requests loop on the host; the math is `fnattn.ops`.
 """
@@ -137,8 +141,7 @@ def per_request(spec: LayerSpec, views: Views, inputs: RecurrentInputs, *, chunk
         o, states, windows = run(spec, views, inputs, per_token=True)
         last = torch.tensor(batch.host_cu_seqlens[1:], device=o.device) - 1  # [B] each request's last row
         states, windows = states.index_select(0, last), windows.index_select(0, last)
-    write = RecurrentWrite(layer=spec.index, slots=batch.recurrent_slots, state=states, conv=windows)
-    return RecurrentOutput(o=o), (write,)
+    return RecurrentOutput(o=o), (new_states(spec, batch, states, windows),)
 
 
 def per_token(spec: LayerSpec, views: Views, inputs: RecurrentInputs):
@@ -151,8 +154,10 @@ def per_token(spec: LayerSpec, views: Views, inputs: RecurrentInputs):
     o, states, windows = run(spec, views, inputs, per_token=True)  # [T, H, V], [T, H, K, V], [T, C, W - 1]
     if batch.recovery == "replay":
         return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), ()
-    last = torch.tensor(batch.host_cu_seqlens[1:], device=o.device) - 1  # [B]
-    slots = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=o.device)
-    slots = slots.index_copy(0, last, batch.recurrent_slots.long())  # [T]
-    write = RecurrentWrite(layer=spec.index, slots=slots, state=states, conv=windows)
-    return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), (write,)
+    return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), (new_states(spec, batch, states, windows),)
+
+
+def new_states(spec: LayerSpec, batch, states, windows) -> RecurrentWrite:
+    """The write of a step's new states (values) into the rows the batch names for them."""
+    return RecurrentWrite(layer=spec.index, slots=batch.recurrent_write_rows, state=states, conv=windows,
+                          ring_step=batch.step_id if batch.ring else None)
