@@ -28,7 +28,7 @@ from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
-_MAX_SPLITS = 64
+_MAX_SPLITS = 64  # the merge loads every split's LSE at once: NS_MAX in _merge_partials
 _MIN_SPLIT_TOKENS = 256
 
 
@@ -77,26 +77,35 @@ def _online_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 @triton.jit
 def _merge_partials(O_PART, LSE_PART, t_row, head, row_ok, dv, dv_ok, num_splits,
                     sop_t, sop_h, sop_s, slp_t, slp_h, BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr):
-    # Streams the splits through the online-softmax state, in log2 units, so
+    # Returns the online-softmax state (log2 units) of all splits together, so
     # the caller's epilogue finishes it as if one program had seen all keys.
+    # Loads are latency bound here (one program, L2 hits): the LSEs come in one
+    # load and the partial outputs CH splits per load, not one split at a time.
     # .cg: other programs wrote these; a stale L1 line must not be read.
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    CH: tl.constexpr = 4
+    NS_MAX: tl.constexpr = 64  # _MAX_SPLITS
+    sp = tl.arange(0, NS_MAX)
+    lse = tl.load(LSE_PART + t_row[:, None] * slp_t + head[:, None] * slp_h + sp[None, :],
+                  mask=row_ok[:, None] & (sp[None, :] < num_splits), other=float("-inf"),
+                  cache_modifier=".cg") * _LOG2E  # [BM, NS_MAX]
+    m_i = tl.max(lse, 1)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    l_i = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    for sp in range(num_splits):
-        lse = tl.load(LSE_PART + t_row * slp_t + head * slp_h + sp, mask=row_ok,
-                      other=float("-inf"), cache_modifier=".cg") * _LOG2E
+    ch = tl.arange(0, CH)
+    for first in range(0, num_splits, CH):
+        s_ok = first + ch < num_splits  # [CH]
+        lse_c = tl.load(LSE_PART + t_row[:, None] * slp_t + head[:, None] * slp_h + first + ch[None, :],
+                        mask=row_ok[:, None] & s_ok[None, :], other=float("-inf"),
+                        cache_modifier=".cg") * _LOG2E  # [BM, CH]
+        w = tl.exp2(lse_c - m_safe[:, None])  # 0 for a split that attended nothing: ignore its o
         o = tl.load(
-            O_PART + t_row[:, None] * sop_t + head[:, None] * sop_h + sp * sop_s + dv[None, :],
-            mask=row_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse - m_safe)  # 0 for a split that attended nothing: ignore its o
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, o, 0.0) * w[:, None]
-        m_i = m_new
+            O_PART + t_row[:, None, None] * sop_t + head[:, None, None] * sop_h
+            + (first + ch)[None, :, None] * sop_s + dv[None, None, :],
+            mask=(row_ok[:, None] & s_ok[None, :] & (w > 0))[:, :, None] & dv_ok[None, None, :],
+            other=0.0, cache_modifier=".cg",
+        )  # [BM, CH, DV_PAD]
+        acc += tl.sum(o * w[:, :, None], 1)
     return m_i, l_i, acc
 
 
@@ -373,8 +382,8 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     if num_splits is None:
         max_keys = block_table.shape[1] * S + q_len
         num_splits = pick_num_splits(m_tiles * B * Hkv, max_keys, q.device)
-    if not 1 <= num_splits <= 256:
-        raise ValueError(f"num_splits: expected 1..256, got {num_splits}")
+    if not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits: expected 1..{_MAX_SPLITS}, got {num_splits}")
 
     o = torch.empty(T, Hq, Dv, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
     lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)  # [T, Hq]
