@@ -12,10 +12,8 @@ log-sum-exp without the sink and `-inf` when nothing was attended.
 
 The query heads sharing a kv head are packed into the rows of one tile (row =
 token * G_PAD + head in group), so each K/V tile is loaded once per kv head.
-Long contexts with few programs are split over the key range (split-K). The
-split programs of a tile write fp32 partials and take a ticket on a counter;
-the last one merges all partials by LSE and applies the sinks, so split-K is
-still one launch (a second launch costs ~2 us a layer at batch-1 decode).
+Long contexts with few programs are split over the key range (split-K); a
+small second kernel merges the partial results by LSE and applies the sinks.
 
 Nothing here writes into its arguments (see `scatter.py` for the writes).
 """
@@ -23,12 +21,12 @@ Nothing here writes into its arguments (see `scatter.py` for the writes).
 import torch
 
 from ._triton import next_pow2, num_sms, require_triton, tl, triton
-from .lse_merge import merge_attention_states, merge_attention_states_ref  # noqa: F401
+from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_splits  # noqa: F401
 from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
-_MAX_SPLITS = 64  # the merge loads every split's LSE at once: NS_MAX in _merge_partials
+_MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 256
 
 
@@ -75,44 +73,9 @@ def _online_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _merge_partials(O_PART, LSE_PART, t_row, head, row_ok, dv, dv_ok, num_splits,
-                    sop_t, sop_h, sop_s, slp_t, slp_h, BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr):
-    # Returns the online-softmax state (log2 units) of all splits together, so
-    # the caller's epilogue finishes it as if one program had seen all keys.
-    # Loads are latency bound here (one program, L2 hits): the LSEs come in one
-    # load and the partial outputs CH splits per load, not one split at a time.
-    # .cg: other programs wrote these; a stale L1 line must not be read.
-    CH: tl.constexpr = 4
-    NS_MAX: tl.constexpr = 64  # _MAX_SPLITS
-    sp = tl.arange(0, NS_MAX)
-    lse = tl.load(LSE_PART + t_row[:, None] * slp_t + head[:, None] * slp_h + sp[None, :],
-                  mask=row_ok[:, None] & (sp[None, :] < num_splits), other=float("-inf"),
-                  cache_modifier=".cg") * _LOG2E  # [BM, NS_MAX]
-    m_i = tl.max(lse, 1)
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    l_i = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
-    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    ch = tl.arange(0, CH)
-    for first in range(0, num_splits, CH):
-        s_ok = first + ch < num_splits  # [CH]
-        lse_c = tl.load(LSE_PART + t_row[:, None] * slp_t + head[:, None] * slp_h + first + ch[None, :],
-                        mask=row_ok[:, None] & s_ok[None, :], other=float("-inf"),
-                        cache_modifier=".cg") * _LOG2E  # [BM, CH]
-        w = tl.exp2(lse_c - m_safe[:, None])  # 0 for a split that attended nothing: ignore its o
-        o = tl.load(
-            O_PART + t_row[:, None, None] * sop_t + head[:, None, None] * sop_h
-            + (first + ch)[None, :, None] * sop_s + dv[None, None, :],
-            mask=(row_ok[:, None] & s_ok[None, :] & (w > 0))[:, :, None] & dv_ok[None, None, :],
-            other=0.0, cache_modifier=".cg",
-        )  # [BM, CH, DV_PAD]
-        acc += tl.sum(o * w[:, :, None], 1)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _paged_attn_kernel(
     Q, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, CACHE_LENS, CU_SEQLENS, SINKS,
-    OUT, LSE, O_PART, LSE_PART, COUNTER,
+    OUT, LSE, O_PART, LSE_PART,
     sm_scale, softcap, window, num_splits,
     sq_t, sq_h, skn_t, skn_h, svn_t, svn_h,
     skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
@@ -219,43 +182,30 @@ def _paged_attn_kernel(
             s = tl.where(visible, s, float("-inf"))
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, IEEE)
 
-    if SPLIT:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        tl.store(
-            O_PART + t_row[:, None] * sop_t + head[:, None] * sop_h + split * sop_s + dv[None, :],
-            acc / l_safe[:, None], mask=row_ok[:, None] & dv_ok[None, :],
-        )
-        tl.store(LSE_PART + t_row * slp_t + head * slp_h + split,
-                 tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * _LN2, float("-inf")), mask=row_ok)
-        # Release this program's partials (all threads' stores, hence the
-        # barrier) before the ticket; the last ticket acquires everyone's.
-        tl.debug_barrier()
-        counter = COUNTER + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != num_splits - 1:
-            return
-        # Every split has counted: reset so the next launch or graph replay
-        # finds zeros without a memset.
-        tl.store(counter, 0)
-        m_i, l_i, acc = _merge_partials(O_PART, LSE_PART, t_row, head, row_ok, dv, dv_ok,
-                                        num_splits, sop_t, sop_h, sop_s, slp_t, slp_h,
-                                        BLOCK_M, DV_PAD)
-
     attended = l_i > 0
     l_safe = tl.where(attended, l_i, 1.0)
     lse = tl.where(attended, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
-    denom = l_safe
-    if HAS_SINK:
-        # The sink joins the denominator only; with nothing attended
-        # (acc == 0) the output stays 0.
-        sink = tl.load(SINKS + head, mask=row_ok, other=0.0) * _LOG2E
-        m_safe = tl.where(attended, m_i, 0.0)
-        denom = l_i + tl.exp2(sink - m_safe)
-    o = acc / denom[:, None]
-    tl.store(
-        OUT + t_row[:, None] * so_t + head[:, None] * so_h + dv[None, :],
-        o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :],
-    )
-    tl.store(LSE + t_row * sl_t + head * sl_h, lse, mask=row_ok)
+    if SPLIT:
+        o = acc / l_safe[:, None]
+        tl.store(
+            O_PART + t_row[:, None] * sop_t + head[:, None] * sop_h + split * sop_s + dv[None, :],
+            o, mask=row_ok[:, None] & dv_ok[None, :],
+        )
+        tl.store(LSE_PART + t_row * slp_t + head * slp_h + split, lse, mask=row_ok)
+    else:
+        denom = l_safe
+        if HAS_SINK:
+            # The sink joins the denominator only; with nothing attended
+            # (acc == 0) the output stays 0.
+            sink = tl.load(SINKS + head, mask=row_ok, other=0.0) * _LOG2E
+            m_safe = tl.where(attended, m_i, 0.0)
+            denom = l_i + tl.exp2(sink - m_safe)
+        o = acc / denom[:, None]
+        tl.store(
+            OUT + t_row[:, None] * so_t + head[:, None] * so_h + dv[None, :],
+            o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :],
+        )
+        tl.store(LSE + t_row * sl_t + head * sl_h, lse, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -340,22 +290,6 @@ def pick_num_splits(programs, max_keys, device=None):
     return max(1, min(want, max_keys // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
-_COUNTERS = {}  # (device, stream) -> int32 zeros; every split launch leaves them zero
-_RETIRED = []  # outgrown buffers, kept alive: a CUDA graph captured with one may replay
-
-
-def _split_counters(device, n):
-    """At least n zeroed tile counters for the current stream (concurrent streams must not share)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    buf = _COUNTERS.get((device, stream))
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _COUNTERS[(device, stream)] = torch.zeros(max(256, next_pow2(n)), dtype=torch.int32,
-                                                        device=device)
-    return buf
-
-
 def _config(d_pad, dv_pad, g_pad, q_len, dtype):
     d_max = max(d_pad, dv_pad)
     rows = g_pad * q_len
@@ -382,8 +316,8 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     if num_splits is None:
         max_keys = block_table.shape[1] * S + q_len
         num_splits = pick_num_splits(m_tiles * B * Hkv, max_keys, q.device)
-    if not 1 <= num_splits <= _MAX_SPLITS:
-        raise ValueError(f"num_splits: expected 1..{_MAX_SPLITS}, got {num_splits}")
+    if not 1 <= num_splits <= 256:
+        raise ValueError(f"num_splits: expected 1..256, got {num_splits}")
 
     o = torch.empty(T, Hq, Dv, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
     lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)  # [T, Hq]
@@ -391,9 +325,8 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     if split:
         o_part = torch.empty(T, Hq, num_splits, Dv, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(T, Hq, num_splits, dtype=torch.float32, device=q.device)
-        counters = _split_counters(q.device, m_tiles * B * Hkv)
     else:
-        o_part, lse_part, counters = o, lse, cache_lens  # unused
+        o_part, lse_part = o, lse  # unused
     has_new = k_new is not None
     if not has_new:
         k_new, v_new = k_cache[0], v_cache[0]  # unused; any [*, Hkv, D] view
@@ -403,7 +336,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     grid = (m_tiles, B * Hkv, num_splits)
     _paged_attn_kernel[grid](
         q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu, sinks_f,
-        o, lse, o_part, lse_part, counters,
+        o, lse, o_part, lse_part,
         float(scale), float(softcap), int(window), num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1),
@@ -419,6 +352,8 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if split:
+        merge_splits(o_part, lse_part, o, lse, sinks=sinks_f if sinks is not None else None)
     return o, lse
 
 
