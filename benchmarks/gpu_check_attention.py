@@ -11,18 +11,15 @@
 Every case runs in its own try/except; the JSON holds whatever finished.
 """
 
-import argparse
-import json
-import signal
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_check_report  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
@@ -68,17 +65,7 @@ def compare(out, ref):
 
 
 def record(results, kernel, case, fn):
-    t0 = time.time()
-    try:
-        row = dict(kernel=kernel, case=case, **fn())
-    except Exception as e:  # one failing case must not stop the rest
-        row = dict(kernel=kernel, case=case, passed=False, error=f"{type(e).__name__}: {e}",
-                   trace=traceback.format_exc(limit=3))
-    row["seconds"] = round(time.time() - t0, 3)
-    results.append(row)
-    status = "PASS" if row.get("passed") else "FAIL"
-    errs = " ".join(f"{k}={row[k]:.3e}" for k in ("max_err_o", "max_err_lse") if k in row)
-    print(f"{status} {kernel:24s} {case:60s} {errs} {row.get('error', '')}", flush=True)
+    gpu_check_report.record(results, kernel, case, fn, errors=("max_err_o", "max_err_lse"), fmt=".3e", widths=(24, 60))
 
 
 def decode_case(Hq, Hkv, D, S, cache_lens, num_splits, **kw):
@@ -248,31 +235,8 @@ def timing(timings, sweep):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="path of the JSON results")
-    ap.add_argument("--skip-parity", action="store_true")
-    ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also time a few tile configurations")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    torch.manual_seed(0)
-    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, parity=[], timing=[])
-    # A time limit (SIGTERM) still leaves the cases finished so far in the JSON.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
-    try:
-        if not args.skip_parity:
-            parity(report["parity"])
-        if not args.skip_timing:
-            timing(report["timing"], args.sweep)
-    finally:
-        failed = [r for r in report["parity"] if not r.get("passed")]
-        report["summary"] = dict(parity_cases=len(report["parity"]), parity_failed=len(failed))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
-        print(f"parity: {len(report['parity']) - len(failed)}/{len(report['parity'])} PASS; wrote {args.out}")
-    sys.exit(1 if failed else 0)
+    gpu_check_report.main(__doc__, parity, lambda rows, args: timing(rows, args.sweep),
+                          flags=(("--sweep", "also time a few tile configurations"),))
 
 
 if __name__ == "__main__":

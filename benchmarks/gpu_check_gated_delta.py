@@ -16,18 +16,16 @@
 Every case runs in its own try/except; the JSON holds whatever finished.
 """
 
-import argparse
-import json
-import signal
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_check_report  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
@@ -86,17 +84,8 @@ def rel_err(a, b):
 
 
 def record(results, kernel, case, fn):
-    t0 = time.time()
-    try:
-        row = dict(kernel=kernel, case=case, **fn())
-    except Exception as e:  # one failing case must not stop the rest
-        row = dict(kernel=kernel, case=case, passed=False, error=f"{type(e).__name__}: {e}",
-                   trace=traceback.format_exc(limit=3))
-    row["seconds"] = round(time.time() - t0, 3)
-    results.append(row)
-    status = "PASS" if row.get("passed") else "FAIL"
-    errs = " ".join(f"{k}={row[k]:.2e}" for k in ("rel_o", "max_o", "rel_s", "max_s") if k in row)
-    print(f"{status} {kernel:22s} {case:64s} {errs} {row.get('error', '')}", flush=True)
+    gpu_check_report.record(results, kernel, case, fn, errors=("rel_o", "max_o", "rel_s", "max_s"), fmt=".2e",
+                            widths=(22, 64))
 
 
 def judge(o, o_ref, s, s_ref, tol):
@@ -336,31 +325,8 @@ def timing(timings, use_fla):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="path of the JSON results")
-    ap.add_argument("--skip-parity", action="store_true")
-    ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--no-fla", action="store_true", help="do not time fla-core for comparison")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    torch.manual_seed(0)
-    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, parity=[], timing=[])
-    # A time limit (SIGTERM) still leaves the cases finished so far in the JSON.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
-    try:
-        if not args.skip_parity:
-            parity(report["parity"])
-        if not args.skip_timing:
-            timing(report["timing"], not args.no_fla)
-    finally:
-        failed = [r for r in report["parity"] if not r.get("passed")]
-        report["summary"] = dict(parity_cases=len(report["parity"]), parity_failed=len(failed))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
-        print(f"parity: {len(report['parity']) - len(failed)}/{len(report['parity'])} PASS; wrote {args.out}")
-    sys.exit(1 if failed else 0)
+    gpu_check_report.main(__doc__, parity, lambda rows, args: timing(rows, not args.no_fla),
+                          flags=(("--no-fla", "do not time fla-core for comparison"),))
 
 
 if __name__ == "__main__":
