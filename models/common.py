@@ -6,10 +6,14 @@ the activation dtype, matching the Hugging Face modules they stand in for.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
+
+from fnattn.ops.mla import MLAWeights
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, offset: float = 0.0) -> Tensor:
@@ -47,6 +51,28 @@ def apply_rope(x: Float[Tensor, "T H D"], cos: Tensor, sin: Tensor) -> Float[Ten
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """``down(silu(gate(x)) * up(x))`` with [out, in] weights."""
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+@dataclass(frozen=True, eq=False)
+class SwiGLU:
+    """A SwiGLU MLP's weights, as checkpoints name them under a prefix (``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+    gate: Tensor  # [I, D]
+    up: Tensor  # [I, D]
+    down: Tensor  # [D, I]
+
+    @classmethod
+    def take(cls, weights, prefix: str) -> SwiGLU:
+        return cls(weights[prefix + "gate_proj.weight"], weights[prefix + "up_proj.weight"],
+                   weights[prefix + "down_proj.weight"])
+
+    @staticmethod
+    def shapes(prefix: str, D: int, inner: int) -> dict[str, tuple[int, ...]]:
+        return {prefix + "gate_proj.weight": (inner, D), prefix + "up_proj.weight": (inner, D),
+                prefix + "down_proj.weight": (D, inner)}
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return swiglu(x, self.gate, self.up, self.down)
 
 
 def experts(
@@ -105,3 +131,11 @@ def grouped_topk(
     if normalize:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, w * scaling
+
+
+def mla_shapes(cfg, prefix: str) -> dict[str, tuple[int, ...]]:
+    """MLA attention tensors under ``prefix``, for any config with DeepSeek's MLA fields."""
+    return MLAWeights.state_dict_shapes(
+        prefix=prefix, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias)

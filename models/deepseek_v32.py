@@ -31,7 +31,7 @@ from fnattn.inputs import MLAInputs, SparseMLAInputs, SparseQueryMetadata
 from fnattn.ops.dsa import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers
 from fnattn.ops.mla import MLAWeights, mla_project, mla_softmax_scale, rope_cos_sin
 
-from .common import grouped_topk, rms_norm, swiglu
+from .common import SwiGLU, grouped_topk, mla_shapes, rms_norm
 from .registry import Family, register_family
 
 _MISSING = object()
@@ -308,23 +308,10 @@ def weight_shapes(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
 
 def layer_shapes(cfg: DeepseekConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Decoder layer ``i``'s tensors (``model.layers.{i}.*``)."""
-    D, H, R, Dr = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    Dq = cfg.qk_nope_head_dim + Dr
+    D = cfg.hidden_size
     p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
     shapes = {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
-    if cfg.q_lora_rank is None:
-        shapes[a + "q_proj.weight"] = (H * Dq, D)
-    else:
-        Rq = cfg.q_lora_rank
-        shapes.update({a + "q_a_proj.weight": (Rq, D), a + "q_a_layernorm.weight": (Rq,),
-                       a + "q_b_proj.weight": (H * Dq, Rq)})
-        if cfg.attention_bias:
-            shapes[a + "q_a_proj.bias"] = (Rq,)
-    shapes.update({a + "kv_a_proj_with_mqa.weight": (R + Dr, D), a + "kv_a_layernorm.weight": (R,),
-                   a + "kv_b_proj.weight": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R),
-                   a + "o_proj.weight": (D, H * cfg.v_head_dim)})
-    if cfg.attention_bias:
-        shapes.update({a + "kv_a_proj_with_mqa.bias": (R + Dr,), a + "o_proj.bias": (D,)})
+    shapes.update(mla_shapes(cfg, a))
     if cfg.indexer is not None and cfg.index_source(i) is None:
         ix, x = cfg.indexer, a + "indexer."
         shapes.update({x + "wq_b.weight": (ix.num_heads * ix.head_dim, cfg.q_lora_rank),
@@ -332,35 +319,15 @@ def layer_shapes(cfg: DeepseekConfig, i: int) -> dict[str, tuple[int, ...]]:
                        x + "k_norm.bias": (ix.head_dim,), x + "weights_proj.weight": (ix.num_heads, D)})
     m = p + "mlp."
     if cfg.mlp_types[i] == "dense":
-        shapes.update(_swiglu_shapes(m, D, cfg.intermediate_size))
+        shapes.update(SwiGLU.shapes(m, D, cfg.intermediate_size))
     else:
         moe = cfg.moe
         shapes[m + "gate.weight"] = (moe.n_routed_experts, D)
         shapes[m + "gate.e_score_correction_bias"] = (moe.n_routed_experts,)
         for e in range(moe.n_routed_experts):
-            shapes.update(_swiglu_shapes(f"{m}experts.{e}.", D, moe.moe_intermediate_size))
-        shapes.update(_swiglu_shapes(m + "shared_experts.", D, moe.moe_intermediate_size * moe.n_shared_experts))
+            shapes.update(SwiGLU.shapes(f"{m}experts.{e}.", D, moe.moe_intermediate_size))
+        shapes.update(SwiGLU.shapes(m + "shared_experts.", D, moe.moe_intermediate_size * moe.n_shared_experts))
     return shapes
-
-
-def _swiglu_shapes(prefix: str, D: int, inner: int) -> dict[str, tuple[int, ...]]:
-    return {prefix + "gate_proj.weight": (inner, D), prefix + "up_proj.weight": (inner, D),
-            prefix + "down_proj.weight": (D, inner)}
-
-
-@dataclass(frozen=True, eq=False)
-class SwiGLU:
-    gate: Tensor  # [I, D]
-    up: Tensor  # [I, D]
-    down: Tensor  # [D, I]
-
-    @classmethod
-    def take(cls, weights, prefix: str) -> "SwiGLU":
-        return cls(weights[prefix + "gate_proj.weight"], weights[prefix + "up_proj.weight"],
-                   weights[prefix + "down_proj.weight"])
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return swiglu(x, self.gate, self.up, self.down)
 
 
 @dataclass(frozen=True, eq=False)

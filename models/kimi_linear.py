@@ -41,7 +41,7 @@ from fnattn.checks import checked, fail
 from fnattn.inputs import MLAInputs, RecurrentInputs
 from fnattn.ops.kda import KDAWeights, kda_finish, kda_project
 
-from .common import grouped_topk, rms_norm, swiglu
+from .common import SwiGLU, grouped_topk, mla_shapes, rms_norm, swiglu
 from .registry import Family, register_family
 
 _WHERE = "kimi_linear config"
@@ -272,28 +272,9 @@ def weight_shapes(cfg: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
                 a + "o_norm.weight": (K,), a + "o_proj.weight": (D, H * K),
             })
         else:
-            H, R = cfg.num_heads, cfg.kv_lora_rank
-            Dq = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-            if cfg.q_lora_rank is None:
-                shapes[a + "q_proj.weight"] = (H * Dq, D)
-            else:
-                Rq = cfg.q_lora_rank
-                shapes.update({a + "q_a_proj.weight": (Rq, D), a + "q_a_layernorm.weight": (Rq,),
-                               a + "q_b_proj.weight": (H * Dq, Rq)})
-                if cfg.attention_bias:
-                    shapes[a + "q_a_proj.bias"] = (Rq,)
-            shapes.update({
-                a + "kv_a_proj_with_mqa.weight": (R + cfg.qk_rope_head_dim, D), a + "kv_a_layernorm.weight": (R,),
-                a + "kv_b_proj.weight": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R),
-                a + "o_proj.weight": (D, H * cfg.v_head_dim),
-            })
-            if cfg.attention_bias:
-                shapes[a + "kv_a_proj_with_mqa.bias"] = (R + cfg.qk_rope_head_dim,)
-                shapes[a + "o_proj.bias"] = (D,)
+            shapes.update(mla_shapes(cfg, a))
         if mlp == "dense":
-            m, n = p + cfg.dense_mlp_name + ".", cfg.intermediate_size
-            shapes.update({m + "gate_proj.weight": (n, D), m + "up_proj.weight": (n, D),
-                           m + "down_proj.weight": (D, n)})
+            shapes.update(SwiGLU.shapes(p + cfg.dense_mlp_name + ".", D, cfg.intermediate_size))
         else:
             m, n, E = p + "block_sparse_moe.", cfg.moe_intermediate_size, cfg.num_experts
             shapes.update({m + "gate.weight": (E, D), m + "gate.e_score_correction_bias": (E,)})
@@ -301,10 +282,7 @@ def weight_shapes(cfg: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
                 x = f"{m}experts.{e}."
                 shapes.update({x + "w1.weight": (n, D), x + "w3.weight": (n, D), x + "w2.weight": (D, n)})
             if cfg.n_shared_experts:  # zero shared experts: zero-sized weights that add nothing
-                Is = n * cfg.n_shared_experts
-                shapes.update({m + "shared_experts.gate_proj.weight": (Is, D),
-                               m + "shared_experts.up_proj.weight": (Is, D),
-                               m + "shared_experts.down_proj.weight": (D, Is)})
+                shapes.update(SwiGLU.shapes(m + "shared_experts.", D, n * cfg.n_shared_experts))
     return shapes
 
 

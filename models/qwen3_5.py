@@ -37,7 +37,7 @@ from fnattn.checks import checked, fail
 from fnattn.inputs import RecurrentInputs
 from fnattn.ops.gdn import GDNWeights, gdn_finish, gdn_project
 
-from .common import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, softmax_topk, swiglu
+from .common import SwiGLU, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, softmax_topk
 from .registry import Family, register_family
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -287,31 +287,17 @@ def _attn_shapes(cfg: QwenConfig, p: str) -> dict:
             p + "q_norm.weight": (Dh,), p + "k_norm.weight": (Dh,)}
 
 
-def _swiglu_shapes(p: str, D: int, inner: int) -> dict:
-    return {p + "gate_proj.weight": (inner, D), p + "up_proj.weight": (inner, D), p + "down_proj.weight": (D, inner)}
-
-
 def _mlp_shapes(cfg: QwenConfig, i: int, p: str) -> dict:
     D = cfg.hidden_size
     if not cfg.moe_layers[i]:
-        return _swiglu_shapes(p, D, cfg.intermediate_size)
+        return SwiGLU.shapes(p, D, cfg.intermediate_size)
     shapes = {p + "gate.weight": (cfg.num_experts, D)}
     for e in range(cfg.num_experts):
-        shapes.update(_swiglu_shapes(f"{p}experts.{e}.", D, cfg.moe_intermediate_size))
+        shapes.update(SwiGLU.shapes(f"{p}experts.{e}.", D, cfg.moe_intermediate_size))
     if cfg.shared_expert_intermediate_size:
-        shapes.update(_swiglu_shapes(p + "shared_expert.", D, cfg.shared_expert_intermediate_size))
+        shapes.update(SwiGLU.shapes(p + "shared_expert.", D, cfg.shared_expert_intermediate_size))
         shapes[p + "shared_expert_gate.weight"] = (1, D)
     return shapes
-
-
-@dataclass(frozen=True, eq=False)
-class SwiGLU:
-    gate: Tensor  # [I, D]
-    up: Tensor  # [I, D]
-    down: Tensor  # [D, I]
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return swiglu(x, self.gate, self.up, self.down)
 
 
 @dataclass(frozen=True, eq=False)
@@ -350,10 +336,6 @@ class Params:
     inv_freq: Tensor  # [rotary_dim / 2] fp32
 
 
-def _swiglu(w, p: str) -> SwiGLU:
-    return SwiGLU(w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
-
-
 def load(cfg: QwenConfig, weights) -> Params:
     """Arrange checkpoint tensors (by their checkpoint names) into `Params`.
 
@@ -381,11 +363,11 @@ def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
     if cfg.moe_layers[i]:
         shared = cfg.shared_expert_intermediate_size > 0
         mlp = MoE(router=weights[m + "gate.weight"],
-                  experts=tuple(_swiglu(weights, f"{m}experts.{e}.") for e in range(cfg.num_experts)),
-                  shared=_swiglu(weights, m + "shared_expert.") if shared else None,
+                  experts=tuple(SwiGLU.take(weights, f"{m}experts.{e}.") for e in range(cfg.num_experts)),
+                  shared=SwiGLU.take(weights, m + "shared_expert.") if shared else None,
                   shared_gate=weights[m + "shared_expert_gate.weight"] if shared else None)
     else:
-        mlp = _swiglu(weights, m)
+        mlp = SwiGLU.take(weights, m)
     return Layer(weights[L + "input_layernorm.weight"], attn, weights[L + "post_attention_layernorm.weight"], mlp)
 
 

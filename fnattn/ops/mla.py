@@ -376,6 +376,37 @@ class MLAWeights:
     hidden_size = property(lambda self: self.kv_a_proj.shape[1])
     q_lora_rank = property(lambda self: None if self.q_a_proj is None else self.q_a_proj.shape[0])
 
+    @staticmethod
+    def state_dict_shapes(
+        *,
+        prefix: str = "",
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        bias: bool,
+    ) -> dict[str, tuple[int, ...]]:
+        """The shape of every key `from_state_dict` reads, for a config (checkpoint checks)."""
+        p, D, H, R, Dr = prefix, hidden_size, num_heads, kv_lora_rank, qk_rope_head_dim
+        Dq = qk_nope_head_dim + Dr
+        if q_lora_rank is None:
+            shapes = {p + "q_proj.weight": (H * Dq, D)}
+        else:
+            Rq = q_lora_rank
+            shapes = {p + "q_a_proj.weight": (Rq, D), p + "q_a_layernorm.weight": (Rq,),
+                      p + "q_b_proj.weight": (H * Dq, Rq)}
+            if bias:
+                shapes[p + "q_a_proj.bias"] = (Rq,)
+        shapes.update({p + "kv_a_proj_with_mqa.weight": (R + Dr, D), p + "kv_a_layernorm.weight": (R,),
+                       p + "kv_b_proj.weight": (H * (qk_nope_head_dim + v_head_dim), R),
+                       p + "o_proj.weight": (D, H * v_head_dim)})
+        if bias:
+            shapes.update({p + "kv_a_proj_with_mqa.bias": (R + Dr,), p + "o_proj.bias": (D,)})
+        return shapes
+
     @classmethod
     def from_state_dict(
         cls,
