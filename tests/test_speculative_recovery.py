@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import full_inputs, full_spec, nan_state, same_bits
+from helpers import full_inputs, full_spec, nan_state, run, same_bits
 
 import fnattn as fa
 from fnattn.inputs import RecurrentInputs
@@ -33,15 +33,6 @@ def layer_inputs(all_specs, T, seed):
     gen = torch.Generator().manual_seed(seed)
     return {s.index: (recurrent_inputs(s, T, gen) if s.kind in ("gdn", "kda") else full_inputs(s, T, gen=gen))
             for s in all_specs}
-
-
-def run(ma, state, batch, inputs):
-    outs, groups = {}, []
-    with ma.session(state, batch) as s:
-        for layer, inp in inputs.items():
-            outs[layer], d = s.forward(layer, inp)
-            groups.append(d)
-    return outs, fa.StepDeltas.collect(batch, groups)
 
 
 def prefilled(ring=2):
