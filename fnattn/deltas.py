@@ -1,6 +1,7 @@
 """Deltas: explicit values for every state change a step wants.
 
-Backends never write storage; they return deltas. The driver gathers a step's
+Backends never write live storage; they return deltas (a `RecurrentWrite` with
+``state=None`` says its states already sit in spare ring rows no request reads). The driver gathers a step's
 deltas into one `StepDeltas` and hands it to `State.apply`, which validates all
 of them before writing any byte, then applies each exactly once.
 

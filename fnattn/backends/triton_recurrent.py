@@ -4,7 +4,7 @@ Same contract as the reference backends (`reference/recurrent.py`): the causal
 conv continuing from the request's conv window, silu, the q/k/v split with
 l2-normalized q and k, and the gated delta rule continuing from the request's
 recurrent state; the new states leave as one `RecurrentWrite`. The kernels
-(`fnattn.kernels.gated_delta`) read the pools by slot and never write them:
+(`fnattn.kernels.gated_delta`) read the pools by slot and never write a row being read:
 
 * prefill: `causal_conv1d` + `gated_delta_chunked` (the "fla" provider runs
   fla-core's `chunk_gated_delta_rule` / `chunk_kda` after the same conv);
