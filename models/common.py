@@ -1,7 +1,9 @@
-"""Pieces every model family shares: norms, rotary embeddings, MLPs, routed experts.
+"""Pieces every model family shares: the token check, norms, rotary embeddings, MLPs, routed experts.
 
 Plain functions of tensors; weights are passed in. fp32 statistics, results in
 the activation dtype, matching the Hugging Face modules they stand in for.
+These are the only RMSNorm and rope in the package: every family, the MLA and
+DSA layers and the gated output norms of GDN / KDA call them.
 """
 
 from __future__ import annotations
@@ -13,11 +15,41 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from fnattn.ops.mla import MLAWeights
+from fnattn import checks
+from fnattn.checks import fail
+from fnattn.ops._shapes import expect_shape
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, offset: float = 0.0) -> Tensor:
-    """RMSNorm; ``offset=1.0`` for checkpoints that store ``weight - 1`` (Qwen3-Next / Qwen3.5)."""
+def check_tokens(owner: str, tokens: Int[Tensor, " T"], vocab_size: int) -> None:
+    """Raise ``ValueError`` naming ``tokens`` unless every id is in ``0..vocab_size - 1``.
+
+    An embedding lookup would read row ``-1`` (the last one) silently and fail
+    with an IndexError past the end. On CPU the check always runs; tokens on a
+    GPU are read back to the host only with ``FNATTN_CHECKS=1`` and never while
+    a CUDA graph is being captured (a host read would break the capture and
+    sync every step).
+    """
+    if tokens.device.type != "cpu":
+        if not checks.CHECKS_ENABLED:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+    if tokens.numel() == 0:
+        return
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        fail(owner, "tokens", f"ids in 0..{vocab_size - 1}", lo if lo < 0 else hi)
+
+
+def rms_norm(
+    x: Float[Tensor, "*B C"], weight: Float[Tensor, " C"] | None, eps: float, *, offset: float = 0.0
+) -> Float[Tensor, "*B C"]:
+    """RMSNorm: statistics in fp32, the normalised value rounded to ``x.dtype``, then times ``weight``.
+
+    ``offset=1.0`` for checkpoints that store ``weight - 1`` (Qwen3-Next /
+    Qwen3.5); there the scale ``1 + weight`` is applied in fp32 before the one
+    rounding, as those modules do. ``weight=None``: no scale.
+    """
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is None:
@@ -27,25 +59,77 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, offset: float = 0.
     return y.to(x.dtype) * weight
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, *, device=None) -> Tensor:
+def rope_inv_freq(rotary_dim: int, theta: float, *, device: torch.device | str | None = None) -> Float[Tensor, " Dr2"]:
+    """The default rope frequencies ``theta ** (-2j / rotary_dim)``, fp32 (``[rotary_dim / 2]``)."""
     return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim)
 
 
-def rope_cos_sin(positions: Int[Tensor, " T"], inv_freq: Tensor, *, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
-    """cos, sin ``[T, rotary_dim]`` in the rotate-half layout (each frequency twice)."""
-    ang = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
-    emb = torch.cat([ang, ang], dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
+def rope_cos_sin(
+    positions: Int[Tensor, " T"],
+    inv_freq: Float[Tensor, " Dr2"],
+    *,
+    attention_scaling: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Float[Tensor, "T Dr"], Float[Tensor, "T Dr"]]:
+    """``(cos, sin)`` for absolute ``positions``, laid out as ``cat(f, f)`` (each frequency twice).
+
+    Same values as the ``transformers`` rotary modules: angles in fp32,
+    multiplied by ``attention_scaling`` (YaRN's ``attention_factor``), then cast
+    to ``dtype``.
+    """
+    expect_shape("positions", positions, (None,))
+    expect_shape("inv_freq", inv_freq, (None,))
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, Dr / 2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [T, Dr]
+    cos = angles.cos() * attention_scaling
+    sin = angles.sin() * attention_scaling
+    return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: Float[Tensor, "T H D"], cos: Tensor, sin: Tensor) -> Float[Tensor, "T H D"]:
-    """Rotate-half rope on the first ``cos.shape[-1]`` dims of each head; the rest pass through."""
-    r = cos.shape[-1]
-    rot, rest = x[..., :r].float(), x[..., r:]
-    x1, x2 = rot.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat([out.to(x.dtype), rest], dim=-1)
+def apply_rope(
+    x: Float[Tensor, "T *heads D"],
+    cos: Float[Tensor, "T Dr"],
+    sin: Float[Tensor, "T Dr"],
+    *,
+    interleave: bool = False,
+) -> Float[Tensor, "T *heads D"]:
+    """Rotate the first ``Dr = cos.shape[-1]`` dims of ``x`` (``[T, D]`` or ``[T, H, D]``); the rest pass through.
+
+    ``cos`` / ``sin`` are ``cat(f, f)`` as `rope_cos_sin` and the rotary
+    modules produce them. ``Dr < D`` is partial rotary (Qwen3.5's
+    ``partial_rotary_factor``, the DSA indexer's rope on its first dims).
+
+    * ``interleave=False``: the two halves of the rotated dims form the pairs
+      (``x[j]``, ``x[j + Dr/2]``) — the usual "rotate half" convention.
+    * ``interleave=True``: adjacent dims form the pairs (``x[2j]``,
+      ``x[2j+1]``), as in DeepSeek checkpoints. The result is written
+      de-interleaved: rotated even dims first, then rotated odd dims. This is
+      the layout ``transformers`` computes and caches; dot products between two
+      vectors rotated this way are the same as with the interleaved layout.
+
+    The rotation runs in the wider of ``x``'s and ``cos``'s dtypes (fp32 tables
+    give fp32 math on bf16 activations) and the result is in ``x.dtype``.
+    """
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected shape [T, D] or [T, H, D], got {list(x.shape)}")
+    T, Dr = x.shape[0], cos.shape[-1]
+    if Dr % 2:
+        raise ValueError(f"cos: expected an even rope dim, got {Dr}")
+    if x.shape[-1] < Dr:
+        raise ValueError(f"x: expected at least the {Dr} rope dims in the last dim, got {x.shape[-1]}")
+    expect_shape("cos", cos, (T, Dr))
+    expect_shape("sin", sin, (T, Dr))
+    if x.dim() == 3:  # broadcast over heads
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :Dr], x[..., Dr:]
+    if interleave:
+        cos, sin = cos[..., : Dr // 2], sin[..., : Dr // 2]
+        even, odd = rot[..., 0::2], rot[..., 1::2]
+        out = torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    else:
+        first, second = rot[..., : Dr // 2], rot[..., Dr // 2 :]
+        out = rot * cos + torch.cat((-second, first), dim=-1) * sin
+    return torch.cat((out.to(x.dtype), rest), dim=-1)
 
 
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
@@ -131,11 +215,3 @@ def grouped_topk(
     if normalize:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, w * scaling
-
-
-def mla_shapes(cfg, prefix: str) -> dict[str, tuple[int, ...]]:
-    """MLA attention tensors under ``prefix``, for any config with DeepSeek's MLA fields."""
-    return MLAWeights.state_dict_shapes(
-        prefix=prefix, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank,
-        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias)

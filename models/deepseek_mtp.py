@@ -31,10 +31,9 @@ from torch import Tensor
 from fnattn import StepDeltas
 from fnattn.checks import checked
 from fnattn.inputs import SparseQueryMetadata
-from fnattn.ops.mla import rope_cos_sin
 
 from . import deepseek_v32 as ds
-from .common import rms_norm
+from .common import check_tokens, rms_norm, rope_cos_sin
 from .mtp import DraftModel, check_step_inputs, draft_weights
 
 
@@ -103,6 +102,7 @@ def step(params: NextNParams, session, tokens: Int[Tensor, " T"], hidden: Float[
     """One draft step: ``tokens[i]`` follows the position whose target hidden state is ``hidden[i]``."""
     cfg, batch = params.config, session.batch
     check_step_inputs(f"{cfg.model_type} nextn step", batch, tokens, hidden, cfg.hidden_size)
+    check_tokens(f"{cfg.model_type} nextn step", tokens, cfg.vocab_size)
     eps = cfg.rms_norm_eps
     e = rms_norm(params.embed[tokens], params.enorm, eps)  # [T, D]
     h = rms_norm(hidden.to(e.dtype), params.hnorm, eps)  # [T, D]

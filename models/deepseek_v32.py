@@ -28,10 +28,10 @@ from torch import Tensor
 from fnattn import IndexerConfig, LayerSpec, MLAConfig, SparseMLAConfig, StepDeltas
 from fnattn.checks import checked, fail
 from fnattn.inputs import MLAInputs, SparseMLAInputs, SparseQueryMetadata
-from fnattn.ops.dsa import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers
-from fnattn.ops.mla import MLAWeights, mla_project, mla_softmax_scale, rope_cos_sin
 
-from .common import SwiGLU, grouped_topk, mla_shapes, rms_norm
+from .common import SwiGLU, check_tokens, grouped_topk, rms_norm, rope_cos_sin, rope_inv_freq
+from .dsa_layer import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers
+from .mla_layer import MLAWeights, mla_project, mla_shapes, mla_softmax_scale
 from .registry import Family, register_family
 
 _MISSING = object()
@@ -150,9 +150,9 @@ def _rope(raw: dict) -> tuple[tuple[str, Any], ...]:
 def rope_tables(rope: dict, dim: int) -> tuple[Tensor, float]:
     """``(inv_freq [dim / 2], attention_scaling)`` as transformers' default / YaRN rope init computes them."""
     base = float(rope["rope_theta"])
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if rope["rope_type"] == "default":
-        return 1.0 / pos_freqs, 1.0
+        return rope_inv_freq(dim, base), 1.0
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     factor, orig = rope["factor"], rope["original_max_position_embeddings"]
 
     def mscale(scale, m=1.0):
@@ -439,6 +439,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     cfg, batch = params.config, session.batch
     if tokens.shape[0] != batch.num_tokens:
         fail(f"{cfg.model_type}.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
+    check_tokens(f"{cfg.model_type}.step", tokens, cfg.vocab_size)
     x = params.embed[tokens]  # [T, D]
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq, attention_scaling=params.attention_scaling,
                             dtype=x.dtype)  # [T, Dr]

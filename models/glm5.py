@@ -10,9 +10,8 @@ dense-layer schedule, loading, the step) is DeepSeek-V3.2's, from
 
 from __future__ import annotations
 
-from fnattn.ops.dsa import glm_indexer_types, topk_source_layers
-
 from . import deepseek_v32 as ds
+from .dsa_layer import glm_indexer_types, topk_source_layers
 from .registry import Family, register_family
 
 

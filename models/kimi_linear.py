@@ -39,9 +39,10 @@ from torch import Tensor
 from fnattn import Batch, KDAConfig, LayerSpec, MLAConfig, StepDeltas
 from fnattn.checks import checked, fail
 from fnattn.inputs import MLAInputs, RecurrentInputs
-from fnattn.ops.kda import KDAWeights, kda_finish, kda_project
 
-from .common import SwiGLU, grouped_topk, mla_shapes, rms_norm, swiglu
+from .common import SwiGLU, check_tokens, grouped_topk, rms_norm, swiglu
+from .kda_layer import KDAWeights, kda_finish, kda_project
+from .mla_layer import mla_shapes
 from .registry import Family, register_family
 
 _WHERE = "kimi_linear config"
@@ -427,6 +428,7 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
     batch: Batch = session.batch
     if tokens.shape[0] != batch.num_tokens:
         fail("kimi_linear.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
+    check_tokens("kimi_linear.step", tokens, cfg.vocab_size)
     T, dt = tokens.shape[0], cfg.dtype  # attention runs in the spec dtype, maybe not the weights'
     x = params.embed[tokens]  # [T, D]
     layer_deltas = []

@@ -4,7 +4,7 @@ Reproduces transformers' ``Qwen3_5ForCausalLM`` and ``Qwen3_5MoeForCausalLM``.
 ``layer_types`` picks each decoder layer's token mixer:
 
 - "linear_attention": Gated DeltaNet. The projections and the gated output
-  norm run here (`fnattn.ops.gdn`); the conv, q/k/v split and recurrence run
+  norm run here (`models/gdn_layer.py`); the conv, q/k/v split and recurrence run
   in the backend through `RecurrentInputs`.
 - "full_attention": GQA whose ``q_proj`` yields, per head, the query and a
   sigmoid output gate; q/k RMSNorm over the head dim, rope on the first
@@ -35,9 +35,9 @@ from torch import Tensor
 from fnattn import FullAttentionConfig, FullAttentionInputs, GDNConfig, LayerSpec, StepDeltas
 from fnattn.checks import checked, fail
 from fnattn.inputs import RecurrentInputs
-from fnattn.ops.gdn import GDNWeights, gdn_finish, gdn_project
 
-from .common import SwiGLU, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, softmax_topk
+from .common import SwiGLU, apply_rope, check_tokens, rms_norm, rope_cos_sin, rope_inv_freq, softmax_topk
+from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -433,6 +433,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     cfg, batch = params.config, session.batch
     if tokens.shape[0] != batch.num_tokens:
         fail(f"{cfg.model_type}.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
+    check_tokens(f"{cfg.model_type}.step", tokens, cfg.vocab_size)
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim]
     x = F.embedding(tokens, params.embed)  # [T, D]
     layer_deltas = []

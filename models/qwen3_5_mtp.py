@@ -30,7 +30,7 @@ from fnattn import StepDeltas
 from fnattn.checks import checked
 
 from . import qwen3_5 as q
-from .common import rms_norm, rope_cos_sin
+from .common import check_tokens, rms_norm, rope_cos_sin
 from .mtp import DraftModel, check_step_inputs, draft_weights
 
 MARKER = "mtp.fc.weight"
@@ -95,6 +95,7 @@ def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Te
     """One draft step: ``tokens[i]`` follows the position whose target hidden state is ``hidden[i]``."""
     cfg, batch = params.config, session.batch
     check_step_inputs(f"{cfg.model_type} mtp step", batch, tokens, hidden, cfg.hidden_size)
+    check_tokens(f"{cfg.model_type} mtp step", tokens, cfg.vocab_size)
     eps = cfg.rms_norm_eps
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim]
     e = rms_norm(F.embedding(tokens, params.embed), params.norm_embedding, eps, offset=1.0)  # [T, D]

@@ -16,6 +16,8 @@ from torch import Tensor
 from fnattn import Batch, FullAttentionConfig, FullAttentionInputs, LayerSpec, StepDeltas
 from fnattn.checks import checked, fail
 
+from .common import apply_rope, check_tokens, rms_norm, rope_cos_sin, rope_inv_freq
+
 
 @dataclass(frozen=True)
 class TinyConfig:
@@ -68,20 +70,10 @@ def init_params(cfg: TinyConfig, *, seed: int = 0, device: str | torch.device = 
             "lm_head": w(cfg.vocab_size, h)}
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
-def rope(x: Float[Tensor, "T H D"], positions: Int[Tensor, " T"], theta: float) -> Float[Tensor, "T H D"]:
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = positions.float()[:, None] * inv[None, :]  # [T, D/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+def _rope(cfg: TinyConfig, batch: Batch) -> tuple[Float[Tensor, "T D"], Float[Tensor, "T D"]]:
+    """Rotate-half rope over the whole head, fp32 tables at the batch's positions."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, device=batch.positions.device)
+    return rope_cos_sin(batch.positions, inv_freq)
 
 
 @checked
@@ -97,7 +89,9 @@ def step_hidden(params: dict, session, tokens: Int[Tensor, " T"]):
     batch: Batch = session.batch
     if tokens.shape[0] != batch.num_tokens:
         fail("tiny.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
+    check_tokens("tiny.step", tokens, cfg.vocab_size)
     T, hq, hkv, d = tokens.shape[0], cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = _rope(cfg, batch)  # [T, head_dim]
     x = params["embed"][tokens]  # [T, hidden]
     layer_deltas = []
     for i, p in enumerate(params["layers"]):
@@ -105,7 +99,7 @@ def step_hidden(params: dict, session, tokens: Int[Tensor, " T"]):
         q = rms_norm((h @ p["q"].T).view(T, hq, d), p["q_norm"], cfg.rms_eps)
         k = rms_norm((h @ p["k"].T).view(T, hkv, d), p["k_norm"], cfg.rms_eps)
         v = (h @ p["v"].T).view(T, hkv, d)
-        q, k = rope(q, batch.positions, cfg.rope_theta), rope(k, batch.positions, cfg.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, deltas = session.forward(i, FullAttentionInputs(q=q, k=k, v=v))
         layer_deltas.append(deltas)
         x = x + out.o.reshape(T, hq * d) @ p["o"].T
@@ -140,14 +134,16 @@ def draft_step(params: dict, session, tokens: Int[Tensor, " T"], hidden: Float[T
     cfg: TinyConfig = params["config"]
     target, p = params["target"], params["layer"]
     batch = session.batch
+    check_tokens("tiny.draft_step", tokens, cfg.vocab_size)
     T, hq, hkv, d = tokens.shape[0], cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = _rope(cfg, batch)  # [T, head_dim]
     e = rms_norm(target["embed"][tokens], target["norm"], cfg.rms_eps)
     x = torch.cat([e, rms_norm(hidden, target["norm"], cfg.rms_eps)], dim=-1) @ params["fc"].T
     h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
     q = rms_norm((h @ p["q"].T).view(T, hq, d), p["q_norm"], cfg.rms_eps)
     k = rms_norm((h @ p["k"].T).view(T, hkv, d), p["k_norm"], cfg.rms_eps)
     v = (h @ p["v"].T).view(T, hkv, d)
-    q, k = rope(q, batch.positions, cfg.rope_theta), rope(k, batch.positions, cfg.rope_theta)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out, deltas = session.forward(cfg.num_layers, FullAttentionInputs(q=q, k=k, v=v))
     x = x + out.o.reshape(T, hq * d) @ p["o"].T
     h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)

@@ -6,13 +6,12 @@ GLM-MoE-DSA's full + shared layer pair, and a step-by-step runner over a
 from __future__ import annotations
 
 import torch
+from fnattn.models.dsa_layer import IndexerWeights
+from fnattn.models.mla_layer import MLAWeights
 from transformers import DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
-
-from fnattn.ops.dsa import IndexerWeights
-from fnattn.ops.mla import MLAWeights
 
 H, Dn, Dr, Dv, R, Rq, Dm = 4, 16, 8, 16, 32, 24, 64
 Hi, Di, TOPK = 2, 16, 4

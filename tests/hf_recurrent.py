@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from fnattn.models.gdn_layer import GDNWeights, gdn_finish, gdn_project
+from fnattn.models.kda_layer import KDAWeights, kda_finish, kda_project
 
 import fnattn as fa
 from fnattn.inputs import RecurrentInputs
-from fnattn.ops.gdn import GDNWeights, gdn_finish, gdn_project
-from fnattn.ops.kda import KDAWeights, kda_finish, kda_project
 
 GDN_SIZES = dict(
     hidden_size=64,
