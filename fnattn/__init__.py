@@ -7,54 +7,50 @@ driver applies a step's deltas once, with `State.apply`.
 import os as _os
 
 from .batch import PHASES, Batch
-from .deltas import CursorAdvance, IndexKeyWrite, KVWrite, LatentWrite, RecurrentWrite, StepDeltas
+from .declare import StepMeta, StorageDecl, inputs, kind, kind_info, known_kinds, per_request, per_token, register_kind
+from .deltas import CursorAdvance, Output, StepDeltas, Writes, writes
 from .errors import (
     DoubleApplyError,
     LeaseError,
     NoBackendError,
+    OutsideSessionError,
     PoolExhaustedError,
+    PurityError,
     SessionClosedError,
     StaleDeltasError,
     StaleStateError,
 )
-from .inputs import (
-    AttentionOutput,
-    FullAttentionInputs,
-    MLAInputs,
-    RecurrentInputs,
-    RecurrentOutput,
+from .kinds.delta_rule import GDNConfig, KDAConfig, RecurrentInputs, RecurrentOutput
+from .kinds.dsv4 import DSV4Config
+from .kinds.full import AttentionOutput, FullAttentionConfig, FullAttentionInputs
+from .kinds.mla import MLAConfig, MLAInputs
+from .kinds.sparse_mla import (
+    IndexerConfig,
     SparseAttentionOutput,
+    SparseMLAConfig,
     SparseMLAInputs,
     SparseQueryMetadata,
-    StepMeta,
 )
 from .model_attention import ModelAttention
 from .probe import ProbeReport, probe
 from .registry import Backend, register
 from .session import AttentionSession
-from .spec import (
-    DSV4Config,
-    FullAttentionConfig,
-    GDNConfig,
-    IndexerConfig,
-    KDAConfig,
-    LayerSpec,
-    MLAConfig,
-    SparseMLAConfig,
-)
+from .spec import LayerSpec
 from .state import Checkpoint, State, Views
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "PHASES", "Batch", "CursorAdvance", "IndexKeyWrite", "KVWrite", "LatentWrite", "RecurrentWrite",
-    "StepDeltas", "DoubleApplyError", "LeaseError", "NoBackendError", "PoolExhaustedError",
-    "SessionClosedError", "StaleDeltasError", "StaleStateError", "AttentionOutput", "FullAttentionInputs",
-    "MLAInputs", "RecurrentInputs", "RecurrentOutput", "SparseAttentionOutput", "SparseMLAInputs",
-    "SparseQueryMetadata", "StepMeta", "ModelAttention", "ProbeReport", "probe", "Backend", "register",
-    "AttentionSession",
-    "DSV4Config", "FullAttentionConfig", "GDNConfig", "IndexerConfig", "KDAConfig", "LayerSpec", "MLAConfig",
-    "SparseMLAConfig", "Checkpoint", "State", "Views",
+    "PHASES", "Batch", "CursorAdvance", "Output", "StepDeltas", "Writes", "writes",
+    "DoubleApplyError", "LeaseError", "NoBackendError", "OutsideSessionError", "PoolExhaustedError", "PurityError",
+    "SessionClosedError", "StaleDeltasError", "StaleStateError",
+    "StepMeta", "StorageDecl", "inputs", "kind", "kind_info", "known_kinds", "per_request", "per_token",
+    "register_kind",
+    "GDNConfig", "KDAConfig", "RecurrentInputs", "RecurrentOutput", "DSV4Config", "AttentionOutput",
+    "FullAttentionConfig", "FullAttentionInputs", "MLAConfig", "MLAInputs", "IndexerConfig", "SparseAttentionOutput",
+    "SparseMLAConfig", "SparseMLAInputs", "SparseQueryMetadata",
+    "ModelAttention", "ProbeReport", "probe", "Backend", "register", "AttentionSession", "LayerSpec",
+    "Checkpoint", "State", "Views",
 ]
 
 # In a source checkout that was not installed (a notebook or a GPU box at the repo

@@ -1,8 +1,15 @@
-"""The once-per-step apply: validate every write of a step, then scatter them.
+"""The once-per-step apply: check a whole step, then scatter it.
 
-Validation runs to completion before the first byte is written, so a malformed
-delta leaves the state untouched. Writes to the same pool tensor are gathered
-so a pool costs one scatter for all its layers when their rows line up.
+The apply trusts nothing it is handed. The rows of every write come from the
+batch and the State (each new token's cache slot, the recurrent rows the batch
+hands out), never from the deltas; the step must write every storage-owning
+layer, each with exactly the tensors its kind declared and one row per new
+token (per token) or per recurrent row handed out (per request); the cursor
+must be the one the batch and the acceptance imply. Values are checked for
+shape, dtype, device, layout and aliasing with the storage before the first
+byte is written, and written without autograd, so nothing fails half-way.
+Writes to the same pool tensor are gathered so a pool costs one scatter for
+all its layers when their rows line up.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .checks import CHECKS_ENABLED, fail
-from .deltas import RecurrentWrite, StepDeltas
+from .deltas import StepDeltas, Writes
 from .errors import StaleDeltasError
 
 
@@ -26,93 +33,182 @@ class _Target:
     value: Tensor  # [n, *row]
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def validate_step(state, deltas: StepDeltas) -> list[_Target]:
-    """Check every write and the cursor advance; return the resolved targets."""
-    storage = state._storage
+def _may_sync(t: Tensor) -> bool:
+    """Reading ``t`` back is free on the host; on an accelerator it is a sync, so only with checks on."""
+    return t.device.type == "cpu" or (CHECKS_ENABLED and not capturing())
+
+
+def check_batch(state, batch, where: str) -> None:
+    """The batch's metadata is this State's: its requests, cursors, pages, ring and every row tensor.
+
+    Host numbers are compared always; the device tensors (dtype, shape, and
+    values) against the same derivation `Batch` is built from, where reading
+    them back costs no sync (the CPU, or checks on).
+    """
+    from .batch import PHASES, TENSOR_DTYPES, expected_tensors
+
+    if batch.page_size != state.page_size or batch.ring_size != state.recurrent_ring:
+        fail(where, "batch", f"a batch of this State (page_size {state.page_size}, ring {state.recurrent_ring})",
+             (batch.page_size, batch.ring_size))
+    if batch.phase not in PHASES:
+        fail(where, "batch.phase", f"one of {PHASES}", batch.phase)
+    S = state.page_size
+    reqs = []
+    for b, rid in enumerate(batch.request_ids):
+        req = state._requests.get(rid)
+        if req is None:
+            fail(where, "batch", f"requests admitted in this State (admitted: {sorted(state._requests)})", rid)
+        if (batch.host_cache_lens[b], batch.host_pages[b], batch.host_ring_pos[b]) != (
+                req.length, req.pages, req.ring_pos):
+            fail(where, "batch", f"request {rid}'s cursor, pages and ring position in this State",
+                 (batch.host_cache_lens[b], batch.host_pages[b], batch.host_ring_pos[b]))
+        n = batch.host_new_lens[b]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(req.pages) * S - req.length:
+            fail(where, f"batch.host_new_lens[{b}]", f"an int in 1..{len(req.pages) * S - req.length} "
+                 f"(request {rid}'s reserved room)", n)
+        reqs.append((req, n))
+    if len(set(batch.request_ids)) != len(batch.request_ids) or not reqs:
+        fail(where, "batch.request_ids", "unique admitted request ids", batch.request_ids)
+    values, ring = expected_tensors(state, batch.phase, reqs)
+    if batch.ring != ring:
+        fail(where, "batch.ring", f"{ring} (what this State's ring and the step's tokens give)", batch.ring)
+    for name, want in values.items():
+        got = getattr(batch, name)
+        if not isinstance(got, Tensor) or got.dtype != TENSOR_DTYPES[name] or got.device != state.device:
+            fail(where, f"batch.{name}", f"a {TENSOR_DTYPES[name]} tensor on {state.device}",
+                 (getattr(got, "dtype", type(got).__name__), getattr(got, "device", None)))
+        if _may_sync(got) and got.tolist() != want:
+            fail(where, f"batch.{name}", f"the rows of the batch's requests in this State {want}", got.tolist())
+
+
+def _expected_names(state, layer: int, replay_mode: bool) -> tuple[set, set]:
+    """(names the step's writes must hold, names the replay's must hold) for one layer."""
+    spaces = state.storage_spaces[layer]
+    token = {n for n, s in spaces.items() if s == "token"}
+    request = {n for n, s in spaces.items() if s == "request"}
+    return (token, request) if replay_mode else (token | request, set())
+
+
+def _by_layer(state, writes, step_id: int, where: str) -> dict[int, Writes]:
+    found: dict[int, Writes] = {}
+    for i, w in enumerate(writes):
+        at = f"{where}: writes[{i}]"
+        if w.layer is None or w.step is None:
+            fail(at, "layer", "writes bound to a layer by the session that ran its backend", None)
+        if w.step != step_id:
+            fail(at, "step", f"writes of step {step_id}", w.step)
+        if w.layer not in state.storage_spaces:
+            fail(at, "layer", f"a layer of this State ({sorted(state.storage_spaces)})", w.layer)
+        if w.layer in found:
+            fail(at, "layer", "one Writes per layer", w.layer)
+        found[w.layer] = w
+    return found
+
+
+def validate_step(state, deltas: StepDeltas, *, layers=None) -> list[_Target]:
+    """Check the whole step; ``-> the resolved targets``. ``layers`` limits it to some layers (probe)."""
+    where = "State.apply"
+    batch = deltas.batch
+    check_batch(state, batch, where)
+    counts = deltas.accepted if deltas.accepted is not None else batch.host_new_lens
+    replay_mode = batch.phase == "verify" and batch.recovery == "replay"
+    owners = [layer for layer, spaces in state.storage_spaces.items() if spaces and (layers is None or layer in layers)]
+    recurrent = [layer for layer in owners if "request" in state.storage_spaces[layer].values()]
+    replay = deltas.replay
+    if replay_mode and recurrent and (deltas.accepted is None or replay is None):
+        fail(where, "deltas", "a replay-mode verify step filtered by acceptance with its replay "
+             "(StepDeltas.accept(batch, accepted, replay=...))", "unaccepted verify deltas")
+    if replay is not None:
+        rb = replay.batch
+        if not replay_mode:
+            fail(where, "replay", "None (the verify step's recovery is native)", f"step {rb.step_id}")
+        if rb.state_version != batch.state_version or rb.request_ids != batch.request_ids \
+                or rb.host_new_lens != counts or rb.phase != "verify":
+            fail(where, "replay", f"a replay batch of this state for the accepted counts {counts}",
+                 (rb.phase, rb.request_ids, rb.host_new_lens))
+        check_batch(state, rb, where + " (replay)")
+    expected_cursor = batch.cursor_after(counts, ring_of=replay.batch if replay is not None else None)
+    if deltas.cursor != expected_cursor:
+        fail(f"{where}: cursor", "cursor", f"the advance the batch and acceptance imply, {expected_cursor}",
+             deltas.cursor)
+    main = _by_layer(state, deltas.writes, batch.step_id, where)
+    extra = _by_layer(state, replay.writes, replay.batch.step_id, where + " (replay)") if replay else {}
+    for layer in set(main) | set(extra):
+        if layer not in owners:
+            fail(where, "writes", f"writes only for layers that own storage {owners}", layer)
+    token_rows = batch.token_rows(deltas.accepted)
+    state_rows = batch.state_rows(deltas.accepted)
     targets: list[_Target] = []
-    for i, w in enumerate(deltas.writes):
-        where = f"State.apply: writes[{i}] ({type(w).__name__}, layer {w.layer})"
-        if w.layer not in storage.layer_pools:
-            fail(where, "layer", f"a layer of this State ({sorted(storage.layer_pools)})", w.layer)
-        index = w.index
-        if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
-            fail(where, "slots", "a 1-D int32/int64 tensor", (tuple(index.shape), index.dtype))
-        found = 0
-        if isinstance(w, RecurrentWrite) and w.ring_step is not None and w.ring_step != storage.ring_owner:
-            if w.in_place:  # its rows were handed to a later batch, which may have overwritten them
-                raise StaleDeltasError(f"{where}: its states were written in place into the spare ring rows of "
-                                       f"step {w.ring_step}; step {storage.ring_owner} has been handed those "
-                                       "rows since (build a batch only for the step you apply)")
-        for tname, field in w.targets:
-            pool = next((storage.pools[p] for p in storage.layer_pools[w.layer]
-                         if tname in storage.pools[p].tensors), None)
-            if pool is None:
+    for layer in owners:
+        want_main, want_replay = _expected_names(state, layer, replay_mode)
+        for writes, want, wb, rows in ((main, want_main, batch, state_rows),
+                                       (extra, want_replay, replay.batch if replay else None,
+                                        replay.batch.state_rows() if replay else None)):
+            if not want:
                 continue
-            found += 1
-            if pool.index_space != w.index_space:
-                fail(where, "slots", f"{pool.index_space}-indexed rows", w.index_space)
-            live = pool.tensors[tname]
-            row = live.shape[3:] if pool.index_space == "token" else live.shape[2:]
-            rows = live.shape[1] * live.shape[2] if pool.index_space == "token" else live.shape[1]
-            value = getattr(w, field)
-            if value is None:
-                if w.ring_step is None:
-                    fail(where, field, "a tensor (in-place states need the batch's spare ring rows)", None)
-                continue  # already in place: nothing to write
-            if tuple(value.shape) != (index.shape[0], *row):
-                fail(where, field, f"shape {(index.shape[0], *row)}", tuple(value.shape))
-            if value.dtype != live.dtype:
-                fail(where, field, f"dtype {live.dtype} (no silent casts)", value.dtype)
-            if value.device != live.device or index.device != live.device:
-                fail(where, field, f"tensors on {live.device}", (value.device, index.device))
-            # A range check reads the index back to the host; on an accelerator
-            # that is a sync, so it only runs with checks on.
-            if index.numel() and (index.device.type == "cpu" or (CHECKS_ENABLED and not _capturing())):
-                hi = int(index.max())
-                if hi >= rows:
-                    fail(where, "slots", f"indices below {rows}", hi)
-            targets.append(_Target(pool.name, tname, pool.position(w.layer), index, value))
-        if found != len(w.targets):
-            fail(where, "layer", f"a layer that owns {[t for t, _ in w.targets]} storage", state.spec(w.layer).kind)
-    if deltas.cursor is not None:
-        c = deltas.cursor
-        if c.ring is not None:
-            _check_ring(state, deltas)
-        elif any(isinstance(w, RecurrentWrite) and w.ring_step is not None for w in deltas.writes):
-            fail("State.apply: cursor", "ring", "the ring positions the step's recurrent writes moved to "
-                 "(Batch.cursor_advance / StepDeltas.accept)", None)
-        for rid, n in zip(c.request_ids, c.counts):
-            if rid not in state._requests:
-                fail("State.apply: cursor", "request_ids", "admitted requests", rid)
-            req = state._requests[rid]
-            room = len(req.pages) * state.page_size
-            if req.length + n > room and any(p.index_space == "token" for p in storage.pools.values()):
-                fail("State.apply: cursor", f"counts[{rid}]",
-                     f"<= {room - req.length} (reserved room of request {rid})", n)
+            w = writes.get(layer)
+            if w is None:
+                fail(where, "writes", f"a Writes for every layer that owns storage (layer {layer} writes "
+                     f"{sorted(want)})", sorted(writes))
+            if set(w.values) != want:
+                fail(f"{where}: layer {layer}", "values", f"exactly the tensors {sorted(want)}", sorted(w.values))
+            for name in sorted(want):
+                targets += _target(state, layer, name, w, wb, token_rows if wb is batch else None, rows)
     return targets
 
 
-def _check_ring(state, deltas: StepDeltas) -> None:
-    """A ring move must land on rows the step wrote: every recurrent layer, in range."""
-    c = deltas.cursor
-    for rid, pos in zip(c.request_ids, c.ring):
-        if not pos < state.recurrent_ring:
-            fail("State.apply: cursor", f"ring[{rid}]", f"a ring position below {state.recurrent_ring}", pos)
-    written = {w.layer for w in deltas.writes if isinstance(w, RecurrentWrite) and w.ring_step is not None}
-    recurrent = {layer for layer, names in state._storage.layer_pools.items()
-                 if any(state._storage.pools[n].index_space == "request" for n in names)}
-    if written != recurrent:
-        fail("State.apply: cursor", "ring",
-             f"recurrent writes into the ring for every recurrent layer {sorted(recurrent)} "
-             "(a moved ring position would otherwise point at a row nothing wrote)", sorted(written))
+def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_rows) -> list[_Target]:
+    storage = state._storage
+    where = f"State.apply: layer {layer}"
+    pool = next(storage.pools[p] for p in storage.layer_pools[layer] if name in storage.pools[p].tensors)
+    live = pool.tensors[name]
+    space = pool.index_space
+    value = w.values[name]
+    if space == "token":
+        index, rows = token_rows, batch.num_tokens
+        row = live.shape[3:]
+    else:
+        index, rows = state_rows, batch.recurrent_write_rows.shape[0]
+        row = live.shape[2:]
+    if value is None:
+        if space != "request" or not batch.ring:
+            fail(where, name, "a tensor (only per-request states of a ring batch may be written in place)", None)
+        if storage.ring_lent != (batch.state_version, w.session):
+            raise StaleDeltasError(f"{where}: `{name}` was written in place into the spare ring rows of step "
+                                   f"{batch.step_id}, which were handed to another session since (open one "
+                                   "session per batch and apply it before the next)")
+        return []
+    if not isinstance(value, Tensor) or value.layout != torch.strided:
+        fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
+    if tuple(value.shape) != (rows, *row):
+        fail(where, name, f"shape {(rows, *row)}", tuple(value.shape))
+    if value.dtype != live.dtype:
+        fail(where, name, f"dtype {live.dtype} (no silent casts)", value.dtype)
+    if value.device != live.device:
+        fail(where, name, f"a tensor on {live.device}", value.device)
+    if value.numel() and any(_overlaps(value, t) for p in storage.pools.values() for t in p.tensors.values()):
+        fail(where, name, "a tensor that does not share memory with the State's storage (clone it)",
+             "memory of the storage")
+    return [_Target(pool.name, name, pool.position(layer), index, value.detach())]
+
+
+def _overlaps(value: Tensor, live: Tensor) -> bool:
+    """Whether the memory behind ``value`` overlaps the storage tensor ``live`` (views, .data, from_numpy)."""
+    try:
+        v, t = value.untyped_storage(), live.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage cannot overlap it
+        return False
+    if value.device != live.device:
+        return False
+    return v.data_ptr() < t.data_ptr() + t.nbytes() and t.data_ptr() < v.data_ptr() + v.nbytes()
 
 
 def write_step(pools, targets: list[_Target]) -> None:
-    """Scatter every target into its pool tensor (in place).
+    """Scatter every target into its pool tensor (in place), outside autograd.
 
     On a GPU, when every layer of a pool writes the same rows (the usual case:
     all layers see the same tokens), the pool tensor gets one scatter launch for
@@ -121,25 +217,26 @@ def write_step(pools, targets: list[_Target]) -> None:
     groups: dict[tuple[str, str], list[_Target]] = {}
     for t in targets:
         groups.setdefault((t.pool, t.tensor), []).append(t)
-    fused = _fused_kv(pools, groups)
-    for (pool, tensor), ts in groups.items():
-        if (pool, tensor) in fused:
-            continue
-        live = pools[pool].tensors[tensor]
-        row = ts[0].value.shape[1:]
-        if live.is_cuda and _whole_pool(ts, live.shape[0]):
-            from .kernels import scatter_rows
+    with torch.no_grad():
+        fused = _fused_kv(pools, groups)
+        for (pool, tensor), ts in groups.items():
+            if (pool, tensor) in fused:
+                continue
+            live = pools[pool].tensors[tensor]
+            row = ts[0].value.shape[1:]
+            if live.is_cuda and _whole_pool(ts, live.shape[0]):
+                from .kernels import scatter_rows
 
-            scatter_rows(live.view(live.shape[0], -1, *row), ts[0].index, _stacked(ts))
-            continue
-        for t in ts:
-            flat = live[t.layer_pos].view(-1, *row)
-            keep = t.index >= 0
-            index = t.index.long()
-            if keep.all():
-                flat.index_copy_(0, index, t.value)
-            else:
-                flat.index_copy_(0, index[keep], t.value[keep])
+                scatter_rows(live.view(live.shape[0], -1, *row), ts[0].index, _stacked(ts))
+                continue
+            for t in ts:
+                flat = live[t.layer_pos].view(-1, *row)
+                keep = t.index >= 0
+                index = t.index.long()
+                if keep.all():
+                    flat.index_copy_(0, index, t.value)
+                else:
+                    flat.index_copy_(0, index[keep], t.value[keep])
 
 
 def _stacked(ts: list[_Target]):

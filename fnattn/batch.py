@@ -62,23 +62,51 @@ class Batch:
     def has_prefix(self) -> bool:
         return any(self.host_cache_lens)
 
-    def cursor_advance(self) -> CursorAdvance:
-        """Every new token of every request; verify steps are filtered by acceptance first."""
-        ring = None if self.recovery == "replay" else self.ring_after(self.host_new_lens)
-        return CursorAdvance(self.request_ids, self.host_new_lens, ring=ring)
+    # ------------------------------------------------------------- the write plan
+    # One place for the arithmetic of where a step's rows go and where the ring
+    # moves: the apply, `StepDeltas.collect/accept` and the speculative driver
+    # all read it from here.
 
-    def ring_after(self, counts, *, ring: bool | None = None) -> tuple[int, ...] | None:
+    def ring_after(self, counts) -> tuple[int, ...] | None:
         """Ring positions holding each request's state after ``counts[b]`` tokens; None: no ring move.
 
         Prefill and decode write one state per request (the next ring row);
-        verify and replay write one per token, token i of a request into the
-        ring row i + 1 after its current one. ``ring`` overrides whether the
-        writes went into the ring (a replay's do when its verify's did not fit).
+        verify writes one per token, token i of a request into the ring row
+        i + 1 after its current one.
         """
-        if not (self.ring if ring is None else ring):
+        if not self.ring:
             return None
         steps = counts if self.phase == "verify" else (1,) * self.num_requests
         return tuple((p + n) % self.ring_size for p, n in zip(self.host_ring_pos, steps))
+
+    def cursor_after(self, counts, *, ring_of: Batch | None = None) -> CursorAdvance:
+        """The cursor advance of ``counts`` new tokens per request; ``ring_of``: the batch whose
+        recurrent writes the step applies (a replay batch's, for recovery "replay")."""
+        writer = self if ring_of is None else ring_of
+        ring = None if (writer is self and self.recovery == "replay") else writer.ring_after(tuple(counts))
+        return CursorAdvance(self.request_ids, tuple(counts), ring=ring)
+
+    def token_rows(self, accepted: tuple[int, ...] | None = None) -> Tensor:
+        """``[T]`` flat cache slot of each new token; -1 (not written) for rejected tokens."""
+        if accepted is None or tuple(accepted) == self.host_new_lens:
+            return self.slot_mapping
+        keep = [i < n for n, m in zip(accepted, self.host_new_lens) for i in range(m)]
+        keep_t = torch.tensor(keep, dtype=torch.bool, device=self.slot_mapping.device)
+        return torch.where(keep_t, self.slot_mapping, torch.full_like(self.slot_mapping, -1))
+
+    def state_rows(self, accepted: tuple[int, ...] | None = None) -> Tensor:
+        """``[R]`` recurrent storage row of each new state (R = B, or T for verify); -1: not written.
+
+        With a ring every row is a spare one (rows of rejected tokens are
+        written but never pointed at); without one only the state after each
+        request's last accepted token goes to its current row.
+        """
+        if self.phase != "verify" or self.ring or accepted is None or tuple(accepted) == self.host_new_lens:
+            return self.recurrent_write_rows
+        cu = self.host_cu_seqlens
+        last = [cu[b] + n - 1 for b, n in enumerate(accepted)]
+        rows = torch.full((self.num_tokens,), -1, dtype=torch.long, device=self.recurrent_write_rows.device)
+        return rows.index_copy(0, torch.tensor(last, dtype=torch.long, device=rows.device), self.recurrent_slots)
 
     # --------------------------------------------------------------- builders
     @staticmethod
@@ -91,7 +119,7 @@ class Batch:
     @staticmethod
     def decode(state, request_ids: Iterable[int]) -> "Batch":
         """One new token per request."""
-        ids = tuple(request_ids)
+        ids = _ids("Batch.decode", request_ids)
         if not ids:
             fail("Batch.decode", "request_ids", "at least one request", ids)
         return _build(state, "decode", {r: 1 for r in ids}, num_draft=0, ids=ids)
@@ -105,7 +133,7 @@ class Batch:
         return only their per-token inputs; the accepted tokens are replayed
         afterwards with `Batch.replay`.
         """
-        ids = tuple(request_ids)
+        ids = _ids("Batch.verify", request_ids)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Batch.verify", "num_draft", "an int >= 1", num_draft)
         if recovery not in RECOVERY:
@@ -128,9 +156,22 @@ class Batch:
         return _build(state, "verify", dict(counts), num_draft=max(counts.values()) - 1, recovery="native")
 
 
+def _ids(where: str, request_ids) -> tuple:
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+        fail(where, "request_ids", "an iterable of int request ids", request_ids)
+    return tuple(request_ids)
+
+
 def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None,
            recovery: str = "native") -> Batch:
     where = f"Batch.{phase}"
+    from .state import State
+
+    if not isinstance(state, State):
+        fail(where, "state", "a State", type(state).__name__)
+    for rid in counts if ids is None else ids:
+        if isinstance(rid, bool) or not isinstance(rid, int):
+            fail(where, "request_ids", "int request ids", rid)
     if ids is not None and len(set(ids)) != len(ids):
         fail(where, "request_ids", "unique ids", ids)
     reqs = []
@@ -145,50 +186,59 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
             fail(where, f"counts[{rid}]",
                  f"<= {room - req.length}: reserve room first with state.reserve({{{rid}: {n}}})", n)
         reqs.append((req, n))
-    S = state.page_size
-    device = state.device
+    values, ring = expected_tensors(state, phase, reqs)
     new_lens = tuple(n for _, n in reqs)
-    cache_lens = tuple(r.length for r, _ in reqs)
-    max_pages = max(1, max(len(r.pages) for r, _ in reqs))
-    table = [list(r.pages) + [0] * (max_pages - len(r.pages)) for r, _ in reqs]
-    positions, slots = [], []
-    for r, n in reqs:
-        for p in range(r.length, r.length + n):
-            positions.append(p)
-            slots.append(r.pages[p // S] * S + p % S)
-    cu = list(itertools.accumulate(new_lens, initial=0))
-    ring_pos = tuple(r.ring_pos for r, _ in reqs)
-    rows, write_rows, ring = _recurrent_rows(state, phase, reqs)
-
-    def t(x, dtype):
-        return torch.tensor(x, dtype=dtype, device=device)
+    device = state.device
 
     batch = Batch(
         phase=phase,
         request_ids=tuple(r.id for r, _ in reqs),
-        cu_seqlens=t(cu, torch.int32),
-        cache_lens=t(cache_lens, torch.int32),
-        positions=t(positions, torch.int64),
-        block_table=t(table, torch.int32),
-        slot_mapping=t(slots, torch.int64),
-        recurrent_slots=t(rows, torch.int64),
-        recurrent_write_rows=t(write_rows, torch.int64),
-        page_size=S,
+        **{name: torch.tensor(v, dtype=TENSOR_DTYPES[name], device=device) for name, v in values.items()},
+        page_size=state.page_size,
         num_draft=num_draft,
         recovery=recovery,
         state_version=state.version,
         step_id=next(_steps),
         host_new_lens=new_lens,
-        host_cache_lens=cache_lens,
+        host_cache_lens=tuple(r.length for r, _ in reqs),
         host_pages=tuple(r.pages for r, _ in reqs),
-        host_ring_pos=ring_pos,
+        host_ring_pos=tuple(r.ring_pos for r, _ in reqs),
         ring=ring,
         ring_size=state.recurrent_ring,
     )
-    if ring:
-        # This batch now owns the spare ring rows: in-place writes of an older batch are void.
-        state._storage.ring_owner = batch.step_id
     return batch
+
+
+#: The dtype of each device tensor of a batch.
+TENSOR_DTYPES = {"cu_seqlens": torch.int32, "cache_lens": torch.int32, "positions": torch.int64,
+                 "block_table": torch.int32, "slot_mapping": torch.int64, "recurrent_slots": torch.int64,
+                 "recurrent_write_rows": torch.int64}
+
+
+def expected_tensors(state, phase: str, reqs) -> tuple[dict[str, list], int]:
+    """The host values of every device tensor of a batch of ``reqs`` [(Request, new tokens)], and its ring.
+
+    The one derivation of a step's rows from the State's bookkeeping: batches
+    are built from it and the apply checks a batch against it.
+    """
+    S = state.page_size
+    max_pages = max(1, max(len(r.pages) for r, _ in reqs))
+    positions, slots = [], []
+    for r, n in reqs:
+        for p in range(r.length, r.length + n):
+            positions.append(p)
+            slots.append(r.pages[p // S] * S + p % S)
+    rows, write_rows, ring = _recurrent_rows(state, phase, reqs)
+    values = {
+        "cu_seqlens": list(itertools.accumulate((n for _, n in reqs), initial=0)),
+        "cache_lens": [r.length for r, _ in reqs],
+        "positions": positions,
+        "block_table": [list(r.pages) + [0] * (max_pages - len(r.pages)) for r, _ in reqs],
+        "slot_mapping": slots,
+        "recurrent_slots": rows,
+        "recurrent_write_rows": write_rows,
+    }
+    return values, ring
 
 
 def _recurrent_rows(state, phase: str, reqs) -> tuple[list[int], list[int], int]:

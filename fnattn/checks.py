@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -63,9 +63,44 @@ def checked(fn: F) -> F:
             return fn(*args, **kwargs)
         return wrapped(*args, **kwargs)
 
+    run.__fnattn_checked__ = True
     return run  # type: ignore[return-value]
 
 
 def fail(owner: str, name: str, expected: str, actual: object) -> None:
     """Raise the one error format used for bad arguments and fields."""
     raise ValueError(f"{owner}: `{name}` must be {expected}, got {actual!r}")
+
+
+def check_tensor(where: str, name: str, t, shape: tuple, dtype: torch.dtype, device) -> None:
+    """``t`` is a dense tensor of exactly ``shape``, ``dtype`` and ``device`` (the error names it)."""
+    if not isinstance(t, torch.Tensor):
+        fail(where, name, "a torch.Tensor", type(t).__name__)
+    if t.layout != torch.strided:
+        fail(where, name, "a dense (strided) tensor", t.layout)
+    if tuple(t.shape) != tuple(shape):
+        fail(where, name, f"shape {tuple(shape)}", tuple(t.shape))
+    if t.dtype != dtype:
+        fail(where, name, f"dtype {dtype}", t.dtype)
+    if t.device != device:
+        fail(where, name, f"a tensor on {device}", t.device)
+
+
+def _fmt_shape(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def expect_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None]) -> None:
+    """Raise ``ValueError`` unless ``tensor.shape`` matches ``expected``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor of shape {_fmt_shape(expected)}, got {type(tensor).__name__}")
+    actual = tuple(tensor.shape)
+    ok = len(actual) == len(expected) and all(e is None or a == e for a, e in zip(actual, expected))
+    if not ok:
+        raise ValueError(f"{name}: expected shape {_fmt_shape(expected)}, got {_fmt_shape(actual)}")
+
+
+def expect_float(name: str, tensor: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``tensor`` has a floating point dtype."""
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name}: expected a floating point tensor, got dtype {tensor.dtype}")

@@ -1,139 +1,83 @@
 """Deltas: explicit values for every state change a step wants.
 
-Backends never write live storage; they return deltas (a `RecurrentWrite` with
-``state=None`` says its states already sit in spare ring rows no request reads). The driver gathers a step's
-deltas into one `StepDeltas` and hands it to `State.apply`, which validates all
-of them before writing any byte, then applies each exactly once.
+A backend returns its outputs and one `Writes` value: the new rows of each
+storage tensor its layer owns, by the tensor's name (``fnattn.writes(k=...,
+v=...)``). A write carries no index: which rows it goes to is the batch's and
+the State's business (every new token's cache slot; the recurrent rows the
+batch hands out), so a step cannot write a row it does not own. ``None`` for a
+per-request tensor says the backend already put its new rows into the spare
+ring rows the batch handed out (see `State`).
 
-Every write delta addresses rows of one layer's storage through an index
-tensor: token-addressed writes (K/V, latents, index keys) use flat cache slots
-``page * page_size + offset``; request-addressed writes (recurrent and conv
-state) use recurrent slot ids. A negative index means "skip this row" (padding,
-or a token that was rejected during verification).
+The session binds each layer's `Writes` to the layer and the step; the driver
+gathers them into one `StepDeltas` and hands it to `State.apply`, which checks
+the whole step before it writes a byte (`fnattn.apply`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
 
 import optree
-import torch
-from jaxtyping import Float, Int
 from torch import Tensor
 
 from .checks import fail
+from .declare import tensor_pytree
 
 
-def _tensor_pytree(cls):
-    """Tensors are children, everything else is static aux data."""
-    fields = dataclasses.fields(cls)
-    tensors = tuple(f.name for f in fields if f.metadata.get("tensor"))
-    static = tuple(f.name for f in fields if not f.metadata.get("tensor"))
+@tensor_pytree
+@dataclass(frozen=True)
+class Output:
+    """What most backends return: the attention output and, where asked, its LSE."""
 
-    def flatten(obj):
-        return (
-            tuple(getattr(obj, n) for n in tensors),
-            tuple(getattr(obj, n) for n in static),
-            tensors,
-        )
-
-    def unflatten(aux, children):
-        return cls(**dict(zip(static, aux)), **dict(zip(tensors, children)))
-
-    optree.register_pytree_node(cls, flatten, unflatten, namespace="fnattn")
-    return cls
-
-
-def _t():
-    return dataclasses.field(metadata={"tensor": True})
+    o: Tensor  # [T, H, Dv] in the layer dtype
+    lse: Tensor | None = None  # [T, H] fp32 natural-log LSE
+    replay: Any = None  # verify: the step's inputs, to replay accepted tokens
 
 
 @dataclass(frozen=True)
-class _Write:
-    """Base of every storage write. Subclasses name their (storage, field) pairs."""
+class Writes:
+    """New rows for the storage of one layer, by storage name; the batch says which rows.
 
-    #: (name of the storage tensor in the layer's pool, name of the value field)
-    targets: ClassVar[tuple[tuple[str, str], ...]] = ()
-    #: "token": index is a flat cache slot; "request": index is a recurrent slot
-    index_space: ClassVar[str] = "token"
-
-    def rows(self) -> int:
-        return self.index.shape[0]
-
-    @property
-    def index(self) -> Tensor:
-        return self.slots
-
-
-@_tensor_pytree
-@dataclass(frozen=True)
-class KVWrite(_Write):
-    """New K/V rows of a full-attention layer."""
-
-    targets: ClassVar = (("k", "k"), ("v", "v"))
-    layer: int
-    slots: Int[Tensor, " T"] = _t()  # [T] flat cache slot per token, < 0 skipped
-    k: Float[Tensor, "T Hkv D"] = _t()  # [T, Hkv, D]
-    v: Float[Tensor, "T Hkv Dv"] = _t()  # [T, Hkv, Dv]
-
-
-@_tensor_pytree
-@dataclass(frozen=True)
-class LatentWrite(_Write):
-    """New MLA cache rows: latent then rope key, ``[T, R + Dr]``."""
-
-    targets: ClassVar = (("latent", "latent"),)
-    layer: int
-    slots: Int[Tensor, " T"] = _t()  # [T] flat cache slot per token
-    latent: Float[Tensor, "T RDr"] = _t()  # [T, R + Dr]
-
-
-@_tensor_pytree
-@dataclass(frozen=True)
-class IndexKeyWrite(_Write):
-    """New DSA indexer keys of a sparse layer."""
-
-    targets: ClassVar = (("index_k", "keys"),)
-    layer: int
-    slots: Int[Tensor, " T"] = _t()  # [T] flat cache slot per token
-    keys: Float[Tensor, "T Di"] = _t()  # [T, Di]
-
-
-@_tensor_pytree
-@dataclass(frozen=True)
-class RecurrentWrite(_Write):
-    """New recurrent and conv-window state of a GDN/KDA layer.
-
-    One row per request (prefill, decode), or one row per token (verify: the
-    state after every draft position). Rows go to `Batch.recurrent_write_rows`:
-    spare ring rows when the batch has a ring (the apply then moves each
-    request's ring position, see `State`), else the current rows, where all
-    verify rows but each request's last accepted one are marked -1 (see
-    `StepDeltas.accept`).
-
-    ``state=None``: the backend already wrote the states into the spare ring
-    rows ``slots`` while the step ran (fresh storage handed out by `State`,
-    never a live row), so the apply copies nothing; ``ring_step`` names the
-    batch that was handed those rows.
+    ``layer``, ``step`` and ``session`` are filled by the session that ran the
+    backend; a backend leaves them unset.
     """
 
-    targets: ClassVar = (("ssm", "state"), ("conv", "conv"))
-    index_space: ClassVar = "request"
-    layer: int
-    slots: Int[Tensor, " R"] = _t()  # [R] recurrent storage row per state (R = B or T), < 0 skipped
-    state: Float[Tensor, "R H K V"] | None = _t()  # [R, H, K, V]; None: written in place
-    conv: Float[Tensor, "R C W1"] = _t()  # [R, C, W - 1]
-    ring_step: int | None = None  # the batch whose spare ring rows `slots` are; None: current rows
+    values: Mapping[str, Tensor | None]  # name -> [rows, *row shape]; None: already in the spare ring rows
+    layer: int | None = None
+    step: int | None = None  # the Batch the rows belong to
+    session: int | None = field(default=None, repr=False)  # the session that ran the backend
 
-    @property
-    def in_place(self) -> bool:
-        return self.state is None
+    def __post_init__(self):
+        if not isinstance(self.values, Mapping):
+            fail("Writes", "values", "a mapping storage name -> tensor or None", type(self.values).__name__)
+        for name, v in self.values.items():
+            if not isinstance(name, str):
+                fail("Writes", "values", "storage names as keys", name)
+            if v is not None and not isinstance(v, Tensor):
+                fail("Writes", f"values[{name!r}]", "a torch.Tensor or None", type(v).__name__)
+        object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
+
+    def __getitem__(self, name: str) -> Tensor | None:
+        return self.values[name]
+
+    def bound(self, *, layer: int, step: int, session: int) -> "Writes":
+        return replace(self, layer=layer, step=step, session=session)
 
 
-WRITE_TYPES = (KVWrite, LatentWrite, IndexKeyWrite, RecurrentWrite)
+def writes(**values: Tensor | None) -> Writes:
+    """The new rows of one layer's storage: ``writes(k=k, v=v)``, ``writes(state=s)``."""
+    return Writes(values)
+
+
+optree.register_pytree_node(
+    Writes,
+    lambda w: (tuple(w.values.values()), (tuple(w.values), w.layer, w.step, w.session), None),
+    lambda aux, ch: Writes(dict(zip(aux[0], ch)), layer=aux[1], step=aux[2], session=aux[3]),
+    namespace="fnattn",
+)
 
 
 @dataclass(frozen=True)
@@ -172,71 +116,96 @@ optree.register_pytree_node(
 
 @dataclass(frozen=True)
 class StepDeltas:
-    """All state changes of one step; applied exactly once, all or nothing."""
+    """All state changes of one step; applied exactly once, all or nothing.
 
-    step_id: int  # the Batch this step ran
-    state_version: int  # the State version the step read
-    writes: tuple  # tuple of KVWrite | LatentWrite | IndexKeyWrite | RecurrentWrite
-    cursor: CursorAdvance | None = None
+    ``accepted`` (verify only) keeps the first ``accepted[r]`` new tokens of
+    each request; ``replay`` holds the recurrent writes of the replay batch
+    that re-ran them (recovery ``"replay"``). ``cursor`` is what the step
+    moves; the apply checks it against the batch and the acceptance.
+    """
+
+    batch: Any  # the Batch this step ran
+    writes: tuple[Writes, ...]
+    cursor: CursorAdvance
+    accepted: tuple[int, ...] | None = None  # [B] accepted new tokens per request (verify)
+    replay: StepDeltas | None = None  # recurrent writes of the replay batch (verify, recovery "replay")
 
     def __post_init__(self):
+        from .batch import Batch
+
+        if not isinstance(self.batch, Batch):
+            fail("StepDeltas", "batch", "the Batch of the step", type(self.batch).__name__)
+        if isinstance(self.writes, (Tensor, str, Mapping)) or not isinstance(self.writes, Iterable):
+            fail("StepDeltas", "writes", "a tuple of Writes", type(self.writes).__name__)
         object.__setattr__(self, "writes", tuple(self.writes))
         for i, w in enumerate(self.writes):
-            if not isinstance(w, WRITE_TYPES):
-                fail("StepDeltas", f"writes[{i}]", "a write delta (KVWrite, ...)", type(w).__name__)
-        if self.cursor is not None and not isinstance(self.cursor, CursorAdvance):
-            fail("StepDeltas", "cursor", "a CursorAdvance or None", type(self.cursor).__name__)
+            if not isinstance(w, Writes):
+                fail("StepDeltas", f"writes[{i}]", "a Writes value (what a session's forward returns)",
+                     type(w).__name__)
+        if not isinstance(self.cursor, CursorAdvance):
+            fail("StepDeltas", "cursor", "a CursorAdvance", type(self.cursor).__name__)
+        if self.replay is not None and not isinstance(self.replay, StepDeltas):
+            fail("StepDeltas", "replay", "the StepDeltas of a replay batch or None", type(self.replay).__name__)
+
+    @property
+    def step_id(self) -> int:
+        return self.batch.step_id
+
+    @property
+    def state_version(self) -> int:
+        return self.batch.state_version
 
     @staticmethod
-    def collect(batch, layer_deltas, *, advance: bool = True) -> "StepDeltas":
-        """Gather per-layer delta tuples of a step and the batch's cursor advance."""
-        writes = [w for group in layer_deltas for w in group]
-        cursor = batch.cursor_advance() if advance else None
-        return StepDeltas(step_id=batch.step_id, state_version=batch.state_version, writes=tuple(writes), cursor=cursor)
+    def collect(batch, layer_writes: Iterable) -> StepDeltas:
+        """Gather the `Writes` each layer's forward returned (None for a layer without any)."""
+        found = []
+        for w in layer_writes:
+            if w is None:
+                continue
+            if isinstance(w, (tuple, list)):  # a model that kept several layers' writes together
+                found += [x for x in w if x is not None]
+            else:
+                found.append(w)
+        counts = batch.host_new_lens
+        return StepDeltas(batch=batch, writes=tuple(found), cursor=batch.cursor_after(counts))
 
-    def accept(self, batch, accepted: Mapping[int, int]) -> "StepDeltas":
+    def accept(self, batch, accepted: Mapping[int, int], *, replay: StepDeltas | None = None) -> StepDeltas:
         """Keep the first ``accepted[r]`` new tokens of each request of a verify step.
 
-        Token-addressed writes of rejected tokens get slot -1 (skipped by apply);
-        per-token recurrent states keep only the row of the last accepted token
-        (with a ring, every row is a spare one and the ring position moves to
-        the last accepted token's row instead); the cursor advances by the
-        accepted counts. Nothing else changes.
+        Rows of rejected tokens are never written; recurrent layers keep the
+        state after the last accepted token (``recovery="native"``), or take
+        the states of ``replay``, the deltas of the replay batch that re-ran
+        the accepted tokens (``recovery="replay"``). The cursor advances by
+        the accepted counts.
         """
-        if batch.step_id != self.step_id:
+        if batch is not self.batch and batch.step_id != self.batch.step_id:
             fail("StepDeltas.accept", "batch", f"the batch of step {self.step_id}", f"step {batch.step_id}")
-        if set(accepted) != set(batch.request_ids):
-            fail("StepDeltas.accept", "accepted", f"a count for each of requests {batch.request_ids}", dict(accepted))
-        cu = batch.host_cu_seqlens
-        keep, last = [], []
-        for b, (rid, n_new) in enumerate(zip(batch.request_ids, batch.host_new_lens)):
+        if self.accepted is not None:
+            fail("StepDeltas.accept", "deltas", "deltas not yet filtered by acceptance", self.accepted)
+        if batch.phase != "verify":
+            fail("StepDeltas.accept", "batch", "a verify batch", batch.phase)
+        if not isinstance(accepted, Mapping) or set(accepted) != set(batch.request_ids):
+            fail("StepDeltas.accept", "accepted", f"a count for each of requests {batch.request_ids}",
+                 dict(accepted) if isinstance(accepted, Mapping) else accepted)
+        counts = []
+        for rid, n_new in zip(batch.request_ids, batch.host_new_lens):
             n = accepted[rid]
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= n_new:
                 fail("StepDeltas.accept", f"accepted[{rid}]", f"an int in 1..{n_new}", n)
-            keep += [i < n for i in range(n_new)]
-            last.append(cu[b] + n - 1)
-        device = batch.slot_mapping.device
-        keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
-        last_t = torch.tensor(last, dtype=torch.long, device=device)
-        writes = []
-        for w in self.writes:
-            if w.index_space == "token":
-                w = dataclasses.replace(w, slots=torch.where(keep_t, w.slots, torch.full_like(w.slots, -1)))
-            elif w.rows() == len(keep) and w.ring_step is None:  # one state per token: keep the last accepted
-                index = torch.full((len(keep),), -1, dtype=torch.long, device=device)
-                w = dataclasses.replace(w, slots=index.index_copy(0, last_t, batch.recurrent_slots.long()))
-            writes.append(w)
-        counts = tuple(accepted[r] for r in batch.request_ids)
-        ring = None if batch.recovery == "replay" else batch.ring_after(counts)
-        cursor = CursorAdvance(batch.request_ids, counts, ring=ring)
-        return StepDeltas(step_id=self.step_id, state_version=self.state_version, writes=tuple(writes), cursor=cursor)
-
+            counts.append(n)
+        counts = tuple(counts)
+        if (batch.recovery == "replay") != (replay is not None):
+            fail("StepDeltas.accept", "replay",
+                 "the replay batch's deltas" if batch.recovery == "replay" else "None (recovery is native)",
+                 type(replay).__name__)
+        writer = replay.batch if replay is not None else batch
+        cursor = batch.cursor_after(counts, ring_of=writer)
+        return replace(self, accepted=counts, replay=replay, cursor=cursor)
 
 
 optree.register_pytree_node(
     StepDeltas,
-    lambda d: ((d.writes,), (d.step_id, d.state_version, d.cursor), None),
-    lambda aux, ch: StepDeltas(step_id=aux[0], state_version=aux[1], writes=ch[0], cursor=aux[2]),
+    lambda d: ((d.writes, d.replay), (d.batch, d.cursor, d.accepted), None),
+    lambda aux, ch: StepDeltas(batch=aux[0], writes=ch[0], cursor=aux[1], accepted=aux[2], replay=ch[1]),
     namespace="fnattn",
 )
-

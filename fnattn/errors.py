@@ -28,3 +28,11 @@ class LeaseError(RuntimeError):
 
 class NoBackendError(LookupError):
     """No registered backend accepts a (layer, phase)."""
+
+
+class OutsideSessionError(RuntimeError):
+    """A registered backend was called directly instead of through a session."""
+
+
+class PurityError(RuntimeError):
+    """A backend wrote into a view of the storage it was handed (checked with FNATTN_CHECKS=1)."""

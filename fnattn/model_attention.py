@@ -8,11 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from .batch import PHASES
+from .checks import fail
 from .errors import NoBackendError
-from .registry import Backend, all_backends
+from .registry import Backend, all_backends, backend_names
 from .spec import LayerSpec
 from .workspace import Workspace
 
+#: How the built-in backends rank when ``prefer`` is not given; backends a user
+#: registered come first (newest first): registering one is asking for it.
 DEFAULT_PREFER = ("triton", "flashinfer", "sgl_kernel", "fla", "reference")
 
 
@@ -29,41 +32,52 @@ class ModelAttention:
     """Binds each layer spec to one backend per phase, by capability and preference.
 
     ``prefer`` lists backend names in order of preference; names not listed are
-    never chosen. Layers of the same config, dtype, phase and backend form one
-    group: a backend's plan is built once per group per step.
+    never chosen, and a name no backend has is an error (listing the known
+    ones). An entry may also be a `Backend` value (a function not in the
+    registry, e.g. a probe's own reference) for its kind and phase. Without
+    ``prefer``, backends a user registered rank first (newest first), then
+    the built-in ones by `DEFAULT_PREFER`. Layers of the same config, dtype,
+    phase and backend form one group: a backend's plan is built once per
+    group per step.
     """
 
     def __init__(
         self,
         specs: Iterable[LayerSpec],
         *,
-        prefer: Sequence[str] = DEFAULT_PREFER,
+        prefer: Sequence[str | Backend] | None = None,
         device: str | torch.device = "cpu",
         phases: Sequence[str] = PHASES,
     ):
         self.specs = tuple(specs)
         if not self.specs or not all(isinstance(s, LayerSpec) for s in self.specs):
-            raise ValueError(f"ModelAttention: `specs` must be a non-empty sequence of LayerSpec, got {specs!r}")
-        if isinstance(prefer, str):
-            raise ValueError(f"ModelAttention: `prefer` must be a sequence of backend names, got the string {prefer!r}")
-        for p in phases:
-            if p not in PHASES:
-                raise ValueError(f"ModelAttention: `phases` entries must be in {PHASES}, got {p!r}")
-        self.prefer = tuple(prefer)
+            fail("ModelAttention", "specs", "a non-empty sequence of LayerSpec", specs)
+        indices = [s.index for s in self.specs]
+        if len(set(indices)) != len(indices):
+            fail("ModelAttention", "specs", "layer specs with unique indices", indices)
+        if isinstance(phases, str) or not all(p in PHASES for p in phases):
+            fail("ModelAttention", "phases", f"a sequence of phases from {PHASES}", phases)
+        backends = all_backends()
+        if prefer is None:
+            self.prefer = None
+        elif isinstance(prefer, str) or not all(isinstance(p, (str, Backend)) for p in prefer):
+            fail("ModelAttention", "prefer", "a sequence of backend names (or Backend values)", prefer)
+        else:
+            known = backend_names()
+            for p in prefer:
+                if isinstance(p, str) and p not in known:
+                    fail("ModelAttention", "prefer", f"names of registered backends (known: {known})", p)
+            self.prefer = tuple(prefer)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.spec_by_layer = {s.index: s for s in self.specs}
-        rank = {name: i for i, name in enumerate(self.prefer)}
-        backends = all_backends()
+
         group_ids: dict[tuple, int] = {}
         self.choices: dict[tuple[int, str], Choice] = {}
         for spec in self.specs:
             for phase in phases:
-                options = sorted(
-                    (b for b in backends if b.kind == spec.kind and b.phase == phase and b.name in rank),
-                    key=lambda b: rank[b.name],
-                )
+                options = self._options(backends, spec.kind, phase)
                 refused, chosen = [], None
                 for b in options:
                     reasons = tuple(b.supports(spec, self.device))
@@ -79,11 +93,27 @@ class ModelAttention:
                 self.choices[(spec.index, phase)] = Choice(spec.index, phase, chosen, tuple(refused), group)
         self.workspace = Workspace(self.device)
 
+    def _options(self, backends: list[Backend], kind: str, phase: str) -> list[Backend]:
+        """The backends of one (kind, phase), most preferred first."""
+        mine = [b for b in backends if (b.kind, b.phase) == (kind, phase)]
+        if self.prefer is None:  # this kind's own registrations first (newest first), then the built-in order
+            user = [b for b in reversed(mine) if not b.builtin]
+            shipped = sorted((b for b in mine if b.builtin and b.name in DEFAULT_PREFER),
+                             key=lambda b: DEFAULT_PREFER.index(b.name))
+            return user + shipped
+        ranked = []
+        for p in self.prefer:
+            if isinstance(p, Backend):
+                ranked += [p] if (p.kind, p.phase) == (kind, phase) else []
+            else:
+                ranked += [b for b in mine if b.name == p]
+        return ranked
+
     def backend(self, layer: int, phase: str) -> Backend:
         choice = self.choices.get((layer, phase))
         if choice is None:
-            raise ValueError(f"ModelAttention: no layer {layer} / phase {phase!r} here "
-                             f"(layers {sorted(self.spec_by_layer)})")
+            fail("ModelAttention", "layer, phase", f"a layer of {sorted(self.spec_by_layer)} and a phase this "
+                 "ModelAttention was built for", (layer, phase))
         if choice.backend is None:
             why = "; ".join(f"{n}: {', '.join(r)}" for n, r in choice.refused) or \
                 f"no backend named in prefer={self.prefer} is registered for this kind"

@@ -1,14 +1,27 @@
 """Backend registry: (kind, phase, name) -> a pure function plus what it accepts.
 
-A backend is ``fn(spec, views, inputs) -> (outputs, deltas)``. Its ``supports``
-predicate returns the reasons it refuses a layer on a device (empty: accepted),
-so `ModelAttention.explain()` can say why a faster backend was not chosen. An
-optional ``plan(specs, batch, lease)`` builds per-step metadata once for a
-group of layers that share it (``lease`` is the session's workspace lease).
+A backend is ``fn(spec, views, inputs) -> (outputs, writes)`` for one phase of
+one registered kind (`fnattn.register_kind`):
+
+* ``views``: the layer's storage by the names its kind declared, read-only;
+* ``inputs``: the kind's inputs, with ``inputs.meta.batch`` (the step's
+  `Batch`: positions, cache lengths, page table, recurrent rows...),
+  ``inputs.meta.plan`` (what ``plan`` built) and ``inputs.meta.workspace``;
+* ``writes``: ``fnattn.writes(name=rows, ...)``, one entry per storage tensor
+  of the layer (None for a layer that writes nothing this phase).
+
+``supports(spec, device)`` returns the reasons a backend refuses a layer
+(empty: accepted), so `ModelAttention.explain()` says why a faster one was
+not chosen. ``plan(specs, batch, lease)`` builds per-step metadata once for a
+group of layers that share it. A registered function runs only through a
+session (`ModelAttention.session`), which validates everything around it:
+calling the decorated name directly raises. Under ``FNATTN_CHECKS=1`` its
+jaxtyping annotations are checked on every call.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +29,10 @@ from typing import Any
 import torch
 
 from .batch import PHASES
-from .spec import KINDS, LayerSpec
+from .checks import checked, fail
+from .declare import kind_info, known_kinds
+from .errors import OutsideSessionError
+from .spec import LayerSpec
 
 Supports = Callable[[LayerSpec, torch.device], list[str]]
 Planner = Callable[[tuple[LayerSpec, ...], Any, Any], Any]
@@ -31,33 +47,67 @@ class Backend:
     kind: str
     phase: str
     name: str
-    fn: Callable = field(repr=False)
+    fn: Callable = field(repr=False)  # the checked function the session calls
     supports: Supports = field(default=_always, repr=False)
     plan: Planner | None = field(default=None, repr=False)
+    builtin: bool = True  # shipped with fnattn (ranked by DEFAULT_PREFER) or registered by a user
+    source: Callable | None = field(default=None, repr=False)  # the function as written
+
+    def __post_init__(self):
+        if self.phase not in PHASES:
+            fail("Backend", "phase", f"one of {PHASES}", self.phase)
+        if not callable(self.fn):
+            fail("Backend", "fn", "a callable (spec, views, inputs) -> (outputs, writes)", self.fn)
 
 
 _REGISTRY: dict[tuple[str, str, str], Backend] = {}
 
 
-def register(kind: str, phase: str, name: str, *, supports: Supports | None = None, plan: Planner | None = None):
-    """Decorator: register ``fn`` as backend ``name`` for one (kind, phase)."""
-    if kind not in KINDS:
-        raise ValueError(f"register: `kind` must be one of {KINDS}, got {kind!r}")
+def register(kind: str, phase: str, name: str, *, supports: Supports | None = None, plan: Planner | None = None,
+             replace: bool = False):
+    """Decorator: register ``fn`` as backend ``name`` for one (kind, phase).
+
+    ``replace=True`` lets a notebook cell re-register its backend.
+    """
+    if kind not in known_kinds():
+        fail("register", "kind", f"a registered kind (known: {list(known_kinds())}; add one with "
+             "fnattn.register_kind)", kind)
     if phase not in PHASES:
-        raise ValueError(f"register: `phase` must be one of {PHASES}, got {phase!r}")
+        fail("register", "phase", f"one of {PHASES}", phase)
+    if not isinstance(name, str) or not name:
+        fail("register", "name", "a non-empty string", name)
+    for what, f in (("supports", supports), ("plan", plan)):
+        if f is not None and not callable(f):
+            fail("register", what, "a callable or None", f)
 
     def deco(fn):
+        if not callable(fn):
+            fail("register", "fn", "a function (spec, views, inputs) -> (outputs, writes)", fn)
         key = (kind, phase, name)
-        if key in _REGISTRY and _REGISTRY[key].fn is not fn:
-            raise ValueError(f"register: backend {key} is already registered")
-        _REGISTRY[key] = Backend(kind, phase, name, fn, supports or _always, plan)
-        return fn
+        old = _REGISTRY.get(key)
+        if old is not None and old.source is not fn and not replace:
+            raise ValueError(f"register: backend {key} is already registered (by {old.source.__module__}); "
+                             "pass replace=True to redefine it")
+        builtin = getattr(fn, "__module__", "").startswith("fnattn.") and kind_info(kind).builtin
+        _REGISTRY[key] = Backend(kind, phase, name, checked(fn), supports or _always, plan, builtin, fn)
+        return _session_only(fn, key)
 
     return deco
 
 
+def _session_only(fn, key):
+    @functools.wraps(fn)
+    def guard(*args, **kwargs):
+        raise OutsideSessionError(
+            f"backend {key} runs only inside a session, which validates its inputs and writes: "
+            "`with ModelAttention(specs).session(state, batch) as s: s.forward(layer, inputs)`")
+
+    guard.backend_key = key
+    return guard
+
+
 def lookup(kind: str, phase: str, name: str) -> Backend:
-    _load_builtin()
+    known_kinds()
     try:
         return _REGISTRY[(kind, phase, name)]
     except KeyError:
@@ -65,17 +115,11 @@ def lookup(kind: str, phase: str, name: str) -> Backend:
                           f"known: {backend_names(kind, phase)}") from None
 
 
-def backend_names(kind: str, phase: str) -> list[str]:
-    _load_builtin()
-    return sorted(n for (k, p, n) in _REGISTRY if k == kind and p == phase)
+def backend_names(kind: str | None = None, phase: str | None = None) -> list[str]:
+    known_kinds()
+    return sorted({n for (k, p, n) in _REGISTRY if (kind is None or k == kind) and (phase is None or p == phase)})
 
 
 def all_backends() -> list[Backend]:
-    _load_builtin()
+    known_kinds()  # importing the kinds registers every built-in backend
     return list(_REGISTRY.values())
-
-
-def _load_builtin() -> None:
-    # Importing the package registers every built-in backend; fast backends
-    # import their GPU libraries lazily, so this stays cheap on a CPU.
-    from . import backends  # noqa: F401

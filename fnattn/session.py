@@ -1,22 +1,36 @@
 """AttentionSession: the only way to execute attention for one step.
 
     with model_attention.session(state, batch) as s:
-        out, deltas = s.forward(layer, inputs)
+        out, writes = s.forward(layer, inputs)
 
 On entry it checks the state and batch against the specs, builds each group's
-plan once and leases the workspace; `forward` validates a layer's inputs and
-calls its backend with read-only views; after exit every call raises
+plan once, leases the workspace and, for a batch with a ring, hands the spare
+recurrent rows to this session (the in-place states of any earlier session
+over the same rows become void). `forward` validates a layer's inputs, calls
+its backend with read-only views, checks what came back and binds the writes
+to the layer and the step; each layer runs once. After exit every call raises
 `SessionClosedError`.
+
+With ``FNATTN_CHECKS=1`` purity is enforced: the version counter and the
+bytes of every view are recorded before the backend runs and compared after;
+a backend that wrote one raises `PurityError` naming itself and the view. The
+spare ring rows the batch handed out are the one declared exception.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
+import torch
+
 from .batch import PHASES, Batch
-from .checks import fail
-from .errors import SessionClosedError
-from .inputs import INPUTS_BY_KIND, StepMeta
+from .checks import CHECKS_ENABLED, fail
+from .declare import StepMeta, kind_info
+from .deltas import Writes
+from .errors import PurityError, SessionClosedError
+
+_sessions = itertools.count(1)
 
 
 class AttentionSession:
@@ -24,15 +38,17 @@ class AttentionSession:
         self.model_attention = model_attention
         self.state = state
         self.batch = batch
+        self.id = next(_sessions)
         self._open = False
         self._closed = False
         self._plans: dict[int, object] = {}
         self._lease = None
+        self._done: set[int] = set()
         #: layer -> output, for layers that returned replay inputs in a replay-mode verify step
         self.replay_outputs: dict[int, object] = {}
 
     # ---------------------------------------------------------------- context
-    def __enter__(self) -> "AttentionSession":
+    def __enter__(self) -> AttentionSession:
         if self._closed or self._open:
             raise SessionClosedError("an AttentionSession can be entered once")
         ma, state, batch = self.model_attention, self.state, self.batch
@@ -59,6 +75,8 @@ class AttentionSession:
             self._lease.release()
             self._closed = True
             raise
+        if batch.ring:
+            state._storage.lend_ring(batch.state_version, self.id)
         self._open = True
         return self
 
@@ -70,24 +88,76 @@ class AttentionSession:
 
     # ---------------------------------------------------------------- forward
     def forward(self, layer: int, inputs):
-        """Run one layer's backend for this step: ``-> (outputs, deltas)``."""
+        """Run one layer's backend for this step: ``-> (outputs, writes)``."""
         if not self._open:
             raise SessionClosedError(
-                f"forward(layer={layer}) outside an open session: sessions are single-use context managers"
+                f"forward(layer={layer!r}) outside an open session: sessions are single-use context managers"
             )
         ma, batch = self.model_attention, self.batch
-        if layer not in ma.spec_by_layer:
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer not in ma.spec_by_layer:
             fail("AttentionSession.forward", "layer", f"one of {sorted(ma.spec_by_layer)}", layer)
+        if layer in self._done:
+            fail("AttentionSession.forward", "layer", "a layer not yet run in this step (each layer runs once)",
+                 layer)
         spec = ma.spec_by_layer[layer]
         backend = ma.backend(layer, batch.phase)
-        expected = INPUTS_BY_KIND.get(spec.kind)
-        if expected is None or not isinstance(inputs, expected):
+        expected = kind_info(spec.kind).inputs
+        if not isinstance(inputs, expected):
             fail("AttentionSession.forward", "inputs",
-                 f"{expected.__name__ if expected else 'inputs'} (layer {layer} is {spec.kind})", type(inputs).__name__)
+                 f"{' or '.join(t.__name__ for t in expected)} (layer {layer} is {spec.kind})",
+                 type(inputs).__name__)
         inputs.validate(spec, batch, self.state.device)
         group = ma.choices[(layer, batch.phase)].group
         meta = StepMeta(batch=batch, plan=self._plans.get(group), workspace=self._lease)
-        out, deltas = backend.fn(spec, self.state.views(layer), replace(inputs, meta=meta))
+        views = self.state.views(layer)
+        watch = _Watch(self.state, layer, views, batch) if CHECKS_ENABLED else None
+        result = backend.fn(spec, views, replace(inputs, meta=meta))
+        if watch is not None:
+            watch.check(backend)
+        self._done.add(layer)
+        if not isinstance(result, tuple) or len(result) != 2:
+            fail(f"backend {backend.name!r} ({spec.kind}, {batch.phase})", "return", "a pair (outputs, writes)",
+                 type(result).__name__)
+        out, writes = result
+        if writes is not None and not isinstance(writes, Writes):
+            fail(f"backend {backend.name!r} ({spec.kind}, {batch.phase})", "writes",
+                 "fnattn.writes(...) or None", type(writes).__name__)
+        if writes is not None:
+            writes = writes.bound(layer=layer, step=batch.step_id, session=self.id)
         if batch.recovery == "replay" and getattr(out, "replay", None) is not None:
             self.replay_outputs[layer] = out
-        return out, deltas
+        return out, writes
+
+
+class _Watch:
+    """What a layer's views hold before its backend runs: version counters and the bytes.
+
+    Version counters name an in-place op on a view; the bytes catch writes
+    that bypass them (``.data``, memory shared through another tensor). The
+    spare ring rows a ring batch handed out are not compared.
+    """
+
+    def __init__(self, state, layer: int, views, batch: Batch):
+        self.views = views
+        self.versions = {name: t._version for name, t in views.items()}
+        spaces = state.storage_spaces[layer]
+        self.kept = {}
+        for name, t in views.items():
+            keep = None
+            if batch.ring and spaces[name] == "request":
+                spare = batch.recurrent_write_rows
+                keep = torch.ones(t.shape[0], dtype=torch.bool, device=t.device)
+                keep[spare[spare >= 0]] = False
+            self.kept[name] = (keep, (t if keep is None else t[keep]).clone())
+
+    def check(self, backend) -> None:
+        for name, t in self.views.items():
+            keep, before = self.kept[name]
+            changed = not _same_bits(t if keep is None else t[keep], before)
+            if changed or (t._version != self.versions[name] and keep is None):
+                raise PurityError(f"backend {backend.name!r} ({backend.kind}, {backend.phase}) wrote into its "
+                                  f"view {name!r}: backends return writes and never change the storage they read")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

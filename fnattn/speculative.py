@@ -13,8 +13,8 @@ accepted part of the step reaches the state:
       keeps the row of the last accepted token;
     - ``"replay"``: verify returned only its per-token inputs; `replay_writes`
       re-runs the accepted tokens from the state the step read (which the
-      step did not change, so it is the step's checkpoint) and the result joins
-      the same single apply.
+      step did not change, so it is the step's checkpoint) and its deltas join
+      the same single apply (`StepDeltas.accept(..., replay=...)`).
 Both run the same token-by-token recurrence on the same inputs, so they leave
 bitwise-identical state.
 """
@@ -22,14 +22,13 @@ bitwise-identical state.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 import torch
 
 from .batch import Batch
 from .checks import fail
-from .deltas import CursorAdvance, StepDeltas
-from .inputs import RecurrentInputs, RecurrentOutput
+from .declare import select_tokens
+from .deltas import StepDeltas
 
 
 def greedy_accept(logits: torch.Tensor, batch: Batch, drafts: Mapping[int, list[int]]):
@@ -53,9 +52,9 @@ def greedy_accept(logits: torch.Tensor, batch: Batch, drafts: Mapping[int, list[
     return accepted, bonus
 
 
-def replay_writes(model_attention, state, verify_batch: Batch, outputs: Mapping[int, RecurrentOutput],
-                  accepted: Mapping[int, int]) -> tuple:
-    """Recurrent writes for the accepted tokens of a replay-mode verify step.
+def replay_writes(model_attention, state, verify_batch: Batch, outputs: Mapping[int, object],
+                  accepted: Mapping[int, int]) -> StepDeltas:
+    """The recurrent writes of the accepted tokens of a replay-mode verify step, as the replay batch's deltas.
 
     ``outputs`` maps each recurrent layer to its verify output (which carries
     the step's inputs). The replay runs through a session of its own over the
@@ -75,24 +74,15 @@ def replay_writes(model_attention, state, verify_batch: Batch, outputs: Mapping[
         for layer, out in outputs.items():
             if out.replay is None:
                 fail("replay_writes", f"outputs[{layer}]", "a verify output with replay inputs", None)
-            r: RecurrentInputs = out.replay
-            sliced = replace(r, x=r.x.index_select(0, keep), g=r.g.index_select(0, keep),
-                             beta=r.beta.index_select(0, keep))
-            _, deltas = s.forward(layer, sliced)
-            writes += deltas
-    return tuple(writes)
+            _, w = s.forward(layer, select_tokens(out.replay, keep))
+            writes.append(w)
+    return StepDeltas.collect(batch, writes)
 
 
 def accept_step(deltas: StepDeltas, verify_batch: Batch, accepted: Mapping[int, int], *,
-                extra_writes: tuple = ()) -> StepDeltas:
-    """The verify step's deltas filtered by acceptance, plus replayed recurrent writes."""
-    kept = deltas.accept(verify_batch, accepted)
-    counts = tuple(accepted[r] for r in verify_batch.request_ids)
-    ring = kept.cursor.ring
-    if verify_batch.recovery == "replay":  # the replayed states went where the replay batch put them
-        ring = verify_batch.ring_after(counts, ring=any(w.ring_step is not None for w in extra_writes))
-    return StepDeltas(step_id=kept.step_id, state_version=kept.state_version, writes=kept.writes + tuple(extra_writes),
-                      cursor=CursorAdvance(verify_batch.request_ids, counts, ring=ring))
+                replay: StepDeltas | None = None) -> StepDeltas:
+    """The verify step's deltas filtered by acceptance (with the replayed recurrent writes, if any)."""
+    return deltas.accept(verify_batch, accepted, replay=replay)
 
 
 class Speculator:
@@ -202,10 +192,10 @@ class Speculator:
         tokens = [t for r in batch.request_ids for t in [self.last[r], *drafts[r]]]
         logits, hidden, deltas, replay_outputs = self._run_target(batch, self._tokens(tokens))
         accepted, bonus = greedy_accept(logits, batch, drafts)
-        writes = ()
+        replay = None
         if self.recovery == "replay":
-            writes = replay_writes(self.target[2], self.tstate, batch, replay_outputs, accepted)
-        self.tstate = self.tstate.apply(accept_step(deltas, batch, accepted, extra_writes=writes))
+            replay = replay_writes(self.target[2], self.tstate, batch, replay_outputs, accepted)
+        self.tstate = self.tstate.apply(accept_step(deltas, batch, accepted, replay=replay))
         emitted, shifted, rows = {}, [], []
         cu = batch.host_cu_seqlens
         for b, r in enumerate(batch.request_ids):

@@ -29,6 +29,9 @@ from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, Stal
 from .spec import LayerSpec
 
 _versions = itertools.count(1)
+_lineages = itertools.count(1)
+_admissions = itertools.count(1)
+_serials = itertools.count(1)  # orders checkpoints and rollbacks
 
 
 @dataclass(frozen=True)
@@ -44,19 +47,42 @@ class Pool:
         return self.layers.index(layer)
 
 
-@dataclass(frozen=True)
-class Views:
-    """Views of the storage one layer owns. Backends never write them, with one
-    exception: a batch with a ring hands out spare recurrent rows
-    (`Batch.recurrent_write_rows`) that no request reads, which a backend may
-    fill with the step's new states in place of returning them."""
+class Views(Mapping):
+    """Views of the storage one layer owns, by the names its kind declared (``views.k``, ``views.ssm``).
 
-    k: Tensor | None = None  # [P, S, Hkv, D]
-    v: Tensor | None = None  # [P, S, Hkv, Dv]
-    latent: Tensor | None = None  # [P, S, R + Dr]
-    index_k: Tensor | None = None  # [P, S, Di]
-    ssm: Tensor | None = None  # [N * ring, H, K, V]: row pos * N + slot (see State.recurrent_row)
-    conv: Tensor | None = None  # [N * ring, C, W - 1]
+    Token rows are ``[P, S, *row]`` (page, offset); request rows are
+    ``[N * ring, *row]``, row ``pos * N + slot`` (see `State.recurrent_row`).
+    Backends never write them, with one exception: a batch with a ring hands
+    out spare recurrent rows (`Batch.recurrent_write_rows`) that no request
+    reads, which a backend may fill with the step's new states in place of
+    returning them.
+    """
+
+    __slots__ = ("_tensors",)
+
+    def __init__(self, tensors: Mapping[str, Tensor]):
+        object.__setattr__(self, "_tensors", MappingProxyType(dict(tensors)))
+
+    def __getattr__(self, name: str) -> Tensor:
+        tensors = object.__getattribute__(self, "_tensors")
+        if name in tensors:
+            return tensors[name]
+        raise AttributeError(f"Views: this layer owns no storage named {name!r} (it owns {sorted(tensors)})")
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Views are read-only")
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._tensors[name]
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        return "Views(" + ", ".join(f"{n}={tuple(t.shape)}" for n, t in self._tensors.items()) + ")"
 
 
 @dataclass(frozen=True)
@@ -68,6 +94,8 @@ class Request:
     pages: tuple[int, ...]  # reserved pages, in token order
     length: int  # the cursor: tokens already in the cache / recurrent steps taken
     ring_pos: int = 0  # which of the slot's ring rows holds its current recurrent state
+    admission: int = 0  # unique per admission: a released and readmitted id is another request
+    rollbacks: tuple[tuple[int, int], ...] = ()  # (serial, length) of every restore since admission
 
 
 @dataclass(frozen=True)
@@ -81,54 +109,59 @@ class Checkpoint:
 
     requests: tuple[Request, ...]
     recurrent: Mapping[tuple[str, str], Tensor]  # (pool, tensor) -> [L, n_requests, ...] copies
+    lineage: int = 0  # the State (storage) it was taken from
+    serial: int = 0  # when it was taken, against the requests' rollbacks
 
 
 def _pool_layouts(spec: LayerSpec, *, num_pages: int, page_size: int, num_slots: int):
-    """(pool key, index space, {tensor: (row shape, dtype)}) for each pool a layer uses."""
-    c = spec.config
-    kind = spec.kind
-    tok = (num_pages, page_size)
-    if kind == "full":
-        key = ("full", c.num_kv_heads, c.head_dim, c.head_dim_v, spec.dtype)
-        yield key, "token", {"k": (tok + (c.num_kv_heads, c.head_dim), spec.dtype),
-                             "v": (tok + (c.num_kv_heads, c.head_dim_v), spec.dtype)}
-    elif kind in ("mla", "sparse_mla"):
-        mla = c if kind == "mla" else c.mla
-        yield ("mla", mla.latent_dim, spec.dtype), "token", {"latent": (tok + (mla.latent_dim,), spec.dtype)}
-        if kind == "sparse_mla" and c.index_source_layer is None:
-            di = c.indexer.head_dim
-            yield ("index", di, spec.dtype), "token", {"index_k": (tok + (di,), spec.dtype)}
-    elif kind in ("gdn", "kda"):
-        heads = c.num_v_heads if kind == "gdn" else c.num_heads
-        shape = (num_slots, heads, c.head_k_dim, c.head_v_dim)
-        conv = (num_slots, c.conv_dim, c.conv_kernel - 1)
-        key = (kind, shape, conv, c.state_dtype, spec.dtype)
-        yield key, "request", {"ssm": (shape, c.state_dtype), "conv": (conv, spec.dtype)}
-    else:
-        raise NotImplementedError(
-            f"State: no storage layout for kind {kind!r} (layer {spec.index}) yet; "
-            "supported kinds: full, mla, sparse_mla, gdn, kda"
-        )
+    """(pool key, index space, {tensor: (shape, dtype)}) for each pool a layer uses, from its kind's
+    storage declaration: declarations under one pool label and space form one pool."""
+    decls = spec.config.storage(spec.dtype)
+    groups: dict[tuple[str, str], list] = {}
+    for d in decls:
+        groups.setdefault((d.pool, d.space), []).append(d)
+    for (label, space), ds in groups.items():
+        lead = (num_pages, page_size) if space == "token" else (num_slots,)
+        layout = {d.name: (lead + d.shape, d.dtype) for d in ds}
+        key = (label, space, tuple((d.name, d.shape, d.dtype) for d in ds))
+        yield key, space, layout
+
+
+def _check_decls(spec: LayerSpec) -> None:
+    from .declare import StorageDecl
+
+    decls = spec.config.storage(spec.dtype)
+    if not isinstance(decls, tuple) or not all(isinstance(d, StorageDecl) for d in decls):
+        fail(f"{type(spec.config).__name__}.storage", "return",
+             "a tuple of fnattn.per_token(...) / fnattn.per_request(...) declarations", decls)
+    names = [d.name for d in decls]
+    if len(set(names)) != len(names):
+        fail(f"{type(spec.config).__name__}.storage", "return", "declarations with unique names", names)
 
 
 class _Storage:
     """Tensors shared by the handles of one lineage, and which handle is live."""
 
     def __init__(self, pools: dict[str, Pool], layer_pools: dict, live_version: int, applied: frozenset,
-                 ring_owner: int | None = None):
+                 ring_lent=None):
         self.pools = pools
         self.layer_pools = layer_pools  # layer -> tuple of pool names
         self.live_version = live_version
         self.applied_steps = applied
-        # The step of the last batch handed the spare ring rows: only its in-place writes are valid.
-        self.ring_owner = ring_owner
+        self.lineage = next(_lineages)
+        # (state version, session) the spare ring rows were last handed to: a session over a ring
+        # batch is where backends fill them, so only that session's in-place states are valid.
+        self.ring_lent = ring_lent
 
     def cloned(self, version: int) -> "_Storage":
         pools = {
             name: replace(p, tensors=MappingProxyType({k: t.clone() for k, t in p.tensors.items()}))
             for name, p in self.pools.items()
         }
-        return _Storage(pools, self.layer_pools, version, self.applied_steps, self.ring_owner)
+        return _Storage(pools, self.layer_pools, version, self.applied_steps, self.ring_lent)
+
+    def lend_ring(self, version: int, session: int) -> None:
+        self.ring_lent = (version, session)
 
 
 class State:
@@ -162,6 +195,10 @@ class State:
                 fail("State", name, "a positive int", value)
         if not specs or not all(isinstance(s, LayerSpec) for s in specs):
             fail("State", "specs", "a non-empty sequence of LayerSpec", specs)
+        if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+            fail("State", "fill", "a number (NaN shows stray reads in tests)", fill)
+        for spec in specs:
+            _check_decls(spec)
         indices = [s.index for s in specs]
         if len(set(indices)) != len(indices):
             fail("State", "specs", "layer specs with unique indices", indices)
@@ -192,6 +229,9 @@ class State:
         self.max_requests = max_requests
         self.recurrent_ring = recurrent_ring
         self.has_recurrent = any(p.index_space == "request" for p in pools.values())
+        # layer -> {view name: space}: what the apply expects every step to write
+        self.storage_spaces = MappingProxyType({
+            s.index: MappingProxyType({d.name: d.space for d in s.config.storage(s.dtype)}) for s in specs})
         self.device = device
         self._version = next(_versions)
         self._storage = _Storage(pools, {k: tuple(v) for k, v in layer_pools.items()}, self._version, frozenset())
@@ -279,6 +319,8 @@ class State:
     def views(self, layer: int) -> Views:
         """The storage of one layer, as views (no copies)."""
         self._check_live()
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            fail("State.views", "layer", "an int layer index", layer)
         self.spec(layer)
         parts = {}
         for name in self._storage.layer_pools[layer]:
@@ -286,7 +328,12 @@ class State:
             pos = pool.position(layer)
             for t, tensor in pool.tensors.items():
                 parts[t] = tensor[pos]
-        return Views(**parts)
+        return Views(parts)
+
+    @property
+    def lineage(self) -> int:
+        """Identifies the storage this handle belongs to (a copy-mode apply starts a new one)."""
+        return self._storage.lineage
 
     # ------------------------------------------------------------- allocation
     def admit(self, request_id: int) -> "State":
@@ -303,12 +350,14 @@ class State:
             )
         slot, *rest = self._free_slots
         reqs = dict(self._requests)
-        reqs[request_id] = Request(request_id, slot, (), 0)
+        reqs[request_id] = Request(request_id, slot, (), 0, admission=next(_admissions))
         return self._successor(requests=reqs, free_slots=rest)
 
     def reserve(self, counts: Mapping[int, int]) -> "State":
         """Make room for ``counts[r]`` more tokens after each request's cursor."""
         self._check_live()
+        if not isinstance(counts, Mapping):
+            fail("State.reserve", "counts", "a mapping request id -> token count", counts)
         reqs = dict(self._requests)
         need = {}
         for rid, n in counts.items():
@@ -333,6 +382,8 @@ class State:
 
     def release(self, request_id: int) -> "State":
         """Free every page and the slot of a finished or aborted request."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            fail("State.release", "request_id", "an int request id", request_id)
         req = self.request(request_id)
         reqs = dict(self._requests)
         del reqs[request_id]
@@ -342,10 +393,21 @@ class State:
 
     # ------------------------------------------------------------------ apply
     def apply(self, deltas: StepDeltas, *, inplace: bool = True) -> "State":
-        """Validate every delta of a step, then write them all and advance cursors."""
+        """Check a whole step against the batch and this State, then write it and advance cursors.
+
+        Every storage-owning layer must write exactly its declared tensors,
+        for exactly the rows the batch gives it (`fnattn.apply`); nothing is
+        written unless all of it is valid. ``inplace=False`` writes a copy of
+        the storage and keeps this handle valid.
+        """
+        return self._apply(deltas, inplace=inplace, layers=None)
+
+    def _apply(self, deltas: StepDeltas, *, inplace: bool, layers) -> "State":
         self._check_live()
         if not isinstance(deltas, StepDeltas):
             fail("State.apply", "deltas", "a StepDeltas", type(deltas).__name__)
+        if not isinstance(inplace, bool):
+            fail("State.apply", "inplace", "a bool", inplace)
         if deltas.step_id in self._storage.applied_steps:
             raise DoubleApplyError(f"State.apply: the deltas of step {deltas.step_id} were already applied")
         if deltas.state_version != self._version:
@@ -353,60 +415,88 @@ class State:
                 f"State.apply: `deltas` were computed against state version {deltas.state_version}, "
                 f"this state is version {self._version}"
             )
-        plan = validate_step(self, deltas)
+        plan = validate_step(self, deltas, layers=layers)
         storage = self._storage if inplace else self._storage.cloned(self._storage.live_version)
         write_step(storage.pools, plan)
         reqs = dict(self._requests)
-        if deltas.cursor is not None:
-            c = deltas.cursor
-            ring = c.ring if c.ring is not None else (None,) * len(c.request_ids)
-            for rid, n, pos in zip(c.request_ids, c.counts, ring):
-                pos = reqs[rid].ring_pos if pos is None else pos
-                reqs[rid] = replace(reqs[rid], length=reqs[rid].length + n, ring_pos=pos)
+        c = deltas.cursor
+        ring = c.ring if c.ring is not None else (None,) * len(c.request_ids)
+        for rid, n, pos in zip(c.request_ids, c.counts, ring):
+            pos = reqs[rid].ring_pos if pos is None else pos
+            reqs[rid] = replace(reqs[rid], length=reqs[rid].length + n, ring_pos=pos)
         applied = self._storage.applied_steps | {deltas.step_id}
         return self._successor(requests=reqs, storage=storage, applied=applied)
 
     # ----------------------------------------------------------- checkpoints
     def checkpoint(self, request_ids: Iterable[int]) -> Checkpoint:
         """Capture cursors and recurrent state of some requests, as a value."""
-        reqs = tuple(self.request(r) for r in request_ids)
+        self._check_live()
+        if isinstance(request_ids, (str, bytes, Mapping)) or not isinstance(request_ids, Iterable):
+            fail("State.checkpoint", "request_ids", "an iterable of request ids", request_ids)
+        ids = tuple(request_ids)
+        if len(set(ids)) != len(ids):
+            fail("State.checkpoint", "request_ids", "unique ids", ids)
+        reqs = tuple(self.request(r) for r in ids)
         slots = torch.tensor([self.recurrent_row(r.id) for r in reqs], dtype=torch.long, device=self.device)
         copies = {}
         for pool in self._storage.pools.values():
             if pool.index_space == "request":
                 for t, tensor in pool.tensors.items():
                     copies[(pool.name, t)] = tensor.index_select(1, slots).clone()
-        return Checkpoint(reqs, MappingProxyType(copies))
+        return Checkpoint(reqs, MappingProxyType(copies), lineage=self._storage.lineage, serial=next(_serials))
 
     def restore(self, checkpoint: Checkpoint) -> "State":
         """Roll requests back to a checkpoint. Validates fully before writing."""
         self._check_live()
+        where = "State.restore"
         if not isinstance(checkpoint, Checkpoint):
-            fail("State.restore", "checkpoint", "a Checkpoint", type(checkpoint).__name__)
+            fail(where, "checkpoint", "a Checkpoint", type(checkpoint).__name__)
+        if checkpoint.lineage != self._storage.lineage:
+            fail(where, "checkpoint", f"a checkpoint of this State (lineage {self._storage.lineage})",
+                 f"lineage {checkpoint.lineage}")
         for old in checkpoint.requests:
             if old.id not in self._requests:
-                fail("State.restore", "checkpoint", f"requests that are still admitted (request {old.id} is not)",
+                fail(where, "checkpoint", f"requests that are still admitted (request {old.id} is not)",
                      sorted(self._requests))
             cur = self._requests[old.id]
-            if cur.slot != old.slot or cur.pages[: len(old.pages)] != old.pages:
-                fail("State.restore", "checkpoint",
-                     f"the same slot and pages as request {old.id} holds now (it was released and readmitted)",
-                     (old.slot, old.pages))
+            if not isinstance(old, Request) or not 0 <= old.ring_pos < self.recurrent_ring \
+                    or not 0 <= old.length <= len(old.pages) * self.page_size:
+                fail(where, "checkpoint", f"request {old.id} with a cursor inside its pages and a ring position "
+                     f"below {self.recurrent_ring}", (old.length, old.pages, old.ring_pos))
+            if cur.admission != old.admission or cur.slot != old.slot or cur.pages[: len(old.pages)] != old.pages:
+                fail(where, "checkpoint", f"the admission of request {old.id} it was taken in "
+                     "(it was released and readmitted since)", (old.admission, cur.admission))
+            # Rolled back below this checkpoint since it was taken: its rows past that point may be rewritten.
+            later = [n for serial, n in cur.rollbacks if serial > checkpoint.serial and n < old.length]
+            if later:
+                fail(where, "checkpoint", f"a checkpoint whose rows request {old.id} still holds (it was rolled "
+                     f"back to {min(later)} < {old.length} tokens after the checkpoint)", checkpoint.serial)
+        expected = {(p.name, t): tensor for p in self._storage.pools.values() if p.index_space == "request"
+                    for t, tensor in p.tensors.items()}
+        if set(checkpoint.recurrent) != set(expected):
+            fail(where, "checkpoint", f"copies of the recurrent tensors {sorted(expected)}",
+                 sorted(checkpoint.recurrent))
+        n = len(checkpoint.requests)
         for key, saved in checkpoint.recurrent.items():
-            pool = self._storage.pools.get(key[0])
-            if pool is None or key[1] not in pool.tensors:
-                fail("State.restore", "checkpoint", "tensors of this State's pools", key)
-            live = pool.tensors[key[1]]
-            if saved.shape[0] != live.shape[0] or saved.shape[2:] != live.shape[2:] or saved.dtype != live.dtype:
-                fail("State.restore", "checkpoint", f"rows shaped like pool {key}", tuple(saved.shape))
+            live = expected[key]
+            want = (live.shape[0], n, *live.shape[2:])
+            if not isinstance(saved, Tensor) or saved.layout != torch.strided:
+                fail(where, f"checkpoint.recurrent[{key}]", "a dense tensor", type(saved).__name__)
+            if tuple(saved.shape) != want or saved.dtype != live.dtype or saved.device != live.device:
+                fail(where, f"checkpoint.recurrent[{key}]", f"a {want} {live.dtype} tensor on {live.device}",
+                     (tuple(saved.shape), saved.dtype, saved.device))
         # Back into the ring row the request had then: every row of its ring is its own.
         slots = torch.tensor([r.ring_pos * self.max_requests + r.slot for r in checkpoint.requests],
                              dtype=torch.long, device=self.device)
-        for (pname, t), saved in checkpoint.recurrent.items():
-            self._storage.pools[pname].tensors[t].index_copy_(1, slots, saved.to(self.device))
+        with torch.no_grad():
+            for key, saved in checkpoint.recurrent.items():
+                expected[key].index_copy_(1, slots, saved)
+        serial = next(_serials)
         reqs = dict(self._requests)
         for old in checkpoint.requests:
-            reqs[old.id] = replace(reqs[old.id], length=old.length, ring_pos=old.ring_pos)
+            cur = reqs[old.id]
+            reqs[old.id] = replace(cur, length=old.length, ring_pos=old.ring_pos,
+                                   rollbacks=cur.rollbacks + ((serial, old.length),))
         return self._successor(requests=reqs)
 
     def __repr__(self) -> str:

@@ -16,8 +16,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from fnattn import checks
-from fnattn.checks import fail
-from fnattn.ops._shapes import expect_shape
+from fnattn.checks import expect_shape, fail
 
 
 def check_tokens(owner: str, tokens: Int[Tensor, " T"], vocab_size: int) -> None:

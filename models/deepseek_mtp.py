@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from fnattn import StepDeltas
+from fnattn import SparseQueryMetadata, StepDeltas
 from fnattn.checks import checked
-from fnattn.inputs import SparseQueryMetadata
 
 from . import deepseek_v32 as ds
 from .common import check_tokens, rms_norm, rope_cos_sin

@@ -25,9 +25,17 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from fnattn import IndexerConfig, LayerSpec, MLAConfig, SparseMLAConfig, StepDeltas
+from fnattn import (
+    IndexerConfig,
+    LayerSpec,
+    MLAConfig,
+    MLAInputs,
+    SparseMLAConfig,
+    SparseMLAInputs,
+    SparseQueryMetadata,
+    StepDeltas,
+)
 from fnattn.checks import checked, fail
-from fnattn.inputs import MLAInputs, SparseMLAInputs, SparseQueryMetadata
 
 from .common import SwiGLU, check_tokens, grouped_topk, rms_norm, rope_cos_sin, rope_inv_freq
 from .dsa_layer import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers

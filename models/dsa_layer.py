@@ -2,7 +2,7 @@
 
 ``IndexerWeights`` holds one indexer's tensors under their ``transformers``
 names; ``indexer_keys`` / ``indexer_queries`` compute what the selection
-(``fnattn.ops.dsa``) scores, as ``transformers`` computes them (no fp8, no
+(``fnattn.kinds.sparse_mla.indexer``) scores, as ``transformers`` computes them (no fp8, no
 Hadamard rotation: the rotation is orthogonal and leaves ``q . k`` unchanged):
 
 * ``q = wq_b(q_resid)`` per head, from the MLA q latent after
@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from fnattn.ops._shapes import expect_float, expect_shape
-from fnattn.ops.dsa import indexer_scores, topk_indices, topk_mask
-from fnattn.ops.mla import AttentionForm
+from fnattn.checks import expect_float, expect_shape
+from fnattn.kinds.mla.math import AttentionForm
+from fnattn.kinds.sparse_mla.indexer import indexer_scores, topk_indices, topk_mask
 
 from .common import apply_rope
 from .mla_layer import MLAWeights, attend_and_project, mla_project

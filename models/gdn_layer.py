@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from fnattn.ops._shapes import expect_float, expect_shape
-from fnattn.ops.conv import causal_conv1d, check_activation
-from fnattn.ops.delta_rule import RecurrentLayerOutput, gated_delta_chunked, gated_delta_recurrent
-from fnattn.ops.gdn import gdn_qkv
+from fnattn.checks import expect_float, expect_shape
+from fnattn.kinds.delta_rule.conv import causal_conv1d, check_activation
+from fnattn.kinds.delta_rule.math import RecurrentLayerOutput, gated_delta_chunked, gated_delta_recurrent
+from fnattn.kinds.delta_rule.qkv import gdn_qkv
 
 from .common import rms_norm
 

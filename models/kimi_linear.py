@@ -36,9 +36,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from fnattn import Batch, KDAConfig, LayerSpec, MLAConfig, StepDeltas
+from fnattn import Batch, KDAConfig, LayerSpec, MLAConfig, MLAInputs, RecurrentInputs, StepDeltas
 from fnattn.checks import checked, fail
-from fnattn.inputs import MLAInputs, RecurrentInputs
 
 from .common import SwiGLU, check_tokens, grouped_topk, rms_norm, swiglu
 from .kda_layer import KDAWeights, kda_finish, kda_project

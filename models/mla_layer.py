@@ -4,7 +4,7 @@
 (``kv_b_proj`` stored split into ``w_uk`` / ``w_uv``); ``mla_project`` turns
 the block's normalised input into what the attention core reads (queries and
 the cache rows ``[c_kv, k_pe]``, rope applied); ``attend_and_project`` runs the
-core (``fnattn.ops.mla``) over the cached rows and applies ``o_proj``.
+core (``fnattn.kinds.mla.math``) over the cached rows and applies ``o_proj``.
 ``mla_layer`` is both, the whole block for one request, and the ground truth
 the model steps and the DSA layer (``models/dsa_layer.py``) build on.
 
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from fnattn.ops._shapes import expect_float, expect_shape
-from fnattn.ops.mla import AttentionForm, mla_attention
+from fnattn.checks import expect_float, expect_shape
+from fnattn.kinds.mla.math import AttentionForm, mla_attention
 
 from .common import apply_rope, rms_norm
 

@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from fnattn import FullAttentionConfig, FullAttentionInputs, GDNConfig, LayerSpec, StepDeltas
+from fnattn import FullAttentionConfig, FullAttentionInputs, GDNConfig, LayerSpec, RecurrentInputs, StepDeltas
 from fnattn.checks import checked, fail
-from fnattn.inputs import RecurrentInputs
 
 from .common import SwiGLU, apply_rope, check_tokens, rms_norm, rope_cos_sin, rope_inv_freq, softmax_topk
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project

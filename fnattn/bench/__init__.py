@@ -40,6 +40,39 @@ def timed(fn, *, graph: bool = True, warmup: int = 3) -> float:
     return do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
 
 
+def timed_session(model_attention, state, batch, body, *, graph: bool = True, warmup: int = 3) -> float:
+    """Median microseconds of one fnattn step: ``body(session)`` runs the step's layers (each once, as a
+    session allows) and whatever of the apply the case times.
+
+    With ``graph`` the warm-up calls run in sessions of their own, then one session opens outside the
+    capture (its plans built on entry, as a served step plans before it replays its graph), its body is
+    captured once and the replays are timed. Eager, every call opens a session of its own, so the time
+    includes the session's entry (checks, plans, workspace lease).
+    """
+    import torch
+    from triton.testing import do_bench
+
+    def once():
+        with model_attention.session(state, batch) as s:
+            body(s)
+
+    for _ in range(warmup):
+        once()
+    torch.cuda.synchronize()
+    if not graph:
+        return do_bench(once, warmup=25, rep=100, return_mode="median") * 1e3
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        once()  # allocator warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with model_attention.session(state, batch) as s:
+        with torch.cuda.graph(g):
+            body(s)
+    return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
+
+
 def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     """Device copy bandwidth (read + write) measured now: the memory roofline."""
     import torch

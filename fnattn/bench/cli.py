@@ -34,7 +34,7 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("fnattn bench: needs a CUDA device (none found)", file=sys.stderr)
         return 2
-    from .attention import decode_case, prefill_case
+    from ..kinds.full.bench import decode_case, prefill_case
 
     records = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
@@ -53,7 +53,7 @@ def run(args) -> int:
             for t in args.tokens:
                 records += prefill_case(tokens=t, hq=args.hq, hkv=args.hkv, dim=args.dim)
         if args.case in ("gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "standard"):
-            from .recurrent import recurrent_cases
+            from ..kinds.delta_rule.bench import recurrent_cases
 
             records += recurrent_cases(args.case)
     finally:

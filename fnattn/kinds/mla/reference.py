@@ -3,7 +3,7 @@
 Each new token attends to its request's cached latent rows and to the new rows
 up to itself. The cached rows are gathered through the block table (only the
 first ``cache_lens[b]`` tokens, so unwritten slots are never read) and the
-step's own rows come from the inputs; they leave as a `LatentWrite`, the
+step's own rows come from the inputs; they leave as the layer's writes, the
 backend never writes them.
 
 Prefill computes in the expanded form (per-head keys and values, which many
@@ -17,18 +17,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...deltas import LatentWrite
-from ...inputs import AttentionOutput, MLAInputs
-from ...ops.dsa import topk_mask
-from ...ops.mla import mla_absorbed, mla_expanded
+from ...deltas import Writes, writes
 from ...registry import register
-from ...spec import LayerSpec, MLAConfig
+from ...spec import LayerSpec
 from ...state import Views
-from .full import cached_tokens
-
-
-def mla_config(spec: LayerSpec) -> MLAConfig:
-    return spec.config if spec.kind == "mla" else spec.config.mla
+from ..full.config import AttentionOutput
+from ..full.reference import cached_tokens
+from .config import MLAInputs
+from .math import mla_absorbed, mla_expanded, topk_mask
 
 
 def request_rows(pages: Tensor, new: Tensor, batch, b: int) -> Tensor:
@@ -50,7 +46,7 @@ def paged_mla(spec: LayerSpec, views: Views, inputs: MLAInputs, *, phase: str,
     ``selected [T, topk]`` (optional) restricts each token to those absolute
     positions of its request (-1: none), for sparse layers.
     """
-    cfg = mla_config(spec)
+    cfg = spec.config.mla
     core = mla_expanded if phase == "prefill" else mla_absorbed
     batch = inputs.meta.batch
     cu = batch.host_cu_seqlens
@@ -66,25 +62,17 @@ def paged_mla(spec: LayerSpec, views: Views, inputs: MLAInputs, *, phase: str,
     return AttentionOutput(o=torch.cat(outs).to(spec.dtype), lse=torch.cat(lses).float())
 
 
-def latent_write(spec: LayerSpec, inputs: MLAInputs) -> LatentWrite:
-    return LatentWrite(layer=spec.index, slots=inputs.meta.batch.slot_mapping, latent=inputs.latent)
-
-
-def mla_step(spec: LayerSpec, views: Views, inputs: MLAInputs, phase: str):
-    return paged_mla(spec, views, inputs, phase=phase), (latent_write(spec, inputs),)
-
-
 # One function per phase, as the registry wants; the reference math is shared.
 @register("mla", "prefill", "reference")
-def mla_prefill(spec, views, inputs):
-    return mla_step(spec, views, inputs, "prefill")
+def prefill(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
+    return paged_mla(spec, views, inputs, phase="prefill"), writes(latent=inputs.latent)
 
 
 @register("mla", "decode", "reference")
-def mla_decode(spec, views, inputs):
-    return mla_step(spec, views, inputs, "decode")
+def decode(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
+    return paged_mla(spec, views, inputs, phase="decode"), writes(latent=inputs.latent)
 
 
 @register("mla", "verify", "reference")
-def mla_verify(spec, views, inputs):
-    return mla_step(spec, views, inputs, "verify")
+def verify(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
+    return paged_mla(spec, views, inputs, phase="verify"), writes(latent=inputs.latent)

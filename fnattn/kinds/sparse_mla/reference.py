@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 from ...checks import fail
-from ...deltas import IndexKeyWrite
-from ...inputs import SparseAttentionOutput, SparseMLAInputs
-from ...ops.dsa import indexer_scores, topk_indices
+from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
-from .mla import latent_write, paged_mla, request_rows
+from ..mla.reference import paged_mla, request_rows
+from .config import SparseAttentionOutput, SparseMLAInputs
+from .indexer import indexer_scores, topk_indices
 
 
 def select(views: Views, inputs: SparseMLAInputs) -> Tensor:
@@ -62,23 +62,22 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
     selected = select(views, inputs) if owns_indexer else check_reused(spec, inputs)
     att = paged_mla(spec, views, inputs, phase=phase, selected=selected)
     out = SparseAttentionOutput(o=att.o, lse=att.lse, topk_indices=selected)
-    deltas = (latent_write(spec, inputs),)
     if owns_indexer:
-        deltas += (IndexKeyWrite(layer=spec.index, slots=inputs.meta.batch.slot_mapping, keys=inputs.index_k),)
-    return out, deltas
+        return out, writes(latent=inputs.latent, index_k=inputs.index_k)
+    return out, writes(latent=inputs.latent)
 
 
 # One function per phase, as the registry wants; the reference math is shared.
 @register("sparse_mla", "prefill", "reference")
-def sparse_mla_prefill(spec, views, inputs):
+def prefill(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return sparse_step(spec, views, inputs, "prefill")
 
 
 @register("sparse_mla", "decode", "reference")
-def sparse_mla_decode(spec, views, inputs):
+def decode(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return sparse_step(spec, views, inputs, "decode")
 
 
 @register("sparse_mla", "verify", "reference")
-def sparse_mla_verify(spec, views, inputs):
+def verify(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return sparse_step(spec, views, inputs, "verify")

@@ -8,10 +8,12 @@ kernel over the paged prefix plus the causal new tokens.
 
 from __future__ import annotations
 
-from ..deltas import KVWrite
-from ..inputs import AttentionOutput
-from ..registry import register
-from .availability import needs_cuda, needs_dtype, package_missing
+from ...deltas import Writes, writes
+from ...registry import register
+from ...spec import LayerSpec
+from ...state import Views
+from ..availability import needs_cuda, needs_dtype, package_missing
+from .config import AttentionOutput, FullAttentionInputs
 
 
 def supports(spec, device) -> list[str]:
@@ -23,26 +25,26 @@ def supports(spec, device) -> list[str]:
     return reasons
 
 
-def _decode(spec, views, inputs):
-    from ..kernels import paged_decode
+def _decode(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
+    from ...kernels import paged_decode
 
     c, batch = spec.config, inputs.meta.batch
     o, lse = paged_decode(inputs.q, views.k, views.v, batch.block_table, batch.cache_lens,
                           k_new=inputs.k, v_new=inputs.v, scale=c.scale, softcap=c.softcap,
                           sliding_window=c.sliding_window, sinks=inputs.sinks)
-    return AttentionOutput(o=o, lse=lse), (KVWrite(layer=spec.index, slots=batch.slot_mapping, k=inputs.k, v=inputs.v),)
+    return AttentionOutput(o=o, lse=lse), writes(k=inputs.k, v=inputs.v)
 
 
-def _varlen(spec, views, inputs):
-    from ..kernels import paged_prefill
+def _varlen(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
+    from ...kernels import paged_prefill
 
     c, batch = spec.config, inputs.meta.batch
     o, lse = paged_prefill(inputs.q, inputs.k, inputs.v, batch.cu_seqlens, views.k, views.v, batch.block_table,
                            batch.cache_lens, scale=c.scale, softcap=c.softcap, sliding_window=c.sliding_window,
                            sinks=inputs.sinks, max_new_len=max(batch.host_new_lens))
-    return AttentionOutput(o=o, lse=lse), (KVWrite(layer=spec.index, slots=batch.slot_mapping, k=inputs.k, v=inputs.v),)
+    return AttentionOutput(o=o, lse=lse), writes(k=inputs.k, v=inputs.v)
 
 
-register("full", "decode", "triton", supports=supports)(_decode)
+_decode = register("full", "decode", "triton", supports=supports)(_decode)
 register("full", "prefill", "triton", supports=supports)(_varlen)
-register("full", "verify", "triton", supports=supports)(_varlen)
+_varlen = register("full", "verify", "triton", supports=supports)(_varlen)

@@ -30,12 +30,13 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from fnattn.ops._shapes import expect_float, expect_shape
+from fnattn.checks import expect_float, expect_shape
 
 __all__ = [
+    "topk_mask",
     "AttentionForm",
     "key_visibility",
     "mla_absorbed",
@@ -190,3 +191,20 @@ def mla_attention(
         raise ValueError(f"form: expected 'absorbed' or 'expanded', got {form!r}")
     core = mla_absorbed if form == "absorbed" else mla_expanded
     return core(q_nope, q_pe, latent, w_uk, w_uv, scale=scale, n_cached=n_cached, causal=causal, allowed=allowed)
+
+
+def topk_mask(indices: Int[Tensor, "T topk"], *, n_keys: int) -> Bool[Tensor, "T N"]:
+    """Bool mask ``[T, n_keys]``, True at the selected key positions (``-1``
+    entries select nothing). Pass it as ``allowed`` to the MLA functions."""
+    expect_shape("indices", indices, (None, None))
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool:
+        raise ValueError(f"indices: expected an integer tensor, got dtype {indices.dtype}")
+    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= n_keys):
+        raise ValueError(
+            f"indices: expected values in [-1, {n_keys}), got [{int(indices.min())}, {int(indices.max())}]"
+        )
+    T = indices.shape[0]
+    slots = torch.where(indices < 0, n_keys, indices).to(torch.int64)  # -1 -> a spare column
+    mask = torch.zeros(T, n_keys + 1, dtype=torch.bool, device=indices.device)
+    mask = mask.scatter(1, slots, True)
+    return mask[:, :n_keys]

@@ -11,7 +11,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from ..checks import checked
+from ...checks import checked
 
 
 @checked

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import Batch, GDNConfig, KDAConfig, LayerSpec, ModelAttention
-from ..apply import validate_step, write_step
-from ..deltas import StepDeltas
-from ..inputs import RecurrentInputs
-from . import timed
-from .attention import cached_state
+from ... import Batch, GDNConfig, KDAConfig, LayerSpec, ModelAttention
+from ...apply import validate_step, write_step
+from ...bench import timed, timed_session
+from ...bench.setup import cached_state
+from ...deltas import StepDeltas
+from .config import RecurrentInputs
 
 DEVICE = "cuda"
 
@@ -50,21 +50,20 @@ def _spec(kind: str, *, hk: int, hv: int, dim: int, dtype) -> LayerSpec:
 def _inputs(spec: LayerSpec, T: int) -> RecurrentInputs:
     """Conv input and gates shaped like a model's projections (log decays near 0, beta in (0, 1))."""
     c = spec.config
-    H = c.num_v_heads if spec.kind == "gdn" else c.num_heads
+    H = c.num_state_heads
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     r = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
-    g_shape = (T, H) if spec.kind == "gdn" else (T, H, c.head_k_dim)
     return RecurrentInputs(x=r(T, c.conv_dim).to(spec.dtype),
                            conv_weight=(0.5 * r(c.conv_dim, c.conv_kernel)).to(spec.dtype),
-                           g=F.logsigmoid(r(*g_shape) + 3.0), beta=torch.sigmoid(r(T, H)).to(spec.dtype))
+                           g=F.logsigmoid(r(*c.gate_shape(T)) + 3.0), beta=torch.sigmoid(r(T, H)).to(spec.dtype))
 
 
 def _peer_qkv(spec, state, batch, inputs):
     """q, k [T, Hk, K] and v [T, H, V] (contiguous) from the same conv the backend runs."""
-    from ..kernels import causal_conv1d
+    from ...kernels import causal_conv1d
 
     c = spec.config
-    hk = c.num_k_heads if spec.kind == "gdn" else c.num_heads
+    hk = c.num_qk_heads
     slots = batch.recurrent_slots.masked_fill(batch.cache_lens == 0, -1)
     mixed, _ = causal_conv1d(inputs.x, inputs.conv_weight, None, state.views(0).conv, slots, batch.cu_seqlens)
     qk = hk * c.head_k_dim
@@ -74,17 +73,16 @@ def _peer_qkv(spec, state, batch, inputs):
 
 
 def _session_run(name, spec, state, batch, inputs, *, graph: bool, apply: bool = False) -> float:
-    """One layer through backend ``name``; the session (and its plan) opens outside the timed region."""
+    """One layer through backend ``name``; with a graph its session (and plan) opens outside the
+    captured region (`timed_session`). ``apply``: the step's apply checks and writes are timed too."""
     ma = ModelAttention([spec], prefer=(name,), device=DEVICE, phases=(batch.phase,))
-    with ma.session(state, batch) as s:
 
-        def run():
-            _, deltas = s.forward(spec.index, inputs)
-            if apply:
-                step = StepDeltas(batch.step_id, batch.state_version, deltas)
-                write_step(state._storage.pools, validate_step(state, step))
+    def step(s):
+        _, writes = s.forward(spec.index, inputs)
+        if apply:
+            write_step(state._storage.pools, validate_step(state, StepDeltas.collect(batch, [writes])))
 
-        return timed(run, graph=graph)
+    return timed_session(ma, state, batch, step, graph=graph)
 
 
 def _measure(case: str, peer: str, shape: dict, runs: dict, rate) -> list[dict]:
@@ -190,7 +188,7 @@ def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16)
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
         q, k, v = _peer_qkv(spec, state, b, inputs)  # [B, Hk, K], [B, Hk, K], [B, HV, V]
-        h0 = state.views(0).ssm[:batch]  # slots 0..B-1 in order: the pool rows are the dense batch
+        h0 = state.views(0).ssm.index_select(0, b.recurrent_slots)  # the requests' current rows, as a dense batch
         args = (q[:, None], k[:, None], v[:, None])
         return timed(lambda: fused_recurrent_gated_delta_rule(
             *args, g=inputs.g[:, None], beta=inputs.beta[:, None], scale=spec.config.scale, initial_state=h0,
@@ -208,7 +206,7 @@ def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16)
 
 def decode_tile_sweep(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16) -> list[dict]:
     """The recurrent decode kernel alone (states into spare pool rows) over V tiles and warps."""
-    from ..kernels import gated_delta_recurrent
+    from ...kernels import gated_delta_recurrent
 
     case = f"gdn decode kernel sweep B{batch} {hk}qk/{hv}v d{dim} graph"
     shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype), "state_dtype": "torch.float32"}

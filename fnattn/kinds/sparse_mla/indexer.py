@@ -6,25 +6,26 @@ latent) and, for every new token, scores all visible tokens::
     score[t, j] = sum_h w[t, h] * relu(softmax_scale * q[t, h] . k[j])
 
 with ``softmax_scale = Di ** -0.5`` by default. Each new token then attends
-(MLA, ``fnattn.ops.mla``) only the ``topk`` best-scoring visible tokens, passed
+(MLA, ``fnattn.kinds.mla.math``) only the ``topk`` best-scoring visible tokens, passed
 as the ``allowed`` mask. Visibility is causal and includes the token itself:
 new token ``i`` may select any cached token and new tokens ``0..i``.
 
 The indexer queries, head weights and keys come from a checkpoint's weights in
 the model (``fnattn.models.dsa_layer``). Dimension names: Hi indexer heads, Di
 indexer head dim, topk selected tokens per query; others as in
-``fnattn.ops.mla``. No input is modified.
+``fnattn.kinds.mla.math``. No input is modified.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
-from fnattn.ops._shapes import expect_float, expect_shape
-from fnattn.ops.mla import key_visibility
+from fnattn.checks import expect_float, expect_shape
+
+from ..mla.math import key_visibility, topk_mask
 
 __all__ = ["indexer_scores", "topk_indices", "topk_mask"]
 
@@ -76,18 +77,3 @@ def topk_indices(scores: Float[Tensor, "T N"], *, n_cached: int, topk: int) -> I
     return picked.to(torch.int64)
 
 
-def topk_mask(indices: Int[Tensor, "T topk"], *, n_keys: int) -> Bool[Tensor, "T N"]:
-    """Bool mask ``[T, n_keys]``, True at the selected key positions (``-1``
-    entries select nothing). Pass it as ``allowed`` to the MLA functions."""
-    expect_shape("indices", indices, (None, None))
-    if indices.dtype.is_floating_point or indices.dtype == torch.bool:
-        raise ValueError(f"indices: expected an integer tensor, got dtype {indices.dtype}")
-    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= n_keys):
-        raise ValueError(
-            f"indices: expected values in [-1, {n_keys}), got [{int(indices.min())}, {int(indices.max())}]"
-        )
-    T = indices.shape[0]
-    slots = torch.where(indices < 0, n_keys, indices).to(torch.int64)  # -1 -> a spare column
-    mask = torch.zeros(T, n_keys + 1, dtype=torch.bool, device=indices.device)
-    mask = mask.scatter(1, slots, True)
-    return mask[:, :n_keys]

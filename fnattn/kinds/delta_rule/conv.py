@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from fnattn.ops._shapes import expect_float, expect_shape
+from fnattn.checks import expect_float, expect_shape
 
 __all__ = ["ACTIVATIONS", "apply_activation", "check_activation", "causal_conv1d"]
 

@@ -4,21 +4,19 @@ A backend receives the conv input ``x`` (q | k | v channels), the conv taps and
 the per-token gates, and owns everything between the model's projections and
 its output norm: the causal conv continuing from the request's conv window,
 silu, the q/k/v split with l2-normalized q and k, and the gated delta rule
-continuing from the request's recurrent state. The new states leave as one
-`RecurrentWrite`:
+continuing from the request's recurrent state. The new states leave as the
+layer's writes (``ssm`` and ``conv``):
 
 * prefill (chunked form) and decode (token by token): one row per request,
   the states after its last token;
 * verify (token by token): one row per token, the states after every token,
-  so `StepDeltas.accept` can keep the row of the last accepted token.
+  so the apply can keep the row of the last accepted token.
 
-The rows are `Batch.recurrent_write_rows`: spare rows of the request's ring
-(the apply then moves its ring position), or without a ring its current row,
-where only each request's last verify row carries the slot (the others are -1,
-skipped), so applying the deltas without `accept` keeps every token, like the
-cursor.
+Where the rows go is the batch's business (`Batch.state_rows`): spare rows of
+the request's ring (the apply then moves its ring position), or without a ring
+its current row.
 
-Requests loop on the host; the math is `fnattn.ops`.
+Requests loop on the host; the math is `.conv`, `.qkv` and `.math` beside this file.
 """
 
 from __future__ import annotations
@@ -29,39 +27,21 @@ import torch
 from torch import Tensor
 
 from ...checks import fail
-from ...deltas import RecurrentWrite
-from ...inputs import RecurrentInputs, RecurrentOutput
-from ...ops.conv import causal_conv1d
-from ...ops.delta_rule import gated_delta_chunked, gated_delta_recurrent
-from ...ops.gdn import gdn_qkv
-from ...ops.kda import kda_qkv
+from ...deltas import Writes, writes
+from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
+from .config import RecurrentInputs, RecurrentOutput
+from .conv import causal_conv1d
+from .math import gated_delta_chunked, gated_delta_recurrent
 
 #: Tokens per chunk of the chunked (prefill) form.
 CHUNK_SIZE = 64
 
 
-def heads(spec: LayerSpec) -> int:
-    """Heads of the recurrent state: GDN's value heads, KDA's heads."""
-    c = spec.config
-    return c.num_v_heads if spec.kind == "gdn" else c.num_heads
-
-
-def split_qkv(spec: LayerSpec, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Conv output ``[n, C]`` -> q, k ``[n, H, K]`` (fp32, l2-normalized) and v ``[n, H, V]``."""
-    c = spec.config
-    if spec.kind == "gdn":
-        return gdn_qkv(mixed, num_k_heads=c.num_k_heads, num_v_heads=c.num_v_heads,
-                       head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim)
-    return kda_qkv(mixed, num_heads=c.num_heads, head_k_dim=c.head_k_dim, head_v_dim=c.head_v_dim)
-
-
 def check_inputs(spec: LayerSpec, inputs: RecurrentInputs) -> None:
-    """What `RecurrentInputs.validate` leaves open: the type of the inputs and beta's dtype."""
+    """What `RecurrentInputs.validate` leaves open: beta's dtype."""
     where = f"layer {spec.index} inputs"
-    if not isinstance(inputs, RecurrentInputs):
-        fail(where, "inputs", f"RecurrentInputs (the layer is {spec.kind})", type(inputs).__name__)
     # An integer or fp64 beta is a wiring mistake, not a value to cast silently.
     allowed = tuple(dict.fromkeys((spec.dtype, torch.float32)))
     if inputs.beta.dtype not in allowed:
@@ -78,7 +58,7 @@ def start_states(spec: LayerSpec, views: Views, batch, b: int) -> tuple[Tensor, 
     device = views.ssm.device
     if batch.host_cache_lens[b] == 0:
         window = torch.zeros(c.conv_dim, c.conv_kernel - 1, dtype=spec.dtype, device=device)
-        state = torch.zeros(heads(spec), c.head_k_dim, c.head_v_dim, dtype=c.state_dtype, device=device)
+        state = torch.zeros(c.num_state_heads, c.head_k_dim, c.head_v_dim, dtype=c.state_dtype, device=device)
         return window, state
     slot = batch.recurrent_slots[b : b + 1]  # [1]: index_select keeps the slot on the device
     return views.conv.index_select(0, slot)[0], views.ssm.index_select(0, slot)[0]
@@ -122,7 +102,7 @@ def _advance(spec: LayerSpec, inputs: RecurrentInputs, rows: slice, window: Tens
     c = spec.config
     mixed, conv_after = causal_conv1d(inputs.x[rows], inputs.conv_weight, inputs.conv_bias, window,
                                       activation="silu")  # [n, C], [n, C, W - 1]
-    q, k, v = split_qkv(spec, mixed)
+    q, k, v = c.split_qkv(mixed)
     g, beta = inputs.g[rows], inputs.beta[rows]  # [n, H] or [n, H, K]; [n, H]
     if chunked:
         o, final = gated_delta_chunked(q, k, v, g, beta, state, scale=c.scale, chunk_size=CHUNK_SIZE)
@@ -141,7 +121,7 @@ def per_request(spec: LayerSpec, views: Views, inputs: RecurrentInputs, *, chunk
         o, states, windows = run(spec, views, inputs, per_token=True)
         last = torch.tensor(batch.host_cu_seqlens[1:], device=o.device) - 1  # [B] each request's last row
         states, windows = states.index_select(0, last), windows.index_select(0, last)
-    return RecurrentOutput(o=o), (new_states(spec, batch, states, windows),)
+    return RecurrentOutput(o=o), writes(ssm=states, conv=windows)
 
 
 def per_token(spec: LayerSpec, views: Views, inputs: RecurrentInputs):
@@ -153,11 +133,19 @@ def per_token(spec: LayerSpec, views: Views, inputs: RecurrentInputs):
     batch = inputs.meta.batch
     o, states, windows = run(spec, views, inputs, per_token=True)  # [T, H, V], [T, H, K, V], [T, C, W - 1]
     if batch.recovery == "replay":
-        return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), ()
-    return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), (new_states(spec, batch, states, windows),)
+        return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), None
+    return RecurrentOutput(o=o, replay=replace(inputs, meta=None)), writes(ssm=states, conv=windows)
 
 
-def new_states(spec: LayerSpec, batch, states, windows) -> RecurrentWrite:
-    """The write of a step's new states (values) into the rows the batch names for them."""
-    return RecurrentWrite(layer=spec.index, slots=batch.recurrent_write_rows, state=states, conv=windows,
-                          ring_step=batch.step_id if batch.ring else None)
+for _kind in ("gdn", "kda"):
+    @register(_kind, "prefill", "reference")
+    def prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
+        return per_request(spec, views, inputs, chunked=True)
+
+    @register(_kind, "decode", "reference")
+    def decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
+        return per_request(spec, views, inputs, chunked=False)
+
+    @register(_kind, "verify", "reference")
+    def verify(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes | None]:
+        return per_token(spec, views, inputs)

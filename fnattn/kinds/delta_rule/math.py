@@ -25,7 +25,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from fnattn.ops._shapes import expect_float, expect_shape
+from fnattn.checks import expect_float, expect_shape
 
 __all__ = ["RecurrentLayerOutput", "gated_delta_chunked", "gated_delta_recurrent"]
 

@@ -2,19 +2,19 @@
 
 Each new token attends to its request's cached tokens and to the new tokens up
 to itself. The two parts are computed separately and merged by log-sum-exp, so
-the step's own K/V never has to be in the cache; they leave as a `KVWrite`.
+the step's own K/V never has to be in the cache; they leave as the layer's writes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...deltas import KVWrite
-from ...inputs import AttentionOutput, FullAttentionInputs
-from ...ops.attention import apply_sinks, attend, merge
+from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
+from .config import AttentionOutput, FullAttentionInputs
+from .math import apply_sinks, attend, merge
 
 
 def cached_tokens(pages: torch.Tensor, block_row: torch.Tensor, n: int, page_size: int) -> torch.Tensor:
@@ -23,7 +23,7 @@ def cached_tokens(pages: torch.Tensor, block_row: torch.Tensor, n: int, page_siz
     return pages.index_select(0, used).flatten(0, 1)[:n]
 
 
-def paged_attention(spec: LayerSpec, views: Views, inputs: FullAttentionInputs):
+def paged_attention(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     cfg = spec.config
     batch = inputs.meta.batch
     cu = batch.host_cu_seqlens
@@ -45,20 +45,20 @@ def paged_attention(spec: LayerSpec, views: Views, inputs: FullAttentionInputs):
         outs.append(o)
         lses.append(lse)
     out = AttentionOutput(o=torch.cat(outs).to(inputs.q.dtype), lse=torch.cat(lses))
-    return out, (KVWrite(layer=spec.index, slots=batch.slot_mapping, k=inputs.k, v=inputs.v),)
+    return out, writes(k=inputs.k, v=inputs.v)
 
 
 # One function per phase, as the registry wants; the reference math is shared.
 @register("full", "prefill", "reference")
-def full_prefill(spec, views, inputs):
+def prefill(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     return paged_attention(spec, views, inputs)
 
 
 @register("full", "decode", "reference")
-def full_decode(spec, views, inputs):
+def decode(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     return paged_attention(spec, views, inputs)
 
 
 @register("full", "verify", "reference")
-def full_verify(spec, views, inputs):
+def verify(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     return paged_attention(spec, views, inputs)

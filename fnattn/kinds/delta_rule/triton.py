@@ -1,9 +1,9 @@
 """Triton backends for Gated DeltaNet and Kimi Delta Attention, and fla-core as a prefill provider.
 
-Same contract as the reference backends (`reference/recurrent.py`): the causal
+Same contract as the reference backends (`.reference`): the causal
 conv continuing from the request's conv window, silu, the q/k/v split with
 l2-normalized q and k, and the gated delta rule continuing from the request's
-recurrent state; the new states leave as one `RecurrentWrite`. The kernels
+recurrent state; the new states leave as the layer's writes. The kernels
 (`fnattn.kernels.gated_delta`) read the pools by slot and never write a row being read:
 
 * prefill: `causal_conv1d` + `gated_delta_chunked` (the "fla" provider runs
@@ -13,7 +13,7 @@ recurrent state; the new states leave as one `RecurrentWrite`. The kernels
 
 When the batch has a ring (`State`), decode and verify write the new states
 straight into its spare ring rows, which `State` hands out for that step and
-which no request reads, and return ``state=None``: the apply then moves ring
+which no request reads, and return ``ssm=None``: the apply then moves ring
 positions and copies nothing but the small conv windows. Otherwise the states
 leave as values, like prefill's.
 
@@ -32,11 +32,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..deltas import RecurrentWrite
-from ..inputs import RecurrentOutput
-from ..registry import register
-from .availability import needs_cuda, needs_dtype, package_missing
-from .reference.recurrent import check_inputs, heads
+from ...deltas import Writes, writes
+from ...registry import register
+from ...spec import LayerSpec
+from ...state import Views
+from ..availability import needs_cuda, needs_dtype, package_missing
+from .config import RecurrentInputs, RecurrentOutput
+from .reference import check_inputs
 
 #: Tokens per chunk of the chunked (prefill) kernels: a power of two >= 16.
 CHUNK_SIZE = 64
@@ -48,7 +50,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class RecurrentPlan:
     read_slots: Tensor  # [B] int64: the row each request starts from, -1: fresh (zero states)
     write_slots: Tensor  # [R] int64: row of each new state; R = B, or T for verify (Batch.recurrent_write_rows)
-    ring_step: int | None = None  # the batch whose spare ring rows write_slots are; None: current rows
+    in_ring: bool = False  # write_slots are spare ring rows the kernels may fill in place
     chunks: tuple[Tensor, Tensor] | None = None  # prefill: (request, chunk of request) per chunk, int32
     chunk_size: int = CHUNK_SIZE
     cu_seqlens_long: Tensor | None = None  # [B + 1] int64 (fla-core's cu_seqlens)
@@ -71,11 +73,11 @@ def plan(specs, batch, lease) -> RecurrentPlan:
     # From the device tensors, not the host copies: no host-to-device copy, so building it may be captured too.
     read = batch.recurrent_slots.masked_fill(batch.cache_lens == 0, -1)  # [B]
     write = batch.recurrent_write_rows  # [B] or [T]
-    ring_step = batch.step_id if batch.ring else None
+    in_ring = bool(batch.ring)
     if batch.phase != "prefill":
-        return RecurrentPlan(read_slots=read, write_slots=write, ring_step=ring_step)
+        return RecurrentPlan(read_slots=read, write_slots=write, in_ring=in_ring)
     cu_cpu = torch.tensor(batch.host_cu_seqlens, dtype=torch.long)
-    return RecurrentPlan(read_slots=read, write_slots=write, ring_step=ring_step, chunks=_chunk_list(batch, CHUNK_SIZE),
+    return RecurrentPlan(read_slots=read, write_slots=write, in_ring=in_ring, chunks=_chunk_list(batch, CHUNK_SIZE),
                          chunk_size=CHUNK_SIZE, cu_seqlens_long=batch.cu_seqlens.long(), cu_seqlens_cpu=cu_cpu)
 
 
@@ -86,7 +88,7 @@ def _plan_of(spec, inputs) -> RecurrentPlan:
 
 def _conv(spec, views, inputs, p: RecurrentPlan, *, per_token: bool):
     """``-> (mixed [T, C], windows)``: windows [B, C, W - 1], or [T, C, W - 1] per token."""
-    from ..kernels import causal_conv1d
+    from ...kernels import causal_conv1d
 
     return causal_conv1d(inputs.x, inputs.conv_weight, inputs.conv_bias, views.conv, p.read_slots,
                          inputs.meta.batch.cu_seqlens, activation="silu", per_position_states=per_token)
@@ -95,24 +97,24 @@ def _conv(spec, views, inputs, p: RecurrentPlan, *, per_token: bool):
 def _split(spec, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Views of the conv output: q, k [T, Hk, K] (GDN's key heads, not repeated) and v [T, H, V]."""
     c = spec.config
-    hk = c.num_k_heads if spec.kind == "gdn" else c.num_heads
+    hk = c.num_qk_heads
     qk = hk * c.head_k_dim
     q = mixed[:, :qk].unflatten(1, (hk, c.head_k_dim))
     k = mixed[:, qk : 2 * qk].unflatten(1, (hk, c.head_k_dim))
-    v = mixed[:, 2 * qk :].unflatten(1, (heads(spec), c.head_v_dim))
+    v = mixed[:, 2 * qk :].unflatten(1, (c.num_state_heads, c.head_v_dim))
     return q, k, v
 
 
-def _write(spec, p: RecurrentPlan, states: Tensor | None, windows: Tensor) -> tuple[RecurrentWrite]:
-    return (RecurrentWrite(layer=spec.index, slots=p.write_slots, state=states, conv=windows, ring_step=p.ring_step),)
+def _write(states: Tensor | None, windows: Tensor) -> Writes:
+    return writes(ssm=states, conv=windows)
 
 
 def _recurrent(spec, views, inputs, p: RecurrentPlan, q, k, v, *, per_token: bool):
     """``-> (o, states or None)``: with a ring the kernel writes the new states straight
     into the batch's spare ring rows (never a row being read) and nothing is left to copy."""
-    from ..kernels import gated_delta_recurrent
+    from ...kernels import gated_delta_recurrent
 
-    into = dict(out_states=views.ssm, out_rows=p.write_slots) if p.ring_step is not None else {}
+    into = dict(out_states=views.ssm, out_rows=p.write_slots) if p.in_ring else {}
     o, states = gated_delta_recurrent(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
                                       inputs.meta.batch.cu_seqlens, scale=spec.config.scale,
                                       per_position_states=per_token, use_qk_l2norm=True, **into)
@@ -122,8 +124,8 @@ def _recurrent(spec, views, inputs, p: RecurrentPlan, q, k, v, *, per_token: boo
 # ------------------------------------------------------------------ triton
 
 
-def _prefill(spec, views, inputs):
-    from ..kernels import gated_delta_chunked
+def _prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
+    from ...kernels import gated_delta_chunked
 
     check_inputs(spec, inputs)
     c, p = spec.config, _plan_of(spec, inputs)
@@ -132,20 +134,20 @@ def _prefill(spec, views, inputs):
     o, states = gated_delta_chunked(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
                                     inputs.meta.batch.cu_seqlens, scale=c.scale, chunk_size=p.chunk_size,
                                     use_qk_l2norm=True, chunks=p.chunks)  # [T, H, V], [B, H, K, V]
-    return RecurrentOutput(o=o), _write(spec, p, states, windows)
+    return RecurrentOutput(o=o), _write(states, windows)
 
 
-def _decode(spec, views, inputs):
+def _decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
     check_inputs(spec, inputs)
     p = _plan_of(spec, inputs)
     mixed, windows = _conv(spec, views, inputs, p, per_token=False)  # [T, C], [B, C, W - 1]
     q, k, v = _split(spec, mixed)
     o, states = _recurrent(spec, views, inputs, p, q, k, v, per_token=False)  # [T, H, V], [B, H, K, V] | None
-    return RecurrentOutput(o=o), _write(spec, p, states, windows)
+    return RecurrentOutput(o=o), _write(states, windows)
 
 
-def _verify(spec, views, inputs):
-    from ..kernels import gated_delta_recurrent
+def _verify(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes | None]:
+    from ...kernels import gated_delta_recurrent
 
     check_inputs(spec, inputs)
     c, p = spec.config, _plan_of(spec, inputs)
@@ -156,11 +158,11 @@ def _verify(spec, views, inputs):
         q, k, v = _split(spec, mixed)
         o, _ = gated_delta_recurrent(q, k, v, inputs.g, inputs.beta, views.ssm, p.read_slots,
                                      inputs.meta.batch.cu_seqlens, scale=c.scale, use_qk_l2norm=True)
-        return RecurrentOutput(o=o, replay=replay), ()
+        return RecurrentOutput(o=o, replay=replay), None
     mixed, windows = _conv(spec, views, inputs, p, per_token=True)  # [T, C], [T, C, W - 1]
     q, k, v = _split(spec, mixed)
     o, states = _recurrent(spec, views, inputs, p, q, k, v, per_token=True)  # [T, H, V], [T, H, K, V] | None
-    return RecurrentOutput(o=o, replay=replay), _write(spec, p, states, windows)
+    return RecurrentOutput(o=o, replay=replay), _write(states, windows)
 
 
 def supports(spec, device) -> list[str]:
@@ -196,7 +198,7 @@ def fla_supports(spec, device) -> list[str]:
     return reasons
 
 
-def _fla_prefill(spec, views, inputs):
+def _fla_prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
 
@@ -212,11 +214,14 @@ def _fla_prefill(spec, views, inputs):
     o, final = op(q[None], k[None], v[None], inputs.g[None], inputs.beta[None], scale=c.scale, initial_state=h0,
                   output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=p.cu_seqlens_long,
                   cu_seqlens_cpu=p.cu_seqlens_cpu)  # [1, T, H, V], [B, H, K, V] fp32
-    return RecurrentOutput(o=o[0].to(spec.dtype)), _write(spec, p, final.to(c.state_dtype), windows)
+    return RecurrentOutput(o=o[0].to(spec.dtype)), _write(final.to(c.state_dtype), windows)
 
 
+_guards = {}
 for _kind in ("gdn", "kda"):
-    register(_kind, "prefill", "triton", supports=supports, plan=plan)(_prefill)
-    register(_kind, "decode", "triton", supports=supports, plan=plan)(_decode)
-    register(_kind, "verify", "triton", supports=supports, plan=plan)(_verify)
-    register(_kind, "prefill", "fla", supports=fla_supports, plan=plan)(_fla_prefill)
+    _guards["_prefill"] = register(_kind, "prefill", "triton", supports=supports, plan=plan)(_prefill)
+    _guards["_decode"] = register(_kind, "decode", "triton", supports=supports, plan=plan)(_decode)
+    _guards["_verify"] = register(_kind, "verify", "triton", supports=supports, plan=plan)(_verify)
+    _guards["_fla_prefill"] = register(_kind, "prefill", "fla", supports=fla_supports, plan=plan)(_fla_prefill)
+# The module's names run only through a session from here on, like every registered backend.
+_prefill, _decode, _verify, _fla_prefill = (_guards[n] for n in ("_prefill", "_decode", "_verify", "_fla_prefill"))

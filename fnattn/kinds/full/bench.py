@@ -2,36 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from .. import Batch, CursorAdvance, FullAttentionConfig, FullAttentionInputs, LayerSpec, ModelAttention, State
-from ..apply import validate_step, write_step
-from ..backends.flashinfer_full import cache_layout
-from ..deltas import StepDeltas
-from . import timed
-
-_setup_steps = itertools.count(-1, -1)  # negative ids: setup steps never collide with real ones
-
-
-def cached_state(specs, *, batch: int, ctx: int, page_size: int, extra: int = 1, recurrent_ring: int = 2):
-    """``batch`` requests with ``ctx`` random cached tokens each, room for ``extra`` more."""
-    specs = [specs] if isinstance(specs, LayerSpec) else list(specs)
-    pages = batch * (-(-(ctx + extra) // page_size))
-    state = State(specs, num_pages=pages, page_size=page_size, max_requests=batch, device="cuda",
-                  recurrent_ring=recurrent_ring)
-    for r in range(batch):
-        state = state.admit(r)
-    state = state.reserve({r: ctx + extra for r in range(batch)})
-    # Only the cursor moves; the cache is filled below, directly (benchmark setup).
-    state = state.apply(StepDeltas(step_id=next(_setup_steps), state_version=state.version, writes=(),
-                                   cursor=CursorAdvance(tuple(range(batch)), (ctx,) * batch)))
-    gen = torch.Generator(device="cuda").manual_seed(0)  # independent of any graph capture
-    for pool in state.pools.values():
-        for t in pool.tensors.values():
-            t.normal_(generator=gen)
-    return state
+from ... import Batch, FullAttentionConfig, FullAttentionInputs, LayerSpec, ModelAttention
+from ...apply import validate_step, write_step
+from ...bench import timed, timed_session
+from ...bench.setup import cached_state
+from ...deltas import StepDeltas
+from .flashinfer import cache_layout
 
 
 def _inputs(spec, T):
@@ -44,20 +22,18 @@ def _inputs(spec, T):
 def time_fnattn(ma, state, batch, specs, inputs, *, graph: bool) -> float:
     """The pure path: every layer's attention through a session, then the step's one apply.
 
-    The session (and with it each backend's plan) opens outside the timed
-    region, as a served decode step plans before replaying its graph.
+    With a graph the session (and with it each backend's plan) opens outside
+    the captured region, as a served decode step plans before replaying its
+    graph (`timed_session`). The apply's checks and scatter are timed; the
+    cursors are not moved, so every replay is the same step.
     """
     specs = [specs] if isinstance(specs, LayerSpec) else list(specs)
-    with ma.session(state, batch) as s:
 
-        def run():
-            writes = []
-            for spec in specs:
-                writes += s.forward(spec.index, inputs)[1]
-            step = StepDeltas(batch.step_id, batch.state_version, tuple(writes))
-            write_step(state._storage.pools, validate_step(state, step))
+    def step(s):
+        writes = [s.forward(spec.index, inputs)[1] for spec in specs]
+        write_step(state._storage.pools, validate_step(state, StepDeltas.collect(batch, writes)))
 
-        return timed(run, graph=graph)
+    return timed_session(ma, state, batch, step, graph=graph)
 
 
 def usual_flashinfer_decode(state, batch, specs, inputs):

@@ -13,10 +13,12 @@ import math
 
 import torch
 
-from ..deltas import KVWrite
-from ..inputs import AttentionOutput
-from ..registry import register
-from .availability import needs_cuda, needs_dtype, package_missing
+from ...deltas import Writes, writes
+from ...registry import register
+from ...spec import LayerSpec
+from ...state import Views
+from ..availability import needs_cuda, needs_dtype, package_missing
+from .config import AttentionOutput, FullAttentionInputs
 
 LN2 = math.log(2.0)
 _WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -104,12 +106,12 @@ def _merge(o1, lse1, o2, lse2):
     return flashinfer.merge_state(o1, lse1, o2, lse2)
 
 
-def _decode(spec, views, inputs):
-    batch, plan = inputs.meta.batch, inputs.meta.plan
+def _decode(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
+    plan = inputs.meta.plan
     o_c, lse_c = plan["decode"].run(inputs.q, (views.k, views.v), return_lse=True)
     c = spec.config
     if importlib.util.find_spec("triton") is not None:
-        from ..kernels import merge_new_token
+        from ...kernels import merge_new_token
 
         # The step's own token and the merge in one launch instead of four small ones.
         o, lse = merge_new_token(o_c, lse_c, inputs.q, inputs.k, inputs.v, scale=c.scale, softcap=c.softcap,
@@ -119,19 +121,19 @@ def _decode(spec, views, inputs):
         o, lse = _merge(o_c, lse_c, o_n, lse_n)
         lse = lse * LN2
     return (AttentionOutput(o=o, lse=lse),
-            (KVWrite(layer=spec.index, slots=batch.slot_mapping, k=inputs.k, v=inputs.v),))
+            writes(k=inputs.k, v=inputs.v))
 
 
-def _varlen(spec, views, inputs):
-    batch, plan = inputs.meta.batch, inputs.meta.plan
+def _varlen(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
+    plan = inputs.meta.plan
     o, lse = plan["ragged"].run(inputs.q, inputs.k, inputs.v, return_lse=True)
     if "paged" in plan:
         o_c, lse_c = plan["paged"].run(inputs.q, (views.k, views.v), return_lse=True)
         o, lse = _merge(o_c, lse_c, o, lse)
     return (AttentionOutput(o=o, lse=lse * LN2),
-            (KVWrite(layer=spec.index, slots=batch.slot_mapping, k=inputs.k, v=inputs.v),))
+            writes(k=inputs.k, v=inputs.v))
 
 
-register("full", "decode", "flashinfer", supports=supports, plan=plan_decode)(_decode)
+_decode = register("full", "decode", "flashinfer", supports=supports, plan=plan_decode)(_decode)
 register("full", "prefill", "flashinfer", supports=supports, plan=plan_varlen)(_varlen)
-register("full", "verify", "flashinfer", supports=supports, plan=plan_varlen)(_varlen)
+_varlen = register("full", "verify", "flashinfer", supports=supports, plan=plan_varlen)(_varlen)

@@ -1,1 +1,0 @@
-"""Pure-torch reference backends: clarity first, the ground truth for every fast path."""

@@ -1,0 +1,126 @@
+"""Sparse MLA with the DSA indexer (DeepSeek-V3.2, GLM-5): config, storage, inputs, outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ...checks import check_tensor, fail
+from ...declare import per_token, static_pytree, tensor_pytree
+from ...spec import non_negative, positive
+from ..mla.config import MLAConfig, MLAInputs
+
+
+@static_pytree
+@dataclass(frozen=True)
+class IndexerConfig:
+    """The DSA lightning indexer that picks the top-k tokens a query attends."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+    rope_head_dim: int = 64
+
+    def __post_init__(self):
+        positive(self, "num_heads", "head_dim", "topk", "rope_head_dim")
+        if self.rope_head_dim > self.head_dim:
+            fail("IndexerConfig", "rope_head_dim", f"<= head_dim={self.head_dim}", self.rope_head_dim)
+
+
+
+@static_pytree
+@dataclass(frozen=True)
+class SparseMLAConfig:
+    """MLA restricted to the tokens chosen by a DSA indexer (DeepSeek-V3.2, GLM-5).
+
+    ``index_source_layer`` names the layer whose top-k indices this layer reuses
+    (GLM-5 shares indices across layers); None means the layer runs its own
+    indexer and caches its own index keys.
+    """
+
+    kind: ClassVar[str] = "sparse_mla"
+    mla: MLAConfig
+    indexer: IndexerConfig
+    index_source_layer: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.mla, MLAConfig):
+            fail("SparseMLAConfig", "mla", "an MLAConfig", self.mla)
+        if not isinstance(self.indexer, IndexerConfig):
+            fail("SparseMLAConfig", "indexer", "an IndexerConfig", self.indexer)
+        if self.index_source_layer is not None:
+            non_negative(self, "index_source_layer")
+
+    def storage(self, dtype: torch.dtype):
+        """The MLA latent rows, and the indexer's keys when this layer runs its own indexer."""
+        own = (per_token("index_k", (self.indexer.head_dim,), dtype, pool="index"),)
+        return self.mla.storage(dtype) + (own if self.index_source_layer is None else ())
+
+
+
+@dataclass(frozen=True)
+class SparseQueryMetadata:
+    """Per-step metadata shared by every sparse layer of a model; built once per step."""
+
+    topk: int  # tokens each query attends
+    request_of_token: Tensor  # [T] int64: which request (batch row) each new token belongs to
+    visible_keys: Tensor  # [T] int64: keys a token may select (its position + 1: causal, itself included)
+
+    @staticmethod
+    def build(batch, *, topk: int) -> "SparseQueryMetadata":
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
+            fail("SparseQueryMetadata", "topk", "a positive int", topk)
+        rows = torch.repeat_interleave(torch.arange(batch.num_requests, device=batch.positions.device),
+                                       torch.tensor(batch.host_new_lens, device=batch.positions.device))
+        return SparseQueryMetadata(topk=topk, request_of_token=rows, visible_keys=batch.positions + 1)
+
+
+@tensor_pytree
+@dataclass(frozen=True)
+class SparseMLAInputs(MLAInputs):
+    """MLA plus the DSA indexer's query side; a layer either scores or reuses indices."""
+
+    sparse: SparseQueryMetadata | None = None
+    index_q: Float[Tensor, "T Hi Di"] | None = None  # [T, Hi, Di] indexer queries, rope applied
+    index_w: Float[Tensor, "T Hi"] | None = None  # [T, Hi] per-head indexer weights (scales folded in)
+    index_k: Float[Tensor, "T Di"] | None = None  # [T, Di] this step's new indexer keys
+    topk_indices: Tensor | None = None  # [T, topk] int64 positions chosen by the source layer (-1: none)
+
+    def validate(self, spec, batch, device) -> None:
+        super().validate(spec, batch, device)
+        c, T, where = spec.config, batch.num_tokens, f"layer {spec.index} inputs"
+        if not isinstance(self.sparse, SparseQueryMetadata):
+            fail(where, "sparse", "the step's SparseQueryMetadata", type(self.sparse).__name__)
+        check_tensor(where, "sparse.visible_keys", self.sparse.visible_keys, (T,), torch.int64, device)
+        if c.index_source_layer is None:
+            ix = c.indexer
+            check_tensor(where, "index_q", self.index_q, (T, ix.num_heads, ix.head_dim), spec.dtype, device)
+            w_dtype = self.index_w.dtype if isinstance(self.index_w, Tensor) else spec.dtype
+            check_tensor(where, "index_w", self.index_w, (T, ix.num_heads), w_dtype, device)
+            if not w_dtype.is_floating_point:
+                fail(where, "index_w", "a floating-point tensor", w_dtype)
+            check_tensor(where, "index_k", self.index_k, (T, ix.head_dim), spec.dtype, device)
+            if self.topk_indices is not None:
+                fail(where, "topk_indices", "None (this layer runs its own indexer)", tuple(self.topk_indices.shape))
+        else:
+            check_tensor(where, "topk_indices", self.topk_indices, (T, self.sparse.topk), torch.int64, device)
+            # A layer that reuses another layer's top-k has no indexer: indexer
+            # inputs given to it are a wiring mistake, not something to ignore.
+            for name in ("index_q", "index_w", "index_k"):
+                if getattr(self, name) is not None:
+                    fail(where, name, f"None (this layer reuses layer {c.index_source_layer}'s top-k)",
+                         tuple(getattr(self, name).shape))
+
+
+@tensor_pytree
+@dataclass(frozen=True)
+class SparseAttentionOutput:
+    o: Float[Tensor, "T H Dv"]  # [T, H, Dv]
+    lse: Float[Tensor, "T H"] | None  # [T, H]
+    topk_indices: Tensor  # [T, topk] int64 positions attended (-1: padding); reusable by later layers
+
+
