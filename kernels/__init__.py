@@ -1,8 +1,10 @@
 """Triton kernels: plain tensors in and out, each with a pure-torch `*_ref` beside it.
 
 Importing this package imports neither torch nor triton; names load on first use.
-Of the attention kernels (paged_attention, lse_merge, scatter), only `scatter_kv` /
-`scatter_rows` write into their arguments.
+The delta-rule math for one sequence (`gdn_naive`, fp32 torch) is the reference of the
+GDN / KDA kernels and the arithmetic of `fnattn.kinds.delta_rule`. Of the attention
+kernels (paged_attention, lse_merge, scatter), only `scatter_kv` / `scatter_rows`
+write into their arguments.
 """
 
 import importlib
@@ -28,6 +30,9 @@ _EXPORTS = {
     "causal_conv1d": "gated_delta",
     "causal_conv1d_ref": "gated_delta",
     "chunk_indices": "gated_delta",
+    "causal_conv1d_seq": "gdn_naive",
+    "gated_delta_recurrent_seq": "gdn_naive",
+    "gated_delta_chunked_seq": "gdn_naive",
 }
 
 __all__ = sorted(_EXPORTS)

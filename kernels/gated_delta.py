@@ -8,7 +8,10 @@ g [T, HV, K] is KDA (per-key-channel log decay).
     gated_delta_chunked     prefill: chunked WY form with tensor-core dots
     causal_conv1d           the short depthwise conv in front of q/k/v, windowed state
 
-Each has a pure-torch `*_ref` beside it; gated_delta_chunked_ref runs the chunked
+Each has a pure-torch `*_ref` beside it with the same pooled contract: a loop over the
+requests around the single-sequence fp32 math of gdn_naive (causal_conv1d_seq,
+gated_delta_recurrent_seq, gated_delta_chunked_seq), which is also what
+fnattn.kinds.delta_rule.conv / .math run. gated_delta_chunked_ref runs the chunked
 algorithm in torch so tests can show chunked == recurrent.
 """
 

@@ -31,7 +31,10 @@ from .gdn_common import (
     inner_contiguous,
     l2norm,
     pow2,
+    start_state,
+    value_heads,
 )
+from .gdn_naive import gated_delta_chunked_seq
 
 
 @triton.jit
@@ -375,45 +378,19 @@ def gated_delta_chunked_ref(
     q, k, v, g, beta, state_pool, slots, cu_seqlens, *,
     scale, chunk_size=64, use_qk_l2norm=False,
 ):
-    """The chunked algorithm in plain fp32 torch, one request at a time.
-
-    Pairwise decays are exact (exp of G_i - G_j, [HV, C, C, K]) and the triangular
-    system is solved with torch, so this shares no numerical tricks with the kernel.
-    """
+    """The chunked algorithm in plain fp32 torch (gdn_naive.gated_delta_chunked_seq), one
+    request at a time. It shares no numerical trick with the kernel: pairwise decays are
+    exact exponentials of differences and the triangular system is solved by torch."""
     T, Hk, HV, K, V, B, is_kda = check_gated_delta_args(q, k, v, g, beta, state_pool, slots, cu_seqlens)
-    if use_qk_l2norm:
-        q, k = l2norm(q.float()), l2norm(k.float())
-    group = HV // Hk
-    qf = q.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [HV, T, K]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [HV, T, K]
-    vf = v.float().transpose(0, 1)  # [HV, T, V]
-    gf = g.float() if is_kda else g.float()[:, :, None].expand(T, HV, K)
-    gf = gf.transpose(0, 1)  # [HV, T, K]
-    bf = beta.float().transpose(0, 1)  # [HV, T]
-    o = torch.zeros(HV, T, V, dtype=torch.float32, device=q.device)
-    finals = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)
+    q, k = value_heads(q, k, HV, use_qk_l2norm)
+    outs, finals = [], []
     cu = cu_seqlens.tolist()
     for b, slot in enumerate(slots.tolist()):
-        S = state_pool[slot].float().clone() if slot >= 0 else torch.zeros_like(finals[b])
-        for s in range(cu[b], cu[b + 1], chunk_size):
-            e = min(s + chunk_size, cu[b + 1])
-            n = e - s
-            qc, kc, vc, bc = qf[:, s:e], kf[:, s:e], vf[:, s:e], bf[:, s:e]
-            G = gf[:, s:e].cumsum(1)  # [HV, n, K]
-            ii = torch.arange(n, device=q.device)
-            causal = (ii[:, None] >= ii[None, :])[None, :, :, None]  # [1, n, n, 1]
-            diff = torch.where(causal, G[:, :, None, :] - G[:, None, :, :], float("-inf"))
-            D = diff.exp()  # [HV, n, n, K]: exp(G_i - G_j) for j <= i, else 0
-            kk = torch.einsum("hic,hjc,hijc->hij", kc, kc, D)
-            qk = torch.einsum("hic,hjc,hijc->hij", qc, kc, D)
-            A = torch.tril(kk, diagonal=-1) * bc[:, :, None]
-            M = torch.eye(n, device=q.device) + A
-            rhs = torch.cat([bc[..., None] * kc * G.exp(), bc[..., None] * vc], dim=-1)
-            wu = torch.linalg.solve_triangular(M, rhs, upper=False, unitriangular=True)
-            w, u = wu[..., :K], wu[..., K:]
-            U = u - w @ S  # [HV, n, V]
-            o[:, s:e] = scale * ((qc * G.exp()) @ S + qk @ U)
-            g_last = G[:, -1]  # [HV, K]
-            S = g_last.exp()[..., None] * S + (kc * (g_last[:, None] - G).exp()).transpose(1, 2) @ U
-        finals[b] = S
-    return o.transpose(0, 1).to(v.dtype), finals.to(state_pool.dtype)
+        S0 = start_state(state_pool, slot)
+        r = slice(cu[b], cu[b + 1])
+        o, s = gated_delta_chunked_seq(q[r], k[r], v[r], g[r], beta[r], S0, scale=scale, chunk_size=chunk_size)
+        outs.append(o)
+        finals.append(s[None])
+    o = torch.cat(outs) if outs else q.new_zeros((T, HV, V), dtype=torch.float32)
+    empty = q.new_zeros((0, HV, K, V), dtype=torch.float32)
+    return o.to(v.dtype), torch.cat(finals or [empty]).to(state_pool.dtype)

@@ -91,6 +91,22 @@ def l2norm(x, eps=1e-6):
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def value_heads(q, k, HV, use_qk_l2norm):
+    """q, k [T, Hk, K] -> fp32 [T, HV, K] (l2-normalised first when asked): value head h
+    reads key head h // (HV // Hk). For the torch references."""
+    if use_qk_l2norm:
+        q, k = l2norm(q.float()), l2norm(k.float())
+    group = HV // q.shape[1]
+    return q.float().repeat_interleave(group, dim=1), k.float().repeat_interleave(group, dim=1)
+
+
+def start_state(state_pool, slot):
+    """fp32 initial state [HV, K, V] of a request: its pool row, or zeros for slot < 0."""
+    if slot >= 0:
+        return state_pool[slot].float()
+    return torch.zeros(state_pool.shape[1:], dtype=torch.float32, device=state_pool.device)
+
+
 def pow2(n, lo=16):
     """Block size for a dim: tl.dot wants >= 16 and powers of two."""
     return max(lo, next_pow2(n))

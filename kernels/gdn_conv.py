@@ -13,6 +13,7 @@ import torch
 
 from ._triton import require_triton, tl, triton
 from .gdn_common import cdiv, check_out, check_varlen, pow2
+from .gdn_naive import causal_conv1d_seq
 
 
 @triton.jit
@@ -155,28 +156,21 @@ def causal_conv1d_ref(
     x, weight, bias, conv_state_pool, slots, cu_seqlens, *,
     activation="silu", per_position_states=False,
 ):
-    """Plain fp32 token loop; same contract as causal_conv1d."""
+    """Same contract as causal_conv1d: gdn_naive.causal_conv1d_seq (fp32) request by request."""
     T, C, W, B = _check_conv_args(x, weight, bias, conv_state_pool, slots, cu_seqlens, activation)
-    wf = weight.float()
-    y = torch.zeros(T, C, dtype=torch.float32, device=x.device)
-    states = torch.zeros(T if per_position_states else B, C, W - 1, dtype=torch.float32, device=x.device)
+    ys, windows = [], []
     cu = cu_seqlens.tolist()
     for b, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            win = conv_state_pool[slot].float().clone()  # [C, W-1]
+            win = conv_state_pool[slot].float()  # [C, W-1]
         else:
             win = torch.zeros(C, W - 1, dtype=torch.float32, device=x.device)
-        for t in range(cu[b], cu[b + 1]):
-            taps = torch.cat([win, x[t].float()[:, None]], dim=1)  # [C, W]
-            out = (taps * wf).sum(1)
-            if bias is not None:
-                out = out + bias.float()
-            if activation is not None:
-                out = out * torch.sigmoid(out)
-            y[t] = out
-            win = taps[:, 1:]
-            if per_position_states:
-                states[t] = win
-        if not per_position_states:
-            states[b] = win
-    return y.to(x.dtype), states.to(conv_state_pool.dtype)
+        y, after = causal_conv1d_seq(x[cu[b]:cu[b + 1]], weight, bias, win, activation)  # [n, C], [n, C, W-1]
+        ys.append(y)
+        if per_position_states:
+            windows.append(after)
+        else:
+            windows.append(after[-1:] if after.shape[0] else win[None])
+    y = torch.cat(ys) if ys else x.new_zeros((T, C), dtype=torch.float32)
+    empty = x.new_zeros((0, C, W - 1), dtype=torch.float32)
+    return y.to(x.dtype), torch.cat(windows or [empty]).to(conv_state_pool.dtype)

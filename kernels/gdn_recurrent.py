@@ -13,7 +13,8 @@ spare rows of a ring of state buffers, never the rows being read).
 import torch
 
 from ._triton import require_triton, tl, triton
-from .gdn_common import cdiv, check_gated_delta_args, check_out, inner_contiguous, l2norm, pow2
+from .gdn_common import cdiv, check_gated_delta_args, check_out, inner_contiguous, pow2, start_state, value_heads
+from .gdn_naive import gated_delta_recurrent_seq
 
 
 @triton.jit
@@ -154,31 +155,19 @@ def gated_delta_recurrent_ref(
     q, k, v, g, beta, state_pool, slots, cu_seqlens, *,
     scale, per_position_states=False, use_qk_l2norm=False,
 ):
-    """Plain fp32 token loop; same contract as gated_delta_recurrent (states in state_pool.dtype)."""
+    """Same contract as gated_delta_recurrent (states in state_pool.dtype):
+    gdn_naive.gated_delta_recurrent_seq (fp32) request by request."""
     T, Hk, HV, K, V, B, is_kda = check_gated_delta_args(q, k, v, g, beta, state_pool, slots, cu_seqlens)
-    if use_qk_l2norm:
-        q, k = l2norm(q.float()), l2norm(k.float())
-    group = HV // Hk
-    qf = q.float().repeat_interleave(group, dim=1)  # [T, HV, K]
-    kf = k.float().repeat_interleave(group, dim=1)  # [T, HV, K]
-    vf, gf, bf = v.float(), g.float(), beta.float()
-    o = torch.zeros(T, HV, V, dtype=torch.float32, device=q.device)
-    states = torch.zeros(T if per_position_states else B, HV, K, V, dtype=torch.float32, device=q.device)
+    q, k = value_heads(q, k, HV, use_qk_l2norm)
+    outs, states = [], []
     cu = cu_seqlens.tolist()
     for b, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            S = state_pool[slot].float().clone()  # [HV, K, V]
-        else:
-            S = torch.zeros(HV, K, V, dtype=torch.float32, device=q.device)
-        for t in range(cu[b], cu[b + 1]):
-            decay = gf[t].exp()  # [HV] or [HV, K]
-            S = S * (decay[:, :, None] if is_kda else decay[:, None, None])
-            pred = torch.einsum("hk,hkv->hv", kf[t], S)
-            u = (vf[t] - pred) * bf[t][:, None]
-            S = S + kf[t][:, :, None] * u[:, None, :]
-            o[t] = scale * torch.einsum("hk,hkv->hv", qf[t], S)
-            if per_position_states:
-                states[t] = S
-        if not per_position_states:
-            states[b] = S
-    return o.to(v.dtype), states.to(state_pool.dtype)
+        S0 = start_state(state_pool, slot)
+        r = slice(cu[b], cu[b + 1])
+        o, s = gated_delta_recurrent_seq(q[r], k[r], v[r], g[r], beta[r], S0, scale=scale,
+                                         per_position_states=per_position_states)
+        outs.append(o)
+        states.append(s if per_position_states else s[None])
+    o = torch.cat(outs) if outs else q.new_zeros((T, HV, V), dtype=torch.float32)
+    empty = q.new_zeros((0, HV, K, V), dtype=torch.float32)
+    return o.to(v.dtype), torch.cat(states or [empty]).to(state_pool.dtype)

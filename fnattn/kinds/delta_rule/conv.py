@@ -8,12 +8,11 @@ the last ``W - 1`` inputs, stored as a window ``[C, W - 1]`` (oldest first, see
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
 from fnattn.checks import expect_float, expect_shape
+from fnattn.kernels.gdn_naive import activate, causal_conv1d_seq
 
 __all__ = ["ACTIVATIONS", "apply_activation", "check_activation", "causal_conv1d"]
 
@@ -30,11 +29,7 @@ def check_activation(activation: str | None) -> None:
 def apply_activation(x: Tensor, activation: str | None) -> Tensor:
     """Apply a named activation from ``ACTIVATIONS``."""
     check_activation(activation)
-    if activation in ("silu", "swish"):
-        return F.silu(x)
-    if activation == "sigmoid":
-        return torch.sigmoid(x)
-    return x
+    return activate(x, activation)
 
 
 def causal_conv1d(
@@ -69,18 +64,7 @@ def causal_conv1d(
 
     if T == 0:
         return x.new_empty((0, C)), x.new_empty((0, C, W - 1))
-
-    # u: the full input stream [C, W - 1 + T], window first (never a view of an input).
-    u = torch.cat([window.to(x.dtype), x.transpose(0, 1)], dim=1)
-    taps = u.float().unfold(1, W, 1)  # [C, T, W]: taps[c, t] = u[c, t : t + W]
-    y = (taps * weight.float()[:, None, :]).sum(-1)  # [C, T]
-    if bias is not None:
-        y = y + bias.float()[:, None]
-    y = apply_activation(y, activation).to(x.dtype).transpose(0, 1).contiguous()
-
-    if W == 1:
-        window_after = x.new_zeros((T, C, 0))
-    else:
-        # window after token t = u[:, t + 1 : t + W]
-        window_after = u.unfold(1, W - 1, 1)[:, 1:, :].permute(1, 0, 2).contiguous()
-    return y, window_after
+    # The arithmetic is kernels' (the reference of its conv kernel); the window is
+    # taken in x.dtype, so window_after holds inputs of x.dtype exactly.
+    y, window_after = causal_conv1d_seq(x, weight, bias, window.to(x.dtype), activation)
+    return y.to(x.dtype), window_after.to(x.dtype)

@@ -13,19 +13,21 @@ per-channel decay) run the same recurrence on a state ``S`` of shape
 ``[T, H, K]`` (KDA). Heads are independent: for GDN's grouped heads the caller
 repeats q/k heads to the ``H`` value heads beforehand.
 
-All math runs in fp32. Outputs are returned in ``q.dtype`` and states in
-``state.dtype``. No input is modified.
+All math runs in fp32, in ``fnattn.kernels.gdn_naive`` (the one statement of it,
+also the reference of the Triton kernels); this module checks the arguments.
+Outputs are returned in ``q.dtype`` and states in ``state.dtype``. No input is
+modified.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from fnattn.checks import expect_float, expect_shape
+from fnattn.kernels.gdn_naive import gated_delta_chunked_seq, gated_delta_recurrent_seq
 
 __all__ = ["RecurrentLayerOutput", "gated_delta_chunked", "gated_delta_recurrent"]
 
@@ -88,48 +90,9 @@ def gated_delta_recurrent(
     token ``t`` (so ``states[-1]`` is the final state). Used for decode and for
     verifying drafts, where every intermediate state may be kept.
     """
-    T, H, K, V, per_channel = _check_inputs(q, k, v, g, beta, state)
-    scale = _check_scale(scale)
-
-    q32 = q.float() * scale
-    k32 = k.float()
-    v32 = v.float()
-    beta32 = beta.float()
-    decay = g.float().exp()
-    # Broadcast the decay over the state [H, K, V]: per head, or per key channel.
-    decay = decay[:, :, :, None] if per_channel else decay[:, :, None, None]
-
-    S = state.float()
-    outputs = []
-    states = []
-    for t in range(T):
-        S = S * decay[t]
-        predicted = torch.einsum("hk,hkv->hv", k32[t], S)
-        correction = beta32[t][:, None] * (v32[t] - predicted)
-        S = S + k32[t][:, :, None] * correction[:, None, :]
-        outputs.append(torch.einsum("hk,hkv->hv", q32[t], S))
-        states.append(S)
-
-    if T == 0:
-        return q.new_empty((0, H, V)), state.new_empty((0, H, K, V))
-    o = torch.stack(outputs).to(q.dtype)
-    return o, torch.stack(states).to(state.dtype)
-
-
-def _decayed_scores(a: Tensor, b: Tensor, gamma: Tensor) -> Tensor:
-    """``M[h, i, j] = sum_c a[h, i, c] b[h, j, c] exp(gamma[h, i, c] - gamma[h, j, c])`` for ``j <= i``, else 0.
-
-    ``gamma`` is the cumulative log-decay inside the chunk, ``[H, L, K]`` or
-    ``[H, L, 1]`` for a scalar decay. Masking happens before the exponential, so
-    only non-positive exponents are evaluated.
-    """
-    L = a.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=a.device).tril()
-    diff = gamma[:, :, None, :] - gamma[:, None, :, :]  # [H, L, L, K or 1]
-    decay = diff.masked_fill(~causal[None, :, :, None], float("-inf")).exp()
-    if gamma.shape[-1] == 1:
-        return (a @ b.transpose(1, 2)) * decay[..., 0]
-    return torch.einsum("hic,hjc,hijc->hij", a, b, decay)
+    _check_inputs(q, k, v, g, beta, state)
+    o, states = gated_delta_recurrent_seq(q, k, v, g, beta, state, scale=_check_scale(scale))
+    return o.to(q.dtype), states.to(state.dtype)
 
 
 def gated_delta_chunked(
@@ -157,45 +120,10 @@ def gated_delta_chunked(
 
     Any ``T`` works; the last chunk may be shorter than ``chunk_size``.
     """
-    T, H, K, V, per_channel = _check_inputs(q, k, v, g, beta, state)
+    _check_inputs(q, k, v, g, beta, state)
     scale = _check_scale(scale)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
 
-    # Work head-major: [H, T, ...].
-    q32 = (q.float() * scale).transpose(0, 1)
-    k32 = k.float().transpose(0, 1)
-    v32 = v.float().transpose(0, 1)
-    beta32 = beta.float().transpose(0, 1)[:, :, None]  # [H, T, 1]
-    g32 = g.float() if per_channel else g.float()[:, :, None]
-    g32 = g32.transpose(0, 1)  # [H, T, K or 1]
-
-    S = state.float()
-    outputs = []
-    for start in range(0, T, chunk_size):
-        stop = min(start + chunk_size, T)
-        qc, kc, vc = q32[:, start:stop], k32[:, start:stop], v32[:, start:stop]
-        bc = beta32[:, start:stop]
-        gamma = g32[:, start:stop].cumsum(1)  # [H, L, K or 1], non-increasing
-        L = stop - start
-        eye = torch.eye(L, dtype=S.dtype, device=S.device)
-
-        # Unit lower triangular system (I + strictly-lower(beta_i <k_i, k_j decay>)).
-        system = eye + (bc * _decayed_scores(kc, kc, gamma)).tril(-1)
-        decay_from_start = gamma.exp()  # e^gamma_i
-        rhs_v = bc * vc  # [H, L, V]
-        rhs_k = bc * (kc * decay_from_start)  # [H, L, K]
-        u_v = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
-        u_k = torch.linalg.solve_triangular(system, rhs_k, upper=False, unitriangular=True)
-        u = u_v - u_k @ S  # [H, L, V]
-
-        scores = _decayed_scores(qc, kc, gamma)  # [H, L, L], causal incl. the diagonal
-        outputs.append((qc * decay_from_start) @ S + scores @ u)
-
-        decay_to_end = (gamma[:, -1:] - gamma).exp()  # e^(gamma_L - gamma_j)
-        S = S * decay_from_start[:, -1, :, None] + (kc * decay_to_end).transpose(1, 2) @ u
-
-    if T == 0:
-        return q.new_empty((0, H, V)), state.clone()
-    o = torch.cat(outputs, dim=1).transpose(0, 1).contiguous().to(q.dtype)
-    return o, S.to(state.dtype)
+    o, final = gated_delta_chunked_seq(q, k, v, g, beta, state, scale=scale, chunk_size=chunk_size)
+    return o.to(q.dtype), final.to(state.dtype)
