@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 
 import fnattn as fa
+from fnattn import registry
 
 
 def full_spec(index=0, *, hq=4, hkv=2, d=8, dv=None, dtype=torch.float32, **kw):
     cfg = fa.FullAttentionConfig(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, **kw)
+    return fa.LayerSpec(index=index, config=cfg, dtype=dtype)
+
+
+def gdn_spec(index=0, *, hk=1, hv=2, dk=4, dv=4, dtype=torch.float32):
+    cfg = fa.GDNConfig(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
     return fa.LayerSpec(index=index, config=cfg, dtype=dtype)
 
 
@@ -55,6 +64,28 @@ def unchanged(state, snap) -> bool:
     return all(same_bits(state.pools[p].tensors[t], x) for (p, t), x in snap.items())
 
 
+def bookkeeping(state):
+    """Everything of a State besides its storage bytes: handle, cursors, allocator, lineage, applied
+    steps, ring lending, and which tensors hold the storage."""
+    s = state._storage
+    tensors = {(p, t): (x.data_ptr(), tuple(x.shape), x.dtype) for p, pool in s.pools.items()
+               for t, x in pool.tensors.items()}
+    return (state.is_live, state._version, dict(state._requests), state._free_pages, state._free_slots, id(s),
+            s.live_version, s.applied_steps, s.lineage, s.ring_lent, tensors)
+
+
+def assert_refused(state, call, match, error=ValueError):
+    """``call()`` raises ``error`` matching ``match`` and leaves ``state`` as it was: every storage byte,
+    the handle live, cursors, allocator and ring lending unchanged. ``-> the exception``."""
+    snap, book = snapshot(state), bookkeeping(state)
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert state.is_live, "a refused call left the State handle stale"
+    assert bookkeeping(state) == book, "a refused call changed the State's bookkeeping"
+    assert unchanged(state, snap), "a refused call changed storage bytes"
+    return info.value
+
+
 def phase_batch(state, phase, counts):
     """A batch of ``phase`` for ``counts`` (request -> new tokens; verify uses 1 + k)."""
     if phase == "prefill":
@@ -67,15 +98,72 @@ def phase_batch(state, phase, counts):
 
 def recurrent_inputs(spec, T, *, seed=0):
     """Conv input, taps and gates of ``T`` tokens for a GDN/KDA layer, like a model's projections would give."""
-    from fnattn.backends.reference.recurrent import heads
-
-    c, H = spec.config, heads(spec)
+    c = spec.config
+    H = c.num_state_heads
     gen = torch.Generator().manual_seed(seed)
-    g_shape = (T, H) if spec.kind == "gdn" else (T, H, c.head_k_dim)
     return fa.RecurrentInputs(
         x=torch.randn(T, c.conv_dim, generator=gen).to(spec.dtype),
         conv_weight=(0.5 * torch.randn(c.conv_dim, c.conv_kernel, generator=gen)).to(spec.dtype),
         conv_bias=(0.1 * torch.randn(c.conv_dim, generator=gen)).to(spec.dtype) if spec.kind == "gdn" else None,
-        g=-0.7 * torch.rand(g_shape, generator=gen) - 0.01,
+        g=-0.7 * torch.rand(c.gate_shape(T), generator=gen) - 0.01,
         beta=torch.rand(T, H, generator=gen).to(spec.dtype),
     )
+
+
+@contextlib.contextmanager
+def registry_scope():
+    """Backends a test registers are gone afterwards (user backends rank first by default, so one left
+    behind would be chosen by every later test's `ModelAttention`)."""
+    before = dict(registry._REGISTRY)
+    try:
+        yield
+    finally:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(before)
+
+
+# --------------------------------------------------------------------------- recurrent test backends
+# Decode backends for GDN layers whose new states are a constant, read from ``inputs.x[0, 0]``:
+# "test_value" returns them as values, "test_inplace" writes them into the batch's spare ring rows
+# (what a fast backend does) and returns ``ssm=None``.
+
+
+def constant_states(spec, inputs):
+    c, batch = spec.config, inputs.meta.batch
+    n = batch.recurrent_write_rows.shape[0]
+    value = inputs.x[0, 0]
+    ssm = value.expand(n, c.num_state_heads, c.head_k_dim, c.head_v_dim).to(c.state_dtype).clone()
+    conv = value.expand(n, c.conv_dim, c.conv_kernel - 1).to(spec.dtype).clone()
+    o = torch.zeros(batch.num_tokens, c.num_state_heads, c.head_v_dim, dtype=spec.dtype)
+    return fa.RecurrentOutput(o=o), ssm, conv
+
+
+def register_constant_backends(kind="gdn"):
+    @fa.register(kind, "decode", "test_value", replace=True)
+    def value_backend(spec, views, inputs):
+        out, ssm, conv = constant_states(spec, inputs)
+        return out, fa.writes(ssm=ssm, conv=conv)
+
+    @fa.register(kind, "decode", "test_inplace", replace=True)
+    def inplace_backend(spec, views, inputs):
+        out, ssm, conv = constant_states(spec, inputs)
+        views.ssm.index_copy_(0, inputs.meta.batch.recurrent_write_rows, ssm)
+        return out, fa.writes(ssm=None, conv=conv)
+
+
+def constant_inputs(spec, T, value):
+    c = spec.config
+    return fa.RecurrentInputs(x=torch.full((T, c.conv_dim), float(value), dtype=spec.dtype),
+                              conv_weight=torch.zeros(c.conv_dim, c.conv_kernel, dtype=spec.dtype),
+                              g=torch.zeros(c.gate_shape(T)), beta=torch.zeros(T, c.num_state_heads,
+                                                                                 dtype=spec.dtype))
+
+
+def ring_step(state, rids, *, value=1.0, in_place=False):
+    """A decode step of every (GDN) layer of ``state`` writing ``value`` states into the batch's rows;
+    ``-> (batch, StepDeltas)``. Needs `register_constant_backends` first."""
+    register_constant_backends()
+    ma = fa.ModelAttention(state.specs, prefer=("test_inplace" if in_place else "test_value",))
+    batch = fa.Batch.decode(state, rids)
+    _, deltas = run(ma, state, batch, {s.index: constant_inputs(s, len(rids), value) for s in state.specs})
+    return batch, deltas

@@ -20,7 +20,6 @@ from fnattn.models.gdn_layer import GDNWeights, gdn_finish, gdn_project
 from fnattn.models.kda_layer import KDAWeights, kda_finish, kda_project
 
 import fnattn as fa
-from fnattn.inputs import RecurrentInputs
 
 GDN_SIZES = dict(
     hidden_size=64,
@@ -157,7 +156,7 @@ class LayerPair:
         """Hidden states ``[T, Dmodel]`` -> (the session's RecurrentInputs, the output gate)."""
         fn = gdn_project if self.spec.kind == "gdn" else kda_project
         conv_input, gate, g, beta = fn(self.w, x)
-        inputs = RecurrentInputs(x=conv_input, conv_weight=self.w.conv_weight, conv_bias=self.w.conv_bias,
+        inputs = fa.RecurrentInputs(x=conv_input, conv_weight=self.w.conv_weight, conv_bias=self.w.conv_bias,
                                  g=g, beta=beta)
         return inputs, gate
 

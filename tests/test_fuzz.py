@@ -44,29 +44,42 @@ def test_bad_draft_counts_raise(k):
     how=st_.sampled_from(["shape", "dtype", "range", "negative_only"]),
 )
 def test_bad_deltas_raise_and_touch_nothing(layer, field, how):
+    _bad_delta(layer, field, how)
+
+
+def test_slot_mapping_of_another_dtype_is_refused():
+    _bad_delta(0, "slots", "dtype")
+
+
+def _bad_delta(layer, field, how):
+    """Values of one layer's writes, or the rows the batch gives them (writes carry no index: the batch's
+    ``slot_mapping`` says where each token goes, so "bad slots" are a tampered batch)."""
     state = fresh()
     batch = fa.Batch.prefill(state, {0: 6, 1: 2})
     ma = fa.ModelAttention(SPECS)
     _, deltas = run(ma, state, batch, {i: full_inputs(SPECS[i], 8) for i in range(2)})
     w = deltas.writes[layer]
-    value = getattr(w, field)
+    value = batch.slot_mapping if field == "slots" else w[field]
     if how == "shape":
         value = value[:-1]
     elif how == "dtype":
         value = value.to(torch.float16) if field != "slots" else value.float()
     elif how == "range":  # slots past the pool, or values of the wrong head dim
         value = value + 10_000 if field == "slots" else value[..., :1]
-    else:  # negative slots mean "skip": a valid delta that writes nothing for those rows
+    else:  # slots of no token at all; for values: the same values again (a valid step)
         value = -torch.ones_like(value) if field == "slots" else value
-    bad = dataclasses.replace(deltas, writes=tuple(dataclasses.replace(x, **{field: value}) if i == layer else x
-                                                   for i, x in enumerate(deltas.writes)))
+    if field == "slots":
+        bad = dataclasses.replace(deltas, batch=dataclasses.replace(batch, slot_mapping=value))
+    else:
+        bad = dataclasses.replace(deltas, writes=tuple(
+            dataclasses.replace(x, values={**x.values, field: value}) if i == layer else x
+            for i, x in enumerate(deltas.writes)))
     snap = snapshot(state)
-    if how == "negative_only":
+    if how == "negative_only" and field != "slots":
         new = state.apply(bad)
         assert new.request(0).length == 6
         return
-    # Fewer slots than rows is reported on the first value field it no longer matches.
-    named = "(slots|k)" if field == "slots" else field
+    named = "batch\\.slot_mapping" if field == "slots" else field
     with pytest.raises(ValueError, match=f"`{named}`"):
         state.apply(bad)
-    assert state.is_live and unchanged(state, snap)
+    assert state.is_live and unchanged(state, snap) and state.request(0).length == 0

@@ -39,7 +39,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
 
-from fnattn.ops.dsa import indexer_scores, topk_indices, topk_mask
+from fnattn.kinds.sparse_mla.indexer import indexer_scores, topk_indices, topk_mask
 
 # --------------------------------------------------------------------------- #
 # GLM-5 sharing fields

@@ -1,9 +1,16 @@
 import pytest
 import torch
-from helpers import full_inputs, full_spec, nan_state
+from helpers import full_inputs, full_spec, nan_state, registry_scope
 
 import fnattn as fa
+from fnattn.kinds.full.reference import paged_attention
 from fnattn.workspace import Workspace
+
+
+@pytest.fixture(autouse=True)
+def _own_registry():
+    with registry_scope():  # the backends registered here would rank first in later tests
+        yield
 
 
 def setup(n=3):
@@ -117,8 +124,6 @@ def test_layers_with_one_config_share_a_group_and_a_plan():
     @fa.register("full", "verify", "test_planned", plan=plan)
     def planned_backend(spec, views, inputs):
         assert inputs.meta.plan == {"layers": 3}
-        from fnattn.backends.reference.full import paged_attention
-
         return paged_attention(spec, views, inputs)
 
     specs = [full_spec(i) for i in range(3)]
@@ -133,12 +138,10 @@ def test_layers_with_one_config_share_a_group_and_a_plan():
 
 
 def test_probe_compares_outputs_not_only_deltas():
-    from fnattn.backends.reference.full import paged_attention
-
     @fa.register("full", "decode", "test_off_by_one")
     def off_by_one(spec, views, inputs):
-        out, deltas = paged_attention(spec, views, inputs)
-        return fa.AttentionOutput(o=out.o + 1.0, lse=out.lse), deltas
+        out, writes = paged_attention(spec, views, inputs)
+        return fa.AttentionOutput(o=out.o + 1.0, lse=out.lse), writes
 
     spec = full_spec(0)
     st = nan_state([spec]).admit(0)

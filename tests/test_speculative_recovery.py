@@ -7,7 +7,6 @@ import torch
 from helpers import full_inputs, full_spec, nan_state, run, same_bits
 
 import fnattn as fa
-from fnattn.inputs import RecurrentInputs
 from fnattn.speculative import accept_step, greedy_accept, replay_writes
 
 K = 3  # drafts per request
@@ -22,11 +21,10 @@ def specs():
 
 def recurrent_inputs(spec, T, gen):
     c = spec.config
-    H = c.num_v_heads if spec.kind == "gdn" else c.num_heads
-    g_shape = (T, H) if spec.kind == "gdn" else (T, H, c.head_k_dim)
-    return RecurrentInputs(x=torch.randn(T, c.conv_dim, generator=gen),
-                           conv_weight=torch.randn(c.conv_dim, c.conv_kernel, generator=gen) * 0.5,
-                           g=-torch.rand(*g_shape, generator=gen), beta=torch.rand(T, H, generator=gen))
+    H = c.num_state_heads
+    return fa.RecurrentInputs(x=torch.randn(T, c.conv_dim, generator=gen),
+                              conv_weight=torch.randn(c.conv_dim, c.conv_kernel, generator=gen) * 0.5,
+                              g=-torch.rand(c.gate_shape(T), generator=gen), beta=torch.rand(T, H, generator=gen))
 
 
 def layer_inputs(all_specs, T, seed):
@@ -73,12 +71,15 @@ def test_native_and_replay_leave_bitwise_equal_state(accepted, ring):
 
     b_replay = fa.Batch.verify(st, [0, 1], num_draft=K, recovery="replay")
     outs_r, d_replay = run(ma, st, b_replay, inputs)
-    assert not any(isinstance(w, fa.RecurrentWrite) for w in d_replay.writes)  # only inputs leave
+    recurrent_layers = {s.index for s in all_specs if s.kind in ("gdn", "kda")}
+    assert {w.layer for w in d_native.writes} >= recurrent_layers
+    assert not any(w.layer in recurrent_layers for w in d_replay.writes)  # only inputs leave
     for layer in outs_n:
         assert torch.equal(outs_n[layer].o, outs_r[layer].o)
     recurrent = {s.index: outs_r[s.index] for s in all_specs if s.kind in ("gdn", "kda")}
-    writes = replay_writes(ma, st, b_replay, recurrent, acc)
-    replayed = st.apply(accept_step(d_replay, b_replay, acc, extra_writes=writes), inplace=False)
+    replay = replay_writes(ma, st, b_replay, recurrent, acc)
+    assert {w.layer for w in replay.writes} == recurrent_layers
+    replayed = st.apply(accept_step(d_replay, b_replay, acc, replay=replay), inplace=False)
 
     assert native.request(0).length == replayed.request(0).length == 5 + acc[0]
     assert pools_equal(native, replayed)

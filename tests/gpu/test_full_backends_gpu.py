@@ -124,7 +124,7 @@ def test_apply_scatter_matches_reference_write(record):
     ok = True
     for i, w in enumerate(deltas.writes):
         got = gpu.views(i).k.flatten(0, 1)[b.slot_mapping]
-        ok &= torch.equal(got, w.k)
+        ok &= torch.equal(got, w["k"])
     record({"case": "apply scatter 3 layers", "phase": "prefill", "backend": "scatter_rows", "max_abs": 0.0,
             "max_rel": 0.0, "ok": bool(ok)})
     assert ok

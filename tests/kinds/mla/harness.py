@@ -1,10 +1,16 @@
-"""Reference MLA and sparse-MLA backends through the real path.
+"""A tiny model around the MLA and sparse-MLA reference backends, run next to Hugging Face.
 
-Our side runs like a model would: projections (fnattn.ops) -> a session's
-``forward`` -> ``o_proj``, with each step's deltas applied once through
+Our side runs like a model would: projections (`fnattn.models`) -> a session's
+``forward`` -> ``o_proj``, with each step's writes applied once through
 ``State.apply``. The peer is Hugging Face's DeepseekV3Attention, the
 DeepSeek-V3.2 attention + indexer and GLM-MoE-DSA's full + shared layer pair,
 each request with its own DynamicCache.
+
+Sparse MLA is MLA over the tokens an indexer picks, so both kinds share this
+harness and the checks below; ``tests/kinds/mla/test_reference.py`` runs them
+on the dense variants ("v3", "v3_yarn_no_q_lora"), ``tests/kinds/sparse_mla/
+test_reference.py`` on the sparse ones ("v32", "glm"), each with the checks
+only its kind has.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from fnattn.models.common import rope_cos_sin
+from fnattn.models.dsa_layer import INDEXER_ROPE_INTERLEAVE, indexer_keys, indexer_queries
+from fnattn.models.mla_layer import mla_project, mla_softmax_scale
 from helpers import nan_state, phase_batch, same_bits, snapshot, unchanged
 from hf_mla import (
     TOPK,
@@ -40,13 +49,9 @@ from hf_mla import (
 from transformers.cache_utils import DynamicCache
 
 import fnattn as fa
-from fnattn.backends.reference.full import cached_tokens
-from fnattn.inputs import MLAInputs, SparseAttentionOutput, SparseMLAInputs, SparseQueryMetadata
-from fnattn.ops.dsa import INDEXER_ROPE_INTERLEAVE, indexer_keys, indexer_queries
-from fnattn.ops.mla import mla_project, mla_softmax_scale, rope_cos_sin
+from fnattn.kinds.full.reference import cached_tokens
 
-KINDS = ("v3", "v3_yarn_no_q_lora", "v32", "glm")
-DENSE = ("v3", "v3_yarn_no_q_lora")  # DeepseekV3Attention; the others are sparse
+DENSE = ("v3", "v3_yarn_no_q_lora")  # DeepseekV3Attention; "v32" and "glm" are sparse
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -101,22 +106,22 @@ class Model:
         p = mla_project(w, x, cos, sin, rope_interleave=self.rope_interleave)
         base = dict(q_nope=p.q_nope, q_pe=p.q_pe, latent=p.latent_rows, w_uk=w.w_uk, w_uv=w.w_uv)
         if not self.sparse:
-            return MLAInputs(**base)
+            return fa.MLAInputs(**base)
         if ix is None:
-            return SparseMLAInputs(**base, sparse=sparse, topk_indices=topk)
+            return fa.SparseMLAInputs(**base, sparse=sparse, topk_indices=topk)
         q = indexer_queries(ix, p.q_resid, x, cos, sin, rope_interleave=self.index_interleave)
         k = indexer_keys(ix, x, cos, sin, rope_interleave=self.index_interleave)
-        return SparseMLAInputs(**base, sparse=sparse, index_q=q.q, index_w=q.w, index_k=k)
+        return fa.SparseMLAInputs(**base, sparse=sparse, index_q=q.q, index_w=q.w, index_k=k)
 
     def forward(self, state, batch, xs, *, check_purity=False):
         """One step over every layer: ``-> ([(hidden out, attention out)] per layer, StepDeltas)``."""
-        sparse = SparseQueryMetadata.build(batch, topk=TOPK) if self.sparse else None
-        outs, groups, topk = [], [], None
+        sparse = fa.SparseQueryMetadata.build(batch, topk=TOPK) if self.sparse else None
+        outs, layer_writes, topk = [], [], None
         with self.ma.session(state, batch) as s:
             for spec, x in zip(self.specs, xs):
                 inp = self.inputs(spec.index, x, batch, sparse, topk)
                 before = ([t.clone() for t in tensors_of(inp)], snapshot(state)) if check_purity else None
-                att, deltas = s.forward(spec.index, inp)
+                att, writes = s.forward(spec.index, inp)
                 if before is not None:
                     assert all(same_bits(a, b) for a, b in zip(tensors_of(inp), before[0]))
                     assert unchanged(state, before[1])
@@ -124,8 +129,8 @@ class Model:
                     topk = att.topk_indices
                 w = self.weights[spec.index][0]
                 outs.append((F.linear(att.o.reshape(att.o.shape[0], -1), w.o_proj, w.o_proj_bias), att))
-                groups.append(deltas)
-        return outs, fa.StepDeltas.collect(batch, groups)
+                layer_writes.append(writes)
+        return outs, fa.StepDeltas.collect(batch, layer_writes)
 
 
 def tensors_of(inp):
@@ -189,13 +194,30 @@ def request_cache(st, layer, r, name="latent"):
     return cached_tokens(pages, torch.tensor(req.pages, dtype=torch.int32), req.length, st.page_size)
 
 
+def prefixed(model, xs, prefix):
+    st, _ = run_steps(model, model.state().admit(0).admit(1), xs, [prefix])
+    return st
+
+
+def step_inputs(st, xs, phase, counts):
+    """A batch of ``phase`` for ``counts`` new tokens per request, and its layer inputs."""
+    done = {r: st.request(r).length for r in counts}
+    return phase_batch(st, phase, counts), take(xs, counts, done)
+
+
+def phase_step(model, st, xs, phase, counts):
+    batch, layer_xs = step_inputs(st, xs, phase, counts)
+    outs, deltas = model.forward(st, batch, layer_xs)
+    return batch, outs, deltas
+
+
 # --------------------------------------------------------------------------- #
-# parity with Hugging Face
+# checks shared by the MLA and sparse-MLA tests
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_two_requests_prefill_then_decode_match_hf(kind):
+def check_two_requests_prefill_then_decode_match_hf(kind):
+    """Outputs per step, cached latent (and index key) rows against HF; ``-> (model, state, results, hf)``."""
     model = Model(kind)
     lens = {0: 12, 1: 5}
     xs = hidden(model, {r: n + 3 for r, n in lens.items()})
@@ -220,16 +242,10 @@ def test_two_requests_prefill_then_decode_match_hf(kind):
         if model.sparse:
             torch.testing.assert_close(request_cache(st, 0, r, "index_k"), hf[r].cache.layers[0].indexer_keys[0],
                                        **TOL)
-    if kind == "glm":
-        for _, outs, _ in results:
-            assert isinstance(outs[1][1], SparseAttentionOutput)
-            assert torch.equal(outs[1][1].topk_indices, outs[0][1].topk_indices)
-        assert st.views(1).index_k is None and st.views(0).index_k is not None
-        assert not hf[0].cache.layers[1].is_indexer_initialized
+    return model, st, results, hf
 
 
-@pytest.mark.parametrize("kind", ["v3", "v32", "glm"])
-def test_chunked_prefill_equals_one_shot(kind):
+def check_chunked_prefill_equals_one_shot(kind):
     model = Model(kind, seed=2)
     xs = hidden(model, {0: 12}, seed=3)
     st_a, one = run_steps(model, model.state().admit(0), xs, [{0: 12}])
@@ -243,44 +259,8 @@ def test_chunked_prefill_equals_one_shot(kind):
         torch.testing.assert_close(request_cache(st_a, layer, 0), request_cache(st_b, layer, 0), **TOL)
 
 
-def test_bf16_matches_hf_loosely():
-    model = Model("v3", dtype=torch.bfloat16, seed=6)
-    xs = hidden(model, {0: 13}, seed=7)
-    st, results = run_steps(model, model.state().admit(0), xs, [{0: 12}, {0: 1}],
-                            phase_of=lambda i: "prefill" if i == 0 else "decode")
-    hf = HFRequest(model)
-    for batch, outs, done in results:
-        ours, att = outs[0]
-        assert att.o.dtype == torch.bfloat16 and att.lse.dtype == torch.float32
-        (want,), _ = hf.step([xs[0][0][done[0]:done[0] + batch.num_tokens]])
-        torch.testing.assert_close(ours, want, atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(request_cache(st, 0, 0), hf_cache_rows(hf.cache))
-
-
-# --------------------------------------------------------------------------- #
-# expanded (prefill) vs absorbed (decode, verify); acceptance
-# --------------------------------------------------------------------------- #
-
-
-def prefixed(model, xs, prefix):
-    st, _ = run_steps(model, model.state().admit(0).admit(1), xs, [prefix])
-    return st
-
-
-def step_inputs(st, xs, phase, counts):
-    """A batch of ``phase`` for ``counts`` new tokens per request, and its layer inputs."""
-    done = {r: st.request(r).length for r in counts}
-    return phase_batch(st, phase, counts), take(xs, counts, done)
-
-
-def phase_step(model, st, xs, phase, counts):
-    batch, layer_xs = step_inputs(st, xs, phase, counts)
-    outs, deltas = model.forward(st, batch, layer_xs)
-    return batch, outs, deltas
-
-
-@pytest.mark.parametrize("kind", ["v3", "v32", "glm"])
-def test_prefill_verify_and_decode_agree(kind):
+def check_prefill_verify_and_decode_agree(kind):
+    """Expanded (prefill) vs absorbed (decode, verify) forms over the same prefix."""
     model = Model(kind, seed=8)
     prefix, n = {0: 9, 1: 6}, 4
     xs = hidden(model, {r: p + n for r, p in prefix.items()}, seed=9)
@@ -308,8 +288,8 @@ def test_prefill_verify_and_decode_agree(kind):
     assert st.is_live
 
 
-@pytest.mark.parametrize("kind", ["v3", "glm"])
-def test_accept_keeps_only_accepted_rows(kind):
+def check_accept_keeps_only_accepted_rows(kind, *, writes_of_layer):
+    """``writes_of_layer``: the storage names each layer's writes hold (what its kind declared)."""
     model = Model(kind, seed=10)
     prefix, k = {0: 5, 1: 8}, 3
     xs = hidden(model, {r: p + 1 + k + 1 for r, p in prefix.items()}, seed=11)
@@ -317,21 +297,23 @@ def test_accept_keeps_only_accepted_rows(kind):
     batch, outs, deltas = phase_step(model, st, xs, "verify", {0: 1 + k, 1: 1 + k})
     written = deltas.writes
     accepted = {0: 2, 1: 4}
+    token_rows = batch.token_rows(tuple(accepted[r] for r in batch.request_ids))
     st = st.apply(deltas.accept(batch, accepted))
     cu = batch.host_cu_seqlens
     for b, r in enumerate(batch.request_ids):
         assert st.request(r).length == prefix[r] + accepted[r]
         for w in written:
-            name = "latent" if isinstance(w, fa.LatentWrite) else "index_k"
-            value = w.latent if name == "latent" else w.keys
-            flat = getattr(st.views(w.layer), name).flatten(0, 1)  # [P * S, X]
-            for i in range(1 + k):
-                slot = int(batch.slot_mapping[cu[b] + i])
-                if i < accepted[r]:
-                    assert torch.equal(flat[slot], value[cu[b] + i])
-                else:
-                    assert torch.isnan(flat[slot]).all()
-    assert {type(w) for w in written} == ({fa.LatentWrite, fa.IndexKeyWrite} if model.sparse else {fa.LatentWrite})
+            for name, value in w.values.items():
+                flat = st.views(w.layer)[name].flatten(0, 1)  # [P * S, X]
+                for i in range(1 + k):
+                    slot = int(batch.slot_mapping[cu[b] + i])
+                    if i < accepted[r]:
+                        assert int(token_rows[cu[b] + i]) == slot
+                        assert torch.equal(flat[slot], value[cu[b] + i])
+                    else:
+                        assert int(token_rows[cu[b] + i]) == -1
+                        assert torch.isnan(flat[slot]).all()
+    assert {w.layer: sorted(w.values) for w in written} == writes_of_layer
     # the next step continues from the accepted tokens only, as if the drafts never existed
     st = st.reserve({0: 1, 1: 1})
     _, after, _ = phase_step(model, st, xs, "decode", {0: 1, 1: 1})
@@ -343,13 +325,7 @@ def test_accept_keeps_only_accepted_rows(kind):
         torch.testing.assert_close(a.lse, a_w.lse, **TOL)
 
 
-# --------------------------------------------------------------------------- #
-# purity
-# --------------------------------------------------------------------------- #
-
-
-@pytest.mark.parametrize("kind", ["v3", "glm"])
-def test_inputs_and_views_bit_identical_after_every_call(kind):
+def check_inputs_and_views_bit_identical_after_every_call(kind):
     model = Model(kind, seed=12)
     xs = hidden(model, {0: 12, 1: 12}, seed=13)
     st = prefixed(model, xs, {0: 5, 1: 3})
@@ -364,8 +340,7 @@ def test_inputs_and_views_bit_identical_after_every_call(kind):
         st = st.apply(deltas)
 
 
-@pytest.mark.parametrize("kind", ["v3", "v32"])
-def test_nan_in_unused_pages_never_reaches_outputs(kind):
+def check_nan_in_unused_pages_never_reaches_outputs(kind):
     model = Model(kind, seed=14)
     xs = hidden(model, {0: 8, 1: 8}, seed=15)
     st = prefixed(model, xs, {0: 5, 1: 2})  # partly filled last pages; the rest of the pool is NaN
@@ -380,18 +355,13 @@ def test_nan_in_unused_pages_never_reaches_outputs(kind):
         st = st2
 
 
-# --------------------------------------------------------------------------- #
-# bad inputs
-# --------------------------------------------------------------------------- #
-
-
 def valid_inputs(kind):
     """A model, a prefill state and batch, and valid inputs for each of its layers."""
     model = Model(kind, seed=16)
     st = model.state().admit(0).reserve({0: 6})
     batch = fa.Batch.prefill(st, {0: 6})
     x = torch.randn(6, Dm, generator=torch.Generator().manual_seed(17))
-    sparse = SparseQueryMetadata.build(batch, topk=TOPK) if model.sparse else None
+    sparse = fa.SparseQueryMetadata.build(batch, topk=TOPK) if model.sparse else None
     first = model.inputs(0, x, batch, sparse)
     good = [first]
     if kind == "glm":
@@ -406,56 +376,19 @@ def forward_one(model, st, batch, layer, inp):
         return s.forward(layer, inp)
 
 
-def bad_cases(kind):
-    z = torch.zeros
-    if kind == "v3":
-        yield 0, "q_nope", dict(q_nope=z(6, H + 1, Dn))
-        yield 0, "q_pe", dict(q_pe=z(6, H, Dr, dtype=torch.float64))
-        yield 0, "latent", dict(latent=z(6, R))
-        yield 0, "w_uk", dict(w_uk=z(H, Dn, R + 1))
-        yield 0, "w_uv", dict(w_uv=z(H, Dv + 1, R))
-        return
-    yield 0, "index_q", dict(index_q=None)
-    yield 0, "index_w", dict(index_w=None)
-    yield 0, "index_k", dict(index_k=None)
-    yield 0, "index_k", dict(index_k=z(6, Di - 1))
-    yield 0, "index_q", dict(index_q=z(6, Hi + 1, Di))
-    yield 0, "topk_indices", dict(topk_indices=z(6, TOPK, dtype=torch.int64))
-    yield 0, "sparse", dict(sparse=None)
-    yield 0, "latent", dict(latent=z(5, R + Dr))
-    if kind == "glm":
-        yield 1, "topk_indices", dict(topk_indices=None)
-        yield 1, "topk_indices", dict(topk_indices=z(6, TOPK + 1, dtype=torch.int64))
-        yield 1, "topk_indices", dict(topk_indices=z(6, TOPK, dtype=torch.int32))
-        yield 1, "index_q", dict(index_q=z(6, Hi, Di))
-        yield 1, "index_k", dict(index_k=z(6, Di))
-        future = torch.full((6, TOPK), -1, dtype=torch.int64)
-        future[2, 1] = 3  # token 2 may not select position 3 (causal)
-        yield 1, "topk_indices", dict(topk_indices=future)
-
-
-@pytest.mark.parametrize("kind", ["v3", "glm"])
-def test_bad_inputs_name_the_field(kind):
+def check_bad_inputs_name_the_field(kind, cases):
+    """``cases``: (layer, field, {field: bad value}); each is refused with an error naming the field."""
     model, st, batch, good = valid_inputs(kind)
     for layer, inp in enumerate(good):
         forward_one(model, st, batch, layer, inp)  # the valid inputs pass
-    for layer, field, change in bad_cases(kind):
+    for layer, field, change in cases:
         with pytest.raises(ValueError, match=f"`{field}`"):
             forward_one(model, st, batch, layer, dataclasses.replace(good[layer], **change))
-    if kind == "glm":
-        plain = MLAInputs(**{f: getattr(good[0], f) for f in ("q_nope", "q_pe", "latent", "w_uk", "w_uv")})
-        with pytest.raises(ValueError, match="`inputs`.*SparseMLAInputs"):
-            forward_one(model, st, batch, 0, plain)
+    return model, st, batch, good
 
 
-# --------------------------------------------------------------------------- #
-# forms
-# --------------------------------------------------------------------------- #
-
-
-@pytest.mark.parametrize("kind", ["v3", "glm"])
-def test_prefill_runs_expanded_decode_and_verify_absorbed(kind, monkeypatch):
-    from fnattn.backends.reference import mla as backend
+def check_prefill_runs_expanded_decode_and_verify_absorbed(kind, monkeypatch):
+    from fnattn.kinds.mla import reference as backend
 
     calls = []
 

@@ -1,7 +1,7 @@
 """MLA attention core: absorbed == expanded, semantics against a naive loop, argument checks.
 
 The DeepSeek attention block around it (projections, rope, ``o_proj``) and its
-parity with transformers are tested in ``test_model_mla_layer.py``."""
+parity with transformers are tested in ``tests/test_model_mla_layer.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_mla import Dn, Dr, Dv, H, R
 
-from fnattn.ops.mla import key_visibility, mla_absorbed, mla_expanded
+from fnattn.kinds.mla.math import key_visibility, mla_absorbed, mla_expanded
 
 # --------------------------------------------------------------------------- #
 # helpers

@@ -2,7 +2,7 @@
 reference and with an elementwise loop; the causal conv; the q/k/v split and its l2 norm.
 
 ``gdn_layer`` (the Qwen3.5 / Qwen3-Next layer from checkpoint weights) and its parity
-with transformers are tested in ``test_model_gdn_layer.py``."""
+with transformers are tested in ``tests/test_model_gdn_layer.py``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fnattn.ops.conv import causal_conv1d
-from fnattn.ops.delta_rule import gated_delta_chunked, gated_delta_recurrent
-from fnattn.ops.gdn import gdn_qkv
-from fnattn.ops.l2norm import l2norm
+from fnattn.kinds.delta_rule.conv import causal_conv1d
+from fnattn.kinds.delta_rule.math import gated_delta_chunked, gated_delta_recurrent
+from fnattn.kinds.delta_rule.qkv import gdn_qkv, l2norm
 
 TIGHT = dict(atol=1e-5, rtol=1e-5)
 

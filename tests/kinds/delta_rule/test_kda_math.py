@@ -2,7 +2,7 @@
 and with fla's naive reference; the q/k/v split and Kimi's form of the l2 norm.
 
 ``kda_layer`` (the Kimi Linear layer from checkpoint weights) and its parity with
-transformers' ``KimiLinearDeltaAttention`` are tested in ``test_model_kda_layer.py``."""
+transformers' ``KimiLinearDeltaAttention`` are tested in ``tests/test_model_kda_layer.py``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fnattn.ops.delta_rule import gated_delta_chunked, gated_delta_recurrent
-from fnattn.ops.kda import kda_qkv
+from fnattn.kinds.delta_rule.math import gated_delta_chunked, gated_delta_recurrent
+from fnattn.kinds.delta_rule.qkv import kda_qkv
 
 TIGHT = dict(atol=1e-5, rtol=1e-5)
 

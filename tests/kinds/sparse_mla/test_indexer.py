@@ -2,7 +2,7 @@
 token included, ``-1`` padding) and the ``allowed`` mask built from it.
 
 The indexer's queries and keys from checkpoint weights, GLM-5 top-k sharing and
-parity with transformers' attention modules are in ``test_model_dsa_layer.py``."""
+parity with transformers' attention modules are in ``tests/test_model_dsa_layer.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_mla import Di, Hi
 
-from fnattn.ops.dsa import indexer_scores, topk_indices, topk_mask
+from fnattn.kinds.sparse_mla.indexer import indexer_scores, topk_indices, topk_mask
 
 # --------------------------------------------------------------------------- #
 # top-k and scores

@@ -1,3 +1,8 @@
+"""Full / GQA attention through sessions and State: the reference backend against a naive loop
+(cached prefix + new tokens, sliding window, softcap, sinks), decode and verify against prefill,
+purity and NaN-filled storage; then the tiny full-attention model end to end (incremental decode
+against recomputation, chunked prefill and batching)."""
+
 import math
 
 import pytest

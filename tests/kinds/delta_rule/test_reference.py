@@ -12,8 +12,7 @@ from helpers import nan_state, phase_batch, recurrent_inputs, run, same_bits, sn
 from hf_recurrent import gdn_modules, kda_modules, layer_pair, run_hf
 
 import fnattn as fa
-from fnattn.backends.reference.recurrent import CHUNK_SIZE, heads
-from fnattn.inputs import RecurrentOutput
+from fnattn.kinds.delta_rule.reference import CHUNK_SIZE
 
 TIGHT = dict(atol=1e-5, rtol=1e-5)
 LOOSE = dict(atol=3e-2, rtol=3e-2)
@@ -29,8 +28,6 @@ def small_spec(kind, *, dtype=torch.float32, state_dtype=torch.float32, index=0)
     else:
         cfg = fa.KDAConfig(num_heads=2, head_k_dim=8, head_v_dim=16, state_dtype=state_dtype)
     return fa.LayerSpec(index=index, config=cfg, dtype=dtype)
-
-
 
 
 def take(inp, rows):
@@ -200,41 +197,51 @@ def test_verify_accept_and_replay(kind, ring):
     if ring > n_new:  # every token's state in a spare row of the ring, in order after the current one
         pos = [st.request(r).ring_pos for r in (0, 1)]
         want = [st.recurrent_row(r, (pos[b] + 1 + i) % ring) for b, r in enumerate((0, 1)) for i in range(n_new)]
-        assert batch.ring == ring and write.ring_step == batch.step_id
+        assert batch.ring == ring
     else:  # no room: only the last token's state, into the current row
         slots = [st.recurrent_row(r) for r in (0, 1)]
         want = [-1] * K_DRAFT + [slots[0]] + [-1] * K_DRAFT + [slots[1]]
-        assert batch.ring == 0 and write.ring_step is None
-    assert write.slots.tolist() == want
-    assert write.state.shape[0] == write.conv.shape[0] == 2 * n_new
+        assert batch.ring == 0
+    assert batch.recurrent_write_rows.tolist() == batch.state_rows().tolist() == want
+    # the reference returns every token's state as values (it writes no ring row in place)
+    assert set(write.values) == {"ssm", "conv"}
+    assert write["ssm"].shape[0] == write["conv"].shape[0] == 2 * n_new
 
     # Verify position i equals decode after i tokens: outputs and states.
     for b, r in enumerate((0, 1)):
         for i in range(n_new):
             t = b * n_new + i
             torch.testing.assert_close(out.o[t], dec_out[r][i], **TIGHT)
-            torch.testing.assert_close(write.state[t], dec_rows[r][i][0], **TIGHT)
-            torch.testing.assert_close(write.conv[t], dec_rows[r][i][1], **TIGHT)
+            torch.testing.assert_close(write["ssm"][t], dec_rows[r][i][0], **TIGHT)
+            torch.testing.assert_close(write["conv"][t], dec_rows[r][i][1], **TIGHT)
 
     # The replay inputs are this step's own inputs, without the step's metadata.
-    assert isinstance(out, RecurrentOutput) and out.replay.meta is None
+    assert isinstance(out, fa.RecurrentOutput) and out.replay.meta is None
     assert all(getattr(out.replay, f) is getattr(verify_in, f) for f in ("x", "conv_weight", "g", "beta"))
 
     for n0 in range(1, n_new + 1):
         accepted = {0: n0, 1: n_new + 1 - n0}
+        rows = batch.state_rows((accepted[0], accepted[1]))
+        if batch.ring:  # every state goes to its spare row; the ring then points at the last accepted one
+            assert rows.tolist() == want
+        else:  # only the state after each request's last accepted token, into its current row
+            assert rows.tolist() == [slots[b] if i == accepted[r] - 1 else -1
+                                     for b, r in enumerate((0, 1)) for i in range(n_new)]
         native = st.apply(deltas.accept(batch, accepted), inplace=False)
         for b, (r, n) in enumerate(accepted.items()):
             assert native.request(r).length == prompts[r] + n
             ssm, conv = rows_of(native, r)
             # Exactly the verify row of the last accepted token, which is the state decoding leaves.
             last = b * n_new + n - 1
-            assert same_bits(ssm, write.state[last]) and same_bits(conv, write.conv[last])
+            assert same_bits(ssm, write["ssm"][last]) and same_bits(conv, write["conv"][last])
+            if batch.ring:
+                assert native.recurrent_row(r) == want[last]
             torch.testing.assert_close(ssm, dec_rows[r][n - 1][0], **TIGHT)
             torch.testing.assert_close(conv, dec_rows[r][n - 1][1], **TIGHT)
         # Replay: the accepted tokens' inputs through a prefill from the pre-verify state.
         replay_batch = fa.Batch.prefill(st, accepted)
-        rows = torch.cat([torch.arange(n) + b * n_new for b, n in enumerate(accepted.values())])
-        _, _, replayed = step(ma, st, replay_batch, take(out.replay, rows), inplace=False)
+        keep = torch.cat([torch.arange(n) + b * n_new for b, n in enumerate(accepted.values())])
+        _, _, replayed = step(ma, st, replay_batch, take(out.replay, keep), inplace=False)
         for r in accepted:
             assert replayed.request(r).length == native.request(r).length
             for a, b in zip(rows_of(replayed, r), rows_of(native, r)):
@@ -250,7 +257,8 @@ def test_verify_deltas_applied_without_accept_keep_every_token(kind):
     _, deltas, after = step(ma, st, fa.Batch.verify(st, [0], num_draft=K_DRAFT), inp)
     assert after.request(0).length == 1 + K_DRAFT
     ssm, conv = rows_of(after, 0)
-    assert same_bits(ssm, deltas.writes[0].state[-1]) and same_bits(conv, deltas.writes[0].conv[-1])
+    (write,) = deltas.writes
+    assert same_bits(ssm, write["ssm"][-1]) and same_bits(conv, write["conv"][-1])
 
 
 # --------------------------------------------------------------------------- chunked form vs recurrence
@@ -289,15 +297,17 @@ def test_backends_leave_inputs_and_views_bit_identical(kind):
         snap = snapshot(st)
         batch_copy = [t.clone() for t in (batch.cu_seqlens, batch.recurrent_slots, batch.positions)]
         with ma.session(st, batch) as s:
-            out, (write,) = s.forward(0, inp)
-            out2, (write2,) = s.forward(0, inp)  # a re-run reads the same state
+            out, write = s.forward(0, inp)
+        with ma.session(st, batch) as s:  # each layer runs once per session: a re-run is a session of its own
+            out2, write2 = s.forward(0, inp)  # and reads the same state
         assert all(same_bits(getattr(inp, f), c) for f, c in fields.items())
         assert unchanged(st, snap)
         assert all(torch.equal(a, b) for a, b in zip((batch.cu_seqlens, batch.recurrent_slots, batch.positions),
                                                     batch_copy))
-        assert same_bits(out.o, out2.o) and same_bits(write.state, write2.state)
-        assert torch.isfinite(out.o).all() and torch.isfinite(write.state).all() and torch.isfinite(write.conv).all()
-        st = st.apply(fa.StepDeltas.collect(batch, [(write,)]))
+        assert same_bits(out.o, out2.o) and same_bits(write["ssm"], write2["ssm"])
+        assert torch.isfinite(out.o).all() and torch.isfinite(write["ssm"]).all()
+        assert torch.isfinite(write["conv"]).all()
+        st = st.apply(fa.StepDeltas.collect(batch, [write]))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -336,18 +346,19 @@ def test_fp32_state_with_bf16_activations_round_trips_and_wrong_dtype_is_refused
     st = nan_state([spec]).admit(0).reserve({0: 6})
     out, deltas, st = step(ma, st, fa.Batch.prefill(st, {0: 5}), recurrent_inputs(spec, 5))
     (write,) = deltas.writes
-    assert out.o.dtype == torch.bfloat16 and write.state.dtype == torch.float32 and write.conv.dtype == torch.bfloat16
+    assert out.o.dtype == torch.bfloat16 and write["ssm"].dtype == torch.float32
+    assert write["conv"].dtype == torch.bfloat16
     v = st.views(0)
     assert v.ssm.dtype == torch.float32 and v.conv.dtype == torch.bfloat16
     ssm, conv = rows_of(st, 0)
-    assert same_bits(ssm, write.state[0]) and same_bits(conv, write.conv[0])
+    assert same_bits(ssm, write["ssm"][0]) and same_bits(conv, write["conv"][0])
 
     batch = fa.Batch.decode(st, [0])
     _, good = run(ma, st, batch, {0: recurrent_inputs(spec, 1, seed=1)})
     (w,) = good.writes
     snap = snapshot(st)
-    for bad in (dataclasses.replace(w, state=w.state.to(torch.bfloat16)),
-                dataclasses.replace(w, conv=w.conv.float())):
+    for bad in (dataclasses.replace(w, values={**w.values, "ssm": w["ssm"].to(torch.bfloat16)}),
+                dataclasses.replace(w, values={**w.values, "conv": w["conv"].float()})):
         with pytest.raises(ValueError, match="no silent casts"):
             st.apply(dataclasses.replace(good, writes=(bad,)))
         assert st.is_live and unchanged(st, snap) and st.request(0).length == 5
@@ -385,7 +396,7 @@ def test_bad_inputs_raise_value_error_naming_the_field(kind):
     st = nan_state([spec]).admit(0).reserve({0: 3})
     batch = fa.Batch.prefill(st, {0: 3})
     good = recurrent_inputs(spec, 3)
-    H, T = heads(spec), 3
+    H, T = spec.config.num_state_heads, 3
     wrong_g = torch.zeros(T, H, spec.config.head_k_dim) if kind == "gdn" else torch.zeros(T, H)
     bad = {
         "x": [good.x[:, :-1], good.x[:2], good.x.to(torch.bfloat16)],

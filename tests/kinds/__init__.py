@@ -1,0 +1,1 @@
+"""Tests of each attention kind, one package per kind, mirroring fnattn/kinds/."""
