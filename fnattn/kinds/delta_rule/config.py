@@ -26,6 +26,14 @@ def recurrent_storage(c, dtype: torch.dtype, *, pool: str):
             per_request("conv", (c.conv_dim, c.conv_kernel - 1), dtype, pool=pool))
 
 
+def check_shared(c) -> None:
+    """The invariants both delta-rule configs share: a conv of at least 2 taps, the state dtype, the scale."""
+    if c.conv_kernel < 2:
+        fail(type(c).__name__, "conv_kernel", "an int >= 2", c.conv_kernel)
+    state_dtype(c)
+    default_scale(c, c.head_k_dim)
+
+
 @static_pytree
 @dataclass(frozen=True)
 class GDNConfig:
@@ -44,10 +52,7 @@ class GDNConfig:
         positive(self, "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel")
         if self.num_v_heads % self.num_k_heads:
             fail("GDNConfig", "num_v_heads", f"a multiple of num_k_heads={self.num_k_heads}", self.num_v_heads)
-        if self.conv_kernel < 2:
-            fail("GDNConfig", "conv_kernel", "an int >= 2", self.conv_kernel)
-        state_dtype(self)
-        default_scale(self, self.head_k_dim)
+        check_shared(self)
 
     @property
     def conv_dim(self) -> int:
@@ -78,7 +83,6 @@ class GDNConfig:
                        head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
 
 
-
 @static_pytree
 @dataclass(frozen=True)
 class KDAConfig:
@@ -94,10 +98,7 @@ class KDAConfig:
 
     def __post_init__(self):
         positive(self, "num_heads", "head_k_dim", "head_v_dim", "conv_kernel")
-        if self.conv_kernel < 2:
-            fail("KDAConfig", "conv_kernel", "an int >= 2", self.conv_kernel)
-        state_dtype(self)
-        default_scale(self, self.head_k_dim)
+        check_shared(self)
 
     @property
     def conv_dim(self) -> int:
@@ -123,7 +124,6 @@ class KDAConfig:
         from .qkv import kda_qkv
 
         return kda_qkv(mixed, num_heads=self.num_heads, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
-
 
 
 @tensor_pytree
