@@ -1,10 +1,19 @@
 """fnattn: attention for LLM inference as pure functions.
 
-Every backend is ``backend(spec, views, inputs) -> (outputs, deltas)``; a
-driver applies a step's deltas once, with `State.apply`.
+Every backend is ``backend(spec, views, inputs) -> (outputs, writes)``; a
+driver applies the writes of a step once, with `State.apply`.
 """
 
 import os as _os
+
+# In a source checkout that was not installed (a notebook or a GPU box at the repo
+# root), kernels/ and models/ sit beside fnattn/; an install maps them into the
+# package instead. Only a checkout (pyproject.toml beside) gets the extra path.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
+    _os.path.join(_root, "kernels", "__init__.py")
+):
+    __path__.append(_root)  # noqa: F821 - the package's own search path
 
 from .batch import PHASES, Batch
 from .declare import StepMeta, StorageDecl, inputs, kind, kind_info, known_kinds, per_request, per_token, register_kind
@@ -37,6 +46,7 @@ from .registry import Backend, register
 from .session import AttentionSession
 from .spec import LayerSpec
 from .state import Checkpoint, State, Views
+from .transfer import RequestState, TransferTimeoutError
 
 __version__ = "0.1.0"
 
@@ -50,14 +60,5 @@ __all__ = [
     "FullAttentionConfig", "FullAttentionInputs", "MLAConfig", "MLAInputs", "IndexerConfig", "SparseAttentionOutput",
     "SparseMLAConfig", "SparseMLAInputs", "SparseQueryMetadata",
     "ModelAttention", "ProbeReport", "probe", "Backend", "register", "AttentionSession", "LayerSpec",
-    "Checkpoint", "State", "Views",
+    "Checkpoint", "State", "Views", "RequestState", "TransferTimeoutError",
 ]
-
-# In a source checkout that was not installed (a notebook or a GPU box at the repo
-# root), kernels/ and models/ sit beside fnattn/; an install maps them into the
-# package instead. Only a checkout (pyproject.toml beside) gets the extra path.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
-    _os.path.join(_root, "kernels", "__init__.py")
-):
-    __path__.append(_root)  # noqa: F821 - the package's own search path

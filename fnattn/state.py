@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,6 +28,9 @@ from .checks import fail
 from .deltas import StepDeltas
 from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, StaleStateError
 from .spec import LayerSpec
+
+if TYPE_CHECKING:
+    from .transfer import RequestState
 
 _versions = itertools.count(1)
 _lineages = itertools.count(1)
@@ -390,6 +394,24 @@ class State:
         free_pages = tuple(sorted(self._free_pages + req.pages))
         free_slots = tuple(sorted(self._free_slots + (req.slot,)))
         return self._successor(requests=reqs, free_pages=free_pages, free_slots=free_slots)
+
+    # --------------------------------------------------------------- transfer
+    def export_request(self, request_id: int) -> "RequestState":
+        """One request's storage rows (every kind's declared tensors), cursor, spec fingerprint and
+        checksum, as a portable CPU value (`fnattn.transfer`). Changes nothing."""
+        from .transfer import export_request
+
+        return export_request(self, request_id)
+
+    def import_request(self, payload, *, request_id: int | None = None,
+                       cast: bool = False) -> "tuple[State, int]":
+        """Check ``payload`` (a `RequestState` or its bytes) entirely, then admit, reserve and write it in
+        one step: ``-> (new State, request id)``. Refused (this handle unchanged and live) on a spec or
+        dtype mismatch (``cast=True`` converts dtypes), a bad checksum, a malformed payload, an id already
+        admitted, or too few free pages or slots (`PoolExhaustedError`)."""
+        from .transfer import import_request
+
+        return import_request(self, payload, request_id=request_id, cast=cast)
 
     # ------------------------------------------------------------------ apply
     def apply(self, deltas: StepDeltas, *, inplace: bool = True) -> "State":
