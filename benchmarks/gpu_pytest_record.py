@@ -1,0 +1,48 @@
+"""Run pytest on the GPU machine and record every test's outcome as JSON (command, commit, device).
+
+    python benchmarks/gpu_pytest_record.py OUT.json -- tests/test_transfer.py -m gpu
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import pytest
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[1] != "--":
+        print("usage: gpu_pytest_record.py OUT.json -- PYTEST_ARGS...", file=sys.stderr)
+        return 2
+    out, args = Path(argv[0]), argv[2:]
+    with TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        rc = pytest.main([*args, f"--junitxml={xml}", "-q", "-p", "no:warnings"])
+        cases = []
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            status = "passed"
+            for tag in ("failure", "error", "skipped"):
+                if case.find(tag) is not None:
+                    status = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+            cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "status": status,
+                          "seconds": float(case.get("time", 0))})
+    import torch
+
+    from fnattn.bench import commit
+
+    doc = {"command": "python benchmarks/gpu_pytest_record.py OUT.json -- " + " ".join(args), "commit": commit(),
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+           "exit_code": int(rc), **{s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "skipped")},
+           "cases": cases}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    return int(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
