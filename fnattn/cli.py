@@ -1,4 +1,4 @@
-"""The ``fnattn`` command line: ``fnattn demo`` (and ``python -m fnattn``)."""
+"""The ``fnattn`` command line: ``fnattn demo``, ``fnattn generate``, ``fnattn bench`` (and ``python -m fnattn``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ import time
 
 def _progress(done: int, total: int, started: float, stream=None) -> None:
     stream = stream or sys.stderr  # looked up per call: tests and notebooks swap sys.stderr
+    if not (getattr(stream, "isatty", None) and stream.isatty()):
+        if done == total:  # a log gets one line, not a carriage return per token
+            rate = done / max(time.perf_counter() - started, 1e-9)
+            stream.write(f"decode {done}/{total}  {rate:6.1f} tok/s\n")
+        return
     width = 30
     filled = int(width * done / total)
     rate = done / max(time.perf_counter() - started, 1e-9)
@@ -72,11 +77,12 @@ def demo_family(args) -> int:
 
     model = random_model(args.model, seed=args.seed, dtype=torch.float32, device=args.device)
     ma = ModelAttention(model.specs, device=args.device)
-    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(12)]
+    # The prompt's UTF-8 bytes, folded into the family's tiny vocabulary (there is no tokenizer).
+    prompt = [b % model.config.vocab_size for b in args.prompt.encode("utf-8")] or [0]
     state = _state_for(model.specs, tokens=len(prompt) + args.tokens, page_size=args.page_size, device=args.device)
     kinds = sorted({s.kind for s in model.specs})
     print(f"fnattn demo: {args.model} (tiny config, {len(model.specs)} layers: {', '.join(kinds)}, random weights)")
-    print(f"prompt token ids: {prompt}")
+    print(f"prompt: {args.prompt!r} as token ids {prompt}")
     started = time.perf_counter()
     _progress(0, args.tokens, started)
     state, out = generate(model.step, model.params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
@@ -147,59 +153,187 @@ def demo_mtp(args) -> int:
     return 0
 
 
-def generate_text(args) -> int:
-    """Greedy generation from a local checkpoint directory with its tokenizer, streaming text."""
+MAX_NEW_TOKENS = 1 << 20  # the cap where a model states no max_position_embeddings
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes end in one line on stderr and exit status 2 (no usage block, no traceback)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def _user_error(prog: str, message: str):
+    """Exit 2 with one line: for mistakes found after parsing (files, fields, limits)."""
+    sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")
+    raise SystemExit(2)
+
+
+def _int_in(lo: int, hi: int | None = None, what: str | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            bounds = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"must be {what or bounds}, got {value}")
+        return value
+    return parse
+
+
+def _float_in(lo: float, hi: float, what: str, *, open_lo: bool = False):
+    def parse(text: str) -> float:
+        import math
+
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < lo or value > hi or (open_lo and value == lo):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    return parse
+
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be a torch device such as cpu or cuda:0, got {text!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r} needs CUDA, which this torch build or machine lacks")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N], got {text!r}")
+    return text
+
+
+def _prompts(args, prog: str) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        from pathlib import Path
+
+        try:
+            prompts += [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            _user_error(prog, f"--prompts-file {args.prompts_file}: {e.strerror or e}")
+    if not prompts:
+        _user_error(prog, "give at least one --prompt (or --prompts-file)")
+    return prompts
+
+
+def _load(args, prog: str):
+    """(tokenizer, model, eos ids) of the checkpoint directory, or exit 2 naming the file or field."""
     from pathlib import Path
 
     import torch
 
-    from . import ModelAttention
-    from .driver import generate
+    from .models.loading import CheckpointError, read_config, read_eos_token_ids
     from .models.registry import load_model
 
     path = Path(args.model)
-    tok_file = path / "tokenizer.json"
-    if not tok_file.is_file():
-        print(f"fnattn generate: {path} has no tokenizer.json", file=sys.stderr)
-        return 2
-    from tokenizers import Tokenizer
+    try:
+        read_config(path)  # a missing or broken config.json is named before the tokenizer is
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            _user_error(prog, f"--model {path}: no tokenizer.json")
+        from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(tok_file))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model = load_model(path, dtype=dtype, device=args.device)
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception for unreadable files
+            raise CheckpointError(f"{tok_file}: not a tokenizers file ({e})") from None
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        model = load_model(path, dtype=dtype, device=args.device)
+        eos = read_eos_token_ids(path)
+    except (CheckpointError, ValueError) as e:  # ValueError: adapters refusing a config field
+        _user_error(prog, str(e))
+    return tokenizer, model, eos, read_config(path).get("max_position_embeddings")
+
+
+def generate_text(args) -> int:
+    """Generation from a local checkpoint directory with its tokenizer: streamed text, or --json."""
+    import json
+
+    from . import ModelAttention
+    from .driver import generate_completions
+    from .generation import Sampler, StopCriteria
+
+    prog = "fnattn generate"
+    texts = _prompts(args, prog)
+    tokenizer, model, eos, max_positions = _load(args, prog)
+    prompts = {}
+    for i, text in enumerate(texts):
+        prompts[i] = tokenizer.encode(text).ids
+        if not prompts[i]:
+            _user_error(prog, f"--prompt {text!r} encodes to no tokens")
+    longest = max(len(p) for p in prompts.values())
+    if isinstance(max_positions, int) and longest + args.max_new_tokens > max_positions:
+        _user_error(prog, f"--max-new-tokens {args.max_new_tokens}: the prompt ({longest} tokens) plus the new "
+                          f"tokens exceed the model's max_position_embeddings ({max_positions})")
+    stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, stop_strings=tuple(args.stop or ()))
+    sampler = Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                      seed=args.seed)
     ma = ModelAttention(model.specs, device=args.device)
-    prompt = tokenizer.encode(args.prompt).ids
-    if not prompt:
-        print("fnattn generate: the prompt encodes to no tokens", file=sys.stderr)
-        return 2
-    state = _state_for(model.specs, tokens=len(prompt) + args.tokens, page_size=args.page_size, device=args.device)
-    generated: list[int] = []
-    shown = ""
+    running = min(args.max_batch or len(prompts), len(prompts))
+    state = _state_for(model.specs, tokens=longest + args.max_new_tokens, page_size=args.page_size,
+                       device=args.device, max_requests=running)
+    streaming = len(prompts) == 1 and not args.json
 
-    def stream(i, tokens):
-        nonlocal shown
-        generated.append(tokens[0])
-        text = tokenizer.decode(generated)
-        sys.stdout.write(text[len(shown):])
-        sys.stdout.flush()
-        shown = text
+    def on_text(r: int, chunk: str) -> None:
+        if streaming:
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
 
-    sys.stdout.write(args.prompt)
+    if streaming:
+        sys.stdout.write(texts[0])
     started = time.perf_counter()
-    generate(model.step, model.params, ma, state, {0: prompt}, max_new_tokens=args.tokens, on_step=stream)
+    _, done = generate_completions(model.step, model.params, ma, state, prompts, stop=stop, sampler=sampler,
+                                   tokenizer=tokenizer, on_text=on_text, max_running=running)
     elapsed = time.perf_counter() - started
-    print(f"\n[{len(generated)} tokens, {len(generated) / elapsed:.1f} tokens/s]", file=sys.stderr)
+    total = sum(len(c.ids) for c in done.values())
+    if args.json:
+        rows = [{"prompt": texts[r], "prompt_ids": c.prompt, "ids": c.ids, "text": c.text,
+                 "finish_reason": c.finish_reason,
+                 "timings": {"first_token_s": c.first_token_s, "finished_s": c.finished_s,
+                             "tokens_per_s": len(c.ids) / max(c.finished_s or 0.0, 1e-9)}}
+                for r, c in done.items()]
+        print(json.dumps({"model": str(args.model), "elapsed_s": elapsed, "completions": rows}, ensure_ascii=False))
+    elif not streaming:
+        for r, c in done.items():
+            print(f"[{r}] {texts[r]}{c.text}")
+    print(f"\n[{total} tokens, {total / elapsed:.1f} tokens/s]", file=sys.stderr)
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fnattn")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", type=_device, help="torch device: cpu (default) or cuda[:N]")
+    p.add_argument("--page-size", type=_int_in(1, 1 << 16), default=16, help="tokens per cache page (default 16)")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fnattn", description="Attention for LLM inference as pure functions.")
+    parser = _Parser(prog="fnattn", description="Attention for LLM inference as pure functions.")
+    parser.add_argument("--version", action="version", version=f"fnattn {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="prefill a prompt and greedily decode with a tiny random model")
     p.add_argument("--prompt", default="Attention is a pure function.", help="prompt text (bytes are tokens)")
-    p.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default 16)")
+    p.add_argument("--tokens", "--max-new-tokens", dest="tokens", type=_int_in(1, MAX_NEW_TOKENS), default=32,
+                   help=f"tokens to generate (default 32, at most {MAX_NEW_TOKENS})")
+    _common(p)
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--model", default="tiny",
                    help="tiny (default), or a built-in tiny config of a model family: qwen3_5, qwen3_next, "
@@ -209,13 +343,30 @@ def main(argv=None) -> int:
     p.add_argument("--recovery", choices=["native", "replay"], default="native",
                    help="how recurrent layers recover after verification (with --mtp)")
     p.set_defaults(fn=demo)
-    g = sub.add_parser("generate", help="greedy generation from a local checkpoint directory")
+    g = sub.add_parser("generate", help="generation from a local checkpoint directory")
     g.add_argument("--model", required=True, help="directory with config.json, safetensors and tokenizer.json")
-    g.add_argument("--prompt", required=True, help="prompt text")
-    g.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
-    g.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    g.add_argument("--prompt", action="append", help="prompt text; repeat it for several prompts in one batch")
+    g.add_argument("--prompts-file", help="a text file with one prompt per line (added after any --prompt)")
+    g.add_argument("--max-new-tokens", "--tokens", dest="max_new_tokens", type=_int_in(1, MAX_NEW_TOKENS),
+                   default=32, help="tokens to generate per prompt at most (default 32; bounded by the model's "
+                                    f"max_position_embeddings, or {MAX_NEW_TOKENS} where it states none)")
+    g.add_argument("--temperature", type=_float_in(0, 1e4, "a number >= 0"), default=0.0,
+                   help="0 (default): greedy; > 0: sample")
+    g.add_argument("--top-k", type=_int_in(0), default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--top-p", type=_float_in(0, 1, "in (0, 1]", open_lo=True), default=1.0,
+                   help="nucleus sampling mass (1: off)")
+    g.add_argument("--min-p", type=_float_in(0, 1, "in [0, 1]"), default=0.0,
+                   help="drop tokens below min-p times the top probability (0: off)")
+    g.add_argument("--seed", type=_int_in(0, 2**63 - 1, "an int in [0, 2**63)"), default=None,
+                   help="sampling seed: the same seed gives the same tokens")
+    g.add_argument("--stop", action="append", help="stop when the text contains this string (repeatable); "
+                                                     "the stop string is not printed")
+    g.add_argument("--max-batch", type=_int_in(1), default=None,
+                   help="requests running at once (default: every prompt); the others wait and are admitted "
+                        "as running ones finish")
+    g.add_argument("--json", action="store_true", help="print ids, text, finish reason and timings per prompt as JSON")
+    _common(g)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default 16)")
     g.set_defaults(fn=generate_text)
     from .bench.cli import add_arguments
     from .bench.cli import run as bench
@@ -224,10 +375,10 @@ def main(argv=None) -> int:
     add_arguments(b)
     b.set_defaults(fn=bench)
     args = parser.parse_args(argv)
-    if args.command in ("demo", "generate") and args.tokens < 1:
-        parser.error(f"--tokens must be >= 1, got {args.tokens}")
     if args.command == "demo" and args.mtp < 0:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
+    if args.command == "generate" and args.stop and any(not s for s in args.stop):
+        parser.error("--stop must be a non-empty string")
     return args.fn(args)
 
 

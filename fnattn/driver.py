@@ -1,4 +1,4 @@
-"""A small greedy driver: admit, prefill (optionally chunked), decode, release.
+"""A small driver: admit, prefill (optionally chunked), decode until each request stops, release.
 
 ``step(params, session, tokens) -> (logits, StepDeltas)`` is any model step
 function; the driver owns the State handle and applies each step's deltas once.
@@ -6,12 +6,14 @@ function; the driver owns the State handle and applies each step's deltas once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from .batch import Batch
 from .checks import fail
+from .generation import RequestStream, Sampler, StopCriteria
 
 
 def run_step(step: Callable, params, model_attention, state, batch: Batch, tokens: torch.Tensor):
@@ -46,31 +48,92 @@ def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence
 
 
 def generate(step, params, model_attention, state, prompts: Mapping[int, Sequence[int]], *,
-             max_new_tokens: int, chunk: int | None = None,
-             on_step: Callable[[int, dict[int, int]], None] | None = None, release: bool = True):
-    """Greedy generation for a batch of new requests; ``-> (state, {rid: new tokens})``.
+             max_new_tokens: int | None = None, stop: StopCriteria | None = None, sampler: Sampler | None = None,
+             tokenizer=None, chunk: int | None = None,
+             on_step: Callable[[int, dict[int, int]], None] | None = None, release: bool = True,
+             max_running: int | None = None):
+    """Generate for a batch of new requests; ``-> (state, {rid: new tokens})``.
 
-    ``on_step(i, {rid: token})`` is called after each generated token (i = 0 after prefill).
+    Greedy unless ``sampler`` says otherwise. ``stop`` (or ``max_new_tokens`` alone)
+    ends each request on its own; `generate_completions` also returns the text,
+    the finish reason and timings. ``on_step(i, {rid: token})`` is called after each
+    step (i = 0 after prefill) with the requests that produced a token.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        fail("generate", "max_new_tokens", "an int >= 1", max_new_tokens)
-    for r in prompts:
-        state = state.admit(r)
-    state, last = prefill(step, params, model_attention, state, prompts, chunk=chunk)
-    out = {r: [int(last[r].argmax())] for r in prompts}
-    if on_step:
-        on_step(0, {r: out[r][-1] for r in prompts})
-    for i in range(1, max_new_tokens):
-        ids = list(prompts)
-        state = state.reserve({r: 1 for r in ids})
-        batch = Batch.decode(state, ids)
-        tokens = torch.tensor([out[r][-1] for r in batch.request_ids], dtype=torch.long, device=state.device)
-        state, logits = run_step(step, params, model_attention, state, batch, tokens)
-        for b, r in enumerate(batch.request_ids):
-            out[r].append(int(logits[b].argmax()))
+    state, done = generate_completions(step, params, model_attention, state, prompts, max_new_tokens=max_new_tokens,
+                                       stop=stop, sampler=sampler, tokenizer=tokenizer, chunk=chunk,
+                                       on_step=on_step, release=release, max_running=max_running)
+    return state, {r: c.ids for r, c in done.items()}
+
+
+def _criteria(max_new_tokens, stop) -> StopCriteria:
+    if stop is None:
+        if max_new_tokens is None:
+            fail("generate", "max_new_tokens", "an int >= 1 (or stop=StopCriteria(...))", None)
+        return StopCriteria(max_new_tokens=max_new_tokens)
+    if not isinstance(stop, StopCriteria):
+        fail("generate", "stop", "a StopCriteria", type(stop).__name__)
+    if max_new_tokens is not None and max_new_tokens != stop.max_new_tokens:
+        fail("generate", "max_new_tokens", f"None or stop.max_new_tokens ({stop.max_new_tokens})", max_new_tokens)
+    return stop
+
+
+def generate_completions(step, params, model_attention, state, prompts: Mapping[int, Sequence[int]], *,
+                         max_new_tokens: int | None = None, stop: StopCriteria | None = None,
+                         sampler: Sampler | None = None, tokenizer=None, chunk: int | None = None,
+                         on_step: Callable[[int, dict[int, int]], None] | None = None,
+                         on_text: Callable[[int, str], None] | None = None, release: bool = True,
+                         max_running: int | None = None):
+    """`generate` with ``-> (state, {rid: Completion})``; ``on_text(rid, chunk)`` streams each request's text.
+
+    A request that finishes leaves the decode batch at once and, with
+    ``release=True``, is released (its pages and slot freed) while the others go on.
+    ``max_running`` caps the requests admitted at a time: the others wait, in
+    ``prompts`` order, and each is admitted and prefilled as soon as one finishes.
+    """
+    stop = _criteria(max_new_tokens, stop)
+    if max_running is not None:
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            fail("generate", "max_running", "an int >= 1 or None", max_running)
+        if not release and max_running < len(prompts):
+            fail("generate", "release", f"True when max_running ({max_running}) < the number of prompts", release)
+    sampler = sampler if sampler is not None else Sampler()
+    if not isinstance(sampler, Sampler):
+        fail("generate", "sampler", "a Sampler", type(sampler).__name__)
+    streams = {r: RequestStream(p, stop, tokenizer) for r, p in prompts.items()}
+    generator = sampler.generator(state.device)
+    started = time.perf_counter()
+
+    def take(rids: list[int], logits: torch.Tensor, i: int):
+        nonlocal state
+        tokens = sampler.sample(logits, generator).tolist()
+        now = time.perf_counter() - started
+        for r, t in zip(rids, tokens):
+            shown = streams[r].push(t, now)
+            if shown and on_text:
+                on_text(r, shown)
         if on_step:
-            on_step(i, {r: out[r][-1] for r in ids})
-    if release:
-        for r in prompts:
-            state = state.release(r)
-    return state, out
+            on_step(i, dict(zip(rids, tokens)))
+        for r in rids:
+            if streams[r].completion.finished and release:
+                state = state.release(r)
+
+    waiting, running, i = list(prompts), [], 0
+    while waiting or running:
+        room = len(waiting) if max_running is None else max_running - len(running)
+        if waiting and room > 0:  # admission: a finished request's slot and pages went back to the pool
+            new, waiting = waiting[:room], waiting[room:]
+            for r in new:
+                state = state.admit(r)
+            state, last = prefill(step, params, model_attention, state, {r: prompts[r] for r in new}, chunk=chunk)
+            take(new, torch.stack([last[r] for r in new]), i)
+            running, i = running + new, i + 1
+        running = [r for r in running if not streams[r].completion.finished]
+        if running:
+            state = state.reserve({r: 1 for r in running})
+            batch = Batch.decode(state, running)
+            tokens = torch.tensor([streams[r].completion.ids[-1] for r in batch.request_ids], dtype=torch.long,
+                                  device=state.device)
+            state, logits = run_step(step, params, model_attention, state, batch, tokens)
+            take(list(batch.request_ids), logits, i)
+            running, i = [r for r in running if not streams[r].completion.finished], i + 1
+    return state, {r: s.completion for r, s in streams.items()}

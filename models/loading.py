@@ -17,12 +17,51 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing a file or tensor, or holds a tensor of the wrong shape."""
 
 
+def _read_json(file: Path) -> object:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
 def read_config(path: str | Path) -> dict:
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: not a directory")
     cfg = path / "config.json"
     if not cfg.is_file():
         raise CheckpointError(f"checkpoint {path}: no config.json")
-    return json.loads(cfg.read_text())
+    raw = _read_json(cfg)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg}: must hold a JSON object, got a {type(raw).__name__}")
+    return raw
+
+
+def _eos_field(file: Path, raw: dict) -> set[int]:
+    value = raw.get("eos_token_id")
+    if value is None:
+        return set()
+    values = [value] if isinstance(value, int) else value
+    if not isinstance(values, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise CheckpointError(f"{file}: `eos_token_id` must be a token id or a list of token ids, got {value!r}")
+    return set(values)
+
+
+def read_eos_token_ids(path: str | Path) -> frozenset[int]:
+    """The eos ids of config.json and generation_config.json together (either may be one id or a list).
+
+    Both are read because chat checkpoints often list their end-of-turn ids only in
+    generation_config.json (which transformers prefers) while config.json names the base eos.
+    """
+    path = Path(path)
+    ids = _eos_field(path / "config.json", read_config(path))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        raw = _read_json(gen)
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{gen}: must hold a JSON object, got a {type(raw).__name__}")
+        ids |= _eos_field(gen, raw)
+    return frozenset(ids)
 
 
 class CheckpointReader(Mapping):
@@ -49,13 +88,21 @@ class CheckpointReader(Mapping):
         full = self.prefix + name
         if full not in self._files:
             raise CheckpointError(f"checkpoint {self.path}: tensor {full!r} is missing")
-        with safe_open(str(self._files[full]), framework="pt") as f:
-            t = f.get_tensor(full)
+        file = self._files[full]
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                t = f.get_tensor(full)
+        except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+            raise CheckpointError(f"{file}: tensor {full!r} cannot be read ({_first_line(e)})") from None
         self._read.add(full)
         return t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
 
     def expect(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``name``, checked to be floating point (weights are cast to ``dtype``) of ``shape``."""
         t = self[name]
+        if not t.is_floating_point():
+            raise CheckpointError(f"checkpoint {self.path}: tensor {self.prefix + name!r} has dtype {t.dtype}, "
+                                  f"expected a floating-point dtype")
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(
                 f"checkpoint {self.path}: tensor {self.prefix + name!r} has shape {tuple(t.shape)}, "
@@ -80,7 +127,11 @@ def _index(path: Path) -> dict[str, Path]:
     """name -> file, from model.safetensors or model.safetensors.index.json."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        raw = _read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: `weight_map` must be an object of tensor name -> file name, "
+                                  f"got {weight_map!r:.80}")
         files = {name: path / fname for name, fname in weight_map.items()}
         for f in set(files.values()):
             if not f.is_file():
@@ -90,6 +141,14 @@ def _index(path: Path) -> dict[str, Path]:
     if single.is_file():
         from safetensors import safe_open
 
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:  # a truncated file or one that is not safetensors
+            raise CheckpointError(f"{single}: not a readable safetensors file ({_first_line(e)})") from None
     raise CheckpointError(f"checkpoint {path}: neither model.safetensors nor model.safetensors.index.json")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:160] if text else type(e).__name__

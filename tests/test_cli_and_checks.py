@@ -49,3 +49,20 @@ def test_demo_mtp_prints_acceptance_and_tokens_per_step(capsys):
     assert "mean accepted drafts per step" in out and "tokens per step" in out
     with pytest.raises(SystemExit):
         main(["demo", "--mtp", "-1"])
+
+
+def test_demo_family_reads_the_prompt_and_logs_progress_without_carriage_returns(capsys):
+    assert main(["demo", "--model", "qwen3_5", "--tokens", "3", "--prompt", "ab"]) == 0
+    out = capsys.readouterr()
+    assert "'ab' as token ids [97, 98]" in out.out
+    assert "\r" not in out.err and "decode 3/3" in out.err
+
+
+def test_version_and_one_line_usage_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("fnattn ")
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--tokens", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--tokens" in err
