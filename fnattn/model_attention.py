@@ -133,13 +133,18 @@ class ModelAttention:
         return AttentionSession(self, state, batch)
 
     def explain(self) -> str:
-        """A table: the backend chosen for every (layer, phase), and who was refused and why."""
+        """A table of the backend chosen for every (layer, phase); each refusal is stated once below it,
+        and rows name the refusals that apply to them by number."""
+        notes: dict[str, int] = {}
         rows = [("layer", "kind", "phase", "backend", "group", "refused")]
         for (layer, phase), c in self.choices.items():
-            refused = "; ".join(f"{n} ({', '.join(r)})" for n, r in c.refused) or "-"
-            rows.append((str(layer), self.spec_by_layer[layer].kind, phase,
-                         c.backend.name if c.backend else "NONE", "-" if c.group is None else str(c.group), refused))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
-        lines.insert(1, "-" * len(lines[0]))
+            refs = [notes.setdefault(f"{n} ({', '.join(r)})", len(notes) + 1) for n, r in c.refused]
+            rows.append((str(layer), self.spec_by_layer[layer].kind, phase, c.backend.name if c.backend else "NONE",
+                         "-" if c.group is None else str(c.group), " ".join(f"[{i}]" for i in refs) or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "-" * max(len(line) for line in lines))
+        if notes:
+            lines.append("refused:")
+            lines += [f"  [{i}] {text}" for text, i in notes.items()]
         return "\n".join(lines)
