@@ -70,6 +70,7 @@ def check_batch(state, batch, where: str) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(req.pages) * S - req.length:
             fail(where, f"batch.host_new_lens[{b}]", f"an int in 1..{len(req.pages) * S - req.length} "
                  f"(request {rid}'s reserved room)", n)
+        _check_unshared(state, req.pages[req.length // S:(req.length + n - 1) // S + 1], where)
         reqs.append((req, n))
     if len(set(batch.request_ids)) != len(batch.request_ids) or not reqs:
         fail(where, "batch.request_ids", "unique admitted request ids", batch.request_ids)
@@ -81,8 +82,18 @@ def check_batch(state, batch, where: str) -> None:
         if not isinstance(got, Tensor) or got.dtype != TENSOR_DTYPES[name] or got.device != state.device:
             fail(where, f"batch.{name}", f"a {TENSOR_DTYPES[name]} tensor on {state.device}",
                  (getattr(got, "dtype", type(got).__name__), getattr(got, "device", None)))
+        if name == "slot_mapping" and state._shared and _may_sync(got):
+            _check_unshared(state, {s // S for s in got.tolist() if s >= 0}, where)
         if _may_sync(got) and got.tolist() != want:
             fail(where, f"batch.{name}", f"the rows of the batch's requests in this State {want}", got.tolist())
+
+
+def _check_unshared(state, pages, where: str) -> None:
+    """No token row of the step lands in a page more than one request holds (a shared prefix page)."""
+    shared = sorted(p for p in pages if p in state._shared)
+    if shared:
+        fail(where, "batch", "a batch that writes no page another request also holds (shared prefix pages are "
+             f"read-only; pages {shared} are held by {[state._shared[p] for p in shared]} requests)", shared)
 
 
 def _expected_names(state, layer: int, replay_mode: bool) -> tuple[set, set]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from . import pages
 from .apply import validate_step, write_step
 from .checks import fail
 from .deltas import StepDeltas
@@ -242,6 +243,7 @@ class State:
         self._requests: Mapping[int, Request] = MappingProxyType({})
         self._free_pages: tuple[int, ...] = tuple(range(num_pages))
         self._free_slots: tuple[int, ...] = tuple(range(max_requests))
+        self._shared: Mapping[int, int] = MappingProxyType({})  # page -> holders, for pages held by >= 2
         self._spec_by_layer = {s.index: s for s in specs}
 
     # ----------------------------------------------------------------- handles
@@ -253,7 +255,8 @@ class State:
                 "apply/admit/reserve/release/restore"
             )
 
-    def _successor(self, *, requests=None, free_pages=None, free_slots=None, storage=None, applied=None) -> "State":
+    def _successor(self, *, requests=None, free_pages=None, free_slots=None, storage=None, applied=None,
+                   shared=None) -> "State":
         new = object.__new__(State)
         new.__dict__.update(self.__dict__)
         new._version = next(_versions)
@@ -269,6 +272,8 @@ class State:
             new._free_pages = tuple(free_pages)
         if free_slots is not None:
             new._free_slots = tuple(free_slots)
+        if shared is not None:
+            new._shared = MappingProxyType(dict(shared))
         return new
 
     @property
@@ -307,6 +312,19 @@ class State:
         self._check_live()
         return len(self._free_slots)
 
+    def refcount(self, page: int) -> int:
+        """How many requests hold ``page`` (0: free; more than 1: a shared prefix page)."""
+        self._check_live()
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            fail("State.refcount", "page", f"an int in 0..{self.num_pages - 1}", page)
+        return 0 if page in self._free_pages else self._shared.get(page, 1)
+
+    @property
+    def shared_pages(self) -> Mapping[int, int]:
+        """Pages held by more than one request -> how many hold them."""
+        self._check_live()
+        return self._shared
+
     @property
     def pools(self) -> Mapping[str, Pool]:
         self._check_live()
@@ -340,8 +358,15 @@ class State:
         return self._storage.lineage
 
     # ------------------------------------------------------------- allocation
-    def admit(self, request_id: int) -> "State":
-        """Admit a new request with an empty cache; takes one recurrent slot."""
+    def admit(self, request_id: int, *, prefix_of: int | None = None, tokens: int | None = None) -> "State":
+        """Admit a new request with an empty cache; takes one recurrent slot.
+
+        ``prefix_of=other``: the request starts with the first ``tokens`` (default: all) cached tokens of
+        request ``other``, its cursor at ``tokens``. It shares ``other``'s full pages below that (reference
+        counted; no request ever writes into a shared page) and gets a fresh page holding a copy of the
+        rows of a partial last page (copy-on-admit). With recurrent layers ``tokens`` must be ``other``'s
+        length: its current recurrent state is copied into the new request's slot.
+        """
         self._check_live()
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
             fail("State.admit", "request_id", "a non-negative int", request_id)
@@ -352,10 +377,29 @@ class State:
                 f"State.admit: no free request slot for request {request_id} "
                 f"(max_requests={self.max_requests}, all in use)"
             )
+        if prefix_of is None:
+            if tokens is not None:
+                fail("State.admit", "tokens", "None without prefix_of (the prefix length of another request)",
+                     tokens)
+        else:
+            return self._admit_prefix(request_id, prefix_of, tokens)
         slot, *rest = self._free_slots
         reqs = dict(self._requests)
         reqs[request_id] = Request(request_id, slot, (), 0, admission=next(_admissions))
         return self._successor(requests=reqs, free_slots=rest)
+
+    def _admit_prefix(self, request_id: int, prefix_of: int, tokens) -> "State":
+        other, n, shared, tail = pages.prefix_plan(self, request_id, prefix_of, tokens)
+        slot, *rest = self._free_slots
+        free = list(self._free_pages)
+        page = free.pop(0) if tail else None
+        # Every check passed: the copies go to a free page and a free slot, which no request reads.
+        pages.copy_prefix(self, other, n, slot, page)
+        reqs = dict(self._requests)
+        reqs[request_id] = Request(request_id, slot, shared + ((page,) if tail else ()), n,
+                                   admission=next(_admissions))
+        return self._successor(requests=reqs, free_slots=rest, free_pages=free,
+                               shared=pages.share(self._shared, shared))
 
     def reserve(self, counts: Mapping[int, int]) -> "State":
         """Make room for ``counts[r]`` more tokens after each request's cursor."""
@@ -385,15 +429,15 @@ class State:
         return self._successor(requests=reqs, free_pages=free)
 
     def release(self, request_id: int) -> "State":
-        """Free every page and the slot of a finished or aborted request."""
+        """Free the slot and every page of a finished or aborted request no other request holds."""
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             fail("State.release", "request_id", "an int request id", request_id)
         req = self.request(request_id)
         reqs = dict(self._requests)
         del reqs[request_id]
-        free_pages = tuple(sorted(self._free_pages + req.pages))
+        free_pages, shared = pages.unshare(self._free_pages, self._shared, req.pages)
         free_slots = tuple(sorted(self._free_slots + (req.slot,)))
-        return self._successor(requests=reqs, free_pages=free_pages, free_slots=free_slots)
+        return self._successor(requests=reqs, free_pages=free_pages, free_slots=free_slots, shared=shared)
 
     # --------------------------------------------------------------- transfer
     def export_request(self, request_id: int) -> "RequestState":
@@ -493,6 +537,12 @@ class State:
             if later:
                 fail(where, "checkpoint", f"a checkpoint whose rows request {old.id} still holds (it was rolled "
                      f"back to {min(later)} < {old.length} tokens after the checkpoint)", checkpoint.serial)
+            # Its writes after the rollback would land in pages another request now shares as its prefix.
+            held = pages.shared_after(self, cur, old.length)
+            if held:
+                fail(where, "checkpoint", f"a checkpoint after which request {old.id} writes no page another "
+                     f"request holds (pages {held} past its {old.length} tokens are shared since)",
+                     {p: self._shared[p] for p in held})
         expected = {(p.name, t): tensor for p in self._storage.pools.values() if p.index_space == "request"
                     for t, tensor in p.tensors.items()}
         if set(checkpoint.recurrent) != set(expected):
