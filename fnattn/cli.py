@@ -337,7 +337,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--model", default="tiny",
                    help="tiny (default), or a built-in tiny config of a model family: qwen3_5, qwen3_next, "
-                        "deepseek_v3, deepseek_v32, glm5, kimi_linear")
+                        "deepseek_v3, deepseek_v32, glm5, kimi_linear, llama, qwen3, qwen2")
     p.add_argument("--mtp", type=int, default=0, metavar="K",
                    help="speculative decoding with a K-token draft head; prints acceptance and tokens per step")
     p.add_argument("--recovery", choices=["native", "replay"], default="native",

@@ -8,6 +8,7 @@ DSA layers and the gated output norms of GDN / KDA call them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,39 @@ def check_tokens(owner: str, tokens: Int[Tensor, " T"], vocab_size: int) -> None
         fail(owner, "tokens", f"ids in 0..{vocab_size - 1}", lo if lo < 0 else hi)
 
 
+REQUIRED = object()  # `config_field`'s default: the field must be present
+
+
+def check_config_value(where: str, name: str, value, kind: type, *, minimum=None, above=None):
+    """``value`` checked to be a ``kind`` (int, float, bool, str) and in range; ``-> value`` (floats as float).
+
+    The one check of config.json values every family's adapter uses: ints are
+    never bools or floats, floats take ints but must be finite (NaN / inf
+    refused), ``minimum`` is inclusive and ``above`` exclusive. Errors are
+    ``ValueError("{where}: `{name}` must be ..., got ...")``.
+    """
+    what = {int: "an int", float: "a finite number", bool: "true or false", str: "a string"}[kind]
+    what += f" >= {minimum}" if minimum is not None else ""
+    what += f" > {above}" if above is not None else ""
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    ok = ok and not (kind is float and not math.isfinite(value))
+    ok = ok and (minimum is None or value >= minimum) and (above is None or value > above)
+    if not ok:
+        fail(where, name, what, value)
+    return value
+
+
+def config_field(d: dict, where: str, name: str, kind: type, default=REQUIRED, *, minimum=None, above=None):
+    """``d[name]`` checked by `check_config_value`; absent (or null, when there is a default): ``default``."""
+    if name not in d or (d[name] is None and default is not REQUIRED):
+        if default is REQUIRED:
+            fail(where, name, f"present ({'an' if kind is int else 'a'} {kind.__name__})", None)
+        return default
+    return check_config_value(where, name, d[name], kind, minimum=minimum, above=above)
+
+
 def rms_norm(
     x: Float[Tensor, "*B C"], weight: Float[Tensor, " C"] | None, eps: float, *, offset: float = 0.0
 ) -> Float[Tensor, "*B C"]:
@@ -61,6 +95,24 @@ def rms_norm(
 def rope_inv_freq(rotary_dim: int, theta: float, *, device: torch.device | str | None = None) -> Float[Tensor, " Dr2"]:
     """The default rope frequencies ``theta ** (-2j / rotary_dim)``, fp32 (``[rotary_dim / 2]``)."""
     return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim)
+
+
+def llama3_inv_freq(inv_freq: Float[Tensor, " Dr2"], *, factor: float, low_freq_factor: float,
+                    high_freq_factor: float, original_max_position_embeddings: int) -> Float[Tensor, " Dr2"]:
+    """Llama 3.1's rope scaling (``rope_type: "llama3"``) of the default frequencies, as transformers computes it.
+
+    Wavelengths shorter than ``original / high_freq_factor`` are kept, those
+    longer than ``original / low_freq_factor`` divided by ``factor``, and the
+    band between interpolated smoothly.
+    """
+    old = original_max_position_embeddings
+    low_wavelen, high_wavelen = old / low_freq_factor, old / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rope_cos_sin(

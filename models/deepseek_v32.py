@@ -37,7 +37,7 @@ from fnattn import (
 )
 from fnattn.checks import checked, fail
 
-from .common import SwiGLU, check_tokens, grouped_topk, rms_norm, rope_cos_sin, rope_inv_freq
+from .common import SwiGLU, check_config_value, check_tokens, grouped_topk, rms_norm, rope_cos_sin, rope_inv_freq
 from .dsa_layer import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers
 from .mla_layer import MLAWeights, mla_project, mla_shapes, mla_softmax_scale
 from .registry import Family, register_family
@@ -112,23 +112,18 @@ class DeepseekConfig:
                                self.dtype) for i in range(self.num_layers))
 
 
-def get_field(raw: dict, name: str, kind: str, default=_MISSING):
-    """``raw[name]`` checked to be a ``kind`` ("int" positive, "int0" >= 0, "float", "bool", "optint")."""
+def get_field(raw: dict, name: str, kind: str, default=_MISSING, *, minimum=None, above=None):
+    """``raw[name]`` checked to be a ``kind`` ("int" positive, "int0" >= 0, "float" finite, "bool", "optint")
+    by the shared `check_config_value` (``minimum`` / ``above`` bound it further)."""
     value = raw.get(name, default)
     if value is _MISSING:
         raise ValueError(f"config.json: `{name}` is required")
-    ok = {
-        "int": isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        "int0": isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-        "optint": value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-        "bool": isinstance(value, bool),
-    }[kind]
-    if not ok:
-        want = {"int": "a positive int", "int0": "a non-negative int", "optint": "a positive int or null",
-                "float": "a finite number", "bool": "true or false"}[kind]
-        raise ValueError(f"config.json: `{name}` must be {want}, got {value!r}")
-    return float(value) if kind == "float" else value
+    if kind == "optint" and value is None:
+        return None
+    py, low = {"int": (int, 1), "int0": (int, 0), "optint": (int, 1), "float": (float, None),
+               "bool": (bool, None)}[kind]
+    low = low if minimum is None else minimum
+    return check_config_value("config.json", name, value, py, minimum=low, above=above)
 
 
 def _rope(raw: dict) -> tuple[tuple[str, Any], ...]:
@@ -139,7 +134,9 @@ def _rope(raw: dict) -> tuple[tuple[str, Any], ...]:
     rope = dict(src)
     rope_type = rope.pop("type", None)
     rope.setdefault("rope_type", rope_type or "default")
-    rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope.setdefault("rope_theta", get_field(raw, "rope_theta", "float", 10000.0, above=0))
+    rope["rope_theta"] = check_config_value("config.json", "rope_parameters.rope_theta", rope["rope_theta"], float,
+                                            above=0)
     if rope["rope_type"] not in ("default", "yarn"):
         raise ValueError(f"config.json: `rope_parameters.rope_type` must be 'default' or 'yarn', "
                          f"got {rope['rope_type']!r}")
@@ -150,8 +147,11 @@ def _rope(raw: dict) -> tuple[tuple[str, Any], ...]:
         if "original_max_position_embeddings" in raw:  # transformers lets the top-level field win
             rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
         rope.setdefault("original_max_position_embeddings", get_field(raw, "max_position_embeddings", "int"))
+        check_config_value("config.json", "rope_parameters.original_max_position_embeddings",
+                           rope["original_max_position_embeddings"], int, minimum=1)
         if rope.get("factor") is None:
             rope["factor"] = raw["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        check_config_value("config.json", "rope_parameters.factor", rope["factor"], float, above=0)
     return tuple(sorted(rope.items()))
 
 
@@ -279,7 +279,7 @@ def adapt_config(raw: dict, *, model_type: str, indexer_types: tuple[str, ...] |
         attention_bias=get_field(raw, "attention_bias", "bool", False),
         rope_interleave=rope_interleave,
         rope=_rope(raw),
-        rms_norm_eps=get_field(raw, "rms_norm_eps", "float"),
+        rms_norm_eps=get_field(raw, "rms_norm_eps", "float", minimum=0),
         intermediate_size=get_field(raw, "intermediate_size", "int"),
         mlp_types=mlp_types,
         moe=_moe(raw) if "sparse" in mlp_types else None,

@@ -28,7 +28,6 @@ never by the release) selects the former.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +38,7 @@ from torch import Tensor
 from fnattn import Batch, KDAConfig, LayerSpec, MLAConfig, MLAInputs, RecurrentInputs, StepDeltas
 from fnattn.checks import checked, fail
 
-from .common import SwiGLU, check_tokens, grouped_topk, rms_norm, swiglu
+from .common import SwiGLU, check_config_value, check_tokens, config_field, grouped_topk, rms_norm, swiglu
 from .kda_layer import KDAWeights, kda_finish, kda_project
 from .mla_layer import mla_shapes
 from .registry import Family, register_family
@@ -116,10 +115,8 @@ def _get(config: dict, names: tuple[str, ...], default, *, prefix: str = ""):
 
 
 def _int(config, names, default, *, minimum=1, prefix: str = ""):
-    v = _get(config, names, default, prefix=prefix)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        fail(_WHERE, prefix + names[0], f"an int >= {minimum}", v)
-    return v
+    return check_config_value(_WHERE, prefix + names[0], _get(config, names, default, prefix=prefix), int,
+                              minimum=minimum)
 
 
 def _layer_schedule(config: dict, n: int) -> tuple[str, ...]:
@@ -182,12 +179,8 @@ def adapt(config: dict, *, dtype: torch.dtype = torch.float32) -> KimiLinearConf
     q_lora = config.get("q_lora_rank")
     if q_lora is not None:
         q_lora = _int(config, ("q_lora_rank",), None)
-    eps = config.get("rms_norm_eps", 1e-5)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
-        fail(_WHERE, "rms_norm_eps", "a positive float", eps)
-    scaling = config.get("routed_scaling_factor", 2.446)
-    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not math.isfinite(scaling):
-        fail(_WHERE, "routed_scaling_factor", "a finite float", scaling)
+    eps = config_field(config, _WHERE, "rms_norm_eps", float, 1e-5, minimum=0)
+    scaling = config_field(config, _WHERE, "routed_scaling_factor", float, 2.446)
     norm_topk = _get(config, ("moe_renormalize", "norm_topk_prob"), True)
     if not isinstance(norm_topk, bool):
         fail(_WHERE, "moe_renormalize", "a bool", norm_topk)

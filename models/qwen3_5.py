@@ -35,12 +35,21 @@ from torch import Tensor
 from fnattn import FullAttentionConfig, FullAttentionInputs, GDNConfig, LayerSpec, RecurrentInputs, StepDeltas
 from fnattn.checks import checked, fail
 
-from .common import SwiGLU, apply_rope, check_tokens, rms_norm, rope_cos_sin, rope_inv_freq, softmax_topk
+from .common import (
+    REQUIRED,
+    SwiGLU,
+    apply_rope,
+    check_tokens,
+    config_field,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    softmax_topk,
+)
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
 
 LINEAR, FULL = "linear_attention", "full_attention"
-_REQUIRED = object()
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -104,22 +113,9 @@ def _layer_spec(cfg: QwenConfig, i: int) -> LayerSpec:
     return LayerSpec(index=i, config=kind, dtype=cfg.dtype)
 
 
-def read(d: dict, where: str, name: str, kind: type, default=_REQUIRED, *, minimum=None):
-    """``d[name]`` checked to be a ``kind`` (and >= ``minimum``); errors name ``where`` and the field."""
-    what = ("an " if kind is int else "a ") + kind.__name__
-    if name not in d or (d[name] is None and default is not _REQUIRED):
-        if default is _REQUIRED:
-            fail(where, name, f"present ({what})", None)
-        return default
-    v = d[name]
-    ok = isinstance(v, kind) and not (kind is not bool and isinstance(v, bool))
-    if kind is float and isinstance(v, int) and not isinstance(v, bool):
-        v, ok = float(v), True
-    if not ok:
-        fail(where, name, what, v)
-    if minimum is not None and v < minimum:
-        fail(where, name, f"{what} >= {minimum}", v)
-    return v
+def read(d: dict, where: str, name: str, kind: type, default=REQUIRED, *, minimum=None, above=None):
+    """``d[name]`` checked by the shared `config_field` (type, finite, range); errors name ``where`` and the field."""
+    return config_field(d, where, name, kind, default, minimum=minimum, above=above)
 
 
 def text_part(raw: dict, wrappers: dict[str, str]) -> tuple[dict, str, str, str]:
@@ -173,7 +169,8 @@ def common_fields(raw: dict, text: dict, where: str) -> dict:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         fail(where, "rope_parameters.rope_type", '"default" (scaled rope is not supported)', rope_type)
-    theta = read(rope, where + " rope_parameters", "rope_theta", float, read(text, where, "rope_theta", float, 10000.0))
+    theta = read(rope, where + " rope_parameters", "rope_theta", float,
+                 read(text, where, "rope_theta", float, 10000.0, above=0), above=0)
     factor = read(rope, where + " rope_parameters", "partial_rotary_factor", float,
                   read(text, where, "partial_rotary_factor", float, 0.25))
     rotary_dim = int(head_dim * factor)
@@ -193,7 +190,7 @@ def common_fields(raw: dict, text: dict, where: str) -> dict:
         vocab_size=read(text, where, "vocab_size", int, minimum=1),
         hidden_size=hidden,
         layer_types=tuple(layer_types),
-        rms_norm_eps=read(text, where, "rms_norm_eps", float, 1e-6),
+        rms_norm_eps=read(text, where, "rms_norm_eps", float, 1e-6, minimum=0),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,

@@ -45,7 +45,7 @@ def register_family(family: Family) -> Family:
 def _load_builtin() -> None:
     import importlib
 
-    for module in ("qwen3_5", "qwen3_next", "deepseek_v32", "glm5", "kimi_linear"):
+    for module in ("qwen3_5", "qwen3_next", "deepseek_v32", "glm5", "kimi_linear", "llama"):
         try:
             importlib.import_module(f"{__package__}.{module}")
         except ModuleNotFoundError as e:  # a family not shipped in this build

@@ -183,3 +183,18 @@ def test_missing_directory_and_demo_options(tmp_path, capsys):
     expect_one_line(capsys, ["demo", "--page-size", "0"], "--page-size")
     expect_one_line(capsys, ["demo", "--tokens", "1000000000000"], "--tokens")
     expect_one_line(capsys, ["generate", "--model", str(tmp_path)], "--prompt")
+
+
+@pytest.mark.parametrize("field, value, names", [
+    ("rope_theta", float("nan"), "`rope_theta` must be a finite number > 0, got nan"),
+    ("rope_theta", 0, "`rope_theta` must be a finite number > 0, got 0"),
+    ("rms_norm_eps", -1e-6, "`rms_norm_eps` must be a finite number >= 0"),
+    ("hidden_size", 64.5, "`hidden_size` must be an int >= 1, got 64.5"),
+])
+def test_bad_config_values_exit_2_with_one_line(ckpt, tmp_path, capsys, field, value, names):
+    d = tmp_path / "bad_value"
+    shutil.copytree(ckpt, d)
+    raw = json.loads((d / "config.json").read_text())
+    (raw["rope_parameters"] if field == "rope_theta" else raw)[field] = value
+    (d / "config.json").write_text(json.dumps(raw))  # NaN is written as the JSON extension `NaN`
+    expect_one_line(capsys, ["generate", "--model", str(d), "--prompt", "hi"], names)
