@@ -256,6 +256,28 @@ def _load(args, prog: str):
     return tokenizer, model, eos, read_config(path).get("max_position_embeddings")
 
 
+TRANSFORMERS_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}  # GenerationConfig's
+
+
+def _sampling(args, prog: str) -> dict:
+    """temperature, top_k, top_p and min_p: each option given wins, then generation_config.json's field.
+
+    As in transformers, the file's temperature is used only where it says ``do_sample: true``
+    (else greedy), and then its unset fields take transformers' defaults (top_k 50).
+    """
+    from .models.loading import CheckpointError, read_sampling_defaults
+
+    try:
+        gen = read_sampling_defaults(args.model)
+    except CheckpointError as e:
+        _user_error(prog, str(e))
+    sampling = gen.get("do_sample") is True
+    base = TRANSFORMERS_SAMPLING if sampling else {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    if not sampling:
+        gen = {k: v for k, v in gen.items() if k != "temperature"}
+    return {k: getattr(args, k) if getattr(args, k) is not None else gen.get(k, base[k]) for k in base}
+
+
 def generate_text(args) -> int:
     """Generation from a local checkpoint directory with its tokenizer: streamed text, or --json."""
     import json
@@ -277,8 +299,7 @@ def generate_text(args) -> int:
         _user_error(prog, f"--max-new-tokens {args.max_new_tokens}: the prompt ({longest} tokens) plus the new "
                           f"tokens exceed the model's max_position_embeddings ({max_positions})")
     stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, stop_strings=tuple(args.stop or ()))
-    sampler = Sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                      seed=args.seed)
+    sampler = Sampler(**_sampling(args, prog), seed=args.seed)
     ma = ModelAttention(model.specs, device=args.device)
     running = min(args.max_batch or len(prompts), len(prompts))
     state = _state_for(model.specs, tokens=longest + args.max_new_tokens, page_size=args.page_size,
@@ -350,13 +371,17 @@ def main(argv=None) -> int:
     g.add_argument("--max-new-tokens", "--tokens", dest="max_new_tokens", type=_int_in(1, MAX_NEW_TOKENS),
                    default=32, help="tokens to generate per prompt at most (default 32; bounded by the model's "
                                     f"max_position_embeddings, or {MAX_NEW_TOKENS} where it states none)")
-    g.add_argument("--temperature", type=_float_in(0, 1e4, "a number >= 0"), default=0.0,
-                   help="0 (default): greedy; > 0: sample")
-    g.add_argument("--top-k", type=_int_in(0), default=0, help="keep the k most likely tokens (0: off)")
-    g.add_argument("--top-p", type=_float_in(0, 1, "in (0, 1]", open_lo=True), default=1.0,
-                   help="nucleus sampling mass (1: off)")
-    g.add_argument("--min-p", type=_float_in(0, 1, "in [0, 1]"), default=0.0,
-                   help="drop tokens below min-p times the top probability (0: off)")
+    # The sampling options default to generation_config.json's fields (see _sampling), else greedy.
+    g.add_argument("--temperature", type=_float_in(0, 1e4, "a number >= 0"), default=None,
+                   help="0: greedy; > 0: sample (default: generation_config.json's where do_sample is true, "
+                        "else 0)")
+    g.add_argument("--top-k", type=_int_in(0), default=None,
+                   help="keep the k most likely tokens (0: off; default: generation_config.json's)")
+    g.add_argument("--top-p", type=_float_in(0, 1, "in (0, 1]", open_lo=True), default=None,
+                   help="nucleus sampling mass (1: off; default: generation_config.json's)")
+    g.add_argument("--min-p", type=_float_in(0, 1, "in [0, 1]"), default=None,
+                   help="drop tokens below min-p times the top probability (0: off; default: "
+                        "generation_config.json's)")
     g.add_argument("--seed", type=_int_in(0, 2**63 - 1, "an int in [0, 2**63)"), default=None,
                    help="sampling seed: the same seed gives the same tokens")
     g.add_argument("--stop", action="append", help="stop when the text contains this string (repeatable); "

@@ -55,13 +55,52 @@ def read_eos_token_ids(path: str | Path) -> frozenset[int]:
     """
     path = Path(path)
     ids = _eos_field(path / "config.json", read_config(path))
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        raw = _read_json(gen)
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{gen}: must hold a JSON object, got a {type(raw).__name__}")
-        ids |= _eos_field(gen, raw)
+    raw = _generation_config(path)
+    if raw is not None:
+        ids |= _eos_field(path / "generation_config.json", raw)
     return frozenset(ids)
+
+
+def _generation_config(path: Path) -> dict | None:
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return None
+    raw = _read_json(gen)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{gen}: must hold a JSON object, got a {type(raw).__name__}")
+    return raw
+
+
+def _is_number(v: object) -> bool:
+    import math
+
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# field -> (check, what it must be)
+_SAMPLING_FIELDS = {
+    "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+}
+
+
+def read_sampling_defaults(path: str | Path) -> dict:
+    """The sampling fields generation_config.json sets (``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+    ``min_p``; null or absent ones left out), checked; ``{}`` without the file."""
+    path = Path(path)
+    raw = _generation_config(path) or {}
+    out = {}
+    for name, (ok, what) in _SAMPLING_FIELDS.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        if not ok(value):
+            raise CheckpointError(f"{path / 'generation_config.json'}: `{name}` must be {what}, got {value!r}")
+        out[name] = float(value) if name in ("temperature", "top_p", "min_p") else value
+    return out
 
 
 class CheckpointReader(Mapping):
