@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 
@@ -299,7 +300,10 @@ def generate_text(args) -> int:
         _user_error(prog, f"--max-new-tokens {args.max_new_tokens}: the prompt ({longest} tokens) plus the new "
                           f"tokens exceed the model's max_position_embeddings ({max_positions})")
     stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, stop_strings=tuple(args.stop or ()))
-    sampler = Sampler(**_sampling(args, prog), seed=args.seed)
+    if args.sampler == "flashinfer" and not (str(args.device).startswith("cuda")
+                                             and importlib.util.find_spec("flashinfer") is not None):
+        _user_error(prog, f"--sampler flashinfer needs --device cuda and flashinfer installed (device {args.device})")
+    sampler = Sampler(**_sampling(args, prog), seed=args.seed, kernel=args.sampler)
     ma = ModelAttention(model.specs, device=args.device)
     running = min(args.max_batch or len(prompts), len(prompts))
     state = _state_for(model.specs, tokens=longest + args.max_new_tokens, page_size=args.page_size,
@@ -384,6 +388,9 @@ def main(argv=None) -> int:
                         "generation_config.json's)")
     g.add_argument("--seed", type=_int_in(0, 2**63 - 1, "an int in [0, 2**63)"), default=None,
                    help="sampling seed: the same seed gives the same tokens")
+    g.add_argument("--sampler", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="sampling kernels: auto (default: FlashInfer's fused kernels for a CUDA model when "
+                        "installed, else torch), torch (the same tokens as transformers for a seed), flashinfer")
     g.add_argument("--stop", action="append", help="stop when the text contains this string (repeatable); "
                                                      "the stop string is not printed")
     g.add_argument("--max-batch", type=_int_in(1), default=None,

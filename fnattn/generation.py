@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -209,6 +210,9 @@ class StopText:
         return out
 
 
+SAMPLING_KERNELS = ("torch", "flashinfer", "auto")
+
+
 @dataclass(frozen=True)
 class Sampler:
     """Next-token choice: greedy when ``temperature == 0``, else sampling after the warpers below.
@@ -218,10 +222,12 @@ class Sampler:
     and ``min_p=0`` switch a filter off. ``seed`` seeds the generator of a run
     (`generator`); ``None`` draws a fresh seed.
 
-    On CUDA this runs in torch as well. FlashInfer's fused kernels
-    (``flashinfer.sampling.top_k_top_p_sampling_from_logits``, ``min_p_sampling_from_probs``)
-    would replace `sample` there: they draw with their own Philox stream, so the
-    same seed would give other tokens than this torch path, and they are not wired.
+    ``kernel``: ``"torch"`` runs the warpers and the draw in torch (CPU or GPU;
+    the same tokens as transformers for the same seed); ``"flashinfer"`` runs the
+    same filters with FlashInfer's fused sampling kernels on CUDA (renormalised
+    top-k and top-p, then a min-p or plain draw, no sort), which draw from their own
+    Philox stream: the same seed gives the same tokens run after run, but not the
+    torch path's; ``"auto"`` picks FlashInfer for CUDA logits when it is installed.
     """
 
     temperature: float = 0.0
@@ -229,6 +235,7 @@ class Sampler:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    kernel: str = "torch"  # "torch" | "flashinfer" | "auto"
 
     def __post_init__(self):
         def number(name, lo, hi, value, what):
@@ -245,6 +252,8 @@ class Sampler:
         number("min_p", 0.0, 1.0, self.min_p, "a float in [0, 1]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             fail("Sampler", "seed", "a non-negative int or None", self.seed)
+        if self.kernel not in SAMPLING_KERNELS:
+            fail("Sampler", "kernel", f"one of {SAMPLING_KERNELS}", self.kernel)
 
     @property
     def greedy(self) -> bool:
@@ -287,8 +296,32 @@ class Sampler:
             return logits.argmax(dim=-1)
         if generator is None:
             fail("Sampler.sample", "generator", "a torch.Generator (Sampler.generator(device)) when sampling", None)
+        if self._flashinfer(logits):
+            return self._flashinfer_sample(logits, generator)
         probs = self.warp(logits).softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    def _flashinfer(self, logits: Tensor) -> bool:
+        if self.kernel == "torch":
+            return False
+        available = logits.is_cuda and importlib.util.find_spec("flashinfer") is not None
+        if self.kernel == "flashinfer" and not available:
+            fail("Sampler", "kernel", "'torch' or 'auto' unless the logits are on CUDA with flashinfer installed",
+                 self.kernel)
+        return available
+
+    def _flashinfer_sample(self, logits: Tensor, generator: torch.Generator) -> Tensor:
+        """temperature, then top-k, top-p (each renormalising the probabilities), then min-p: fused kernels."""
+        from flashinfer import sampling
+
+        probs = (logits.float() / self.temperature).softmax(dim=-1)  # [B, V]
+        if self.top_k:
+            probs = sampling.top_k_renorm_probs(probs, min(self.top_k, probs.shape[-1]))
+        if self.top_p < 1:
+            probs = sampling.top_p_renorm_probs(probs, self.top_p)
+        if self.min_p > 0:
+            return sampling.min_p_sampling_from_probs(probs, self.min_p, generator=generator).long()
+        return sampling.sampling_from_probs(probs, generator=generator).long()
 
 
 @dataclass

@@ -169,6 +169,8 @@ BAD_OPTIONS = [
     (["--device", "cuda:99" if torch.cuda.is_available() else "cuda"], "--device"),
     (["--stop", ""], "--stop"),
     (["--max-batch", "0"], "--max-batch"),
+    (["--sampler", "flashinfer"], "--sampler flashinfer needs --device cuda"),
+    (["--sampler", "curand"], "--sampler"),
     (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt"),
 ]
 

@@ -267,3 +267,16 @@ def test_transformers_generate_gives_the_same_tokens(tmp_path, hf_torch_path, sa
     _, out = generate(model.step, model.params, fa.ModelAttention(model.specs), state, {0: prompt},
                       max_new_tokens=n, sampler=sampler)
     assert out[0] == want.tolist()
+
+
+def test_the_sampling_kernel_is_checked_and_torch_is_the_cpu_path():
+    from fnattn.generation import Sampler
+
+    with pytest.raises(ValueError, match="`kernel`"):
+        Sampler(kernel="cuda")
+    x = torch.randn(3, 16)
+    auto, plain = Sampler(temperature=0.9, seed=4, kernel="auto"), Sampler(temperature=0.9, seed=4)
+    assert torch.equal(auto.sample(x, auto.generator()), plain.sample(x, plain.generator()))
+    forced = Sampler(temperature=0.9, seed=4, kernel="flashinfer")
+    with pytest.raises(ValueError, match="`kernel`"):
+        forced.sample(x, forced.generator())
