@@ -14,6 +14,18 @@ import torch
 from .batch import Batch
 from .checks import fail
 from .generation import RequestStream, Sampler, StopCriteria
+from .prefix_index import PrefixIndex
+
+
+class GenerateResult(tuple):
+    """``(state, outputs)`` as before (it unpacks the same), with ``stats``: ``prompt_tokens``,
+    ``prefix_hit_tokens`` (prompt tokens served from another request's pages with ``share_prefixes``) and
+    ``prefix_hit_rate`` (their ratio; 0.0 without sharing)."""
+
+    def __new__(cls, state, outputs, stats):
+        self = super().__new__(cls, (state, outputs))
+        self.stats = stats
+        return self
 
 
 def run_step(step: Callable, params, model_attention, state, batch: Batch, tokens: torch.Tensor):
@@ -51,18 +63,21 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
              max_new_tokens: int | None = None, stop: StopCriteria | None = None, sampler: Sampler | None = None,
              tokenizer=None, chunk: int | None = None,
              on_step: Callable[[int, dict[int, int]], None] | None = None, release: bool = True,
-             max_running: int | None = None):
-    """Generate for a batch of new requests; ``-> (state, {rid: new tokens})``.
+             max_running: int | None = None, share_prefixes: bool = False):
+    """Generate for a batch of new requests; ``-> (state, {rid: new tokens})``, a `GenerateResult` whose
+    ``.stats["prefix_hit_rate"]`` is the share of prompt tokens served from shared pages.
 
     Greedy unless ``sampler`` says otherwise. ``stop`` (or ``max_new_tokens`` alone)
     ends each request on its own; `generate_completions` also returns the text,
     the finish reason and timings. ``on_step(i, {rid: token})`` is called after each
-    step (i = 0 after prefill) with the requests that produced a token.
+    step (i = 0 after prefill) with the requests that produced a token. ``share_prefixes``: see
+    `generate_completions`.
     """
-    state, done = generate_completions(step, params, model_attention, state, prompts, max_new_tokens=max_new_tokens,
-                                       stop=stop, sampler=sampler, tokenizer=tokenizer, chunk=chunk,
-                                       on_step=on_step, release=release, max_running=max_running)
-    return state, {r: c.ids for r, c in done.items()}
+    result = generate_completions(step, params, model_attention, state, prompts, max_new_tokens=max_new_tokens,
+                                  stop=stop, sampler=sampler, tokenizer=tokenizer, chunk=chunk, on_step=on_step,
+                                  release=release, max_running=max_running, share_prefixes=share_prefixes)
+    state, done = result
+    return GenerateResult(state, {r: c.ids for r, c in done.items()}, result.stats)
 
 
 def _criteria(max_new_tokens, stop) -> StopCriteria:
@@ -82,13 +97,22 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
                          sampler: Sampler | None = None, tokenizer=None, chunk: int | None = None,
                          on_step: Callable[[int, dict[int, int]], None] | None = None,
                          on_text: Callable[[int, str], None] | None = None, release: bool = True,
-                         max_running: int | None = None):
-    """`generate` with ``-> (state, {rid: Completion})``; ``on_text(rid, chunk)`` streams each request's text.
+                         max_running: int | None = None, share_prefixes: bool = False):
+    """`generate` with ``-> (state, {rid: Completion})`` (a `GenerateResult`); ``on_text(rid, chunk)`` streams
+    each request's text.
 
     A request that finishes leaves the decode batch at once and, with
     ``release=True``, is released (its pages and slot freed) while the others go on.
     ``max_running`` caps the requests admitted at a time: the others wait, in
     ``prompts`` order, and each is admitted and prefilled as soon as one finishes.
+
+    ``share_prefixes=True`` keeps a `PrefixIndex` of the prompts' page-sized token blocks held by requests
+    still admitted, and admits each new prompt with ``state.admit(rid, prefix_of=holder, tokens=n)`` for the
+    longest run of full blocks some holder has (at most all but the prompt's last token, whose logits start
+    its generation), then prefills only the rest. With recurrent layers a holder serves only a match equal
+    to its cursor (``n`` its whole cached length, before it decodes). Prompts admitted together whose
+    common prefix another of them would serve go in a later prefill of the same admission, after it. The
+    generated tokens are those of a run without sharing; ``.stats`` reports the hit rate.
     """
     stop = _criteria(max_new_tokens, stop)
     if max_running is not None:
@@ -99,7 +123,11 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
     sampler = sampler if sampler is not None else Sampler()
     if not isinstance(sampler, Sampler):
         fail("generate", "sampler", "a Sampler", type(sampler).__name__)
+    if not isinstance(share_prefixes, bool):
+        fail("generate", "share_prefixes", "a bool", share_prefixes)
     streams = {r: RequestStream(p, stop, tokenizer) for r, p in prompts.items()}
+    index = PrefixIndex(state.page_size) if share_prefixes else None
+    hits = 0
     generator = sampler.generator(state.device)
     started = time.perf_counter()
 
@@ -116,15 +144,47 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
         for r in rids:
             if streams[r].completion.finished and release:
                 state = state.release(r)
+                if index is not None:
+                    index.drop(r)
+
+    def admit(new: list[int]) -> dict:
+        """Admit and prefill ``new``; ``-> {rid: last prompt logits}``."""
+        nonlocal state, hits
+        if index is None:
+            for r in new:
+                state = state.admit(r)
+            state, last = prefill(step, params, model_attention, state, {r: prompts[r] for r in new}, chunk=chunk)
+            return last
+        last, pending = {}, list(new)
+        while pending:  # each wave admits at least its first request
+            wave, later, start = [], [], {}
+            for r in pending:
+                p = list(prompts[r])
+                holder, n = index.match(p, limit=len(p) - 1, usable=usable)
+                if any(_lead(prompts[q], p, state) > n for q in wave):
+                    later.append(r)  # a request of this wave serves a longer prefix once prefilled
+                    continue
+                state = state.admit(r) if holder is None else state.admit(r, prefix_of=holder, tokens=n)
+                wave.append(r)
+                start[r], hits = n, hits + n
+            state, got = prefill(step, params, model_attention, state, {r: prompts[r][start[r]:] for r in wave},
+                                 chunk=chunk)
+            for r in wave:
+                index.insert(r, prompts[r])
+            last.update(got)
+            pending = later
+        return last
+
+    def usable(holder: int, n: int) -> bool:
+        # A recurrent state is only known at the holder's cursor (`State.admit`).
+        return not state.has_recurrent or state.request(holder).length == n
 
     waiting, running, i = list(prompts), [], 0
     while waiting or running:
         room = len(waiting) if max_running is None else max_running - len(running)
         if waiting and room > 0:  # admission: a finished request's slot and pages went back to the pool
             new, waiting = waiting[:room], waiting[room:]
-            for r in new:
-                state = state.admit(r)
-            state, last = prefill(step, params, model_attention, state, {r: prompts[r] for r in new}, chunk=chunk)
+            last = admit(new)
             take(new, torch.stack([last[r] for r in new]), i)
             running, i = running + new, i + 1
         running = [r for r in running if not streams[r].completion.finished]
@@ -136,4 +196,21 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
             state, logits = run_step(step, params, model_attention, state, batch, tokens)
             take(list(batch.request_ids), logits, i)
             running, i = [r for r in running if not streams[r].completion.finished], i + 1
-    return state, {r: s.completion for r, s in streams.items()}
+    total = sum(len(p) for p in prompts.values())
+    stats = {"prompt_tokens": total, "prefix_hit_tokens": hits, "prefix_hit_rate": hits / total if total else 0.0}
+    return GenerateResult(state, {r: s.completion for r, s in streams.items()}, stats)
+
+
+def _lead(leader: Sequence[int], p: Sequence[int], state) -> int:
+    """Tokens of prompt ``p`` that request ``leader`` would serve once prefilled (full blocks, all but ``p``'s
+    last token; with recurrent layers only all of ``leader``'s prompt)."""
+    S, cap = state.page_size, len(p) - 1
+    if state.has_recurrent:
+        n = len(leader)
+        return n if n % S == 0 and 0 < n <= cap and list(p[:n]) == list(leader) else 0
+    n = 0
+    for a, b in zip(leader[:cap], p[:cap]):
+        if a != b:
+            break
+        n += 1
+    return n - n % S
