@@ -318,8 +318,10 @@ def generate_text(args) -> int:
     if streaming:
         sys.stdout.write(texts[0])
     started = time.perf_counter()
-    _, done = generate_completions(model.step, model.params, ma, state, prompts, stop=stop, sampler=sampler,
-                                   tokenizer=tokenizer, on_text=on_text, max_running=running)
+    result = generate_completions(model.step, model.params, ma, state, prompts, stop=stop, sampler=sampler,
+                                  tokenizer=tokenizer, on_text=on_text, max_running=running,
+                                  share_prefixes=len(prompts) > 1 and not args.no_prefix_sharing)
+    _, done = result
     elapsed = time.perf_counter() - started
     total = sum(len(c.ids) for c in done.values())
     if args.json:
@@ -328,11 +330,13 @@ def generate_text(args) -> int:
                  "timings": {"first_token_s": c.first_token_s, "finished_s": c.finished_s,
                              "tokens_per_s": len(c.ids) / max(c.finished_s or 0.0, 1e-9)}}
                 for r, c in done.items()]
-        print(json.dumps({"model": str(args.model), "elapsed_s": elapsed, "completions": rows}, ensure_ascii=False))
+        print(json.dumps({"model": str(args.model), "elapsed_s": elapsed, "completions": rows, "stats": result.stats},
+                         ensure_ascii=False))
     elif not streaming:
         for r, c in done.items():
             print(f"[{r}] {texts[r]}{c.text}")
-    print(f"\n[{total} tokens, {total / elapsed:.1f} tokens/s]", file=sys.stderr)
+    hits = f", prefix hit rate {result.stats['prefix_hit_rate']:.0%}" if len(prompts) > 1 else ""
+    print(f"\n[{total} tokens, {total / elapsed:.1f} tokens/s{hits}]", file=sys.stderr)
     return 0
 
 
@@ -397,6 +401,9 @@ def main(argv=None) -> int:
                    help="requests running at once (default: every prompt); the others wait and are admitted "
                         "as running ones finish")
     g.add_argument("--json", action="store_true", help="print ids, text, finish reason and timings per prompt as JSON")
+    g.add_argument("--no-prefix-sharing", action="store_true",
+                   help="with several prompts, do not share the pages of their common prefix (shared by default; "
+                        "the hit rate is reported)")
     _common(g)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.set_defaults(fn=generate_text)

@@ -200,3 +200,19 @@ def test_bad_config_values_exit_2_with_one_line(ckpt, tmp_path, capsys, field, v
     (raw["rope_parameters"] if field == "rope_theta" else raw)[field] = value
     (d / "config.json").write_text(json.dumps(raw))  # NaN is written as the JSON extension `NaN`
     expect_one_line(capsys, ["generate", "--model", str(d), "--prompt", "hi"], names)
+
+
+def test_prompts_sharing_a_prefix_share_pages_and_report_the_hit_rate(ckpt, capsys):
+    # A recurrent model (this checkpoint is Qwen3.5) shares only a holder's whole prompt, at its cursor.
+    long = "the cat sat on the mat and the dog sat on the log " * 2
+    argv = ["generate", "--model", str(ckpt), "--prompt", long, "--prompt", long + "中文",
+            "--max-new-tokens", "4", "--page-size", "1", "--json"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    shared = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--no-prefix-sharing"]) == 0
+    cold = json.loads(capsys.readouterr().out)
+    assert [r["ids"] for r in shared["completions"]] == [r["ids"] for r in cold["completions"]]
+    assert shared["stats"]["prefix_hit_rate"] > 0.2 and cold["stats"]["prefix_hit_rate"] == 0
+    assert main(argv[:-1]) == 0
+    assert "prefix hit rate" in capsys.readouterr().err
