@@ -8,20 +8,25 @@ import sys
 import time
 
 
-def _progress(done: int, total: int, started: float, stream=None) -> None:
-    stream = stream or sys.stderr  # looked up per call: tests and notebooks swap sys.stderr
-    if not (getattr(stream, "isatty", None) and stream.isatty()):
-        if done == total:  # a log gets one line, not a carriage return per token
-            rate = done / max(time.perf_counter() - started, 1e-9)
-            stream.write(f"decode {done}/{total}  {rate:6.1f} tok/s\n")
-        return
-    width = 30
-    filled = int(width * done / total)
-    rate = done / max(time.perf_counter() - started, 1e-9)
-    stream.write(f"\rdecode [{'#' * filled}{'.' * (width - filled)}] {done}/{total}  {rate:6.1f} tok/s")
-    if done == total:
-        stream.write("\n")
-    stream.flush()
+class _Progress:
+    """Decode progress: a tqdm bar on a terminal; a log (not a terminal) gets one summary line at the end."""
+
+    def __init__(self, total: int, stream=None):
+        from tqdm import tqdm
+
+        self.stream = stream or sys.stderr  # looked up per run: tests and notebooks swap sys.stderr
+        self.total, self.done, self.started = total, 0, time.perf_counter()
+        self.tty = bool(getattr(self.stream, "isatty", None) and self.stream.isatty())
+        self.bar = tqdm(total=total, desc="decode", unit="tok", file=self.stream, disable=not self.tty)
+
+    def __call__(self, done: int) -> None:
+        self.bar.update(done - self.done)
+        self.done = done
+        if done == self.total:
+            self.bar.close()
+            if not self.tty:
+                rate = done / max(time.perf_counter() - self.started, 1e-9)
+                self.stream.write(f"decode {done}/{self.total}  {rate:6.1f} tok/s\n")
 
 
 def demo(args) -> int:
@@ -47,9 +52,9 @@ def demo(args) -> int:
           f"d{cfg.head_dim}, random weights) on {args.device}")
     print(f"prompt: {args.prompt!r} ({len(prompt)} tokens)")
     started = time.perf_counter()
-    _progress(0, args.tokens, started)
+    progress = _Progress(args.tokens)
     state, out = generate(tiny.step, params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
-                          on_step=lambda i, _: _progress(i + 1, args.tokens, started))
+                          on_step=lambda i, _: progress(i + 1))
     elapsed = time.perf_counter() - started
     text = bytes(t for t in out[0]).decode("utf-8", errors="replace")
     print(f"generated {len(out[0])} tokens: {text!r}")
@@ -85,9 +90,9 @@ def demo_family(args) -> int:
     print(f"fnattn demo: {args.model} (tiny config, {len(model.specs)} layers: {', '.join(kinds)}, random weights)")
     print(f"prompt: {args.prompt!r} as token ids {prompt}")
     started = time.perf_counter()
-    _progress(0, args.tokens, started)
+    progress = _Progress(args.tokens)
     state, out = generate(model.step, model.params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
-                          on_step=lambda i, _: _progress(i + 1, args.tokens, started))
+                          on_step=lambda i, _: progress(i + 1))
     elapsed = time.perf_counter() - started
     print(f"generated token ids: {out[0]}")
     print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, greedy, batch 1)")
@@ -137,6 +142,7 @@ def demo_mtp(args) -> int:
     print(f"fnattn demo --mtp {args.mtp}: {args.model} target + draft head (random weights), "
           f"{args.recovery} recovery")
     started = time.perf_counter()
+    progress = _Progress(args.tokens)
     out = [spec.start({0: prompt})[0]]
     steps, accepted = 0, 0
     while len(out) < args.tokens:
@@ -144,7 +150,7 @@ def demo_mtp(args) -> int:
         out += emitted
         steps += 1
         accepted += len(emitted) - 1
-        _progress(min(len(out), args.tokens), args.tokens, started)
+        progress(min(len(out), args.tokens))
     elapsed = time.perf_counter() - started
     spec.release(0)
     print(f"generated token ids: {out[: args.tokens]}")
