@@ -35,17 +35,24 @@ def run_step(step: Callable, params, model_attention, state, batch: Batch, token
     return state.apply(deltas), logits
 
 
-def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence[int]], *, chunk: int | None = None):
-    """Feed each prompt after its request's cursor; ``-> (state, {rid: last logits})``."""
+def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence[int]], *, chunk: int | None = None,
+            align: int | None = None):
+    """Feed each prompt after its request's cursor; ``-> (state, {rid: last logits})``.
+
+    ``align`` (with a ``chunk`` that is a multiple of it): every chunk but a prompt's last ends at a cache
+    position that is a multiple of ``align`` (a page boundary, where ``prefix_checkpoints`` keeps copies)."""
     if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
         fail("prefill", "chunk", "a positive int or None", chunk)
+    if align is not None and (chunk is None or chunk % align):
+        fail("prefill", "align", f"None or a divisor of chunk ({chunk})", align)
     pending = {r: list(p) for r, p in prompts.items()}
     for r, p in pending.items():
         if not p:
             fail("prefill", f"prompts[{r}]", "at least one token", p)
     last = {}
     while pending:
-        counts = {r: len(p) if chunk is None else min(chunk, len(p)) for r, p in pending.items()}
+        counts = {r: len(p) if chunk is None else min(chunk - (state.request(r).length % align if align else 0),
+                                                       len(p)) for r, p in pending.items()}
         state = state.reserve(counts)
         batch = Batch.prefill(state, counts)
         tokens = torch.tensor([t for r in batch.request_ids for t in pending[r][: counts[r]]],
@@ -110,7 +117,10 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
     still admitted, and admits each new prompt with ``state.admit(rid, prefix_of=holder, tokens=n)`` for the
     longest run of full blocks some holder has (at most all but the prompt's last token, whose logits start
     its generation), then prefills only the rest. With recurrent layers a holder serves only a match equal
-    to its cursor (``n`` its whole cached length, before it decodes). Prompts admitted together whose
+    to its cursor (``n`` its whole cached length, before it decodes), or, on a State with
+    ``prefix_checkpoints=True``, any page boundary it keeps a checkpoint for: then prompts are prefilled in
+    chunks ending at page boundaries (``chunk`` rounded down to a multiple of the page size, one page by
+    default), so every full page of a prompt has one. Prompts admitted together whose
     common prefix another of them would serve go in a later prefill of the same admission, after it. The
     generated tokens are those of a run without sharing; ``.stats`` reports the hit rate.
     """
@@ -127,6 +137,9 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
         fail("generate", "share_prefixes", "a bool", share_prefixes)
     streams = {r: RequestStream(p, stop, tokenizer) for r, p in prompts.items()}
     index = PrefixIndex(state.page_size) if share_prefixes else None
+    S = state.page_size
+    boundaries = share_prefixes and state.has_recurrent and state.prefix_checkpoints
+    fill = dict(chunk=S if chunk is None else max(S, chunk - chunk % S), align=S) if boundaries else dict(chunk=chunk)
     hits = 0
     generator = sampler.generator(state.device)
     started = time.perf_counter()
@@ -168,7 +181,7 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
                 wave.append(r)
                 start[r], hits = n, hits + n
             state, got = prefill(step, params, model_attention, state, {r: prompts[r][start[r]:] for r in wave},
-                                 chunk=chunk)
+                                 **fill)
             for r in wave:
                 index.insert(r, prompts[r])
             last.update(got)
@@ -176,8 +189,9 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
         return last
 
     def usable(holder: int, n: int) -> bool:
-        # A recurrent state is only known at the holder's cursor (`State.admit`).
-        return not state.has_recurrent or state.request(holder).length == n
+        # A recurrent state is only known at the holder's cursor or a boundary checkpoint (`State.admit`).
+        return (not state.has_recurrent or state.request(holder).length == n
+                or n in state.boundary_checkpoints(holder))
 
     waiting, running, i = list(prompts), [], 0
     while waiting or running:
@@ -203,9 +217,9 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
 
 def _lead(leader: Sequence[int], p: Sequence[int], state) -> int:
     """Tokens of prompt ``p`` that request ``leader`` would serve once prefilled (full blocks, all but ``p``'s
-    last token; with recurrent layers only all of ``leader``'s prompt)."""
+    last token; with recurrent layers and no boundary checkpoints only all of ``leader``'s prompt)."""
     S, cap = state.page_size, len(p) - 1
-    if state.has_recurrent:
+    if state.has_recurrent and not state.prefix_checkpoints:
         n = len(leader)
         return n if n % S == 0 and 0 < n <= cap and list(p[:n]) == list(leader) else 0
     n = 0

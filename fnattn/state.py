@@ -192,6 +192,7 @@ class State:
         device: str | torch.device = "cpu",
         fill: float = 0.0,
         recurrent_ring: int = 2,
+        prefix_checkpoints: bool = False,
     ):
         specs = tuple(specs)
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_requests", max_requests),
@@ -202,6 +203,8 @@ class State:
             fail("State", "specs", "a non-empty sequence of LayerSpec", specs)
         if isinstance(fill, bool) or not isinstance(fill, (int, float)):
             fail("State", "fill", "a number (NaN shows stray reads in tests)", fill)
+        if not isinstance(prefix_checkpoints, bool):
+            fail("State", "prefix_checkpoints", "a bool", prefix_checkpoints)
         for spec in specs:
             _check_decls(spec)
         indices = [s.index for s in specs]
@@ -233,6 +236,9 @@ class State:
         self.num_pages = num_pages
         self.max_requests = max_requests
         self.recurrent_ring = recurrent_ring
+        # Copies of recurrent rows at page boundaries, (request, length) -> {(pool, tensor): rows} (`pages`)
+        self.prefix_checkpoints = prefix_checkpoints
+        self._boundary: Mapping[tuple[int, int], Mapping] = MappingProxyType({})
         self.has_recurrent = any(p.index_space == "request" for p in pools.values())
         # layer -> {view name: space}: what the apply expects every step to write
         self.storage_spaces = MappingProxyType({
@@ -256,7 +262,7 @@ class State:
             )
 
     def _successor(self, *, requests=None, free_pages=None, free_slots=None, storage=None, applied=None,
-                   shared=None) -> "State":
+                   shared=None, boundary=None) -> "State":
         new = object.__new__(State)
         new.__dict__.update(self.__dict__)
         new._version = next(_versions)
@@ -274,6 +280,8 @@ class State:
             new._free_slots = tuple(free_slots)
         if shared is not None:
             new._shared = MappingProxyType(dict(shared))
+        if boundary is not None:
+            new._boundary = MappingProxyType(dict(boundary))
         return new
 
     @property
@@ -325,6 +333,11 @@ class State:
         self._check_live()
         return self._shared
 
+    def boundary_checkpoints(self, request_id: int) -> tuple[int, ...]:
+        """Page-boundary lengths with a copy of the request's recurrent state (``prefix_checkpoints``)."""
+        self.request(request_id)
+        return tuple(sorted(n for r, n in self._boundary if r == request_id))
+
     @property
     def pools(self) -> Mapping[str, Pool]:
         self._check_live()
@@ -365,7 +378,9 @@ class State:
         request ``other``, its cursor at ``tokens``. It shares ``other``'s full pages below that (reference
         counted; no request ever writes into a shared page) and gets a fresh page holding a copy of the
         rows of a partial last page (copy-on-admit). With recurrent layers ``tokens`` must be ``other``'s
-        length: its current recurrent state is copied into the new request's slot.
+        length (its current recurrent state is copied into the new request's slot) or, with
+        ``prefix_checkpoints=True``, a page boundary ``other`` keeps a checkpoint for (`boundary_checkpoints`;
+        that copy goes into the slot, and the new request holds ``other``'s checkpoints up to ``tokens``).
         """
         self._check_live()
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
@@ -389,17 +404,18 @@ class State:
         return self._successor(requests=reqs, free_slots=rest)
 
     def _admit_prefix(self, request_id: int, prefix_of: int, tokens) -> "State":
-        other, n, shared, tail = pages.prefix_plan(self, request_id, prefix_of, tokens)
+        other, n, shared, tail, saved = pages.prefix_plan(self, request_id, prefix_of, tokens)
         slot, *rest = self._free_slots
         free = list(self._free_pages)
         page = free.pop(0) if tail else None
         # Every check passed: the copies go to a free page and a free slot, which no request reads.
-        pages.copy_prefix(self, other, n, slot, page)
+        pages.copy_prefix(self, other, n, slot, page, saved)
         reqs = dict(self._requests)
         reqs[request_id] = Request(request_id, slot, shared + ((page,) if tail else ()), n,
                                    admission=next(_admissions))
         return self._successor(requests=reqs, free_slots=rest, free_pages=free,
-                               shared=pages.share(self._shared, shared))
+                               shared=pages.share(self._shared, shared),
+                               boundary=pages.inherit_boundaries(self._boundary, prefix_of, request_id, n))
 
     def reserve(self, counts: Mapping[int, int]) -> "State":
         """Make room for ``counts[r]`` more tokens after each request's cursor."""
@@ -437,7 +453,8 @@ class State:
         del reqs[request_id]
         free_pages, shared = pages.unshare(self._free_pages, self._shared, req.pages)
         free_slots = tuple(sorted(self._free_slots + (req.slot,)))
-        return self._successor(requests=reqs, free_pages=free_pages, free_slots=free_slots, shared=shared)
+        return self._successor(requests=reqs, free_pages=free_pages, free_slots=free_slots, shared=shared,
+                               boundary=pages.drop_boundaries(self._boundary, request_id))
 
     # --------------------------------------------------------------- transfer
     def export_request(self, request_id: int) -> "RequestState":
@@ -491,7 +508,9 @@ class State:
             pos = reqs[rid].ring_pos if pos is None else pos
             reqs[rid] = replace(reqs[rid], length=reqs[rid].length + n, ring_pos=pos)
         applied = self._storage.applied_steps | {deltas.step_id}
-        return self._successor(requests=reqs, storage=storage, applied=applied)
+        new = self._successor(requests=reqs, storage=storage, applied=applied)
+        new._boundary = MappingProxyType(pages.keep_boundaries(new, reqs, c.request_ids) or new._boundary)
+        return new
 
     # ----------------------------------------------------------- checkpoints
     def checkpoint(self, request_ids: Iterable[int]) -> Checkpoint:
@@ -564,12 +583,13 @@ class State:
             for key, saved in checkpoint.recurrent.items():
                 expected[key].index_copy_(1, slots, saved)
         serial = next(_serials)
-        reqs = dict(self._requests)
+        reqs, boundary = dict(self._requests), self._boundary
         for old in checkpoint.requests:
+            boundary = pages.drop_boundaries(boundary, old.id, above=old.length) or boundary
             cur = reqs[old.id]
             reqs[old.id] = replace(cur, length=old.length, ring_pos=old.ring_pos,
                                    rollbacks=cur.rollbacks + ((serial, old.length),))
-        return self._successor(requests=reqs)
+        return self._successor(requests=reqs, boundary=boundary)
 
     def __repr__(self) -> str:
         live = "live" if self.is_live else "stale"
