@@ -65,12 +65,13 @@ def demo(args) -> int:
     return 0
 
 
-def _state_for(specs, *, tokens: int, page_size: int, device, max_requests: int = 1, recurrent_ring: int = 2):
+def _state_for(specs, *, tokens: int, page_size: int, device, max_requests: int = 1, recurrent_ring: int = 2,
+               prefix_checkpoints: bool = False):
     from . import State
 
     pages = max_requests * (tokens // page_size + 2)
     return State(specs, num_pages=pages, page_size=page_size, max_requests=max_requests, device=device,
-                 recurrent_ring=recurrent_ring)
+                 recurrent_ring=recurrent_ring, prefix_checkpoints=prefix_checkpoints)
 
 
 def demo_family(args) -> int:
@@ -312,8 +313,10 @@ def generate_text(args) -> int:
     sampler = Sampler(**_sampling(args, prog), seed=args.seed, kernel=args.sampler)
     ma = ModelAttention(model.specs, device=args.device)
     running = min(args.max_batch or len(prompts), len(prompts))
+    share = len(prompts) > 1 and not args.no_prefix_sharing
+    # Recurrent layers resume a shared prefix from states kept at page boundaries.
     state = _state_for(model.specs, tokens=longest + args.max_new_tokens, page_size=args.page_size,
-                       device=args.device, max_requests=running)
+                       device=args.device, max_requests=running, prefix_checkpoints=share)
     streaming = len(prompts) == 1 and not args.json
 
     def on_text(r: int, chunk: str) -> None:
@@ -326,7 +329,7 @@ def generate_text(args) -> int:
     started = time.perf_counter()
     result = generate_completions(model.step, model.params, ma, state, prompts, stop=stop, sampler=sampler,
                                   tokenizer=tokenizer, on_text=on_text, max_running=running,
-                                  share_prefixes=len(prompts) > 1 and not args.no_prefix_sharing)
+                                  share_prefixes=share)
     _, done = result
     elapsed = time.perf_counter() - started
     total = sum(len(c.ids) for c in done.values())
