@@ -152,13 +152,14 @@ def validate_step(state, deltas: StepDeltas, *, layers=None) -> list[_Target]:
         if layer not in owners:
             fail(where, "writes", f"writes only for layers that own storage {owners}", layer)
     token_rows = batch.token_rows(deltas.accepted)
-    state_rows = batch.state_rows(deltas.accepted)
+    # (writes by layer, the batch whose rows they take, its token rows, its state rows); the replay's
+    # writes are per-request only, so it has no token rows.
+    parts = [(main, batch, token_rows, batch.state_rows(deltas.accepted))]
+    if replay is not None:
+        parts.append((extra, replay.batch, None, replay.batch.state_rows()))
     targets: list[_Target] = []
     for layer in owners:
-        want_main, want_replay = _expected_names(state, layer, replay_mode)
-        for writes, want, wb, rows in ((main, want_main, batch, state_rows),
-                                       (extra, want_replay, replay.batch if replay else None,
-                                        replay.batch.state_rows() if replay else None)):
+        for (writes, wb, tokens, rows), want in zip(parts, _expected_names(state, layer, replay_mode)):
             if not want:
                 continue
             w = writes.get(layer)
@@ -168,7 +169,7 @@ def validate_step(state, deltas: StepDeltas, *, layers=None) -> list[_Target]:
             if set(w.values) != want:
                 fail(f"{where}: layer {layer}", "values", f"exactly the tensors {sorted(want)}", sorted(w.values))
             for name in sorted(want):
-                targets += _target(state, layer, name, w, wb, token_rows if wb is batch else None, rows)
+                targets += _target(state, layer, name, w, wb, tokens, rows)
     return targets
 
 

@@ -16,6 +16,7 @@ the short way to write a whole new kind as one file (docs/variants.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass
@@ -201,7 +202,7 @@ def kind(name: str, *, replace: bool = False):
         cls.__post_init__ = __post_init__
         cls.kind = name
         cls.__annotations__ = {"kind": ClassVar[str], **cls.__dict__.get("__annotations__", {})}
-        if "storage" not in cls.__dict__ and not hasattr(cls, "storage"):
+        if not hasattr(cls, "storage"):
             cls.storage = lambda self, dtype: ()
         cls = static_pytree(dataclass(frozen=True)(cls))
         cls._fnattn_replace = replace
@@ -260,43 +261,44 @@ def _dims(annotation) -> tuple[str, ...] | None:
     return None
 
 
+@functools.cache
+def field_dims(cls) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``(field, dims)`` of every jaxtyping-annotated field of an inputs class, resolved once per class
+    (type hints are costly to resolve, and validation runs for every layer of every step)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    found = ((f.name, _dims(hints.get(f.name))) for f in dataclasses.fields(cls) if f.name != "meta")
+    return tuple((name, dims) for name, dims in found if dims is not None)
+
+
 def validate_tensor_fields(self, spec, batch, device) -> None:
     """Every tensor field on ``device``; named dims consistent, ``T``/``B`` the batch's."""
     where = f"layer {spec.index} inputs"
-    hints = typing.get_type_hints(type(self), include_extras=True)
     sizes: dict[str, int] = {"T": batch.num_tokens, "B": batch.num_requests}
-    for f in dataclasses.fields(self):
-        if f.name == "meta":
-            continue
-        value = getattr(self, f.name)
-        dims = _dims(hints.get(f.name))
+    for name, dims in field_dims(type(self)):
+        value = getattr(self, name)
         if value is None:
             continue
-        if dims is None:
-            continue
         if not isinstance(value, Tensor):
-            fail(where, f.name, "a torch.Tensor", type(value).__name__)
+            fail(where, name, "a torch.Tensor", type(value).__name__)
         if value.device != device:
-            fail(where, f.name, f"a tensor on {device}", value.device)
+            fail(where, name, f"a tensor on {device}", value.device)
         named = [d for d in dims if not d.startswith("*") and d != "..."]
         if len(named) == len(dims) and value.dim() != len(dims):
-            fail(where, f.name, f"a {len(dims)}-D tensor [{' '.join(dims)}]", tuple(value.shape))
+            fail(where, name, f"a {len(dims)}-D tensor [{' '.join(dims)}]", tuple(value.shape))
         for d, n in zip(dims, value.shape):
             if d.startswith("*") or d == "..." or d.isdigit() and int(d) == n:
                 continue
             if d.isdigit():
-                fail(where, f.name, f"size {d} in [{' '.join(dims)}]", tuple(value.shape))
+                fail(where, name, f"size {d} in [{' '.join(dims)}]", tuple(value.shape))
             if sizes.setdefault(d, n) != n:
-                fail(where, f.name, f"{d}={sizes[d]} in [{' '.join(dims)}]", tuple(value.shape))
+                fail(where, name, f"{d}={sizes[d]} in [{' '.join(dims)}]", tuple(value.shape))
 
 
 def select_tokens(inputs, keep: Tensor):
     """``inputs`` with every per-token field (first jaxtyping dim ``T``) restricted to rows ``keep``."""
-    hints = typing.get_type_hints(type(inputs), include_extras=True)
     changes = {}
-    for f in dataclasses.fields(inputs):
-        value = getattr(inputs, f.name)
-        dims = _dims(hints.get(f.name))
-        if isinstance(value, Tensor) and dims and dims[0] == "T":
-            changes[f.name] = value.index_select(0, keep)
+    for name, dims in field_dims(type(inputs)):
+        value = getattr(inputs, name)
+        if isinstance(value, Tensor) and dims[0] == "T":
+            changes[name] = value.index_select(0, keep)
     return dataclasses.replace(inputs, **changes)
