@@ -52,6 +52,8 @@ class Backend:
     plan: Planner | None = field(default=None, repr=False)
     builtin: bool = True  # shipped with fnattn (ranked by DEFAULT_PREFER) or registered by a user
     source: Callable | None = field(default=None, repr=False)  # the function as written
+    # reads no device value on the host and launches shapes fixed by the batch's shapes: a graph may hold it
+    capturable: bool = False
 
     def __post_init__(self):
         if self.phase not in PHASES:
@@ -64,10 +66,12 @@ _REGISTRY: dict[tuple[str, str, str], Backend] = {}
 
 
 def register(kind: str, phase: str, name: str, *, supports: Supports | None = None, plan: Planner | None = None,
-             replace: bool = False):
+             replace: bool = False, capturable: bool = False):
     """Decorator: register ``fn`` as backend ``name`` for one (kind, phase).
 
-    ``replace=True`` lets a notebook cell re-register its backend.
+    ``replace=True`` lets a notebook cell re-register its backend. ``capturable=True`` declares that the
+    backend (and its ``plan``) never reads a device value on the host and launches work whose shapes depend
+    only on the batch's tensor shapes, so `fnattn.graph` may capture it in a CUDA graph.
     """
     if kind not in known_kinds():
         fail("register", "kind", f"a registered kind (known: {list(known_kinds())}; add one with "
@@ -76,6 +80,8 @@ def register(kind: str, phase: str, name: str, *, supports: Supports | None = No
         fail("register", "phase", f"one of {PHASES}", phase)
     if not isinstance(name, str) or not name:
         fail("register", "name", "a non-empty string", name)
+    if not isinstance(capturable, bool):
+        fail("register", "capturable", "a bool", capturable)
     for what, f in (("supports", supports), ("plan", plan)):
         if f is not None and not callable(f):
             fail("register", what, "a callable or None", f)
@@ -89,7 +95,7 @@ def register(kind: str, phase: str, name: str, *, supports: Supports | None = No
             raise ValueError(f"register: backend {key} is already registered (by {old.source.__module__}); "
                              "pass replace=True to redefine it")
         builtin = getattr(fn, "__module__", "").startswith("fnattn.") and kind_info(kind).builtin
-        _REGISTRY[key] = Backend(kind, phase, name, checked(fn), supports or _always, plan, builtin, fn)
+        _REGISTRY[key] = Backend(kind, phase, name, checked(fn), supports or _always, plan, builtin, fn, capturable)
         return _session_only(fn, key)
 
     return deco
