@@ -296,7 +296,7 @@ def export_request(state, request_id: int) -> RequestState:
     req = state.request(request_id)  # checks the handle is live and the id admitted
     slots = torch.tensor(token_slots(state, req, req.length), dtype=torch.long, device=state.device)
     row = state.recurrent_row(request_id)
-    entries, tensors = [], {}
+    tensors = {}
     for spec in state.specs:
         for d in spec.config.storage(spec.dtype):
             _, live = _storage_of(state, spec.index, d.name)
@@ -305,13 +305,30 @@ def export_request(state, request_id: int) -> RequestState:
             else:
                 value = live[row]
             tensors[(spec.index, d.name)] = value.to("cpu", copy=True).contiguous()
+    return request_state(state.specs, request_id, req.length, tensors)
+
+
+def request_state(specs, request_id: int, length: int, tensors: Mapping[tuple[int, str], Tensor]) -> RequestState:
+    """A `RequestState` of layers ``specs`` from ``tensors[(layer, name)]`` (CPU, in the declared shapes):
+    what `export_request` builds, for payloads assembled elsewhere (e.g. the heads of several TP ranks)."""
+    entries, values = [], {}
+    for spec in specs:
+        for d in spec.config.storage(spec.dtype):
+            t = tensors.get((spec.index, d.name))
+            want = ((length,) if d.space == "token" else ()) + tuple(d.shape)
+            if not isinstance(t, Tensor) or t.device.type != "cpu" or (tuple(t.shape), t.dtype) != (want, d.dtype):
+                fail("request_state", f"tensors[{spec.index}, {d.name!r}]", f"a CPU {d.dtype} tensor of shape {want}",
+                     (getattr(t, "dtype", type(t).__name__), tuple(getattr(t, "shape", ()))))
+            values[(spec.index, d.name)] = t.contiguous()
             entries.append({"layer": spec.index, "name": d.name, "space": d.space, "dtype": _dtype_name(d.dtype),
-                            "shape": list(tensors[(spec.index, d.name)].shape)})
-    layers = [layer_signature(s) for s in state.specs]
-    header = {"format": FORMAT, "request_id": request_id, "length": req.length, "fingerprint": fingerprint(layers),
+                            "shape": list(t.shape)})
+    layers = [layer_signature(s) for s in specs]
+    header = {"format": FORMAT, "request_id": request_id, "length": length, "fingerprint": fingerprint(layers),
               "layers": layers, "tensors": entries, "checksum": ""}
-    header["checksum"] = _checksum(header, list(tensors.values()))
-    return RequestState(_frozen(header), MappingProxyType(tensors))
+    header["checksum"] = _checksum(header, list(values.values()))
+    if len(values) != len(tensors):
+        fail("request_state", "tensors", f"only the storage the layers declare ({sorted(values)})", sorted(tensors))
+    return RequestState(_frozen(header), MappingProxyType(values))
 
 
 # --------------------------------------------------------------------------- import
@@ -460,4 +477,4 @@ def recv_request(src: int, group=None, *, timeout: float = 60.0,
 
 
 __all__ = ["RequestState", "TransferTimeoutError", "export_request", "fingerprint", "import_request",
-           "layer_signature", "recv_request", "send_request"]
+           "layer_signature", "recv_request", "request_state", "send_request"]
