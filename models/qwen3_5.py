@@ -34,6 +34,7 @@ from torch import Tensor
 
 from fnattn import FullAttentionConfig, FullAttentionInputs, GDNConfig, LayerSpec, RecurrentInputs, StepDeltas
 from fnattn.checks import checked, fail
+from fnattn.tp import all_reduce
 
 from .common import (
     REQUIRED,
@@ -417,9 +418,9 @@ def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: T
         y, deltas = linear_attention(session, i, layer.attn, h, cfg)
     else:
         y, deltas = gated_attention(session, i, layer.attn, h, cos, sin, cfg)
-    x = x + y
+    x = x + all_reduce(y)  # o_proj / out_proj and the MLPs' down projections are row-parallel under TP
     h = rms_norm(x, layer.post_norm, eps, offset=1.0)
-    return x + (moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp(h)), deltas
+    return x + all_reduce(moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp(h)), deltas
 
 
 @checked
