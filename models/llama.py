@@ -25,6 +25,7 @@ from torch import Tensor
 
 from fnattn import FullAttentionConfig, FullAttentionInputs, LayerSpec, StepDeltas
 from fnattn.checks import checked, fail
+from fnattn.tp import all_reduce
 
 from .common import (
     SwiGLU,
@@ -260,8 +261,8 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     for i, layer in enumerate(params.layers):
         y, deltas = attention(session, i, layer, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin, cfg)
         layer_deltas.append(deltas)
-        x = x + y
-        x = x + layer.mlp(rms_norm(x, layer.post_norm, cfg.rms_norm_eps))
+        x = x + all_reduce(y)  # o_proj and down_proj are row-parallel under TP (models/tp.py)
+        x = x + all_reduce(layer.mlp(rms_norm(x, layer.post_norm, cfg.rms_norm_eps)))
     hidden = rms_norm(x, params.norm, cfg.rms_norm_eps)
     # The cursor advances once, after every layer has read the state.
     return F.linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
