@@ -36,6 +36,7 @@ from fnattn import (
     StepDeltas,
 )
 from fnattn.checks import checked, fail
+from fnattn.tp import all_reduce
 
 from .common import SwiGLU, check_config_value, check_tokens, grouped_topk, rms_norm, rope_cos_sin, rope_inv_freq
 from .dsa_layer import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers
@@ -435,9 +436,10 @@ def decoder_layer(session, i: int, layer: Layer, cfg: DeepseekConfig, x: Float[T
     out, deltas = session.forward(i, attention_inputs(layer, cfg, h, cos, sin, sparse, reused))
     if sparse is not None and layer.indexer is not None:
         topk[i] = out.topk_indices
-    x = x + F.linear(out.o.reshape(x.shape[0], -1), layer.attn.o_proj, layer.attn.o_proj_bias)
+    # o_proj and the MLPs' down projections are row-parallel under TP (models/tp.py)
+    x = x + all_reduce(F.linear(out.o.reshape(x.shape[0], -1), layer.attn.o_proj, layer.attn.o_proj_bias))
     h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-    return x + (layer.mlp(h) if isinstance(layer.mlp, SwiGLU) else moe(layer.mlp, cfg.moe, h)), deltas
+    return x + all_reduce(layer.mlp(h) if isinstance(layer.mlp, SwiGLU) else moe(layer.mlp, cfg.moe, h)), deltas
 
 
 @checked
