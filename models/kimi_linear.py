@@ -37,6 +37,7 @@ from torch import Tensor
 
 from fnattn import Batch, KDAConfig, LayerSpec, MLAConfig, MLAInputs, RecurrentInputs, StepDeltas
 from fnattn.checks import checked, fail
+from fnattn.tp import all_reduce
 
 from .common import SwiGLU, check_config_value, check_tokens, config_field, grouped_topk, rms_norm, swiglu
 from .kda_layer import KDAWeights, kda_finish, kda_project
@@ -438,9 +439,9 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
             out, deltas = session.forward(i, _mla_inputs(a, h, cfg))
             attn = F.linear(out.o.to(h.dtype).reshape(T, cfg.num_heads * cfg.v_head_dim), a.o_proj, a.o_bias)
         layer_deltas.append(deltas)
-        x = x + attn
+        x = x + all_reduce(attn)  # o_proj and the MLPs' down projections are row-parallel under TP
         h = rms_norm(x, layer.post_norm, cfg.rms_eps)
-        x = x + (_moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoEParams) else swiglu(h, *layer.mlp))
+        x = x + all_reduce(_moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoEParams) else swiglu(h, *layer.mlp))
     logits = F.linear(rms_norm(x, params.norm, cfg.rms_eps), params.lm_head)
     # The cursor advances once, after every layer has read the state.
     return logits.float(), StepDeltas.collect(batch, layer_deltas)
