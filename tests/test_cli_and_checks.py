@@ -15,7 +15,7 @@ def test_demo_runs_and_explains(capsys):
     assert main(["demo", "--tokens", "4", "--prompt", "hi"]) == 0
     out = capsys.readouterr().out
     assert "generated 4 tokens" in out and "tokens/s" in out
-    assert "backend" in out and "reference" in out and "pages free after release: " in out
+    assert "backend" in out and "sdpa" in out and "pages free after release: " in out
 
 
 def test_demo_rejects_bad_token_count():

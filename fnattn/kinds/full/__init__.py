@@ -10,6 +10,6 @@ from .config import AttentionOutput, FullAttentionConfig, FullAttentionInputs
 
 register_kind("full", config=FullAttentionConfig, inputs=FullAttentionInputs)
 
-from . import flashinfer, reference, triton  # noqa: E402,F401 - registers the backends
+from . import flashinfer, reference, sdpa, triton  # noqa: E402,F401 - registers the backends
 
 __all__ = ["AttentionOutput", "FullAttentionConfig", "FullAttentionInputs"]
