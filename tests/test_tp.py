@@ -1,0 +1,282 @@
+"""Tensor parallelism on the CPU: two gloo processes on loopback give tp=1's logits for every family.
+
+One spawn of two processes for the module: each rank builds every family's
+tiny random model whole (the tp=1 reference) and sharded over the two ranks,
+runs a two-request prefill and a few decode steps through both, and moves a
+request between the degrees (tp=2 prefill -> tp=1 decode on rank 0, through
+`send_request` / `gather_request`; tp=1 prefill -> tp=2 decode through
+`split_request`). The ranks write what they measured to files; the tests
+read them. The sharding checks run in this process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from fnattn.models import tp as mtp
+from fnattn.models.registry import FAMILIES, Family, _load_builtin, random_model
+
+import fnattn as fa
+from fnattn import tp
+from fnattn.transfer import recv_request, send_request
+
+_load_builtin()
+# every registered family, and Llama with one KV head: replicated on both ranks
+CASES = {name: None for name in sorted(FAMILIES)}
+CASES["llama_kv1"] = ("llama", {"num_key_value_heads": 1})
+DEADLINE = 90.0  # the whole spawn, in seconds
+PROMPTS = {0: 7, 1: 5}  # request -> prompt length
+DECODE = 3
+TOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _family(case: str) -> tuple[str, dict | None]:
+    if CASES[case] is None:
+        return case, None
+    name, override = CASES[case]
+    fam = FAMILIES[name]
+    return name, {**fam.tiny_config(), **override}
+
+
+class _Runner:
+    """One model's steps through a fresh State."""
+
+    def __init__(self, model):
+        self.model, self.attn = model, fa.ModelAttention(model.specs)
+
+    def state(self):
+        return fa.State(self.model.specs, num_pages=24, page_size=4, max_requests=3, recurrent_ring=2)
+
+    def run(self, state, batch, tokens):
+        with self.attn.session(state, batch) as s:
+            logits, deltas = self.model.step(self.model.params, s, torch.tensor(tokens))
+        return state.apply(deltas), logits
+
+    def prefill(self, state, prompts):
+        counts = {r: len(p) for r, p in prompts.items()}
+        for r in prompts:
+            state = state.admit(r)
+        state = state.reserve(counts)
+        batch = fa.Batch.prefill(state, counts)
+        return self.run(state, batch, [t for r in batch.request_ids for t in prompts[r]])
+
+    def decode(self, state, tokens: dict[int, int]):
+        state = state.reserve({r: 1 for r in tokens})
+        batch = fa.Batch.decode(state, list(tokens))
+        return self.run(state, batch, [tokens[r] for r in batch.request_ids])
+
+
+def _prompts(vocab: int) -> dict[int, list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return {r: torch.randint(0, vocab, (n,), generator=g).tolist() for r, n in PROMPTS.items()}
+
+
+def _case(case: str, group: tp.TPGroup) -> dict:
+    name, config = _family(case)
+    full = _Runner(random_model(name, seed=3, config=config))
+    part = _Runner(mtp.random_model_tp(name, group, seed=3, config=config))
+    prompts = _prompts(full.model.config.vocab_size)
+    out = {"heads": [s.config for s in part.model.specs][:2]}
+
+    # tp=1 and tp=2 side by side; both take the reference's greedy tokens, so the inputs never diverge
+    a, want = full.prefill(full.state(), prompts)
+    b, got = part.prefill(part.state(), prompts)
+    diffs = [float((got - want).abs().max())]
+    ref_steps = []
+    for _ in range(DECODE):
+        ends = torch.tensor(list(PROMPTS.values())).cumsum(0) - 1 if not ref_steps else torch.arange(len(PROMPTS))
+        tokens = {r: int(want[ends[i]].argmax()) for i, r in enumerate(PROMPTS)}
+        ref_steps.append(tokens)
+        a, want = full.decode(a, tokens)
+        b, got = part.decode(b, tokens)
+        diffs.append(float((got - want).abs().max()))
+    out["diffs"] = diffs
+
+    # tp=2 prefill -> tp=1 decode: rank 1 sends its heads of request 0 to rank 0, which puts them together
+    a, _ = full.prefill(full.state(), {0: prompts[0]})
+    b, _ = part.prefill(part.state(), {0: prompts[0]})
+    follow = {0: ref_steps[0][0]}
+    whole, mine = a.export_request(0), b.export_request(0)
+    _, want = full.decode(a, follow)
+    if group.rank == 1:
+        send_request(mine, 0)
+    else:
+        gathered = mtp.gather_request([mine, recv_request(1, timeout=20.0)], full.model.specs)
+        # rows of tp=1's own prefill, up to the all-reduce's rounding of the residual stream
+        out["gathered_vs_tp1"] = max(float((gathered.tensors[k].float() - whole.tensors[k].float()).abs().max())
+                                     if whole.tensors[k].numel() else 0.0 for k in whole.tensors)
+        c, _ = full.state().import_request(gathered)
+        _, got = full.decode(c, follow)
+        out["to_tp1"] = float((got - want).abs().max())
+
+    # tp=1 prefill -> tp=2 decode: each rank cuts its heads out of the whole request
+    split = mtp.split_request(whole, full.model.specs, group.size, group.rank)
+    out["split_vs_tp2"] = max(float((split.tensors[k].float() - mine.tensors[k].float()).abs().max())
+                              if mine.tensors[k].numel() else 0.0 for k in mine.tensors)
+    c, _ = part.state().import_request(split)
+    _, got = part.decode(c, follow)
+    out["to_tp2"] = float((got - want).abs().max())
+    return out
+
+
+def _worker(rank: int, port: int, result_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    results: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=30))
+        group = tp.TPGroup.of()
+        for case in CASES:
+            try:
+                results[case] = _case(case, group)
+            except Exception as e:  # one family's failure is reported, the others still run
+                results[case] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+                break  # the peer may now wait on a collective this rank will not join
+        dist.destroy_process_group()
+    except Exception as e:
+        results["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """``-> [rank 0's results, rank 1's results]``, each ``{case: measurements}``."""
+    result_dir = tmp_path_factory.mktemp("tp")
+    ctx = mp.start_processes(_worker, args=(_free_port(), str(result_dir)), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + DEADLINE
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the two tp ranks did not finish within {DEADLINE} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    out = []
+    for rank in (0, 1):
+        with open(result_dir / f"rank{rank}.pkl", "rb") as f:
+            out.append(pickle.load(f))
+    for r in out:
+        assert "error" not in r, r["error"]
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_logits_equal_tp1(ranks, case):
+    for rank, results in enumerate(ranks):
+        got = results.get(case)
+        assert got is not None, f"rank {rank} did not reach {case}"
+        assert "error" not in got, got["error"]
+        assert len(got["diffs"]) == 1 + DECODE
+        assert max(got["diffs"]) <= TOL, (rank, got["diffs"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_request_moves_between_tp2_and_tp1(ranks, case):
+    first, second = ranks[0][case], ranks[1][case]
+    assert "error" not in first and "error" not in second
+    assert first["gathered_vs_tp1"] <= TOL, "the gathered heads differ from tp=1's own state"
+    assert first["to_tp1"] <= TOL
+    for got in (first, second):
+        assert got["split_vs_tp2"] <= TOL, "the split request differs from the rank's own state"
+        assert got["to_tp2"] <= TOL
+
+
+def test_rank_specs_hold_the_ranks_heads(ranks):
+    heads = ranks[0]["llama"]["heads"][0]
+    assert (heads.num_q_heads, heads.num_kv_heads) == (2, 1)
+    kv1 = ranks[1]["llama_kv1"]["heads"][0]
+    assert (kv1.num_q_heads, kv1.num_kv_heads) == (2, 1)  # the one KV head, on both ranks
+    gdn = ranks[0]["qwen3_5"]["heads"][0]
+    assert (gdn.num_k_heads, gdn.num_v_heads) == (1, 2)
+    assert ranks[0]["deepseek_v3"]["heads"][0].num_heads == 2
+    assert ranks[0]["kimi_linear"]["heads"][0].num_heads == 1  # KDA: 2 heads over 2 ranks
+
+
+# --------------------------------------------------------------------------- in this process
+
+
+def _group(size: int, rank: int = 0) -> tp.TPGroup:
+    return tp.TPGroup(size, rank, backend="gloo")  # no collective runs before the sharding fails
+
+
+@pytest.mark.parametrize("name, config, size, field", [
+    ("llama", {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16}, 4, "num_attention_heads"),
+    ("llama", {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16}, 3, "num_key_value_heads"),
+    ("qwen3", {"intermediate_size": 130}, 4, "intermediate_size"),
+    ("qwen3_5", {}, 4, "linear_num_key_heads"),
+    ("deepseek_v32", {}, 8, "num_heads"),
+    ("kimi_linear", {}, 4, "kda_heads"),
+])
+def test_heads_that_do_not_split_are_refused_naming_the_field(name, config, size, field):
+    cfg = {**FAMILIES[name].tiny_config(), **config}
+    with pytest.raises(ValueError, match=rf"tp={size}: `{field}` must be a multiple of tp={size}"):
+        mtp.random_model_tp(name, _group(size), config=cfg)
+
+
+def test_kv_heads_fewer_than_ranks_are_replicated():
+    cfg = {**FAMILIES["llama"].tiny_config(), "num_attention_heads": 8, "num_key_value_heads": 2}
+    parts = [mtp.random_model_tp("llama", _group(4, r), seed=1, config=cfg) for r in range(4)]
+    full = random_model("llama", seed=1, config=cfg)
+    assert [p.specs[0].config.num_kv_heads for p in parts] == [1] * 4
+    k = full.params.layers[0].k[0]  # [2 * Dh, D]
+    Dh = full.config.head_dim
+    for r, p in enumerate(parts):  # ranks 0, 1 share KV head 0; ranks 2, 3 KV head 1
+        torch.testing.assert_close(p.params.layers[0].k[0], k[(r // 2) * Dh:(r // 2 + 1) * Dh], rtol=0, atol=0)
+
+
+def test_shard_then_unshard_is_the_identity_and_refuses_unequal_replicas():
+    segs = (tp.Segment(2, 3, "a"), tp.Segment(1, 2, "b", replicate=True), tp.Segment(4, 1, "c"))
+    x = torch.arange(2 * 3 + 2 + 4).float()[:, None].expand(-1, 5).clone()
+    parts = [tp.shard(x, 0, segs, 2, r) for r in range(2)]
+    assert [p.shape[0] for p in parts] == [3 + 2 + 2] * 2
+    torch.testing.assert_close(tp.unshard(parts, 0, segs), x, rtol=0, atol=0)
+    parts[1][3] += 1  # rank 1's copy of the replicated block
+    with pytest.raises(ValueError, match=r"`parts\[1\]` must be the same replicated b block as rank 0"):
+        tp.unshard(parts, 0, segs)
+
+
+def test_all_reduce_is_the_identity_outside_a_group_of_several():
+    x = torch.randn(3, 4)
+    assert tp.all_reduce(x) is x
+    with tp.active(tp.TPGroup.single()):
+        assert tp.all_reduce(x) is x
+    assert tp.current() is None
+
+
+def test_gather_refuses_payloads_of_other_specs():
+    model = random_model("llama", seed=0)
+    r = _Runner(model)
+    st, _ = r.prefill(r.state(), {0: [1, 2, 3]})
+    whole = st.export_request(0)
+    with pytest.raises(ValueError, match=r"`parts\[0\]` must be a payload of the tp=2 rank specs"):
+        mtp.gather_request([whole, whole], model.specs)
+    halves = [mtp.split_request(whole, model.specs, 2, rank) for rank in range(2)]
+    again = mtp.gather_request(halves, model.specs)
+    assert again.checksum == whole.checksum
+    with pytest.raises(ValueError, match=r"`payload` must be a payload of the whole model's specs"):
+        mtp.split_request(halves[0], model.specs, 2, 0)
+
+
+def test_a_tp_model_refuses_a_family_without_a_plan():
+    with pytest.raises(ValueError, match=r"`family` must be one with a TP plan"):
+        mtp.shard_weights(Family("x", (), None, None, None, None, None), None, {}, 2, 0)
