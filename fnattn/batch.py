@@ -243,7 +243,7 @@ def expected_tensors(state, phase: str, reqs) -> tuple[dict[str, list], int]:
 
 def _recurrent_rows(state, phase: str, reqs) -> tuple[list[int], list[int], int]:
     """``-> (row read per request, row written per state, ring)``; see `State` on the ring."""
-    N, R = state.max_requests, state.recurrent_ring
+    N, R = state.slots_per_ring, state.recurrent_ring
     fits = max(n for _, n in reqs) <= R - 1 if phase == "verify" else R >= 2
     ring = R if state.has_recurrent and fits else 0
     rows = [r.ring_pos * N + r.slot for r, _ in reqs]

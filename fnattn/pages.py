@@ -56,7 +56,7 @@ def copy_prefix(state, other, n: int, slot: int, page: int | None, saved: Mappin
     """Copy-on-admit for a prefix of ``n`` tokens of ``other``: the rows of its partial last page into
     ``page`` (every token pool), and its current recurrent rows (or the boundary checkpoint ``saved``) into
     ring row 0 of ``slot`` (every request pool). Both targets are free storage no request reads."""
-    S, N = state.page_size, state.max_requests
+    S, N = state.page_size, state.slots_per_ring
     full, tail = divmod(n, S)
     src_row = other.ring_pos * N + other.slot
     with torch.no_grad():
@@ -124,7 +124,7 @@ def keep_boundaries(state, reqs: Mapping, request_ids) -> dict | None:
     one more for each whose cursor is a positive multiple of the page size; None if nothing changes."""
     if not (state.prefix_checkpoints and state.has_recurrent):
         return None
-    S, N = state.page_size, state.max_requests
+    S, N = state.page_size, state.slots_per_ring
     rows = {r: reqs[r].ring_pos * N + reqs[r].slot for r in dict.fromkeys(request_ids)
             if reqs[r].length > 0 and reqs[r].length % S == 0}
     if not rows:

@@ -9,6 +9,10 @@ the storage instead, and the old handle stays valid (for notebooks and tests).
 Storage is grouped into pools: all layers whose storage has the same shape
 share one tensor with the layer as its leading axis (docs/layout.md), so the
 once-per-step apply can write a whole pool at once.
+
+Page 0 and recurrent slot 0 are the null page and the null slot: never handed
+to a request, they are what the pad lanes of a bucketed batch read and write
+(`Batch.decode(..., pad_to=...)`), so padding can never touch a live row.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ _versions = itertools.count(1)
 _lineages = itertools.count(1)
 _admissions = itertools.count(1)
 _serials = itertools.count(1)  # orders checkpoints and rollbacks
+
+#: The page and the recurrent slot no request holds: pad lanes read and write only these.
+NULL_PAGE = 0
+NULL_SLOT = 0
 
 
 @dataclass(frozen=True)
@@ -216,8 +224,8 @@ class State:
         groups: dict[tuple, dict] = {}  # storage signature -> pool under construction
         layer_pools: dict[int, list[str]] = {s.index: [] for s in specs}
         for spec in specs:
-            for key, space, layout in _pool_layouts(spec, num_pages=num_pages, page_size=page_size,
-                                                    num_slots=max_requests * recurrent_ring):
+            for key, space, layout in _pool_layouts(spec, num_pages=num_pages + 1, page_size=page_size,
+                                                    num_slots=(max_requests + 1) * recurrent_ring):
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = {"name": f"{key[0]}{len(groups)}", "space": space,
@@ -247,8 +255,8 @@ class State:
         self._version = next(_versions)
         self._storage = _Storage(pools, {k: tuple(v) for k, v in layer_pools.items()}, self._version, frozenset())
         self._requests: Mapping[int, Request] = MappingProxyType({})
-        self._free_pages: tuple[int, ...] = tuple(range(num_pages))
-        self._free_slots: tuple[int, ...] = tuple(range(max_requests))
+        self._free_pages: tuple[int, ...] = tuple(range(1, num_pages + 1))  # page 0 is the null page
+        self._free_slots: tuple[int, ...] = tuple(range(1, max_requests + 1))  # slot 0 is the null slot
         self._shared: Mapping[int, int] = MappingProxyType({})  # page -> holders, for pages held by >= 2
         self._spec_by_layer = {s.index: s for s in specs}
 
@@ -323,8 +331,8 @@ class State:
     def refcount(self, page: int) -> int:
         """How many requests hold ``page`` (0: free; more than 1: a shared prefix page)."""
         self._check_live()
-        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
-            fail("State.refcount", "page", f"an int in 0..{self.num_pages - 1}", page)
+        if isinstance(page, bool) or not isinstance(page, int) or not 1 <= page <= self.num_pages:
+            fail("State.refcount", "page", f"an int in 1..{self.num_pages} (page 0 is the null page)", page)
         return 0 if page in self._free_pages else self._shared.get(page, 1)
 
     @property
@@ -349,7 +357,12 @@ class State:
         pos = req.ring_pos if ring_pos is None else ring_pos
         if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.recurrent_ring:
             fail("State.recurrent_row", "ring_pos", f"an int in 0..{self.recurrent_ring - 1}", pos)
-        return pos * self.max_requests + req.slot
+        return pos * self.slots_per_ring + req.slot
+
+    @property
+    def slots_per_ring(self) -> int:
+        """Recurrent slots in one ring position: the null slot and one per request (row = pos * this + slot)."""
+        return self.max_requests + 1
 
     def views(self, layer: int) -> Views:
         """The storage of one layer, as views (no copies)."""
@@ -577,7 +590,7 @@ class State:
                 fail(where, f"checkpoint.recurrent[{key}]", f"a {want} {live.dtype} tensor on {live.device}",
                      (tuple(saved.shape), saved.dtype, saved.device))
         # Back into the ring row the request had then: every row of its ring is its own.
-        slots = torch.tensor([r.ring_pos * self.max_requests + r.slot for r in checkpoint.requests],
+        slots = torch.tensor([r.ring_pos * self.slots_per_ring + r.slot for r in checkpoint.requests],
                              dtype=torch.long, device=self.device)
         with torch.no_grad():
             for key, saved in checkpoint.recurrent.items():

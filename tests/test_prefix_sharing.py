@@ -136,8 +136,8 @@ def check_invariants(st, shadow):
     free = set(st._free_pages)
     assert len(free) == len(st._free_pages), "a page freed twice"
     assert not free & set(held), "a page both free and held"
-    assert free | set(held) == set(range(st.num_pages)), "a leaked page"
-    for p in range(st.num_pages):
+    assert free | set(held) == set(range(1, st.num_pages + 1)), "a leaked page"
+    for p in range(1, st.num_pages + 1):
         assert st.refcount(p) == held.get(p, 0)
     assert dict(st.shared_pages) == {p: c for p, c in held.items() if c > 1}
     for rid, rows in shadow.items():

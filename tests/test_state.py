@@ -33,7 +33,7 @@ def test_allocator_admit_reserve_release_and_exhaustion():
     with pytest.raises(ValueError, match="`request_id`"):
         st.admit(1)
     st = st.reserve({0: 9})  # 3 pages
-    assert st.request(0).pages == (0, 1, 2) and st.free_pages == 1
+    assert st.request(0).pages == (1, 2, 3) and st.free_pages == 1
     before = st
     with pytest.raises(fa.PoolExhaustedError, match="2 more pages"):
         st.reserve({1: 5})
@@ -150,7 +150,7 @@ _ring_step = ring_step  # a decode step of every recurrent layer writing constan
 def test_ring_rows_move_the_current_state_without_copying_it():
     st = fa.State([_gdn(0), _gdn(1)], num_pages=4, page_size=4, max_requests=3, recurrent_ring=3, fill=float("nan"))
     st = st.admit(0).admit(1).reserve({0: 8, 1: 8})
-    assert st.views(0).ssm.shape[0] == 9 and st.recurrent_row(1) == 1 and st.recurrent_row(1, 2) == 7
+    assert st.views(0).ssm.shape[0] == 12 and st.recurrent_row(1) == 2 and st.recurrent_row(1, 2) == 10
     for i in range(4):
         before = st.recurrent_row(0)
         batch, deltas = _ring_step(st, [0, 1], value=float(i), in_place=i % 2 == 1)
@@ -167,9 +167,9 @@ def test_ring_rows_move_the_current_state_without_copying_it():
 def test_ring_of_one_overwrites_the_current_row():
     st = fa.State([_gdn()], num_pages=4, page_size=4, max_requests=2, recurrent_ring=1).admit(0).reserve({0: 2})
     batch, deltas = _ring_step(st, [0], value=2.0)
-    assert batch.ring == 0 and deltas.cursor.ring is None and batch.recurrent_write_rows.tolist() == [0]
+    assert batch.ring == 0 and deltas.cursor.ring is None and batch.recurrent_write_rows.tolist() == [1]
     st = st.apply(deltas)
-    assert st.recurrent_row(0) == 0 and (st.views(0).ssm[0] == 2.0).all()
+    assert st.recurrent_row(0) == 1 and (st.views(0).ssm[1] == 2.0).all()
     with pytest.raises(ValueError, match="`recurrent_ring`"):
         fa.State([_gdn()], num_pages=4, recurrent_ring=0)
 

@@ -125,7 +125,7 @@ def test_prefill_after_a_cached_prefix_matches_reference(kind):
     slot, row = st.request(1).slot, st.recurrent_row(1)
     st = st.release(1).admit(2).admit(3)
     assert st.request(2).slot == slot and torch.isfinite(st.views(0).ssm[row]).all()
-    assert torch.isnan(st.views(0).ssm[st.request(3).slot :: st.max_requests]).all()
+    assert torch.isnan(st.views(0).ssm[st.request(3).slot :: st.slots_per_ring]).all()
     counts = {0: 18, 2: 1, 3: 9}
     st = st.reserve(counts)
     batch = fa.Batch.prefill(st, counts)
@@ -219,8 +219,8 @@ def test_verify_and_accept_match_reference(kind, ring):
                 torch.testing.assert_close(getattr(ours.views(0), name)[ours.recurrent_row(r)],
                                            getattr(ref.views(0), name)[ref.recurrent_row(r)], **TOL)
         # Slots no request holds keep their NaN.
-        for slot in range(2, st.max_requests):
-            assert torch.isnan(ours.views(0).ssm[slot :: st.max_requests]).all()
+        for slot in range(3, st.slots_per_ring):
+            assert torch.isnan(ours.views(0).ssm[slot :: st.slots_per_ring]).all()
 
 
 # --------------------------------------------------------------------------- plan, registry
