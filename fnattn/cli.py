@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 
@@ -235,7 +236,20 @@ def _prompts(args, prog: str) -> list[str]:
     return prompts
 
 
-def _load(args, prog: str):
+def _tp_group(args, prog: str):
+    """The TP group of ``--tp N`` (None for 1), with the rank's device; exit 2 on a launch mistake."""
+    if args.tp == 1:
+        return None
+    from .tp import launch
+
+    try:
+        group, args.device = launch(args.tp, args.device)
+    except ValueError as e:
+        _user_error(prog, f"--tp {args.tp}: {e}")
+    return group
+
+
+def _load(args, prog: str, group=None):
     """(tokenizer, model, eos ids) of the checkpoint directory, or exit 2 naming the file or field."""
     from pathlib import Path
 
@@ -257,7 +271,12 @@ def _load(args, prog: str):
         except Exception as e:  # tokenizers raises a bare Exception for unreadable files
             raise CheckpointError(f"{tok_file}: not a tokenizers file ({e})") from None
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-        model = load_model(path, dtype=dtype, device=args.device)
+        if group is None:
+            model = load_model(path, dtype=dtype, device=args.device)
+        else:
+            from .models.tp import load_model_tp
+
+            model = load_model_tp(path, group, dtype=dtype, device=args.device)
         eos = read_eos_token_ids(path)
     except (CheckpointError, ValueError) as e:  # ValueError: adapters refusing a config field
         _user_error(prog, str(e))
@@ -296,7 +315,10 @@ def generate_text(args) -> int:
 
     prog = "fnattn generate"
     texts = _prompts(args, prog)
-    tokenizer, model, eos, max_positions = _load(args, prog)
+    group = _tp_group(args, prog)
+    if group is not None and group.rank:  # every rank runs the same steps; rank 0 speaks for them
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of this process)
+    tokenizer, model, eos, max_positions = _load(args, prog, group)
     prompts = {}
     for i, text in enumerate(texts):
         prompts[i] = tokenizer.encode(text).ids
@@ -310,7 +332,16 @@ def generate_text(args) -> int:
     if args.sampler == "flashinfer" and not (str(args.device).startswith("cuda")
                                              and importlib.util.find_spec("flashinfer") is not None):
         _user_error(prog, f"--sampler flashinfer needs --device cuda and flashinfer installed (device {args.device})")
-    sampler = Sampler(**_sampling(args, prog), seed=args.seed, kernel=args.sampler)
+    seed = args.seed
+    if group is not None and seed is None:  # ranks sample alike only from one seed: rank 0's
+        import random
+
+        import torch.distributed as dist
+
+        box = [random.getrandbits(63)]
+        dist.broadcast_object_list(box, src=0)
+        seed = box[0]
+    sampler = Sampler(**_sampling(args, prog), seed=seed, kernel=args.sampler)
     ma = ModelAttention(model.specs, device=args.device)
     running = min(args.max_batch or len(prompts), len(prompts))
     share = len(prompts) > 1 and not args.no_prefix_sharing
@@ -345,7 +376,13 @@ def generate_text(args) -> int:
         for r, c in done.items():
             print(f"[{r}] {texts[r]}{c.text}")
     hits = f", prefix hit rate {result.stats['prefix_hit_rate']:.0%}" if len(prompts) > 1 else ""
-    print(f"\n[{total} tokens, {total / elapsed:.1f} tokens/s{hits}]", file=sys.stderr)
+    if group is None or group.rank == 0:
+        tp = f", tp={group.size}" if group is not None else ""
+        print(f"\n[{total} tokens, {total / elapsed:.1f} tokens/s{hits}{tp}]", file=sys.stderr)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
 
 
@@ -415,6 +452,9 @@ def main(argv=None) -> int:
                         "the hit rate is reported)")
     _common(g)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--tp", type=_int_in(1, 1 << 10), default=1,
+                   help="tensor-parallel ranks (default 1); N > 1 under torchrun --nproc-per-node N, each rank "
+                        "holding 1/N of the heads and MLP (NCCL with --device cuda, else gloo)")
     g.set_defaults(fn=generate_text)
     from .bench.cli import add_arguments
     from .bench.cli import run as bench
