@@ -35,8 +35,8 @@ from torch import Tensor
 
 from .checks import fail
 
-__all__ = ["Segment", "TPGroup", "active", "all_reduce", "current", "init_from_env", "local_units", "shard",
-           "unshard"]
+__all__ = ["Segment", "TPGroup", "active", "all_reduce", "current", "init_from_env", "launch", "local_units",
+           "shard", "unshard"]
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -110,6 +110,26 @@ def init_from_env(size: int, *, backend: str | None = None, timeout_s: float = 3
     if group.size != size:
         fail(where, "size", f"the process group's world size {group.size}", size)
     return group
+
+
+def launch(size: int, device: str = "cpu") -> tuple[TPGroup, str]:
+    """``(group, the rank's device)`` for a ``torchrun --nproc-per-node size`` launch on ``device``
+    ("cpu": gloo; "cuda": NCCL, rank r on ``cuda:LOCAL_RANK``). ValueError with one line for a launch
+    that is not torchrun's, of another size, or a device that does not fit it."""
+    missing = [k for k in TORCHRUN_ENV if not os.environ.get(k)]
+    if missing:
+        raise ValueError(f"needs a torchrun launch (torchrun --nproc-per-node {size} -m fnattn ...): "
+                         f"{', '.join(missing)} not set")
+    if os.environ["WORLD_SIZE"] != str(size):
+        raise ValueError(f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes, not {size}")
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+        if ":" in str(device) or local >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: give --device cuda (rank r takes cuda:LOCAL_RANK of the "
+                             f"{torch.cuda.device_count()} devices)")
+        device = f"cuda:{local}"
+    return init_from_env(size, backend="nccl" if cuda else "gloo"), device
 
 
 _ACTIVE: contextvars.ContextVar[TPGroup | None] = contextvars.ContextVar("fnattn_tp", default=None)

@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 from fnattn.models import tp as mtp
 from fnattn.models.registry import FAMILIES, Family, _load_builtin, random_model
+from test_generation import bpe  # noqa: F401 (a fixture: the trained byte-level BPE tokenizer)
 
 import fnattn as fa
 from fnattn import tp
@@ -280,3 +281,68 @@ def test_gather_refuses_payloads_of_other_specs():
 def test_a_tp_model_refuses_a_family_without_a_plan():
     with pytest.raises(ValueError, match=r"`family` must be one with a TP plan"):
         mtp.shard_weights(Family("x", (), None, None, None, None, None), None, {}, 2, 0)
+
+
+# --------------------------------------------------------------------------- fnattn generate --tp
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, bpe):  # noqa: F811
+    """A tiny random Llama checkpoint directory (config.json, model.safetensors, tokenizer.json)."""
+    import json
+
+    from fnattn.models.registry import family_named, random_weights
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("tp_ckpt")
+    fam = family_named("llama")
+    raw = {**fam.tiny_config(), "vocab_size": bpe.get_vocab_size(), "eos_token_id": 0}
+    (path / "config.json").write_text(json.dumps(raw))
+    save_file(random_weights(fam.weight_shapes(fam.adapt(raw)), seed=4), str(path / "model.safetensors"))
+    bpe.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _generate_args(path) -> list[str]:
+    return ["generate", "--model", str(path), "--prompt", "the cat sat", "--max-new-tokens", "5", "--json"]
+
+
+def test_generate_tp2_under_torchrun_gives_tp1s_tokens(checkpoint, capsys):
+    import json
+    import subprocess
+    import sys
+
+    from fnattn.cli import main
+
+    assert main(_generate_args(checkpoint)) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completions"][0]["ids"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "fnattn", *_generate_args(checkpoint), "--tp", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, run.stdout  # rank 0 alone prints
+    assert json.loads(lines[0])["completions"][0]["ids"] == want
+    assert "tp=2]" in run.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({}, "--tp 2: needs a torchrun launch (torchrun --nproc-per-node 2 -m fnattn ...): RANK, WORLD_SIZE, "
+         "MASTER_ADDR, MASTER_PORT not set"),
+    ({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "--tp 2: torchrun started WORLD_SIZE=3 processes, not 2"),
+])
+def test_generate_tp_outside_its_torchrun_launch_exits_2_with_one_line(checkpoint, capsys, monkeypatch, env,
+                                                                        message):
+    from fnattn.cli import main
+
+    for k in tp.TORCHRUN_ENV:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        main([*_generate_args(checkpoint), "--tp", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"fnattn generate: error: {message}\n"
