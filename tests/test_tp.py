@@ -56,15 +56,17 @@ def _family(case: str) -> tuple[str, dict | None]:
 class _Runner:
     """One model's steps through a fresh State."""
 
-    def __init__(self, model):
-        self.model, self.attn = model, fa.ModelAttention(model.specs)
+    def __init__(self, model, device="cpu"):
+        self.model, self.device = model, device
+        self.attn = fa.ModelAttention(model.specs, device=device)
 
-    def state(self):
-        return fa.State(self.model.specs, num_pages=24, page_size=4, max_requests=3, recurrent_ring=2)
+    def state(self, pages=24, requests=3):
+        return fa.State(self.model.specs, num_pages=pages, page_size=4, max_requests=requests, recurrent_ring=2,
+                        device=self.device)
 
     def run(self, state, batch, tokens):
         with self.attn.session(state, batch) as s:
-            logits, deltas = self.model.step(self.model.params, s, torch.tensor(tokens))
+            logits, deltas = self.model.step(self.model.params, s, torch.tensor(tokens, device=self.device))
         return state.apply(deltas), logits
 
     def prefill(self, state, prompts):
@@ -86,17 +88,22 @@ def _prompts(vocab: int) -> dict[int, list[int]]:
     return {r: torch.randint(0, vocab, (n,), generator=g).tolist() for r, n in PROMPTS.items()}
 
 
-def _case(case: str, group: tp.TPGroup) -> dict:
+def _diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _case(case: str, group: tp.TPGroup, device="cpu") -> dict:
+    """tp=1 and tp=2 logits of one family side by side, and its request moved between the degrees."""
     name, config = _family(case)
-    full = _Runner(random_model(name, seed=3, config=config))
-    part = _Runner(mtp.random_model_tp(name, group, seed=3, config=config))
+    full = _Runner(random_model(name, seed=3, config=config, device=device), device)
+    part = _Runner(mtp.random_model_tp(name, group, seed=3, config=config, device=device), device)
     prompts = _prompts(full.model.config.vocab_size)
-    out = {"heads": [s.config for s in part.model.specs][:2]}
+    out = {"heads": [s.config for s in part.model.specs][:2], "family": name}
 
     # tp=1 and tp=2 side by side; both take the reference's greedy tokens, so the inputs never diverge
     a, want = full.prefill(full.state(), prompts)
     b, got = part.prefill(part.state(), prompts)
-    diffs = [float((got - want).abs().max())]
+    diffs = [_diff(got, want)]
     ref_steps = []
     for _ in range(DECODE):
         ends = torch.tensor(list(PROMPTS.values())).cumsum(0) - 1 if not ref_steps else torch.arange(len(PROMPTS))
@@ -104,7 +111,7 @@ def _case(case: str, group: tp.TPGroup) -> dict:
         ref_steps.append(tokens)
         a, want = full.decode(a, tokens)
         b, got = part.decode(b, tokens)
-        diffs.append(float((got - want).abs().max()))
+        diffs.append(_diff(got, want))
     out["diffs"] = diffs
 
     # tp=2 prefill -> tp=1 decode: rank 1 sends its heads of request 0 to rank 0, which puts them together
@@ -122,7 +129,7 @@ def _case(case: str, group: tp.TPGroup) -> dict:
                                      if whole.tensors[k].numel() else 0.0 for k in whole.tensors)
         c, _ = full.state().import_request(gathered)
         _, got = full.decode(c, follow)
-        out["to_tp1"] = float((got - want).abs().max())
+        out["to_tp1"] = _diff(got, want)
 
     # tp=1 prefill -> tp=2 decode: each rank cuts its heads out of the whole request
     split = mtp.split_request(whole, full.model.specs, group.size, group.rank)
@@ -130,7 +137,7 @@ def _case(case: str, group: tp.TPGroup) -> dict:
                               if mine.tensors[k].numel() else 0.0 for k in mine.tensors)
     c, _ = part.state().import_request(split)
     _, got = part.decode(c, follow)
-    out["to_tp2"] = float((got - want).abs().max())
+    out["to_tp2"] = _diff(got, want)
     return out
 
 
