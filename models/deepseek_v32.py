@@ -40,7 +40,7 @@ from fnattn.tp import all_reduce
 
 from .common import SwiGLU, check_config_value, check_tokens, grouped_topk, rms_norm, rope_cos_sin, rope_inv_freq
 from .dsa_layer import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers
-from .mla_layer import MLAWeights, mla_project, mla_shapes, mla_softmax_scale
+from .mla_layer import MLAWeights, mla_project, mla_shapes, mla_softmax_scale, pad_heads, padded_kv_b, unpad_heads
 from .registry import Family, register_family
 
 _MISSING = object()
@@ -88,6 +88,8 @@ class DeepseekConfig:
     indexer_types: tuple[str, ...] | None = None  # GLM-5: "full" | "shared" per layer; None: all full
     checkpoint_dtype: str | None = None  # the config's `dtype`, for reference; specs use `dtype`
     dtype: torch.dtype = torch.float32
+    padded_heads: int | None = None  # MLA heads the kernels see (`MLAConfig.padded_heads`); None: num_heads
+    cache_dtype: str | None = None  # MLA latent cache (`MLAConfig.cache_dtype`, e.g. "fp8_e4m3")
 
     @property
     def rope_parameters(self) -> dict:
@@ -106,7 +108,8 @@ class DeepseekConfig:
                                   rope_parameters=self.rope_parameters)
         mla = MLAConfig(num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
                         qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                        v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank, scale=scale)
+                        v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank, scale=scale,
+                        padded_heads=self.padded_heads, cache_dtype=self.cache_dtype)
         if self.indexer is None:
             return tuple(LayerSpec(i, mla, self.dtype) for i in range(self.num_layers))
         return tuple(LayerSpec(i, SparseMLAConfig(mla, self.indexer, index_source_layer=self.index_source(i)),
@@ -417,7 +420,10 @@ def attention_inputs(layer: Layer, cfg: DeepseekConfig, h: Tensor, cos: Tensor, 
                      sparse: SparseQueryMetadata | None, reused: Tensor | None) -> MLAInputs:
     """One layer's projections as the session wants them (rope applied, kv_b_proj split)."""
     p = mla_project(layer.attn, h, cos, sin, rope_interleave=cfg.rope_interleave)
-    base = dict(q_nope=p.q_nope, q_pe=p.q_pe, latent=p.latent_rows, w_uk=layer.attn.w_uk, w_uv=layer.attn.w_uv)
+    heads = cfg.padded_heads or layer.attn.num_heads
+    w_uk, w_uv = padded_kv_b(layer.attn, heads)
+    base = dict(q_nope=pad_heads(p.q_nope, heads), q_pe=pad_heads(p.q_pe, heads), latent=p.latent_rows,
+                w_uk=w_uk, w_uv=w_uv)
     if sparse is None:
         return MLAInputs(**base)
     if layer.indexer is None:
@@ -437,7 +443,8 @@ def decoder_layer(session, i: int, layer: Layer, cfg: DeepseekConfig, x: Float[T
     if sparse is not None and layer.indexer is not None:
         topk[i] = out.topk_indices
     # o_proj and the MLPs' down projections are row-parallel under TP (models/tp.py)
-    x = x + all_reduce(F.linear(out.o.reshape(x.shape[0], -1), layer.attn.o_proj, layer.attn.o_proj_bias))
+    o = unpad_heads(out.o, layer.attn.num_heads)  # drop the kernels' padding heads (`padded_heads`)
+    x = x + all_reduce(F.linear(o.reshape(x.shape[0], -1), layer.attn.o_proj, layer.attn.o_proj_bias))
     h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
     return x + all_reduce(layer.mlp(h) if isinstance(layer.mlp, SwiGLU) else moe(layer.mlp, cfg.moe, h)), deltas
 

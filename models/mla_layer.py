@@ -18,6 +18,7 @@ head dims, R ``kv_lora_rank``, Dlat = R + Dr, Dm model hidden size, Rq
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -41,6 +42,9 @@ __all__ = [
     "mla_project",
     "mla_shapes",
     "mla_softmax_scale",
+    "pad_heads",
+    "padded_kv_b",
+    "unpad_heads",
 ]
 
 
@@ -358,3 +362,40 @@ def mla_layer(
     """
     projection = mla_project(weights, hidden, cos, sin, rope_interleave=rope_interleave)
     return attend_and_project(weights, projection, cached_latent, scale=scale, form=form)
+
+
+# --------------------------------------------------------------------------- #
+# Kernel head padding
+# --------------------------------------------------------------------------- #
+# Some MLA kernels take only 64 or 128 query heads. The layer's `MLAConfig.padded_heads` says how many the
+# inputs carry; the model pads with zero heads here and drops them again, so no backend ever guesses the
+# model's own head count. A zero query head over zero W_UK / W_UV rows attends uniformly and reads out 0.
+
+_PADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pad_heads(x: Float[Tensor, "T H D"], heads: int) -> Float[Tensor, "T Hp D"]:
+    """``x`` with zero heads appended up to ``heads`` (itself when it has them already)."""
+    expect_shape("x", x, (None, None, None))
+    H = x.shape[1]
+    if heads < H:
+        raise ValueError(f"heads: expected >= {H} (the tensor's heads), got {heads}")
+    return x if heads == H else F.pad(x, (0, 0, 0, heads - H))
+
+
+def padded_kv_b(weights: MLAWeights, heads: int) -> tuple[Float[Tensor, "Hp Dn R"], Float[Tensor, "Hp Dv R"]]:
+    """``w_uk`` / ``w_uv`` with zero heads up to ``heads``, built once per weights and head count."""
+    if heads == weights.num_heads:
+        return weights.w_uk, weights.w_uv
+    per = _PADDED.setdefault(weights, {})
+    if heads not in per:
+        per[heads] = (pad_heads(weights.w_uk, heads), pad_heads(weights.w_uv, heads))
+    return per[heads]
+
+
+def unpad_heads(o: Float[Tensor, "T Hp Dv"], num_heads: int) -> Float[Tensor, "T H Dv"]:
+    """The model's own ``num_heads`` heads of a padded output."""
+    expect_shape("o", o, (None, None, None))
+    if o.shape[1] < num_heads:
+        raise ValueError(f"o: expected at least {num_heads} heads, got {o.shape[1]}")
+    return o[:, :num_heads]

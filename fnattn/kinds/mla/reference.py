@@ -27,16 +27,20 @@ from .config import MLAInputs
 from .math import mla_absorbed, mla_expanded, topk_mask
 
 
-def request_rows(pages: Tensor, new: Tensor, batch, b: int) -> Tensor:
+def request_rows(pages: Tensor, new: Tensor, batch, b: int, *, decode=None) -> Tensor:
     """Request ``b``'s cached rows from ``pages [P, S, X]`` then its new rows: ``[n_cached + n, X]``.
 
     Row ``j`` is the token at absolute position ``j`` of the request, so top-k
-    positions index it directly.
+    positions index it directly. ``decode`` (an `MLAConfig`) turns stored
+    latent rows (FP8 with a scale) back into ``new.dtype``.
     """
     n_cached = batch.host_cache_lens[b]
     if not n_cached:
         return new
-    return torch.cat((cached_tokens(pages, batch.block_table[b], n_cached, batch.page_size), new))
+    cached = cached_tokens(pages, batch.block_table[b], n_cached, batch.page_size)
+    if decode is not None:
+        cached = decode.decode_latent(cached, new.dtype)
+    return torch.cat((cached, new))
 
 
 def paged_mla(spec: LayerSpec, views: Views, inputs: MLAInputs, *, phase: str,
@@ -53,7 +57,8 @@ def paged_mla(spec: LayerSpec, views: Views, inputs: MLAInputs, *, phase: str,
     outs, lses = [], []
     for b, n_cached in enumerate(batch.host_cache_lens):
         rows = slice(cu[b], cu[b + 1])
-        latent = request_rows(views.latent, inputs.latent[rows], batch, b)  # [N, R + Dr]
+        new = cfg.as_cached(inputs.latent[rows])  # [n, R + Dr] at the cache's precision
+        latent = request_rows(views.latent, new, batch, b, decode=cfg)  # [N, R + Dr]
         allowed = None if selected is None else topk_mask(selected[rows], n_keys=latent.shape[0])  # [n, N]
         o, lse = core(inputs.q_nope[rows], inputs.q_pe[rows], latent, inputs.w_uk, inputs.w_uv,
                       scale=cfg.scale, n_cached=n_cached, allowed=allowed)  # [n, H, Dv], [n, H]
@@ -65,14 +70,14 @@ def paged_mla(spec: LayerSpec, views: Views, inputs: MLAInputs, *, phase: str,
 # One function per phase, as the registry wants; the reference math is shared.
 @register("mla", "prefill", "reference")
 def prefill(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
-    return paged_mla(spec, views, inputs, phase="prefill"), writes(latent=inputs.latent)
+    return paged_mla(spec, views, inputs, phase="prefill"), writes(latent=spec.config.mla.encode_latent(inputs.latent))
 
 
 @register("mla", "decode", "reference")
 def decode(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
-    return paged_mla(spec, views, inputs, phase="decode"), writes(latent=inputs.latent)
+    return paged_mla(spec, views, inputs, phase="decode"), writes(latent=spec.config.mla.encode_latent(inputs.latent))
 
 
 @register("mla", "verify", "reference")
 def verify(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
-    return paged_mla(spec, views, inputs, phase="verify"), writes(latent=inputs.latent)
+    return paged_mla(spec, views, inputs, phase="verify"), writes(latent=spec.config.mla.encode_latent(inputs.latent))

@@ -63,8 +63,8 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
     att = paged_mla(spec, views, inputs, phase=phase, selected=selected)
     out = SparseAttentionOutput(o=att.o, lse=att.lse, topk_indices=selected)
     if owns_indexer:
-        return out, writes(latent=inputs.latent, index_k=inputs.index_k)
-    return out, writes(latent=inputs.latent)
+        return out, writes(latent=spec.config.mla.encode_latent(inputs.latent), index_k=inputs.index_k)
+    return out, writes(latent=spec.config.mla.encode_latent(inputs.latent))
 
 
 # One function per phase, as the registry wants; the reference math is shared.
