@@ -30,8 +30,8 @@ from fnattn import tp
 from fnattn.transfer import recv_request, send_request
 
 _load_builtin()
-# every registered family, and Llama with one KV head: replicated on both ranks
-CASES = {name: None for name in sorted(FAMILIES)}
+# every family with a TP plan, and Llama with one KV head: replicated on both ranks
+CASES = {name: None for name in sorted(FAMILIES) if name in mtp.FAMILY_TP}
 CASES["llama_kv1"] = ("llama", {"num_key_value_heads": 1})
 DEADLINE = 90.0  # the whole spawn, in seconds
 PROMPTS = {0: 7, 1: 5}  # request -> prompt length
@@ -60,9 +60,9 @@ class _Runner:
         self.model, self.device = model, device
         self.attn = fa.ModelAttention(model.specs, device=device)
 
-    def state(self, pages=24, requests=3):
-        return fa.State(self.model.specs, num_pages=pages, page_size=4, max_requests=requests, recurrent_ring=2,
-                        device=self.device)
+    def state(self, pages=24, requests=3, page_size=4):
+        return fa.State(self.model.specs, num_pages=pages, page_size=page_size, max_requests=requests,
+                        recurrent_ring=2, device=self.device)
 
     def run(self, state, batch, tokens):
         with self.attn.session(state, batch) as s:
@@ -92,18 +92,18 @@ def _diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def _case(case: str, group: tp.TPGroup, device="cpu") -> dict:
+def _case(case: str, group: tp.TPGroup, device="cpu", dtype=torch.float32) -> dict:
     """tp=1 and tp=2 logits of one family side by side, and its request moved between the degrees."""
     name, config = _family(case)
-    full = _Runner(random_model(name, seed=3, config=config, device=device), device)
-    part = _Runner(mtp.random_model_tp(name, group, seed=3, config=config, device=device), device)
+    full = _Runner(random_model(name, seed=3, config=config, device=device, dtype=dtype), device)
+    part = _Runner(mtp.random_model_tp(name, group, seed=3, config=config, device=device, dtype=dtype), device)
     prompts = _prompts(full.model.config.vocab_size)
     out = {"heads": [s.config for s in part.model.specs][:2], "family": name}
 
     # tp=1 and tp=2 side by side; both take the reference's greedy tokens, so the inputs never diverge
     a, want = full.prefill(full.state(), prompts)
     b, got = part.prefill(part.state(), prompts)
-    diffs = [_diff(got, want)]
+    diffs, out["scale"] = [_diff(got, want)], float(want.float().abs().max())
     ref_steps = []
     for _ in range(DECODE):
         ends = torch.tensor(list(PROMPTS.values())).cumsum(0) - 1 if not ref_steps else torch.arange(len(PROMPTS))
@@ -283,6 +283,15 @@ def test_gather_refuses_payloads_of_other_specs():
     assert again.checksum == whole.checksum
     with pytest.raises(ValueError, match=r"`payload` must be a payload of the whole model's specs"):
         mtp.split_request(halves[0], model.specs, 2, 0)
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - set(mtp.FAMILY_TP)) or ["none"])
+def test_a_family_without_a_tp_plan_is_refused_by_name(name):
+    if name == "none":
+        assert set(FAMILIES) <= set(mtp.FAMILY_TP)
+        return
+    with pytest.raises(ValueError, match=rf"`family` must be one with a TP plan .*got '{name}'"):
+        mtp.random_model_tp(name, _group(2))
 
 
 def test_a_tp_model_refuses_a_family_without_a_plan():
