@@ -22,6 +22,7 @@ bitwise-identical state.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -62,20 +63,25 @@ def replay_writes(model_attention, state, verify_batch: Batch, outputs: Mapping[
     """
     if verify_batch.recovery != "replay":
         fail("replay_writes", "verify_batch", 'a verify batch with recovery="replay"', verify_batch.recovery)
-    batch = Batch.replay(state, dict(accepted))
+    padded = verify_batch.num_pad > 0
+    batch = Batch.replay(state, dict(accepted), pad_to=verify_batch.num_requests if padded else None,
+                         columns=verify_batch.block_table.shape[1] if padded else None,
+                         pad_tokens=1 + verify_batch.num_draft)
     if batch.request_ids != verify_batch.request_ids:
-        fail("replay_writes", "accepted", f"counts for requests {verify_batch.request_ids} in order",
-             batch.request_ids)
+        fail("replay_writes", "accepted", f"counts for requests {verify_batch.live_ids} in order",
+             batch.live_ids)
     cu = verify_batch.host_cu_seqlens
-    keep = torch.tensor([cu[b] + i for b, rid in enumerate(batch.request_ids) for i in range(accepted[rid])],
-                        dtype=torch.long, device=state.device)  # rows of the accepted tokens
+    keep = torch.tensor([cu[b] + i for b, n in enumerate(batch.host_new_lens) for i in range(n)],
+                        dtype=torch.long, device=state.device)  # rows of the accepted tokens (pad lanes: all)
     writes = []
     with model_attention.session(state, batch) as s:
         for layer, out in outputs.items():
             if out.replay is None:
                 fail("replay_writes", f"outputs[{layer}]", "a verify output with replay inputs", None)
             _, w = s.forward(layer, select_tokens(out.replay, keep))
-            writes.append(w)
+            # Only per-request storage is replayed; a layer's token rows come from the verify step itself.
+            spaces = state.storage_spaces[layer]
+            writes.append(replace(w, values={n: v for n, v in w.values.items() if spaces[n] == "request"}))
     return StepDeltas.collect(batch, writes)
 
 

@@ -216,16 +216,21 @@ def experts(
     top_weights: Float[Tensor, "T k"],
     gate_up: Float[Tensor, "E I2 D"],
     down: Float[Tensor, "E D I"],
+    *,
+    limit: float | None = None,
 ) -> Float[Tensor, "T D"]:
     """Routed experts with fused ``gate_up`` [E, 2I, D] and ``down`` [E, D, I] weights.
 
     Each token's chosen experts run on that token only; their outputs are
     weighted and summed (in the activation dtype, as the HF modules do).
+    ``limit`` clips the pre-activations (gate above, up both ways; DeepSeek-V4's ``swiglu_limit``).
     """
     out = torch.zeros_like(x)
     for e in top_ids.unique().tolist():
         tok, slot = torch.where(top_ids == e)
         g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         y = F.linear(F.silu(g) * u, down[e])
         out.index_add_(0, tok, y * top_weights[tok, slot, None].to(y.dtype))
     return out

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .loading import CheckpointReader, read_config
+from .loading import CheckpointError, CheckpointReader, read_config
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class Family:
     step_hidden: Callable | None = None
     # (model config, params, weights mapping | None, *, seed) -> models.mtp.DraftModel (random when no weights)
     draft: Callable | None = None
+    # model config -> {checkpoint name: (shape, bound)}: integer tensors read as they are, values in 0..bound-1
+    # (routing tables)
+    index_shapes: Callable | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -45,7 +48,7 @@ def register_family(family: Family) -> Family:
 def _load_builtin() -> None:
     import importlib
 
-    for module in ("qwen3_5", "qwen3_next", "deepseek_v32", "glm5", "kimi_linear", "llama"):
+    for module in ("qwen3_5", "qwen3_next", "deepseek_v32", "glm5", "kimi_linear", "llama", "deepseek_v4"):
         try:
             importlib.import_module(f"{__package__}.{module}")
         except ModuleNotFoundError as e:  # a family not shipped in this build
@@ -100,6 +103,13 @@ def load_model(path, *, dtype: torch.dtype = torch.float32, device="cpu") -> Mod
     cfg = _with_dtype(fam.adapt(raw), dtype)
     reader = CheckpointReader(path, dtype=dtype, device=device)
     weights = {name: reader.expect(name, shape) for name, shape in fam.weight_shapes(cfg).items()}
+    for name, (shape, bound) in (fam.index_shapes(cfg) if fam.index_shapes else {}).items():
+        t = reader[name]
+        if t.is_floating_point() or tuple(t.shape) != tuple(shape) or (t.numel() and not 0 <= int(t.min())
+                                                                          <= int(t.max()) < bound):
+            raise CheckpointError(f"checkpoint {path}: tensor {name!r} must hold integers in 0..{bound - 1} of "
+                                  f"shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
+        weights[name] = t
     return Model(fam, cfg, fam.load(cfg, weights))
 
 
@@ -109,6 +119,9 @@ def random_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
     fam = family_named(name)
     cfg = _with_dtype(fam.adapt(config or fam.tiny_config()), dtype)
     weights = random_weights(fam.weight_shapes(cfg), seed=seed, dtype=dtype, device=device)
+    g = torch.Generator().manual_seed(seed)
+    for name, (shape, bound) in (fam.index_shapes(cfg) if fam.index_shapes else {}).items():
+        weights[name] = torch.randint(0, bound, shape, generator=g).to(device)
     return Model(fam, cfg, fam.load(cfg, weights))
 
 

@@ -1,12 +1,14 @@
-"""DeepSeek-V4 compressed attention: sliding window plus a c4 (indexed) or c128 compressed branch.
+"""DeepSeek-V4 attention: sliding window, compressed sparse (CSA, with an indexer) and heavily compressed (HCA).
 
-Only the config exists so far: model adapters can describe the layers, and a
-`State` refuses them with a clear error until storage and backends land.
+The config with its storage, the inputs and outputs live in `.config`, the
+math in `.math` and the reference backend per phase in `.reference`.
 """
 
 from ...declare import register_kind
-from .config import DSV4Config
+from .config import DSV4Config, DSV4Inputs, DSV4Output
 
-register_kind("dsv4", config=DSV4Config, inputs=())
+register_kind("dsv4", config=DSV4Config, inputs=DSV4Inputs)
 
-__all__ = ["DSV4Config"]
+from . import reference  # noqa: E402,F401 - registers the reference backends
+
+__all__ = ["DSV4Config", "DSV4Inputs", "DSV4Output"]
