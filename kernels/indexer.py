@@ -1,0 +1,139 @@
+"""The DSA lightning indexer over a paged key cache: scores and the top-k with the causal limit.
+
+For new token ``t`` of request ``r`` (absolute position ``p``), key position ``j`` scores::
+
+    score[t, j] = sum_h w[t, h] * relu(scale * q[t, h] . k_j)      for j <= p, else -inf
+
+where ``k_j`` is read from the paged cache for ``j < cache_lens[r]`` and from this step's new keys
+(``new_k[cu_seqlens[r] + j - cache_lens[r]]``) above it: the step's keys are not in the cache yet.
+Scores cover ``N = block_table.shape[1] * page_size`` positions, a bound fixed by the batch's shapes, so
+the launch never depends on a cache length read on the host (CUDA-graph safe).
+
+``indexer_topk`` keeps the ``topk`` best visible positions per token, best first, ``-1`` padded. The
+``*_ref`` functions are the same computation in torch. Dimension names: T new tokens, Hi indexer heads,
+Di indexer head dim, P pages, S page size, B requests, M pages per request, N = M * S.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import next_pow2, require_triton, tl, triton
+
+__all__ = ["indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk", "indexer_topk_ref"]
+
+
+def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions):
+    T, Hi, Di = q.shape
+    if w.shape != (T, Hi):
+        raise ValueError(f"w: expected shape {(T, Hi)}, got {tuple(w.shape)}")
+    if cache_k.dim() != 3 or cache_k.shape[2] != Di:
+        raise ValueError(f"cache_k: expected shape [P, S, {Di}], got {tuple(cache_k.shape)}")
+    if new_k.shape != (T, Di):
+        raise ValueError(f"new_k: expected shape {(T, Di)}, got {tuple(new_k.shape)}")
+    if cache_k.dtype != new_k.dtype or q.dtype != new_k.dtype:
+        raise ValueError(f"q / cache_k / new_k: expected one dtype, got {q.dtype}, {cache_k.dtype}, {new_k.dtype}")
+    B = block_table.shape[0]
+    for name, t, shape in (("token_request", token_request, (T,)), ("cache_lens", cache_lens, (B,)),
+                           ("cu_seqlens", cu_seqlens, (B + 1,)), ("positions", positions, (T,))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+
+
+def indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
+                             *, scale: float):
+    """``[T, N]`` fp32 scores, ``-inf`` where a position is not visible; torch, same arguments."""
+    _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions)
+    S, M = cache_k.shape[1], block_table.shape[1]
+    N = M * S
+    req = token_request.long()  # [T]
+    j = torch.arange(N, device=q.device)  # [N]
+    c = cache_lens.long()[req][:, None]  # [T, 1]
+    visible = j[None, :] <= positions[:, None]  # [T, N]
+    cached = visible & (j[None, :] < c)
+    pages = block_table.long()[req][:, j // S]  # [T, N]
+    k_cached = cache_k[pages, (j % S)[None, :]]  # [T, N, Di]
+    row = (cu_seqlens.long()[req][:, None] + j[None, :] - c).clamp(0, new_k.shape[0] - 1)  # [T, N]
+    k = torch.where(cached[..., None], k_cached, new_k[row]).float()  # [T, N, Di]
+    per_head = F.relu(torch.einsum("thd,tnd->thn", q.float(), k) * scale)  # [T, Hi, N]
+    scores = torch.einsum("th,thn->tn", w.float(), per_head)
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+@triton.jit
+def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr, pos_ptr, out_ptr,
+                   N, S, HI, DI, scale,
+                   s_qt, s_qh, s_wt, s_kp, s_ks, s_knt, s_bt, s_ot,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.load(req_ptr + t)
+    c = tl.load(cl_ptr + r).to(tl.int64)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    start = tl.load(cu_ptr + r).to(tl.int64)
+    visible = (j < N) & (j <= p)
+    cached = visible & (j < c)
+    fresh = visible & (j >= c)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < DI
+    page = tl.load(bt_ptr + r * s_bt + j // S, mask=cached, other=0).to(tl.int64)
+    kc = tl.load(kc_ptr + page[:, None] * s_kp + (j % S)[:, None] * s_ks + d[None, :],
+                 mask=cached[:, None] & dm[None, :], other=0.0)
+    row = tl.where(fresh, start + j - c, 0)
+    kn = tl.load(kn_ptr + row[:, None] * s_knt + d[None, :], mask=fresh[:, None] & dm[None, :], other=0.0)
+    k = kc + kn  # [BLOCK_N, BLOCK_D]: each position comes from exactly one of the two
+    h = tl.arange(0, BLOCK_H)
+    hm = h < HI
+    q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    wt = tl.load(w_ptr + t * s_wt + h, mask=hm, other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N] fp32
+    s = tl.maximum(s * scale, 0.0)
+    score = tl.sum(s * wt[:, None], axis=0)
+    score = tl.where(visible, score, float("-inf"))
+    tl.store(out_ptr + t * s_ot + j, score, mask=j < N)
+
+
+def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
+                         *, scale: float):
+    """``indexer_scores_paged_ref`` in one Triton launch of ``T x ceil(N / 64)`` programs."""
+    require_triton()
+    _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions)
+    T, Hi, Di = q.shape
+    S, M = cache_k.shape[1], block_table.shape[1]
+    N = M * S
+    if cache_k.stride(2) != 1 or new_k.stride(1) != 1 or q.stride(2) != 1 or block_table.stride(1) != 1:
+        raise ValueError("indexer_scores_paged: the head dim of q / cache_k / new_k and block_table rows must be "
+                         "contiguous")
+    out = torch.empty(T, N, dtype=torch.float32, device=q.device)
+    BLOCK_N = 64
+    grid = (T, triton.cdiv(N, BLOCK_N))
+    _scores_kernel[grid](q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions, out,
+                         N, S, Hi, Di, float(scale),
+                         q.stride(0), q.stride(1), w.stride(0), cache_k.stride(0), cache_k.stride(1),
+                         new_k.stride(0), block_table.stride(0), out.stride(0),
+                         BLOCK_H=max(16, next_pow2(Hi)), BLOCK_D=max(16, next_pow2(Di)), BLOCK_N=BLOCK_N)
+    return out
+
+
+def _topk(scores, topk: int):
+    """The ``topk`` best finite scores of each row as int64 positions, best first, ``-1`` padded."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk: expected a positive int, got {topk!r}")
+    vals, idx = scores.topk(min(topk, scores.shape[1]), dim=-1)
+    idx = torch.where(torch.isfinite(vals), idx, torch.full_like(idx, -1))
+    return F.pad(idx, (0, topk - idx.shape[1]), value=-1) if idx.shape[1] < topk else idx
+
+
+def indexer_topk_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
+                     *, scale: float, topk: int):
+    """``[T, topk]`` int64 positions (best first, -1 padded) from the torch scores."""
+    return _topk(indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens,
+                                          positions, scale=scale), topk)
+
+
+def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
+                 *, scale: float, topk: int):
+    """``indexer_topk_ref`` with the Triton scores; the selection is ``torch.topk`` (no host sync)."""
+    return _topk(indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens,
+                                      positions, scale=scale), topk)

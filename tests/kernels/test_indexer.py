@@ -1,0 +1,98 @@
+"""The paged DSA indexer kernel against its torch reference and the per-request indexer math."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from fnattn.kernels.indexer import (  # noqa: E402
+    indexer_scores_paged,
+    indexer_scores_paged_ref,
+    indexer_topk,
+    indexer_topk_ref,
+)
+from fnattn.kinds.sparse_mla.indexer import indexer_scores, topk_indices  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def case(cached, new, *, Hi=4, Di=32, S=4, dtype=torch.float32, seed=0, spare_pages=1):
+    """Requests with ``cached[b]`` cached keys in shuffled pages and ``new[b]`` new tokens."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE, dtype)  # noqa: E731
+    B, T = len(cached), sum(new)
+    M = max(-(-(c + n) // S) for c, n in zip(cached, new)) + spare_pages
+    P = B * M + 1
+    perm = torch.randperm(P - 1, generator=g) + 1  # page 0 stays unused, as a State's null page
+    block_table = perm[: B * M].reshape(B, M).to(torch.int32)
+    cache_k = r(P, S, Di)
+    cache_k[0] = float("nan")  # a read of the null page would show
+    q, w, new_k = r(T, Hi, Di), r(T, Hi).float(), r(T, Di)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(new), 0)), dtype=torch.int32)
+    req = torch.repeat_interleave(torch.arange(B), torch.tensor(new))
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)])
+    args = (q, w, cache_k, new_k, block_table.to(DEVICE), req.to(DEVICE), torch.tensor(cached, dtype=torch.int32,
+            device=DEVICE), cu.to(DEVICE), positions.to(DEVICE))
+    return args, (cached, new, S)
+
+
+def per_request(args, layout, topk):
+    """The per-request reference math (`fnattn.kinds.sparse_mla.indexer`) on the same keys."""
+    q, w, cache_k, new_k, bt = args[:5]
+    cached, new, S = layout
+    scores, picks, t0 = [], [], 0
+    for b, (c, n) in enumerate(zip(cached, new)):
+        flat = cache_k[bt[b].long()].flatten(0, 1)[:c]
+        keys = torch.cat((flat, new_k[t0:t0 + n]))
+        s = indexer_scores(q[t0:t0 + n], w[t0:t0 + n], keys)
+        scores.append(s)
+        picks.append(topk_indices(s, n_cached=c, topk=topk))
+        t0 += n
+    return scores, torch.cat(picks)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
+@pytest.mark.parametrize("cached, new", [([0], [5]), ([3, 0, 9], [1, 1, 1]), ([5, 2], [3, 4]), ([7], [1])])
+def test_scores_match_reference_and_math(dtype, tol, cached, new):
+    args, layout = case(cached, new, dtype=dtype)
+    scale = args[0].shape[-1] ** -0.5
+    ref = indexer_scores_paged_ref(*args, scale=scale)
+    got = indexer_scores_paged(*args, scale=scale)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))  # the causal limit, exactly
+    fin = torch.isfinite(ref)
+    assert not torch.isnan(got).any()
+    err = (got[fin] - ref[fin]).abs().max() / ref[fin].abs().max().clamp_min(1e-6)
+    assert err <= tol, f"max rel err {err:.3e}"
+    # the paged scores restricted to each token's visible positions are the per-request math's
+    scores, _ = per_request(args, layout, topk=4)
+    t0 = 0
+    for (c, n), s in zip(zip(*layout[:2]), scores):
+        for i in range(n):
+            vis = c + i + 1
+            assert torch.allclose(ref[t0 + i, :vis], s[i, :vis].float(), rtol=tol, atol=tol)
+            assert torch.isinf(ref[t0 + i, vis:]).all()
+        t0 += n
+
+
+@pytest.mark.parametrize("topk", [1, 3, 64])
+def test_topk_matches_per_request_selection(topk):
+    args, layout = case([6, 0, 11], [2, 3, 1], Hi=5, Di=24, S=4)
+    scale = args[0].shape[-1] ** -0.5
+    _, want = per_request(args, layout, topk)
+    assert torch.equal(indexer_topk_ref(*args, scale=scale, topk=topk), want)
+    assert torch.equal(indexer_topk(*args, scale=scale, topk=topk), want)
+
+
+def test_bad_shapes_are_refused():
+    args, _ = case([2], [1])
+    bad = list(args)
+    bad[3] = bad[3][:, :-1]
+    with pytest.raises(ValueError, match="new_k"):
+        indexer_scores_paged_ref(*bad, scale=1.0)
+    with pytest.raises(ValueError, match="topk"):
+        indexer_topk_ref(*args, scale=1.0, topk=0)
