@@ -101,6 +101,11 @@ def load_model(path, *, dtype: torch.dtype = torch.float32, device="cpu") -> Mod
     raw = read_config(path)
     fam = family_for(raw)
     cfg = _with_dtype(fam.adapt(raw), dtype)
+    return Model(fam, cfg, fam.load(cfg, read_checkpoint(path, fam, cfg, dtype=dtype, device=device)))
+
+
+def read_checkpoint(path, fam: Family, cfg, *, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
+    """Every tensor ``fam`` reads for ``cfg`` from a checkpoint directory, by name, shapes checked."""
     reader = CheckpointReader(path, dtype=dtype, device=device)
     weights = {name: reader.expect(name, shape) for name, shape in fam.weight_shapes(cfg).items()}
     for name, (shape, bound) in (fam.index_shapes(cfg) if fam.index_shapes else {}).items():
@@ -110,7 +115,7 @@ def load_model(path, *, dtype: torch.dtype = torch.float32, device="cpu") -> Mod
             raise CheckpointError(f"checkpoint {path}: tensor {name!r} must hold integers in 0..{bound - 1} of "
                                   f"shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
         weights[name] = t
-    return Model(fam, cfg, fam.load(cfg, weights))
+    return weights
 
 
 def random_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu",
@@ -118,11 +123,17 @@ def random_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
     """A family's tiny config with random weights (scaled so activations stay O(1))."""
     fam = family_named(name)
     cfg = _with_dtype(fam.adapt(config or fam.tiny_config()), dtype)
+    return Model(fam, cfg, fam.load(cfg, random_checkpoint(fam, cfg, seed=seed, dtype=dtype, device=device)))
+
+
+def random_checkpoint(fam: Family, cfg, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      device="cpu") -> dict[str, torch.Tensor]:
+    """`random_model`'s tensors by checkpoint name: `random_weights`, then the integer tables in range."""
     weights = random_weights(fam.weight_shapes(cfg), seed=seed, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(seed)
     for name, (shape, bound) in (fam.index_shapes(cfg) if fam.index_shapes else {}).items():
         weights[name] = torch.randint(0, bound, shape, generator=g).to(device)
-    return Model(fam, cfg, fam.load(cfg, weights))
+    return weights
 
 
 def random_weights(shapes: dict[str, tuple[int, ...]], *, seed: int = 0, dtype: torch.dtype = torch.float32,
