@@ -39,7 +39,7 @@ from fnattn.checks import fail
 from fnattn.tp import Segment, TPGroup, active, local_units, shard, unshard
 from fnattn.transfer import fingerprint, layer_signature, request_state
 
-from .registry import Family, Model, _with_dtype, family_named, random_weights
+from .registry import Family, Model, _with_dtype, family_named, random_checkpoint, read_checkpoint
 
 __all__ = ["FAMILY_TP", "KIND_TP", "FamilyTP", "First", "KindTP", "Replicated", "Split", "gather_request",
            "load_model_tp", "random_model_tp", "register_family_tp", "shard_model", "shard_spec", "shard_weights",
@@ -336,7 +336,8 @@ def shard_weights(family: Family, cfg, weights: Mapping[str, Tensor], tp: int, r
     plan = _family_tp(family.name)
     local = plan.local_config(cfg, tp)
     rules = [(re.compile(p), r) for p, r in plan.rules(cfg)]
-    want = family.weight_shapes(local)
+    want = dict(family.weight_shapes(local))
+    want.update({k: shape for k, (shape, _) in (family.index_shapes(local) if family.index_shapes else {}).items()})
     where = f"{family.name} tp={tp}"
     if set(weights) != set(want):
         fail(where, "weights", f"the tensors of the config ({len(want)})", sorted(set(weights) ^ set(want))[:5])
@@ -388,21 +389,18 @@ def random_model_tp(name: str, group: TPGroup, *, seed: int = 0, dtype: torch.dt
     """The rank's part of `random_model(name, seed=...)`: the same weights, sharded over ``group``."""
     fam = family_named(name)
     cfg = _with_dtype(fam.adapt(config or fam.tiny_config()), dtype)
-    weights = random_weights(fam.weight_shapes(cfg), seed=seed, dtype=dtype, device="cpu")
-    return shard_model(fam, cfg, weights, group, device=device)
+    return shard_model(fam, cfg, random_checkpoint(fam, cfg, seed=seed, dtype=dtype), group, device=device)
 
 
 def load_model_tp(path, group: TPGroup, *, dtype: torch.dtype = torch.float32, device="cpu") -> Model:
     """The rank's part of `load_model(path)`. Each tensor is read whole (on the CPU) and sliced."""
-    from .loading import CheckpointReader, read_config
+    from .loading import read_config
     from .registry import family_for
 
     raw = read_config(path)
     fam = family_for(raw)
     cfg = _with_dtype(fam.adapt(raw), dtype)
-    reader = CheckpointReader(path, dtype=dtype, device="cpu")
-    weights = {name: reader.expect(name, shape) for name, shape in fam.weight_shapes(cfg).items()}
-    return shard_model(fam, cfg, weights, group, device=device)
+    return shard_model(fam, cfg, read_checkpoint(path, fam, cfg, dtype=dtype), group, device=device)
 
 
 # --------------------------------------------------------------------------- requests between TP degrees
