@@ -467,6 +467,12 @@ def main(argv=None) -> int:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
     if args.command == "generate" and args.stop and any(not s for s in args.stop):
         parser.error("--stop must be a non-empty string")
+    from .threads import apply_thread_policy
+
+    try:
+        apply_thread_policy()
+    except ValueError as e:
+        _user_error("fnattn", e)
     return args.fn(args)
 
 
