@@ -234,35 +234,38 @@ def adapt(raw: dict) -> DeepseekV4Config:
 
 def _hc_shapes(p: str, cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     N = cfg.hc_mult
-    return {p + "fn": ((2 + N) * N, N * cfg.hidden_size), p + "base": ((2 + N) * N,), p + "scale": (3,)}
+    return {p + "_fn": ((2 + N) * N, N * cfg.hidden_size), p + "_base": ((2 + N) * N,), p + "_scale": (3,)}
 
 
 def weight_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
+    """Every float tensor, by the names transformers writes (DeepSeek's own: ``attn.wq_a``, ``ffn.experts.{e}.w1``)."""
     D, N, E, I = cfg.hidden_size, cfg.hc_mult, cfg.n_routed_experts, cfg.moe_intermediate_size
     s = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,),
          "model.hc_head.hc_fn": (N, N * D), "model.hc_head.hc_base": (N,), "model.hc_head.hc_scale": (1,)}
     if not cfg.tie_word_embeddings:
-        s["lm_head.weight"] = (cfg.vocab_size, D)
+        s["head.weight"] = (cfg.vocab_size, D)
     for i, spec in enumerate(cfg.specs):
         p = f"model.layers.{i}."
-        s.update(AttnWeights.shapes(p + "self_attn.", spec.config, hidden=D, q_lora_rank=cfg.q_lora_rank,
+        s.update(AttnWeights.shapes(p + "attn.", spec.config, hidden=D, q_lora_rank=cfg.q_lora_rank,
                                     o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank))
-        s.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)})
-        s.update(_hc_shapes(p + "attn_hc.", cfg))
-        s.update(_hc_shapes(p + "ffn_hc.", cfg))
-        m = p + "mlp."
+        s.update({p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,)})
+        s.update(_hc_shapes(p + "hc_attn", cfg))
+        s.update(_hc_shapes(p + "hc_ffn", cfg))
+        m = p + "ffn."
         s[m + "gate.weight"] = (E, D)
         if cfg.mlp_types[i] == "moe":
-            s[m + "gate.e_score_correction_bias"] = (E,)
-        s.update({m + "experts.gate_up_proj": (E, 2 * I, D), m + "experts.down_proj": (E, D, I),
-                  m + "shared_experts.gate_proj.weight": (I, D), m + "shared_experts.up_proj.weight": (I, D),
-                  m + "shared_experts.down_proj.weight": (D, I)})
+            s[m + "gate.bias"] = (E,)
+        for e in range(E):  # w1: gate, w3: up, w2: down
+            s.update({f"{m}experts.{e}.w1.weight": (I, D), f"{m}experts.{e}.w3.weight": (I, D),
+                      f"{m}experts.{e}.w2.weight": (D, I)})
+        s.update({m + "shared_experts.w1.weight": (I, D), m + "shared_experts.w3.weight": (I, D),
+                  m + "shared_experts.w2.weight": (D, I)})
     return s
 
 
 def index_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     """The integer tensors: each hash-routed layer's token -> experts table, with its bound."""
-    return {f"model.layers.{i}.mlp.gate.tid2eid": ((cfg.vocab_size, cfg.num_experts_per_tok), cfg.n_routed_experts)
+    return {f"model.layers.{i}.ffn.gate.tid2eid": ((cfg.vocab_size, cfg.num_experts_per_tok), cfg.n_routed_experts)
             for i, t in enumerate(cfg.mlp_types) if t == "hash_moe"}
 
 
@@ -274,7 +277,7 @@ class HC:
 
     @classmethod
     def take(cls, w, p: str) -> HC:
-        return cls(w[p + "fn"].float(), w[p + "base"].float(), w[p + "scale"].float())
+        return cls(w[p + "_fn"].float(), w[p + "_base"].float(), w[p + "_scale"].float())
 
 
 @dataclass(frozen=True, eq=False)
@@ -312,22 +315,25 @@ class Params:
 def load(cfg: DeepseekV4Config, w) -> Params:
     layers = []
     for i, spec in enumerate(cfg.specs):
-        p, m = f"model.layers.{i}.", f"model.layers.{i}.mlp."
+        p, m = f"model.layers.{i}.", f"model.layers.{i}.ffn."
         hashed = cfg.mlp_types[i] == "hash_moe"
-        mlp = MoE(w[m + "gate.weight"], None if hashed else w[m + "gate.e_score_correction_bias"].float(),
-                  w[m + "gate.tid2eid"].long() if hashed else None, w[m + "experts.gate_up_proj"],
-                  w[m + "experts.down_proj"],
-                  tuple(w[m + f"shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down")))
-        layers.append(Layer(AttnWeights.take(w, p + "self_attn.", spec.config), w[p + "input_layernorm.weight"].float(),
-                            w[p + "post_attention_layernorm.weight"].float(), HC.take(w, p + "attn_hc."),
-                            HC.take(w, p + "ffn_hc."), mlp))
+        E = range(cfg.n_routed_experts)
+        # One fused [E, 2I, D] / [E, D, I] copy for `common.experts`, as transformers merges them on load.
+        gate_up = torch.stack([torch.cat((w[f"{m}experts.{e}.w1.weight"], w[f"{m}experts.{e}.w3.weight"])) for e in E])
+        down = torch.stack([w[f"{m}experts.{e}.w2.weight"] for e in E])
+        mlp = MoE(w[m + "gate.weight"], None if hashed else w[m + "gate.bias"].float(),
+                  w[m + "gate.tid2eid"].long() if hashed else None, gate_up, down,
+                  tuple(w[m + f"shared_experts.{n}.weight"] for n in ("w1", "w3", "w2")))
+        layers.append(Layer(AttnWeights.take(w, p + "attn.", spec.config), w[p + "attn_norm.weight"].float(),
+                            w[p + "ffn_norm.weight"].float(), HC.take(w, p + "hc_attn"), HC.take(w, p + "hc_ffn"),
+                            mlp))
     embed = w["model.embed_tokens.weight"]
     main, _ = rope_tables(dict(cfg.rope_main), cfg.qk_rope_head_dim)
     comp, _ = rope_tables(dict(cfg.rope_compress), cfg.qk_rope_head_dim)
     return Params(cfg, embed, tuple(layers), w["model.norm.weight"].float(),
                   (w["model.hc_head.hc_fn"].float(), w["model.hc_head.hc_base"].float(),
                    w["model.hc_head.hc_scale"].float()),
-                  embed if cfg.tie_word_embeddings else w["lm_head.weight"], main.to(embed.device),
+                  embed if cfg.tie_word_embeddings else w["head.weight"], main.to(embed.device),
                   comp.to(embed.device))
 
 

@@ -34,13 +34,12 @@ class Compressor:
 
     @classmethod
     def take(cls, w, p: str) -> Compressor:
-        return cls(w[p + "kv_proj.weight"], w[p + "gate_proj.weight"], w[p + "position_bias"].float(),
-                   w[p + "kv_norm.weight"].float())
+        return cls(w[p + "wkv.weight"], w[p + "wgate.weight"], w[p + "ape"].float(), w[p + "norm.weight"].float())
 
     @staticmethod
     def shapes(p: str, hidden: int, D: int, ratio: int, overlap: int) -> dict[str, tuple[int, ...]]:
-        return {p + "position_bias": (ratio, overlap * D), p + "kv_proj.weight": (overlap * D, hidden),
-                p + "gate_proj.weight": (overlap * D, hidden), p + "kv_norm.weight": (D,)}
+        return {p + "ape": (ratio, overlap * D), p + "wkv.weight": (overlap * D, hidden),
+                p + "wgate.weight": (overlap * D, hidden), p + "norm.weight": (D,)}
 
     def rows(self, h: Tensor, positions: Tensor, ratio: int) -> tuple[Tensor, Tensor]:
         """``(kv [T, cD], gate + position bias [T, cD] fp32)`` of this step's tokens."""
@@ -65,30 +64,31 @@ class AttnWeights:
 
     @classmethod
     def take(cls, w, p: str, c: DSV4Config) -> AttnWeights:
+        """From the checkpoint names under ``p`` (``model.layers.{i}.attn.``, DeepSeek's own naming)."""
         comp = ix = qb = iw = None
         if c.compress_ratio:
             comp = Compressor.take(w, p + "compressor.")
         if c.indexer is not None:
-            x = p + "compressor.indexer."
-            ix, qb, iw = Compressor.take(w, x), w[x + "q_b_proj.weight"], w[x + "scorer.weights_proj.weight"]
-        return cls(w[p + "q_a_proj.weight"], w[p + "q_a_norm.weight"].float(), w[p + "q_b_proj.weight"],
-                   w[p + "kv_proj.weight"], w[p + "kv_norm.weight"].float(), w[p + "o_a_proj.weight"],
-                   w[p + "o_b_proj.weight"], w[p + "sinks"].float(), comp, ix, qb, iw)
+            x = p + "indexer."
+            ix, qb, iw = Compressor.take(w, x + "compressor."), w[x + "wq_b.weight"], w[x + "weights_proj.weight"]
+        return cls(w[p + "wq_a.weight"], w[p + "q_norm.weight"].float(), w[p + "wq_b.weight"], w[p + "wkv.weight"],
+                   w[p + "norm.weight"].float(), w[p + "wo_a.weight"], w[p + "wo_b.weight"],
+                   w[p + "attn_sink"].float(), comp, ix, qb, iw)
 
     @staticmethod
     def shapes(p: str, c: DSV4Config, *, hidden: int, q_lora_rank: int, o_groups: int, o_lora_rank: int
                ) -> dict[str, tuple[int, ...]]:
         H, D = c.num_heads, c.head_dim
-        s = {p + "sinks": (H,), p + "q_a_proj.weight": (q_lora_rank, hidden), p + "q_a_norm.weight": (q_lora_rank,),
-             p + "q_b_proj.weight": (H * D, q_lora_rank), p + "kv_proj.weight": (D, hidden),
-             p + "kv_norm.weight": (D,), p + "o_a_proj.weight": (o_groups * o_lora_rank, H * D // o_groups),
-             p + "o_b_proj.weight": (hidden, o_groups * o_lora_rank)}
+        s = {p + "attn_sink": (H,), p + "wq_a.weight": (q_lora_rank, hidden), p + "q_norm.weight": (q_lora_rank,),
+             p + "wq_b.weight": (H * D, q_lora_rank), p + "wkv.weight": (D, hidden), p + "norm.weight": (D,),
+             p + "wo_a.weight": (o_groups * o_lora_rank, H * D // o_groups),
+             p + "wo_b.weight": (hidden, o_groups * o_lora_rank)}
         if c.compress_ratio:
             s.update(Compressor.shapes(p + "compressor.", hidden, D, c.compress_ratio, c.overlap))
         if c.indexer is not None:
-            x, Hi, Di = p + "compressor.indexer.", c.indexer.num_heads, c.indexer.head_dim
-            s.update(Compressor.shapes(x, hidden, Di, c.compress_ratio, 2))
-            s.update({x + "q_b_proj.weight": (Hi * Di, q_lora_rank), x + "scorer.weights_proj.weight": (Hi, hidden)})
+            x, Hi, Di = p + "indexer.", c.indexer.num_heads, c.indexer.head_dim
+            s.update(Compressor.shapes(x + "compressor.", hidden, Di, c.compress_ratio, 2))
+            s.update({x + "wq_b.weight": (Hi * Di, q_lora_rank), x + "weights_proj.weight": (Hi, hidden)})
         return s
 
 
