@@ -113,6 +113,8 @@ def _case(case: str, group: tp.TPGroup, device="cpu", dtype=torch.float32) -> di
         b, got = part.decode(b, tokens)
         diffs.append(_diff(got, want))
     out["diffs"] = diffs
+    layer = full.model.specs[0].index  # what the pools of the first layer hold, per token or request
+    out["pools"] = [{n: tuple(v.shape) for n, v in st.views(layer).items()} for st in (a, b)]
 
     # tp=2 prefill -> tp=1 decode: rank 1 sends its heads of request 0 to rank 0, which puts them together
     a, _ = full.prefill(full.state(), {0: prompts[0]})
@@ -218,6 +220,13 @@ def test_rank_specs_hold_the_ranks_heads(ranks):
     assert (gdn.num_k_heads, gdn.num_v_heads) == (1, 2)
     assert ranks[0]["deepseek_v3"]["heads"][0].num_heads == 2
     assert ranks[0]["kimi_linear"]["heads"][0].num_heads == 1  # KDA: 2 heads over 2 ranks
+    # the rank's State holds its heads only: [pages, page size, heads, dim] and [slots, heads, K, V]
+    whole, mine = ranks[1]["llama"]["pools"]
+    assert mine["k"][:2] == whole["k"][:2] and (whole["k"][2], mine["k"][2]) == (2, 1)
+    whole, mine = ranks[1]["qwen3_5"]["pools"]
+    assert (whole["ssm"][1], mine["ssm"][1]) == (4, 2) and 2 * mine["conv"][1] == whole["conv"][1]
+    whole, mine = ranks[1]["deepseek_v3"]["pools"]
+    assert whole == mine  # MLA's latent is every head's: each rank keeps it whole
 
 
 # --------------------------------------------------------------------------- in this process
