@@ -26,7 +26,8 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
 
 from fnattn.models import tp as mtp  # noqa: E402
 from fnattn.models.registry import random_model  # noqa: E402
-from test_tp import CASES, DECODE, _case, _free_port, _Runner  # noqa: E402 (the tests' directory is on the path)
+from test_generation import bpe  # noqa: E402, F401 (a fixture: the trained byte-level BPE tokenizer)
+from test_tp import CASES, DECODE, _case, _free_port, _generate_args, _Runner, checkpoint  # noqa: E402, F401
 
 from fnattn import tp  # noqa: E402
 
@@ -145,3 +146,25 @@ def test_decode_throughput_tp2_against_tp1(ranks, record):
             "tp2_tokens_per_s": two, "speedup": two / one, "ok": two > 0 and one > 0})
     assert one > 0 and two > 0
 
+
+
+def test_generate_tp2_on_two_gpus_gives_tp1s_tokens(checkpoint, capsys, record):  # noqa: F811
+    import json
+    import subprocess
+    import sys
+
+    from fnattn.cli import main
+
+    assert main([*_generate_args(checkpoint), "--device", "cuda:0"]) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completions"][0]["ids"]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "fnattn", *_generate_args(checkpoint), "--tp", "2",
+           "--device", "cuda"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    got = json.loads(lines[0])["completions"][0]["ids"] if run.returncode == 0 and len(lines) == 1 else None
+    record({"test": "generate_tp2_cuda", "command": " ".join(cmd[2:]), "tp1_ids": want, "tp2_ids": got,
+            "ok": got == want})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert got == want
