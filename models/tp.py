@@ -27,6 +27,7 @@ reduce over it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -392,15 +393,36 @@ def random_model_tp(name: str, group: TPGroup, *, seed: int = 0, dtype: torch.dt
     return shard_model(fam, cfg, random_checkpoint(fam, cfg, seed=seed, dtype=dtype), group, device=device)
 
 
+class _Lazy(Mapping):
+    """name -> tensor, read when asked: sharding holds one whole checkpoint tensor in memory at a time."""
+
+    def __init__(self, readers: dict[str, Callable[[], Tensor]]):
+        self._readers = readers
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._readers[name]()
+
+    def __iter__(self):
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+
 def load_model_tp(path, group: TPGroup, *, dtype: torch.dtype = torch.float32, device="cpu") -> Model:
-    """The rank's part of `load_model(path)`. Each tensor is read whole (on the CPU) and sliced."""
-    from .loading import read_config
+    """The rank's part of `load_model(path)`: each tensor is read whole on the CPU, sliced, and dropped."""
+    from .loading import CheckpointReader, read_config
     from .registry import family_for
 
     raw = read_config(path)
     fam = family_for(raw)
     cfg = _with_dtype(fam.adapt(raw), dtype)
-    return shard_model(fam, cfg, read_checkpoint(path, fam, cfg, dtype=dtype), group, device=device)
+    reader = CheckpointReader(path, dtype=dtype, device="cpu")
+    readers = {name: functools.partial(reader.expect, name, shape) for name, shape in fam.weight_shapes(cfg).items()}
+    # the integer routing tables (small), read and range-checked as load_model reads them
+    tables = read_checkpoint(path, dataclasses.replace(fam, weight_shapes=lambda _: {}), cfg, dtype=dtype)
+    readers.update({name: (lambda t=t: t) for name, t in tables.items()})
+    return shard_model(fam, cfg, _Lazy(readers), group, device=device)
 
 
 # --------------------------------------------------------------------------- requests between TP degrees
