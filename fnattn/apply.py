@@ -235,6 +235,10 @@ def write_step(pools, targets: list[_Target]) -> None:
             if (pool, tensor) in fused:
                 continue
             live = pools[pool].tensors[tensor]
+            if live.dtype.is_floating_point and live.dtype.itemsize == 1:  # index_copy_ has no float8 kernels
+                live = live.view(torch.uint8)
+                ts = [_Target(t.pool, t.tensor, t.layer_pos, t.index, t.value.view(torch.uint8), *rest(t))
+                      for t in ts]
             row = ts[0].value.shape[1:]
             if live.is_cuda and _whole_pool(ts, live.shape[0]):
                 from .kernels import scatter_rows
@@ -249,6 +253,12 @@ def write_step(pools, targets: list[_Target]) -> None:
                     flat.index_copy_(0, index, t.value)
                 else:
                     flat.index_copy_(0, index[keep], t.value[keep])
+
+
+def rest(t: _Target) -> tuple:
+    """A target's fields after its value (kept when the value is reinterpreted)."""
+    return tuple(getattr(t, f) for f in t.__dataclass_fields__ if f not in ("pool", "tensor", "layer_pos", "index",
+                                                                           "value"))
 
 
 def _stacked(ts: list[_Target]):

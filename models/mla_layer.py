@@ -389,7 +389,10 @@ def padded_kv_b(weights: MLAWeights, heads: int) -> tuple[Float[Tensor, "Hp Dn R
         return weights.w_uk, weights.w_uv
     per = _PADDED.setdefault(weights, {})
     if heads not in per:
-        per[heads] = (pad_heads(weights.w_uk, heads), pad_heads(weights.w_uv, heads))
+        extra = heads - weights.num_heads
+        if extra < 0:
+            raise ValueError(f"heads: expected >= {weights.num_heads} (the weights' heads), got {heads}")
+        per[heads] = tuple(F.pad(w, (0, 0, 0, 0, 0, extra)) for w in (weights.w_uk, weights.w_uv))  # [Hp, *, R]
     return per[heads]
 
 

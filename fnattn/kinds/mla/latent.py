@@ -1,0 +1,73 @@
+"""Latent-space pieces the fast MLA backends share: absorbing ``W_UK`` into the query, attending the
+step's own rows (which are not in the cache during the step), merging two partial attentions by
+log-sum-exp and expanding the latent output through ``W_UV``.
+
+All of it is device work on the batch's tensors with shapes fixed by the batch, so a decode step
+that uses it can be captured in a CUDA graph. Dimension names as in `fnattn.kinds.mla.math`;
+Dq = R + Dr (the absorbed query / cached row width), B requests, n new tokens per request.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from ...checks import fail
+
+
+def absorbed_query(inputs) -> Float[Tensor, "T H Dq"]:
+    """``[q_nope W_UK, q_pe]`` per head in the layer dtype: what a latent-space kernel scores."""
+    q_lat = torch.bmm(inputs.q_nope.transpose(0, 1), inputs.w_uk).transpose(0, 1)  # [T, H, R]
+    return torch.cat((q_lat, inputs.q_pe), dim=-1).contiguous()
+
+
+def values_out(o_lat: Float[Tensor, "T H R"], w_uv: Float[Tensor, "H Dv R"]) -> Float[Tensor, "T H Dv"]:
+    """The latent weighted sum through ``W_UV``, in the layer dtype."""
+    return torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def uniform_new(batch, where: str) -> int:
+    """New tokens per request of a decode / verify batch (1 + draft tokens, the same for every row)."""
+    n = batch.num_draft + 1
+    if any(m != n for m in batch.host_new_lens):
+        fail(where, "batch", f"{n} new tokens per request (a decode / verify batch)", batch.host_new_lens)
+    return n
+
+
+def own_rows(q: Float[Tensor, "T H Dq"], new: Float[Tensor, "T Dq"], *, n: int, scale: float, R: int,
+             allowed: Bool[Tensor, "T n"] | None = None) -> tuple[Float[Tensor, "T H R"], Float[Tensor, "T H"]]:
+    """Each token over its request's new rows up to itself (``allowed`` narrows them further), fp32.
+
+    Requests hold ``n`` consecutive tokens each. Returns the latent output and natural-log LSE,
+    ``-inf`` (with a zero output) for a token that attends none of them.
+    """
+    T, H, D = q.shape
+    B = T // n
+    qb, kb = q.view(B, n, H, D).float(), new.view(B, n, D).float()
+    s = torch.einsum("bihd,bjd->bihj", qb, kb) * scale  # [B, n, H, n]
+    vis = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None]  # [1, i, j]
+    if allowed is not None:
+        vis = vis & allowed.view(B, n, n)
+    s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [B, n, H]
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    o = torch.einsum("bihj,bjr->bihr", p, kb[..., :R])
+    return o.reshape(T, H, R), lse.reshape(T, H)
+
+
+def merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Two attentions over disjoint key sets as one (natural-log LSEs; ``-inf`` marks an empty part)."""
+    lse = torch.logaddexp(lse1, lse2)  # [T, H]
+    m = torch.where(torch.isfinite(lse), lse, 0.0)
+    w1, w2 = torch.exp(lse1 - m)[..., None], torch.exp(lse2 - m)[..., None]
+    return o1.float() * w1 + o2.float() * w2, lse
+
+
+def empty_as_neg_inf(o: Tensor, lse: Tensor, has_keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Kernels mark a query with no key by ``lse = +inf`` (FlashMLA) or leave it undefined; make it
+    ``-inf`` with a zero output, as the references do. ``has_keys [T, 1]`` masks rows known empty."""
+    empty = torch.isposinf(lse) | torch.isnan(lse)
+    if has_keys is not None:
+        empty = empty | ~has_keys
+    return torch.where(empty[..., None], 0.0, o.float()), lse.masked_fill(empty, float("-inf"))

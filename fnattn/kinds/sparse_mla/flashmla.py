@@ -1,0 +1,123 @@
+"""FlashMLA's sparse kernel (``flash_mla_sparse_fwd``, sglang-kernel 0.4.5) for sparse MLA, every phase.
+
+The kernel attends each query over the rows named by its indices in one flat key array. Over the
+paged latent pool (``[P * S, 1, R + Dr]``) the indexer's absolute positions become physical slots
+(``block_table[r, j // S] * S + j % S``) for the cached ones; positions of this step's own tokens
+are not in the pool yet, so they are attended separately and merged by LSE: by a second kernel
+call over the step's rows (prefill) or in latent space beside the kernel (decode / verify, at most
+1 + k rows per request). The indexer runs as the Triton kernel `fnattn.kernels.indexer_topk`, which
+reads cached index keys from their pages and the step's keys from the inputs.
+
+The kernel takes 64 or 128 query heads (the model pads: `MLAConfig.padded_heads`), bf16, the 512 + 64
+latent, and top-k lists in blocks of 64 (the backend pads them with -1). Decode and verify read no
+device value on the host and are capturable. FlashMLA's FP8 sparse kernels use their own 656-byte
+row layout with per-tile scales, so a per-tensor FP8 latent cache is refused here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ...deltas import Writes, writes
+from ...registry import register
+from ...spec import LayerSpec
+from ...state import Views
+from ..availability import needs_cuda, needs_dtype, package_missing
+from ..mla.flashmla import latent_shape_reasons
+from ..mla.latent import absorbed_query, empty_as_neg_inf, merge, own_rows, uniform_new, values_out
+from .config import SparseAttentionOutput, SparseMLAInputs
+from .reference import check_reused
+
+LN2 = math.log(2.0)
+TOPK_BLOCK = 128  # top-k lists are padded to a multiple of this (the kernel walks them in blocks)
+LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (sgl_kernel.flash_mla's docstring)
+
+
+def supports(spec, device) -> list[str]:
+    m = spec.config.mla
+    reasons = needs_cuda(device) + package_missing("sgl_kernel") + package_missing("triton")
+    reasons += needs_dtype(spec, (torch.bfloat16,)) + latent_shape_reasons(m)
+    if m.heads not in (64, 128):
+        reasons.append(f"FlashMLA's sparse kernel takes 64 or 128 query heads, the layer gives {m.heads} "
+                       "(set MLAConfig.padded_heads)")
+    if m.fp8_cache:
+        reasons.append("FlashMLA's FP8 sparse kernels read their own 656-byte rows with per-tile scales, not "
+                       "a per-tensor FP8 latent cache")
+    return reasons
+
+
+def select(spec, views: Views, inputs: SparseMLAInputs) -> torch.Tensor:
+    """The step's top-k positions ``[T, topk]`` int64 (-1 padded): the layer's own indexer, or the reused ones."""
+    if spec.config.index_source_layer is not None:
+        # The check reads device values on the host; a captured step skips it (its eager warm-up ran it).
+        return inputs.topk_indices if torch.cuda.is_current_stream_capturing() else check_reused(spec, inputs)
+    from ...kernels import indexer_topk
+
+    b, ix = inputs.meta.batch, spec.config.indexer
+    return indexer_topk(inputs.index_q, inputs.index_w, views.index_k, inputs.index_k, b.block_table,
+                        inputs.sparse.request_of_token, b.cache_lens, b.cu_seqlens, b.positions,
+                        scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk)
+
+
+def split_indices(batch, request_of_token, idx):
+    """Positions ``[T, topk]`` as cached-pool slots and as rows of the step's inputs, -1 elsewhere."""
+    req = request_of_token.long()
+    c = batch.cache_lens.long()[req][:, None]  # [T, 1]
+    valid = idx >= 0
+    cached, fresh = valid & (idx < c), valid & (idx >= c)
+    S = batch.page_size
+    page = batch.block_table.long()[req[:, None], idx.clamp(min=0) // S]  # [T, topk]
+    slots = torch.where(cached, page * S + idx % S, -1)
+    rows = torch.where(fresh, batch.cu_seqlens.long()[req][:, None] + idx - c, -1)
+    return slots, rows, fresh, idx - c
+
+
+def sparse_kernel(q, kv, indices, scale, R):
+    """``flash_mla_sparse_fwd`` over ``kv [N, Dq]`` at ``indices [T, topk]``: latent out, natural-log LSE."""
+    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
+
+    pad = -indices.shape[1] % TOPK_BLOCK
+    idx = F.pad(indices, (0, pad), value=-1) if pad else indices
+    out, _, lse = flash_mla_sparse_fwd(q, kv.view(-1, 1, kv.shape[-1]), idx.to(torch.int32).unsqueeze(1).contiguous(),
+                                       scale, R)
+    return empty_as_neg_inf(out, lse * LN2 if LSE_BASE2 else lse)
+
+
+def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str):
+    m, batch = spec.config.mla, inputs.meta.batch
+    R = m.kv_lora_rank
+    selected = select(spec, views, inputs)  # [T, topk]
+    slots, rows, fresh, rel = split_indices(batch, inputs.sparse.request_of_token, selected)
+    q = absorbed_query(inputs)  # [T, H, R + Dr]
+    o_c, lse_c = sparse_kernel(q, views.latent, slots, m.scale, R)
+    if phase == "prefill":
+        o_n, lse_n = sparse_kernel(q, inputs.latent, rows, m.scale, R)
+    else:
+        n = uniform_new(batch, "sparse_mla flashmla")
+        # which of its request's new rows each token selected: a [T, n] mask
+        picked = torch.zeros(q.shape[0], n + 1, dtype=torch.bool, device=q.device)
+        picked = picked.scatter(1, torch.where(fresh, rel, n), True)[:, :n]
+        o_n, lse_n = own_rows(q, inputs.latent, n=n, scale=m.scale, R=R, allowed=picked)
+    o_lat, lse = merge(o_c, lse_c, o_n, lse_n)
+    out = SparseAttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse, topk_indices=selected)
+    if spec.config.index_source_layer is None:
+        return out, writes(latent=inputs.latent, index_k=inputs.index_k)
+    return out, writes(latent=inputs.latent)
+
+
+@register("sparse_mla", "prefill", "flashmla", supports=supports)
+def prefill(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
+    return sparse_step(spec, views, inputs, "prefill")
+
+
+@register("sparse_mla", "decode", "flashmla", supports=supports, capturable=True)
+def decode(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
+    return sparse_step(spec, views, inputs, "decode")
+
+
+@register("sparse_mla", "verify", "flashmla", supports=supports, capturable=True)
+def verify(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
+    return sparse_step(spec, views, inputs, "verify")
