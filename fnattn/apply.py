@@ -31,6 +31,7 @@ class _Target:
     layer_pos: int  # position of the layer on the pool's leading axis
     index: Tensor  # [n] rows of the flattened layer storage, < 0 skipped
     value: Tensor  # [n, *row]
+    every_row: bool = False  # known on the host: no row of ``index`` is skipped (no device read to find out)
 
 
 def capturing() -> bool:
@@ -49,7 +50,7 @@ def check_batch(state, batch, where: str) -> None:
     values) against the same derivation `Batch` is built from, where reading
     them back costs no sync (the CPU, or checks on).
     """
-    from .batch import PHASES, TENSOR_DTYPES, expected_tensors
+    from .batch import PHASES, TENSOR_DTYPES, expected_tensors, pad_lane
 
     if batch.page_size != state.page_size or batch.ring_size != state.recurrent_ring:
         fail(where, "batch", f"a batch of this State (page_size {state.page_size}, ring {state.recurrent_ring})",
@@ -58,7 +59,19 @@ def check_batch(state, batch, where: str) -> None:
         fail(where, "batch.phase", f"one of {PHASES}", batch.phase)
     S = state.page_size
     reqs = []
+    live = sum(1 for r in batch.request_ids if not (isinstance(r, int) and r < 0))
     for b, rid in enumerate(batch.request_ids):
+        if isinstance(rid, int) and rid < 0:  # a pad lane: the null page and slot, an empty cache
+            n = batch.host_new_lens[b]
+            pad = pad_lane(-1 - rid, n, S) if isinstance(n, int) and n >= 1 else None
+            if pad is None or rid != -1 - (b - live) or (batch.host_cache_lens[b], batch.host_pages[b],
+                                                              batch.host_ring_pos[b]) != (0, pad.pages, 0):
+                fail(where, "batch", f"pad lane {rid} (lane {b}) after the requests, with an empty cache on the "
+                     "null page and the null slot", (batch.host_cache_lens[b], batch.host_pages[b]))
+            reqs.append((pad, n))
+            continue
+        if any(r < 0 for r in batch.request_ids[:b]):
+            fail(where, "batch.request_ids", "admitted requests first, then pad lanes", batch.request_ids)
         req = state._requests.get(rid)
         if req is None:
             fail(where, "batch", f"requests admitted in this State (admitted: {sorted(state._requests)})", rid)
@@ -74,7 +87,7 @@ def check_batch(state, batch, where: str) -> None:
         reqs.append((req, n))
     if len(set(batch.request_ids)) != len(batch.request_ids) or not reqs:
         fail(where, "batch.request_ids", "unique admitted request ids", batch.request_ids)
-    values, ring = expected_tensors(state, batch.phase, reqs)
+    values, ring = expected_tensors(state, batch.phase, reqs, columns=batch.block_table.shape[1], where=where)
     if batch.ring != ring:
         fail(where, "batch.ring", f"{ring} (what this State's ring and the step's tokens give)", batch.ring)
     for name, want in values.items():
@@ -120,8 +133,12 @@ def _by_layer(state, writes, step_id: int, where: str) -> dict[int, Writes]:
     return found
 
 
-def validate_step(state, deltas: StepDeltas, *, layers=None) -> list[_Target]:
-    """Check the whole step; ``-> the resolved targets``. ``layers`` limits it to some layers (probe)."""
+def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool = False) -> list[_Target]:
+    """Check the whole step; ``-> the resolved targets``. ``layers`` limits it to some layers (probe).
+
+    ``defer_replay``: a replay-mode verify step not yet filtered by acceptance whose recurrent writes come
+    later (a captured verify writes its token rows in the graph; `fnattn.graph` applies the replay after).
+    """
     where = "State.apply"
     batch = deltas.batch
     check_batch(state, batch, where)
@@ -130,7 +147,7 @@ def validate_step(state, deltas: StepDeltas, *, layers=None) -> list[_Target]:
     owners = [layer for layer, spaces in state.storage_spaces.items() if spaces and (layers is None or layer in layers)]
     recurrent = [layer for layer in owners if "request" in state.storage_spaces[layer].values()]
     replay = deltas.replay
-    if replay_mode and recurrent and (deltas.accepted is None or replay is None):
+    if replay_mode and recurrent and (deltas.accepted is None or replay is None) and not defer_replay:
         fail(where, "deltas", "a replay-mode verify step filtered by acceptance with its replay "
              "(StepDeltas.accept(batch, accepted, replay=...))", "unaccepted verify deltas")
     if replay is not None:
@@ -205,7 +222,9 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
     if value.numel() and any(_overlaps(value, t) for p in storage.pools.values() for t in p.tensors.values()):
         fail(where, name, "a tensor that does not share memory with the State's storage (clone it)",
              "memory of the storage")
-    return [_Target(pool.name, name, pool.position(layer), index, value.detach())]
+    every_row = index is batch.slot_mapping or (index is batch.recurrent_write_rows and (
+        batch.phase != "verify" or batch.ring > 0))
+    return [_Target(pool.name, name, pool.position(layer), index, value.detach(), every_row)]
 
 
 def _overlaps(value: Tensor, live: Tensor) -> bool:
@@ -247,8 +266,11 @@ def write_step(pools, targets: list[_Target]) -> None:
                 continue
             for t in ts:
                 flat = live[t.layer_pos].view(-1, *row)
-                keep = t.index >= 0
                 index = t.index.long()
+                if t.every_row:
+                    flat.index_copy_(0, index, t.value)
+                    continue
+                keep = t.index >= 0
                 if keep.all():
                     flat.index_copy_(0, index, t.value)
                 else:

@@ -3,6 +3,12 @@
 Built from a `State` and per-request token counts. Host copies of the small
 per-request numbers (`host_*`) travel with the device tensors so reference
 code can loop over requests without reading the device back.
+
+A batch for a captured step is padded when it is built (``pad_to``, ``columns``):
+pad lanes come after the requests, with negative ids (-1, -2, ...), an empty
+cache, the null page and the null recurrent slot; the block table has a fixed
+width. Every tensor is then shaped by the bucket alone, and the padding is part
+of the metadata from the start instead of being patched onto it afterwards.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from .checks import fail
 from .deltas import CursorAdvance
 
 PHASES = ("prefill", "decode", "verify")
+#: Page and recurrent slot of pad lanes (State.NULL_PAGE / NULL_SLOT).
+_NULL = 0
 RECOVERY = ("native", "replay")
 _steps = itertools.count(1)
 
@@ -26,7 +34,7 @@ _steps = itertools.count(1)
 @dataclass(frozen=True)
 class Batch:
     phase: str  # "prefill" | "decode" | "verify"
-    request_ids: tuple[int, ...]  # [B]
+    request_ids: tuple[int, ...]  # [B] admitted requests, then pad lanes (-1, -2, ...)
     cu_seqlens: Tensor  # [B + 1] int32: new tokens of request b are rows cu[b]:cu[b+1]
     cache_lens: Tensor  # [B] int32: tokens already cached per request
     positions: Tensor  # [T] int64: absolute position of each new token
@@ -48,7 +56,17 @@ class Batch:
 
     @property
     def num_requests(self) -> int:
+        """Lanes of the batch: its requests and its pad lanes."""
         return len(self.request_ids)
+
+    @property
+    def num_pad(self) -> int:
+        return sum(1 for r in self.request_ids if r < 0)
+
+    @property
+    def live_ids(self) -> tuple[int, ...]:
+        """The admitted requests of the batch (pad lanes left out), in lane order."""
+        return tuple(r for r in self.request_ids if r >= 0)
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +102,9 @@ class Batch:
         recurrent writes the step applies (a replay batch's, for recovery "replay")."""
         writer = self if ring_of is None else ring_of
         ring = None if (writer is self and self.recovery == "replay") else writer.ring_after(tuple(counts))
-        return CursorAdvance(self.request_ids, tuple(counts), ring=ring)
+        live = [b for b, r in enumerate(self.request_ids) if r >= 0]  # pad lanes move no cursor
+        return CursorAdvance(tuple(self.request_ids[b] for b in live), tuple(counts[b] for b in live),
+                             ring=None if ring is None else tuple(ring[b] for b in live))
 
     def token_rows(self, accepted: tuple[int, ...] | None = None) -> Tensor:
         """``[T]`` flat cache slot of each new token; -1 (not written) for rejected tokens."""
@@ -117,34 +137,42 @@ class Batch:
         return _build(state, "prefill", dict(counts), num_draft=0)
 
     @staticmethod
-    def decode(state, request_ids: Iterable[int]) -> "Batch":
-        """One new token per request."""
+    def decode(state, request_ids: Iterable[int], *, pad_to: int | None = None,
+               columns: int | None = None) -> "Batch":
+        """One new token per request.
+
+        ``pad_to``: lanes in all (the requests, then pad lanes up to it); ``columns``: the block table's width
+        (at least the most pages a request holds). Both fix the shapes of a captured step.
+        """
         ids = _ids("Batch.decode", request_ids)
-        if not ids:
-            fail("Batch.decode", "request_ids", "at least one request", ids)
-        return _build(state, "decode", {r: 1 for r in ids}, num_draft=0, ids=ids)
+        if not ids and not pad_to:
+            fail("Batch.decode", "request_ids", "at least one request (or pad lanes only, with pad_to)", ids)
+        return _build(state, "decode", {r: 1 for r in ids}, num_draft=0, ids=ids, pad_to=pad_to, columns=columns,
+                      pad_tokens=1)
 
     @staticmethod
-    def verify(state, request_ids: Iterable[int], *, num_draft: int, recovery: str = "native") -> "Batch":
+    def verify(state, request_ids: Iterable[int], *, num_draft: int, recovery: str = "native",
+               pad_to: int | None = None, columns: int | None = None) -> "Batch":
         """The last accepted token plus ``num_draft`` draft tokens per request.
 
         ``recovery="native"``: recurrent layers return their state after every
         token and `StepDeltas.accept` keeps the accepted one. ``"replay"``: they
         return only their per-token inputs; the accepted tokens are replayed
-        afterwards with `Batch.replay`.
+        afterwards with `Batch.replay`. ``pad_to`` / ``columns``: see `decode`.
         """
         ids = _ids("Batch.verify", request_ids)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Batch.verify", "num_draft", "an int >= 1", num_draft)
         if recovery not in RECOVERY:
             fail("Batch.verify", "recovery", f"one of {RECOVERY}", recovery)
-        if not ids:
-            fail("Batch.verify", "request_ids", "at least one request", ids)
+        if not ids and not pad_to:
+            fail("Batch.verify", "request_ids", "at least one request (or pad lanes only, with pad_to)", ids)
         return _build(state, "verify", {r: 1 + num_draft for r in ids}, num_draft=num_draft, ids=ids,
-                      recovery=recovery)
+                      recovery=recovery, pad_to=pad_to, columns=columns, pad_tokens=1 + num_draft)
 
     @staticmethod
-    def replay(state, counts: Mapping[int, int]) -> "Batch":
+    def replay(state, counts: Mapping[int, int], *, pad_to: int | None = None, columns: int | None = None,
+               pad_tokens: int = 1) -> "Batch":
         """Re-run the accepted tokens of a verify step (token by token) from the same state.
 
         Built from the state the verify step read; each request replays its
@@ -153,7 +181,9 @@ class Batch:
         """
         if not isinstance(counts, Mapping) or not counts:
             fail("Batch.replay", "counts", "a non-empty mapping request id -> accepted tokens", counts)
-        return _build(state, "verify", dict(counts), num_draft=max(counts.values()) - 1, recovery="native")
+        live = {r: n for r, n in counts.items() if not (isinstance(r, int) and r < 0)}
+        return _build(state, "verify", live, num_draft=max(counts.values()) - 1, recovery="native",
+                      pad_to=pad_to, columns=columns, pad_tokens=pad_tokens)
 
 
 def _ids(where: str, request_ids) -> tuple:
@@ -162,8 +192,25 @@ def _ids(where: str, request_ids) -> tuple:
     return tuple(request_ids)
 
 
+@dataclass(frozen=True)
+class PadLane:
+    """What a pad lane looks like to the write plan: an empty cache on the null page and the null slot."""
+
+    id: int
+    pages: tuple[int, ...]
+    length: int = 0
+    slot: int = _NULL
+    ring_pos: int = 0
+
+
+def pad_lane(lane: int, tokens: int, page_size: int) -> PadLane:
+    """Pad lane ``lane`` (id -1 - lane) of ``tokens`` new tokens, all on the null page."""
+    return PadLane(-1 - lane, (_NULL,) * -(-tokens // page_size))
+
+
 def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None,
-           recovery: str = "native") -> Batch:
+           recovery: str = "native", pad_to: int | None = None, columns: int | None = None,
+           pad_tokens: int | None = None) -> Batch:
     where = f"Batch.{phase}"
     from .state import State
 
@@ -186,7 +233,14 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
             fail(where, f"counts[{rid}]",
                  f"<= {room - req.length}: reserve room first with state.reserve({{{rid}: {n}}})", n)
         reqs.append((req, n))
-    values, ring = expected_tensors(state, phase, reqs)
+    if pad_to is not None:
+        if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < max(1, len(reqs)):
+            fail(where, "pad_to", f"None or an int >= {max(1, len(reqs))} (the batch's requests)", pad_to)
+        if phase == "prefill":
+            fail(where, "pad_to", "None (prefill batches are not padded by lanes)", pad_to)
+        n_pad = pad_tokens or reqs[0][1]
+        reqs += [(pad_lane(i, n_pad, state.page_size), n_pad) for i in range(pad_to - len(reqs))]
+    values, ring = expected_tensors(state, phase, reqs, columns=columns, where=where)
     new_lens = tuple(n for _, n in reqs)
     device = state.device
 
@@ -215,14 +269,21 @@ TENSOR_DTYPES = {"cu_seqlens": torch.int32, "cache_lens": torch.int32, "position
                  "recurrent_write_rows": torch.int64}
 
 
-def expected_tensors(state, phase: str, reqs) -> tuple[dict[str, list], int]:
-    """The host values of every device tensor of a batch of ``reqs`` [(Request, new tokens)], and its ring.
+def expected_tensors(state, phase: str, reqs, *, columns: int | None = None,
+                     where: str = "Batch") -> tuple[dict[str, list], int]:
+    """The host values of every device tensor of a batch of ``reqs`` [(Request or PadLane, new tokens)],
+    and its ring; ``columns`` fixes the block table's width.
 
     The one derivation of a step's rows from the State's bookkeeping: batches
     are built from it and the apply checks a batch against it.
     """
     S = state.page_size
     max_pages = max(1, max(len(r.pages) for r, _ in reqs))
+    if columns is not None:
+        if isinstance(columns, bool) or not isinstance(columns, int) or columns < max_pages:
+            fail(where, "columns", f"None or an int >= {max_pages} (the most pages a request of the batch holds)",
+                 columns)
+        max_pages = columns
     positions, slots = [], []
     for r, n in reqs:
         for p in range(r.length, r.length + n):

@@ -184,11 +184,15 @@ class StepDeltas:
             fail("StepDeltas.accept", "deltas", "deltas not yet filtered by acceptance", self.accepted)
         if batch.phase != "verify":
             fail("StepDeltas.accept", "batch", "a verify batch", batch.phase)
-        if not isinstance(accepted, Mapping) or set(accepted) != set(batch.request_ids):
-            fail("StepDeltas.accept", "accepted", f"a count for each of requests {batch.request_ids}",
+        live = batch.live_ids
+        if not isinstance(accepted, Mapping) or set(accepted) != set(live):
+            fail("StepDeltas.accept", "accepted", f"a count for each of requests {live}",
                  dict(accepted) if isinstance(accepted, Mapping) else accepted)
         counts = []
         for rid, n_new in zip(batch.request_ids, batch.host_new_lens):
+            if rid < 0:  # a pad lane keeps what it wrote to the null page and slot
+                counts.append(n_new)
+                continue
             n = accepted[rid]
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= n_new:
                 fail("StepDeltas.accept", f"accepted[{rid}]", f"an int in 1..{n_new}", n)

@@ -24,11 +24,13 @@ from dataclasses import replace
 
 import torch
 
+from .apply import capturing
 from .batch import PHASES, Batch
 from .checks import CHECKS_ENABLED, fail
 from .declare import StepMeta, kind_info
 from .deltas import Writes
 from .errors import PurityError, SessionClosedError
+from .lanes import debug_check
 
 _sessions = itertools.count(1)
 
@@ -46,6 +48,8 @@ class AttentionSession:
         self._done: set[int] = set()
         #: layer -> output, for layers that returned replay inputs in a replay-mode verify step
         self.replay_outputs: dict[int, object] = {}
+        #: name -> tensor a model built inside the step and declared as a generated lane (`record`)
+        self.generated: dict[str, torch.Tensor] = {}
 
     # ---------------------------------------------------------------- context
     def __enter__(self) -> AttentionSession:
@@ -110,10 +114,15 @@ class AttentionSession:
         group = ma.choices[(layer, batch.phase)].group
         meta = StepMeta(batch=batch, plan=self._plans.get(group), workspace=self._lease)
         views = self.state.views(layer)
-        watch = _Watch(self.state, layer, views, batch) if CHECKS_ENABLED else None
+        if CHECKS_ENABLED and not capturing():
+            with debug_check():
+                watch = _Watch(self.state, layer, views, batch)
+        else:
+            watch = None
         result = backend.fn(spec, views, replace(inputs, meta=meta))
         if watch is not None:
-            watch.check(backend)
+            with debug_check():
+                watch.check(backend)
         self._done.add(layer)
         if not isinstance(result, tuple) or len(result) != 2:
             fail(f"backend {backend.name!r} ({spec.kind}, {batch.phase})", "return", "a pair (outputs, writes)",
@@ -127,6 +136,18 @@ class AttentionSession:
         if batch.recovery == "replay" and getattr(out, "replay", None) is not None:
             self.replay_outputs[layer] = out
         return out, writes
+
+
+    def record(self, name: str, tensor: torch.Tensor) -> None:
+        """Name a tensor the step generates on the device (an in-graph top-k, say): the lane of that name in
+        the model's manifest (`fnattn.lanes`); a graph runner checks it and never copies into it."""
+        if not self._open:
+            raise SessionClosedError(f"record({name!r}) outside an open session")
+        if not isinstance(name, str) or name in self.generated:
+            fail("AttentionSession.record", "name", "a lane name not yet recorded in this step", name)
+        if not isinstance(tensor, torch.Tensor):
+            fail("AttentionSession.record", "tensor", "a torch.Tensor", type(tensor).__name__)
+        self.generated[name] = tensor
 
 
 class _Watch:

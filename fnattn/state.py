@@ -514,13 +514,17 @@ class State:
         plan = validate_step(self, deltas, layers=layers)
         storage = self._storage if inplace else self._storage.cloned(self._storage.live_version)
         write_step(storage.pools, plan)
+        return self._advance(deltas.cursor, deltas.step_id, storage)
+
+    def _advance(self, c, step_id: int, storage) -> "State":
+        """The host half of an apply whose rows are written: move the cursors (`fnattn.graph` replays the
+        device half inside a captured graph and then calls this)."""
         reqs = dict(self._requests)
-        c = deltas.cursor
         ring = c.ring if c.ring is not None else (None,) * len(c.request_ids)
         for rid, n, pos in zip(c.request_ids, c.counts, ring):
             pos = reqs[rid].ring_pos if pos is None else pos
             reqs[rid] = replace(reqs[rid], length=reqs[rid].length + n, ring_pos=pos)
-        applied = self._storage.applied_steps | {deltas.step_id}
+        applied = self._storage.applied_steps | {step_id}
         new = self._successor(requests=reqs, storage=storage, applied=applied)
         new._boundary = MappingProxyType(pages.keep_boundaries(new, reqs, c.request_ids) or new._boundary)
         return new

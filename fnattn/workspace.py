@@ -20,14 +20,14 @@ class StreamSync:
         self.device = device
 
     def record(self):
-        if self.device.type != "cuda":
-            return None  # CPU work is complete when the call returns
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return None  # CPU work is complete when the call returns; a graph orders its own work
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
     def wait(self, marker) -> None:
-        if marker is not None:
+        if marker is not None and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.device).wait_event(marker)
 
 

@@ -9,6 +9,7 @@ DSA layers and the gated output norms of GDN / KDA call them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from fnattn import checks
 from fnattn.checks import expect_shape, fail
+from fnattn.lanes import in_static_step
 
 
 def check_tokens(owner: str, tokens: Int[Tensor, " T"], vocab_size: int) -> None:
@@ -34,7 +36,7 @@ def check_tokens(owner: str, tokens: Int[Tensor, " T"], vocab_size: int) -> None
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return
-    if tokens.numel() == 0:
+    if tokens.numel() == 0 or in_static_step():  # a step runner checks its token lane before it copies it
         return
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
@@ -225,14 +227,40 @@ def experts(
     weighted and summed (in the activation dtype, as the HF modules do).
     ``limit`` clips the pre-activations (gate above, up both ways; DeepSeek-V4's ``swiglu_limit``).
     """
-    out = torch.zeros_like(x)
-    for e in top_ids.unique().tolist():
-        tok, slot = torch.where(top_ids == e)
-        g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+    def run(e, xs):
+        g, u = F.linear(xs, gate_up[e]).chunk(2, dim=-1)
         if limit is not None:
             g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-        y = F.linear(F.silu(g) * u, down[e])
-        out.index_add_(0, tok, y * top_weights[tok, slot, None].to(y.dtype))
+        return F.linear(F.silu(g) * u, down[e])
+
+    return moe_sum(x, top_ids, top_weights, gate_up.shape[0], run, lambda y, w: y * w.to(y.dtype))
+
+
+def moe_sum(
+    x: Float[Tensor, "T D"],
+    ids: Int[Tensor, "T k"],
+    weights: Float[Tensor, "T k"],
+    num_experts: int,
+    run: Callable[[int, Tensor], Tensor],
+    combine: Callable[[Tensor, Tensor], Tensor],
+) -> Float[Tensor, "T D"]:
+    """``sum_k combine(run(ids[t, k], x[t]), weights[t, k])`` per token (a token picks an expert at most once).
+
+    Eager, each expert runs on the tokens that chose it (reading the routing back to the host). Inside a
+    static-shape step (`fnattn.lanes.static_shapes`: a captured or capturable step) every expert runs on
+    every token with a weight that is zero where the token did not choose it: no host read, shapes fixed
+    by the bucket, at ``num_experts`` times the expert FLOPs -- fine for small models; a large MoE wants a
+    grouped-GEMM kernel there.
+    """
+    out = torch.zeros_like(x)
+    if in_static_step():
+        for e in range(num_experts):
+            w = (weights * (ids == e)).sum(-1, keepdim=True)  # [T, 1]: the token's weight for e, or 0
+            out = out + combine(run(e, x), w).to(x.dtype)
+        return out
+    for e in ids.unique().tolist():
+        tok, slot = torch.where(ids == e)
+        out.index_add_(0, tok, combine(run(e, x[tok]), weights[tok, slot, None]).to(x.dtype))
     return out
 
 

@@ -31,4 +31,4 @@ def tiny_config() -> dict:
 
 register_family(Family(name="glm5", model_types=("glm_moe_dsa",), adapt=adapt, weight_shapes=ds.weight_shapes,
                        load=ds.load, step=ds.step, tiny_config=tiny_config,
-                       step_hidden=ds.step_hidden, draft=ds.draft))
+                       step_hidden=ds.step_hidden, draft=ds.draft, generated_lanes=ds.generated_lanes))

@@ -30,6 +30,20 @@ class Family:
     step_hidden: Callable | None = None
     # (model config, params, weights mapping | None, *, seed) -> models.mtp.DraftModel (random when no weights)
     draft: Callable | None = None
+    # model config -> the lanes built inside a captured step (e.g. an indexer's top-k): `fnattn.lanes.Lane`s
+    generated_lanes: Callable[[Any], tuple] | None = None
+
+    def manifest(self, cfg, *, hidden: bool = False):
+        """The lanes of this family's captured step (`fnattn.lanes`): the tokens and the batch's tensors in,
+        the fp32 logits out (and the final norm's ``hidden`` output, for `step_hidden`), and what the step
+        generates on the device."""
+        from fnattn.lanes import step_manifest
+
+        if hidden and self.step_hidden is None:
+            raise ValueError(f"family {self.name!r}: `hidden` needs a step_hidden, which this family has not")
+        generated = tuple(self.generated_lanes(cfg)) if self.generated_lanes is not None else ()
+        return step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size if hidden else None,
+                             hidden_dtype=cfg.dtype, generated=generated)
     # model config -> {checkpoint name: (shape, bound)}: integer tensors read as they are, values in 0..bound-1
     # (routing tables)
     index_shapes: Callable | None = None
@@ -85,6 +99,9 @@ class Model:
 
     def step(self, params, session, tokens):
         return self.family.step(params, session, tokens)
+
+    def manifest(self, *, hidden: bool = False):
+        return self.family.manifest(self.config, hidden=hidden)
 
 
 def _with_dtype(cfg, dtype: torch.dtype):

@@ -111,6 +111,13 @@ def step_hidden(params: dict, session, tokens: Int[Tensor, " T"]):
     return logits.float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
+def manifest(cfg: TinyConfig, *, hidden: bool = False):
+    """The lanes of a captured step (`fnattn.lanes`): no lane beyond the tokens, the batch and the outputs."""
+    from fnattn.lanes import step_manifest
+
+    return step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size if hidden else None, hidden_dtype=cfg.dtype)
+
+
 def draft_specs(cfg: TinyConfig) -> tuple[LayerSpec, ...]:
     """The draft's one attention layer, indexed after the target's layers (it lives in its own State)."""
     attn = layer_specs(cfg)[0].config

@@ -34,6 +34,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from fnattn.checks import expect_float, expect_shape
+from fnattn.lanes import in_static_step
 
 __all__ = [
     "topk_mask",
@@ -199,7 +200,7 @@ def topk_mask(indices: Int[Tensor, "T topk"], *, n_keys: int) -> Bool[Tensor, "T
     expect_shape("indices", indices, (None, None))
     if indices.dtype.is_floating_point or indices.dtype == torch.bool:
         raise ValueError(f"indices: expected an integer tensor, got dtype {indices.dtype}")
-    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= n_keys):
+    if indices.numel() and not in_static_step() and (int(indices.min()) < -1 or int(indices.max()) >= n_keys):
         raise ValueError(
             f"indices: expected values in [-1, {n_keys}), got [{int(indices.min())}, {int(indices.max())}]"
         )

@@ -1,0 +1,322 @@
+"""Captured steps: decode per lane bucket and verify per (bucket, drafts), replayed from a lane manifest.
+
+    runner = StepRunner(model.step, model.params, attn, manifest)
+    state, logits = runner.decode(state, request_ids, tokens)          # [n, V]
+    verified = runner.verify(state, request_ids, tokens, num_draft=k)  # .logits [n * (1 + k), V]
+    state = verified.accept(accepted)
+
+A step's batch is padded when it is built (`Batch.decode(..., pad_to=, columns=)`): pad lanes read and write
+only the State's null page and null slot, and every tensor is shaped by the bucket. On CUDA each bucket is
+captured once -- the model step and the once-per-step apply inside one graph -- and replayed: the runner
+checks the batch against the State and every replay lane against the manifest (present, shape, dtype,
+device, the layout of lanes carved from one buffer) before it copies any into the graph's buffers, then
+replays, then moves the cursors on the host. Capture and replay take their batch from the same builder.
+
+Without capture (the CPU, a notebook, ``capture=False``) the same validation and the same static buffers
+surround the eager step and its full `State.apply`; with ``host_reads="error"`` the step also runs under
+`fnattn.lanes.no_host_reads`, the CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")``.
+
+Verify writes every token row and every spare ring row inside the graph; acceptance then moves cursors
+only (rows past a cursor are never read). Replay recovery re-runs the accepted tokens eagerly after the
+graph, since how many there are is known only then. Prefill runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from .apply import _expected_names, _target, check_batch, validate_step, write_step
+from .batch import Batch
+from .checks import CHECKS_ENABLED, fail
+from .deltas import StepDeltas
+from .lanes import BATCH_LANES, Bucket, LaneError, Manifest, check_lanes, check_out, no_host_reads, static_shapes
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass
+class _Entry:
+    bucket: Bucket
+    recovery: str
+    inputs: dict[str, Tensor]  # lane -> static buffer the step reads
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    outputs: dict[str, Tensor] = field(default_factory=dict)  # captured output lanes
+    generated: dict[str, Tensor] = field(default_factory=dict)
+    replay_outputs: dict[int, object] = field(default_factory=dict)
+    replays: int = 0
+
+
+class StepRunner:
+    """Runs decode and verify steps of one model through bucketed static buffers, captured on CUDA.
+
+    ``step(params, session, tokens)`` returns ``(logits, deltas)``, or ``(logits, hidden, deltas)`` when the
+    manifest has a ``hidden`` output lane. ``buckets``: the lane counts steps are padded to.
+    ``max_context``: the longest cache a request may reach (fixes the block table's width; default the
+    whole pool). ``capture``: None captures on CUDA when every decode/verify backend is capturable.
+    """
+
+    def __init__(self, step, params, model_attention, manifest: Manifest, *, buckets: Iterable[int] = DEFAULT_BUCKETS,
+                 max_context: int | None = None, capture: bool | None = None, host_reads: str = "allow"):
+        if not callable(step):
+            fail("StepRunner", "step", "a step function (params, session, tokens) -> (logits, ..., deltas)", step)
+        if not isinstance(manifest, Manifest):
+            fail("StepRunner", "manifest", "a fnattn.lanes.Manifest", type(manifest).__name__)
+        buckets = tuple(buckets) if not isinstance(buckets, (str, bytes)) else buckets
+        if not buckets or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets) \
+                or list(buckets) != sorted(set(buckets)):
+            fail("StepRunner", "buckets", "increasing positive ints", buckets)
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 1):
+            fail("StepRunner", "max_context", "None or a positive int", max_context)
+        if capture not in (None, True, False):
+            fail("StepRunner", "capture", "None, True or False", capture)
+        if host_reads not in ("allow", "error"):
+            fail("StepRunner", "host_reads", "'allow' or 'error'", host_reads)
+        self.step, self.params, self.attn, self.manifest = step, params, model_attention, manifest
+        self.buckets, self.max_context, self.host_reads = buckets, max_context, host_reads
+        self.hidden = any(lane.name == "hidden" for lane in manifest.role("output"))
+        on_cuda = model_attention.device.type == "cuda"
+        refused = self.uncapturable()
+        if capture and not on_cuda:
+            fail("StepRunner", "capture", "False or None on a CPU model (CUDA graphs need a CUDA device)", capture)
+        if capture and refused:
+            fail("StepRunner", "capture", "False or None: some backends cannot be captured "
+                 f"({'; '.join(refused)})", capture)
+        self.capture = on_cuda and not refused if capture is None else capture
+        self._entries: dict[tuple[Bucket, str], _Entry] = {}
+        self._pool = None
+
+    # ---------------------------------------------------------------- info
+    def uncapturable(self) -> list[str]:
+        """Why this model's decode/verify cannot be captured: one line per (layer, phase) whose backend is not."""
+        out = []
+        for (layer, phase), choice in sorted(self.attn.choices.items()):
+            if phase != "prefill" and choice.backend is not None and not choice.backend.capturable:
+                out.append(f"layer {layer} {phase}: {choice.backend.name!r} is not capturable")
+        return out
+
+    def bucket_for(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        fail("StepRunner", "request_ids", f"at most {self.buckets[-1]} requests (the largest bucket)", n)
+
+    def columns(self, state) -> int:
+        tokens = self.max_context or state.num_pages * state.page_size
+        return -(-tokens // state.page_size)
+
+    # --------------------------------------------------------------- steps
+    def decode(self, state, request_ids: Iterable[int], tokens: Tensor, *, out: Tensor | None = None):
+        """One token per request: ``-> (state, logits [n, V])`` (written into ``out`` when given)."""
+        ids = tuple(request_ids)
+        if not ids:
+            fail("StepRunner.decode", "request_ids", "at least one request", ids)
+        bucket = Bucket("decode", self.bucket_for(len(ids)), 0, self.columns(state))
+        state, entry = self._ensure(state, bucket, "native")
+        batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns)
+        outputs, deltas, _ = self._run(state, entry, batch, tokens, out)
+        if entry.graph is None:
+            return state.apply(deltas), outputs["logits"]
+        return self._advance(state, batch, batch.cursor_after(batch.host_new_lens)), outputs["logits"]
+
+    def verify(self, state, request_ids: Iterable[int], tokens: Tensor, *, num_draft: int,
+               recovery: str = "native") -> "Verified":
+        """The last token and ``num_draft`` drafts per request; `Verified.accept` applies the acceptance."""
+        ids = tuple(request_ids)
+        if not ids:
+            fail("StepRunner.verify", "request_ids", "at least one request", ids)
+        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
+            fail("StepRunner.verify", "num_draft", "an int >= 1", num_draft)
+        bucket = Bucket("verify", self.bucket_for(len(ids)), num_draft, self.columns(state))
+        state, entry = self._ensure(state, bucket, recovery)
+        batch = Batch.verify(state, ids, num_draft=num_draft, recovery=recovery, pad_to=bucket.lanes,
+                             columns=bucket.columns)
+        outputs, deltas, replay_outputs = self._run(state, entry, batch, tokens, None)
+        return Verified(self, state, batch, entry, outputs, deltas, replay_outputs)
+
+    # ------------------------------------------------------------- internals
+    def _lanes_of(self, batch: Batch, tokens: Tensor) -> dict[str, Tensor]:
+        return {"tokens": tokens, **{name: getattr(batch, name) for name in BATCH_LANES}}
+
+    def _padded_tokens(self, batch: Batch, tokens: Tensor) -> Tensor:
+        live = sum(n for r, n in zip(batch.request_ids, batch.host_new_lens) if r >= 0)
+        if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.shape[0] != live:
+            fail("StepRunner", "tokens", f"a 1-D tensor of {live} token ids (the requests' new tokens)",
+                 getattr(tokens, "shape", type(tokens).__name__))
+        if batch.num_tokens == live:
+            return tokens
+        return torch.cat([tokens, tokens.new_zeros(batch.num_tokens - live)])
+
+    def _run(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out: Tensor | None):
+        """Validate every lane, copy them into the static buffers, run the step; ``-> (outputs, deltas)``."""
+        where = "StepRunner"
+        values = self._lanes_of(batch, self._padded_tokens(batch, tokens))
+        check_lanes(self.manifest, entry.bucket, values, state.device)
+        vocab = self.manifest.dims["V"]
+        live = sum(n for r, n in zip(batch.request_ids, batch.host_new_lens) if r >= 0)
+        if out is not None:
+            check_out(out, (live, vocab), torch.float32, state.device)
+        t = values["tokens"]
+        if (t.device.type == "cpu" or CHECKS_ENABLED) and t.numel() and not (
+                0 <= int(t.min()) and int(t.max()) < vocab):
+            raise LaneError(f"lane 'tokens': expected ids in 0..{vocab - 1}, got {t.min()}..{t.max()}")
+        check_batch(state, batch, where)
+        for name, value in values.items():  # nothing was copied before every lane passed
+            entry.inputs[name].copy_(value)
+        if entry.graph is not None:
+            entry.graph.replay()
+            entry.replays += 1
+            outputs, deltas, replay_outputs = entry.outputs, None, entry.replay_outputs
+        else:
+            outputs, deltas, replay_outputs = self._eager(state, entry, self._static_batch(entry, batch),
+                                                          guard=self.host_reads == "error")
+        if out is not None:
+            out.copy_(outputs["logits"][:live])
+            outputs = {**outputs, "logits": out}
+        else:
+            outputs = {name: t[:live] for name, t in outputs.items()}
+        return outputs, deltas, replay_outputs
+
+    def _static_batch(self, entry: _Entry, batch: Batch) -> Batch:
+        return replace(batch, **{name: entry.inputs[name] for name in BATCH_LANES})
+
+    def _eager(self, state, entry: _Entry, batch: Batch, *, guard: bool = False):
+        """The step over a batch in the static buffers: ``-> (outputs, deltas, replay outputs)``; the
+        generated lanes it recorded go to ``entry.generated``."""
+        reads = no_host_reads() if guard else contextlib.nullcontext()
+        with static_shapes(), reads, self.attn.session(state, batch) as s:
+            result = self.step(self.params, s, entry.inputs["tokens"])
+        n_out = 2 if self.hidden else 1
+        if not isinstance(result, tuple) or len(result) != n_out + 1 or not isinstance(result[-1], StepDeltas):
+            fail("StepRunner", "step", f"a step returning ({'logits, hidden' if self.hidden else 'logits'}, deltas)",
+                 type(result).__name__)
+        outputs = {"logits": result[0], **({"hidden": result[1]} if self.hidden else {})}
+        check_lanes(self.manifest, entry.bucket, outputs, state.device, role="output")
+        check_lanes(self.manifest, entry.bucket, s.generated, state.device, role="generated")
+        entry.generated = s.generated
+        return outputs, result[-1], s.replay_outputs
+
+    def _ensure(self, state, bucket: Bucket, recovery: str):
+        """The bucket's buffers (captured on first use); ``-> (state, entry)``."""
+        key = (bucket, recovery)
+        entry = self._entries.get(key)
+        if entry is not None:
+            return state, entry
+        if bucket.phase == "verify" and state.has_recurrent and self.capture and \
+                1 + bucket.num_draft > state.recurrent_ring - 1:
+            fail("StepRunner.verify", "num_draft", f"at most {state.recurrent_ring - 2} for a captured verify: "
+                 "its recurrent states go to spare ring rows (State(recurrent_ring >= num_draft + 2))",
+                 bucket.num_draft)
+        inputs = {lane.name: torch.zeros(self.manifest.shape(lane, bucket), dtype=lane.dtype, device=state.device)
+                  for lane in self.manifest.role("input")}
+        entry = _Entry(bucket, recovery, inputs)
+        if self.capture:
+            state = self._capture(state, entry)
+        self._entries[key] = entry
+        return state, entry
+
+    def _pad_batch(self, state, entry: _Entry) -> Batch:
+        """A batch of pad lanes only, in the static buffers: what warm-up and capture run."""
+        b = entry.bucket
+        if b.phase == "decode":
+            batch = Batch.decode(state, (), pad_to=b.lanes, columns=b.columns)
+        else:
+            batch = Batch.verify(state, (), num_draft=b.num_draft, recovery=entry.recovery, pad_to=b.lanes,
+                                 columns=b.columns)
+        for name in BATCH_LANES:
+            entry.inputs[name].copy_(getattr(batch, name))
+        entry.inputs["tokens"].zero_()
+        return self._static_batch(entry, batch)
+
+    def _write(self, state, deltas: StepDeltas):
+        """The device half of the apply (what a captured graph holds)."""
+        write_step(state._storage.pools, validate_step(state, deltas, defer_replay=True))
+
+    def _capture(self, state, entry: _Entry):
+        stream = torch.cuda.Stream(device=state.device)
+        stream.wait_stream(torch.cuda.current_stream(state.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy kernel compilation and allocator pools, outside the graph
+                batch = self._pad_batch(state, entry)
+                outputs, deltas, _ = self._eager(state, entry, batch)
+                self._write(state, deltas)
+                state = self._advance(state, batch, deltas.cursor)
+        torch.cuda.current_stream(state.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        batch = self._pad_batch(state, entry)
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs, deltas, replay_outputs = self._eager(state, entry, batch)
+            self._write(state, deltas)
+        state = self._advance(state, batch, deltas.cursor)
+        entry.graph, entry.outputs, entry.replay_outputs = graph, outputs, replay_outputs
+        return state
+
+    @staticmethod
+    def _advance(state, batch: Batch, cursor):
+        if batch.state_version != state.version:
+            fail("StepRunner", "state", f"the state the batch was built from (version {batch.state_version})",
+                 state.version)
+        return state._advance(cursor, batch.step_id, state._storage)
+
+
+class Verified:
+    """A verify step that ran: ``logits`` [n * (1 + k), V] (and ``hidden``) of the requests' tokens;
+    `accept` applies the acceptance once."""
+
+    def __init__(self, runner: StepRunner, state, batch: Batch, entry: _Entry, outputs, deltas, replay_outputs):
+        self.runner, self.state, self.batch, self.entry = runner, state, batch, entry
+        self._replay_outputs = replay_outputs
+        self.logits = outputs["logits"]
+        self.hidden = outputs.get("hidden")
+        self._deltas = deltas
+        self._done = False
+
+    @property
+    def live_batch(self) -> Batch:
+        """The batch without its pad lanes' host numbers (what acceptance helpers read)."""
+        n = len(self.batch.live_ids)
+        b = self.batch
+        return replace(b, request_ids=b.request_ids[:n], host_new_lens=b.host_new_lens[:n],
+                       host_cache_lens=b.host_cache_lens[:n], host_pages=b.host_pages[:n],
+                       host_ring_pos=b.host_ring_pos[:n])
+
+    def accept(self, accepted: Mapping[int, int]):
+        """Keep the first ``accepted[r]`` tokens of each request; ``-> the new state``."""
+        if self._done:
+            fail("Verified.accept", "accepted", "one acceptance per verify step", dict(accepted))
+        runner, state, batch, entry = self.runner, self.state, self.batch, self.entry
+        replay = None
+        if batch.recovery == "replay":
+            from .speculative import replay_writes
+
+            replay = replay_writes(runner.attn, state, batch, self._replay_outputs, accepted)
+        if entry.graph is None:
+            self._done = True
+            return state.apply(self._deltas.accept(runner._static_batch(entry, batch), accepted, replay=replay))
+        deltas = StepDeltas.collect(batch, []).accept(batch, accepted, replay=replay)  # checks ``accepted``
+        if replay is not None:
+            check_batch(state, replay.batch, "Verified.accept (replay)")
+            targets = []
+            by_layer = {w.layer: w for w in replay.writes}
+            rows = replay.batch.state_rows()
+            for layer in state.storage_spaces:
+                want = _expected_names(state, layer, True)[1]
+                if want and (layer not in by_layer or set(by_layer[layer].values) != want):
+                    fail("Verified.accept", "replay", f"writes of {sorted(want)} for layer {layer}",
+                         sorted(by_layer[layer].values) if layer in by_layer else None)
+                for name in sorted(want):
+                    targets += _target(state, layer, name, by_layer[layer], replay.batch, None, rows)
+            write_step(state._storage.pools, targets)
+        self._done = True
+        return runner._advance(state, batch, deltas.cursor)
+
+
+
+__all__ = ["DEFAULT_BUCKETS", "StepRunner", "Verified"]
