@@ -36,9 +36,19 @@ from fnattn import (
     StepDeltas,
 )
 from fnattn.checks import checked, fail
+from fnattn.lanes import Lane
 from fnattn.tp import all_reduce
 
-from .common import SwiGLU, check_config_value, check_tokens, grouped_topk, rms_norm, rope_cos_sin, rope_inv_freq
+from .common import (
+    SwiGLU,
+    check_config_value,
+    check_tokens,
+    grouped_topk,
+    moe_sum,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from .dsa_layer import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers
 from .mla_layer import MLAWeights, mla_project, mla_shapes, mla_softmax_scale, pad_heads, padded_kv_b, unpad_heads
 from .registry import Family, register_family
@@ -408,11 +418,8 @@ def moe(block: MoE, cfg: MoEConfig, x: Float[Tensor, "T D"]) -> Float[Tensor, "T
     scores = F.linear(x.float(), block.router.float()).sigmoid()  # [T, E], fp32 as the HF router
     ids, w = grouped_topk(scores, block.bias.float(), cfg.num_experts_per_tok, n_group=cfg.n_group,
                           topk_group=cfg.topk_group, normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
-    out = torch.zeros_like(x)
-    for e in ids.unique().tolist():
-        tok, slot = torch.where(ids == e)
-        y = block.experts[e](x[tok]) * w[tok, slot, None]  # fp32 weights, cast after, as HF does
-        out.index_add_(0, tok, y.to(x.dtype))
+    # fp32 weights, cast after, as HF does
+    out = moe_sum(x, ids, w, len(block.experts), lambda e, xs: block.experts[e](xs), lambda y, w: y * w)
     return out + block.shared(x)
 
 
@@ -442,6 +449,7 @@ def decoder_layer(session, i: int, layer: Layer, cfg: DeepseekConfig, x: Float[T
     out, deltas = session.forward(i, attention_inputs(layer, cfg, h, cos, sin, sparse, reused))
     if sparse is not None and layer.indexer is not None:
         topk[i] = out.topk_indices
+        session.record(f"indexer_topk_{i}", out.topk_indices)  # a generated lane of a captured step
     # o_proj and the MLPs' down projections are row-parallel under TP (models/tp.py)
     o = unpad_heads(out.o, layer.attn.num_heads)  # drop the kernels' padding heads (`padded_heads`)
     x = x + all_reduce(F.linear(o.reshape(x.shape[0], -1), layer.attn.o_proj, layer.attn.o_proj_bias))
@@ -508,9 +516,17 @@ def tiny_config(model_type: str = "deepseek_v32") -> dict:
     return raw
 
 
+def generated_lanes(cfg: DeepseekConfig) -> tuple[Lane, ...]:
+    """The top-k each indexer layer builds inside the step ([T, topk] int64): generated, never copied."""
+    if cfg.indexer is None:
+        return ()
+    return tuple(Lane(f"indexer_topk_{i}", ("T", cfg.indexer.topk), torch.int64, "generated")
+                 for i in range(cfg.num_layers) if cfg.index_source(i) is None)
+
+
 register_family(Family(name="deepseek_v32", model_types=("deepseek_v32",), adapt=adapt_v32,
                        weight_shapes=weight_shapes, load=load, step=step, tiny_config=tiny_config,
-                       step_hidden=step_hidden, draft=draft))
+                       step_hidden=step_hidden, draft=draft, generated_lanes=generated_lanes))
 register_family(Family(name="deepseek_v3", model_types=("deepseek_v3",), adapt=adapt_v3,
                        weight_shapes=weight_shapes, load=load, step=step,
                        tiny_config=lambda: tiny_config("deepseek_v3"), step_hidden=step_hidden, draft=draft))

@@ -39,7 +39,7 @@ from fnattn import Batch, KDAConfig, LayerSpec, MLAConfig, MLAInputs, RecurrentI
 from fnattn.checks import checked, fail
 from fnattn.tp import all_reduce
 
-from .common import SwiGLU, check_config_value, check_tokens, config_field, grouped_topk, rms_norm, swiglu
+from .common import SwiGLU, check_config_value, check_tokens, config_field, grouped_topk, moe_sum, rms_norm, swiglu
 from .kda_layer import KDAWeights, kda_finish, kda_project
 from .mla_layer import mla_shapes
 from .registry import Family, register_family
@@ -385,12 +385,8 @@ def route(
 
 def _moe(h: Float[Tensor, "T D"], moe: MoEParams, cfg: KimiLinearConfig) -> Float[Tensor, "T D"]:
     ids, w = route(h, moe, cfg)  # [T, k], [T, k] fp32
-    out = torch.zeros_like(h)
-    for e in ids.unique().tolist():
-        tok, slot = torch.where(ids == e)
-        y = swiglu(h[tok], *moe.experts[e])  # [n, D]
-        # Weighted in fp32 and rounded once, as transformers' experts do.
-        out.index_add_(0, tok, (y * w[tok, slot, None]).to(h.dtype))
+    # Weighted in fp32 and rounded once, as transformers' experts do.
+    out = moe_sum(h, ids, w, len(moe.experts), lambda e, xs: swiglu(xs, *moe.experts[e]), lambda y, w: y * w)
     return out if moe.shared is None else out + swiglu(h, *moe.shared)
 
 

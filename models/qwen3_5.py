@@ -42,6 +42,7 @@ from .common import (
     apply_rope,
     check_tokens,
     config_field,
+    moe_sum,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
@@ -400,10 +401,7 @@ def moe(h: Float[Tensor, "T D"], m: MoE, cfg: QwenConfig) -> Float[Tensor, "T D"
     """Softmax top-k routed experts plus the sigmoid-gated shared expert."""
     ids, weights = softmax_topk(F.linear(h, m.router), cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
     weights = weights.to(h.dtype)  # [T, k], as the HF router hands them to the experts
-    out = torch.zeros_like(h)
-    for e in ids.unique().tolist():
-        tok, slot = torch.where(ids == e)  # a token picks an expert at most once
-        out.index_add_(0, tok, m.experts[e](h[tok]) * weights[tok, slot, None])
+    out = moe_sum(h, ids, weights, len(m.experts), lambda e, xs: m.experts[e](xs), lambda y, w: y * w)
     if m.shared is not None:
         out = out + torch.sigmoid(F.linear(h, m.shared_gate)) * m.shared(h)
     return out
