@@ -9,7 +9,9 @@ import sys
 
 from . import draw_png, print_table, with_ratios, write_json
 
-CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "standard")
+CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "mla-decode",
+         "mla-sparse", "indexer", "standard")
+MLA_CASES = ("mla-decode", "mla-sparse", "indexer")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hq", type=int, default=32, help="query heads")
     p.add_argument("--hkv", type=int, default=8, help="key/value heads")
     p.add_argument("--dim", type=int, default=128, help="head dim")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per page (default 16; MLA cases 64)")
+    p.add_argument("--heads", type=int, default=128, help="MLA query heads (mla-decode, mla-sparse, indexer)")
+    p.add_argument("--topk", type=int, default=2048, help="tokens each query attends (mla-sparse, indexer)")
     p.add_argument("--layers", type=int, nargs="+", default=[1],
                    help="decode: layers per step (the pure path applies all their writes at once)")
     p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
@@ -40,6 +44,9 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
     try:
         graph = not args.eager
+        if args.case in MLA_CASES:
+            records += mla_cases(args, graph)
+        args.page_size = args.page_size or 16
         if args.case in ("decode", "standard"):
             for layers in args.layers:
                 for b in args.batch:
@@ -63,6 +70,25 @@ def run(args) -> int:
         if args.png and records:
             draw_png(records, args.png)
     return 0
+
+
+def mla_cases(args, graph: bool) -> list[dict]:
+    from ..kinds.mla.bench import decode_case as mla_decode
+    from ..kinds.sparse_mla.bench import indexer_case, sparse_decode_case
+
+    records, page = [], args.page_size or 64
+    for b in args.batch:
+        if args.case == "mla-decode":
+            for layers in args.layers:
+                records += mla_decode(batch=b, ctx=args.ctx, heads=args.heads, page_size=page, layers=layers,
+                                      graph=graph)
+        elif args.case == "mla-sparse":
+            records += sparse_decode_case(batch=b, ctx=args.ctx, heads=args.heads, topk=args.topk, page_size=page,
+                                          graph=graph)
+        else:
+            records += indexer_case(batch=b, ctx=args.ctx, heads=args.heads, topk=args.topk, page_size=page,
+                                    graph=graph)
+    return records
 
 
 def main(argv=None) -> int:

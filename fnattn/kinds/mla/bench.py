@@ -1,0 +1,94 @@
+"""MLA decode: fnattn's FlashMLA and FlashInfer backends next to raw FlashMLA, in one process.
+
+"flashmla kernel (raw)" is the bar: ``flash_mla_with_kvcache`` alone over caches that already hold
+the new token, its query absorbed beforehand. "usual (append + kernel)" adds what a serving engine's
+attention layer does around it: write the new latent row, absorb ``W_UK``, the kernel, ``W_UV``. The
+fnattn rows are whole pure steps: the backend (absorb, kernel over the cache, the new row beside it,
+LSE merge, ``W_UV``) and the one apply of the step's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import Batch, LayerSpec, MLAConfig, MLAInputs, ModelAttention
+from ...bench import timed
+from ...bench.setup import cached_state
+from ..full.bench import time_fnattn
+
+DEVICE = "cuda"
+
+
+def deepseek_mla(heads: int = 128) -> MLAConfig:
+    return MLAConfig(num_heads=heads, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
+def random_inputs(cfg: MLAConfig, T: int, dtype=torch.bfloat16) -> MLAInputs:
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    r = lambda *s, scale=1.0: (torch.randn(*s, device=DEVICE, generator=g) * scale).to(dtype)  # noqa: E731
+    H, R = cfg.heads, cfg.kv_lora_rank
+    return MLAInputs(q_nope=r(T, H, cfg.qk_nope_head_dim), q_pe=r(T, H, cfg.qk_rope_head_dim),
+                     latent=r(T, cfg.latent_dim), w_uk=r(H, cfg.qk_nope_head_dim, R, scale=cfg.qk_nope_head_dim ** -0.5),
+                     w_uv=r(H, cfg.v_head_dim, R, scale=R ** -0.5))
+
+
+def raw_flashmla(state, batch, cfg: MLAConfig, inputs: MLAInputs, layers):
+    """Closures for the raw kernel and the usual append-then-attend layer, over ``cache_lens + 1`` tokens."""
+    from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    from .latent import absorbed_query, values_out
+
+    T, H = inputs.q_nope.shape[:2]
+    lens = batch.cache_lens + 1  # the new token is in the cache already, as the usual design has it
+    meta, splits = get_mla_metadata(lens, H, 1)
+    pools = [state.views(i).latent for i in layers]
+    q = absorbed_query(inputs).view(T, 1, H, -1)
+    slots = batch.slot_mapping
+
+    def kernel():
+        for pool in pools:
+            flash_mla_with_kvcache(q, pool.unsqueeze(2), batch.block_table, lens, cfg.kv_lora_rank, meta, splits,
+                                   softmax_scale=cfg.scale, causal=False)
+
+    def usual():
+        for pool in pools:
+            pool.view(-1, pool.shape[-1]).index_copy_(0, slots, inputs.latent)
+            qa = absorbed_query(inputs).view(T, 1, H, -1)
+            o, _ = flash_mla_with_kvcache(qa, pool.unsqueeze(2), batch.block_table, lens, cfg.kv_lora_rank, meta,
+                                          splits, softmax_scale=cfg.scale, causal=False)
+            values_out(o.view(T, H, -1), inputs.w_uv)
+
+    return kernel, usual
+
+
+def decode_case(*, batch: int, ctx: int, heads: int = 128, page_size: int = 64, layers: int = 1,
+                graph: bool = True) -> list[dict]:
+    cfg = deepseek_mla(heads)
+    specs = [LayerSpec(index=i, config=cfg, dtype=torch.bfloat16) for i in range(layers)]
+    state = cached_state(specs, batch=batch, ctx=ctx, page_size=page_size)
+    b = Batch.decode(state, range(batch))
+    inputs = random_inputs(cfg, batch)
+    kernel, usual = raw_flashmla(state, b, cfg, inputs, range(layers))
+    case = f"mla decode B{batch} ctx{ctx} h{heads} p{page_size} L{layers}" + (" graph" if graph else " eager")
+    peer = "flashmla kernel (raw)"
+    runs = {peer: lambda: timed(kernel, graph=graph), "usual (append + kernel)": lambda: timed(usual, graph=graph)}
+    for name in ("flashmla", "flashinfer"):
+        # FlashInfer plans on the host: its step is timed eager (the plan included), never captured.
+        g = graph and name == "flashmla"
+        ma = ModelAttention(specs, prefer=(name,), device=DEVICE, phases=("decode",))
+        runs[f"fnattn {name} (pure)" + ("" if g == graph else " eager")] = (
+            lambda ma=ma, g=g: time_fnattn(ma, state, b, specs, inputs, graph=g))
+    latent_bytes = layers * batch * (ctx + 1) * cfg.latent_dim * 2
+    flops = layers * batch * heads * (ctx + 1) * (cfg.latent_dim + cfg.kv_lora_rank) * 2
+    records = []
+    for name, measure in runs.items():
+        rec = {"case": case, "backend": name, "peer": peer,
+               "shape": {"batch": batch, "ctx": ctx, "heads": heads, "page_size": page_size, "layers": layers,
+                         "latent": "512+64", "dtype": "bfloat16"}}
+        try:
+            us = measure()
+            rec.update(time_us=us, tb_s=latent_bytes / (us * 1e-6) / 1e12, tflop_s=flops / (us * 1e-6) / 1e12)
+        except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
+            rec["error"] = f"{type(e).__name__}: {e}"
+        records.append(rec)
+    return records

@@ -1,0 +1,98 @@
+"""Sparse MLA decode and the DSA indexer: fnattn next to raw ``flash_mla_sparse_fwd``, in one process.
+
+"mla-sparse": a layer reusing a given top-k (GLM-5's shared layer; the indexer is timed apart) through
+fnattn's FlashMLA backend (index translation to pool slots, the kernel over the cache, the new row
+beside it, LSE merge, ``W_UV``) against the kernel alone on precomputed slots over caches that
+already hold the new token. "indexer": the Triton indexer scores plus ``torch.topk`` at the given
+context, reported next to the sparse attention time of the same shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import Batch, IndexerConfig, LayerSpec, ModelAttention, SparseMLAConfig, SparseMLAInputs, SparseQueryMetadata
+from ...bench import timed, timed_session
+from ...bench.setup import cached_state
+from ..mla.bench import DEVICE, deepseek_mla, random_inputs
+from ..mla.latent import absorbed_query
+from .flashmla import TOPK_BLOCK
+
+
+def _specs(heads, topk, Hi, Di):
+    ix = IndexerConfig(num_heads=Hi, head_dim=Di, topk=topk)
+    mla = deepseek_mla(heads)
+    return [LayerSpec(0, SparseMLAConfig(mla, ix), torch.bfloat16),
+            LayerSpec(1, SparseMLAConfig(mla, ix, index_source_layer=0), torch.bfloat16)]
+
+
+def _setup(batch, ctx, heads, topk, Hi, Di, page_size):
+    specs = _specs(heads, topk, Hi, Di)
+    state = cached_state(specs, batch=batch, ctx=ctx, page_size=page_size)
+    b = Batch.decode(state, range(batch))
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    # a random causal top-k per token: the best of random scores over its visible positions
+    scores = torch.rand(batch, ctx + 1, device=DEVICE, generator=g)
+    idx = scores.topk(min(topk, ctx + 1), dim=-1).indices
+    return specs, state, b, idx
+
+
+def _record(case, name, peer, shape, measure, extra=None):
+    rec = {"case": case, "backend": name, "peer": peer, "shape": shape}
+    try:
+        rec["time_us"] = measure()
+        rec.update(extra(rec["time_us"]) if extra else {})
+    except Exception as e:  # noqa: BLE001 - one failing row must not hide the others
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, page_size: int = 64,
+                       graph: bool = True) -> list[dict]:
+    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
+
+    specs, state, b, idx = _setup(batch, ctx, heads, topk, 64, 128, page_size)
+    base = random_inputs(specs[1].config.mla, batch)
+    sparse = SparseQueryMetadata.build(b, topk=topk)
+    inputs = SparseMLAInputs(q_nope=base.q_nope, q_pe=base.q_pe, latent=base.latent, w_uk=base.w_uk, w_uv=base.w_uv,
+                             sparse=sparse, topk_indices=idx)
+    pool = state.views(1).latent
+    # raw: the same positions as pool slots, the new token's row counted as cached
+    S, req = page_size, sparse.request_of_token[:, None]
+    slots = b.block_table.long()[req, idx // S] * S + idx % S
+    pad = -slots.shape[1] % TOPK_BLOCK
+    raw_idx = torch.nn.functional.pad(slots, (0, pad), value=-1).to(torch.int32).unsqueeze(1).contiguous()
+    q = absorbed_query(inputs)
+    cfg = specs[1].config.mla
+    kernel = lambda: flash_mla_sparse_fwd(q, pool.view(-1, 1, pool.shape[-1]), raw_idx, cfg.scale, 512)  # noqa: E731
+    ma = ModelAttention(specs, prefer=("flashmla",), device=DEVICE, phases=("decode",))
+    peer = "flash_mla_sparse_fwd (raw)"
+    case = f"sparse mla decode B{batch} ctx{ctx} h{heads} topk{topk}" + (" graph" if graph else " eager")
+    shape = {"batch": batch, "ctx": ctx, "heads": heads, "topk": topk, "page_size": page_size}
+    flops = lambda us: {"tflop_s": batch * heads * topk * (576 + 512) * 2 / (us * 1e-6) / 1e12}  # noqa: E731
+    return [_record(case, peer, peer, shape, lambda: timed(kernel, graph=graph), flops),
+            _record(case, "fnattn flashmla (attention, shared top-k)", peer, shape,
+                    lambda: timed_session(ma, state, b, lambda s: s.forward(1, inputs), graph=graph), flops)]
+
+
+def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi: int = 64, Di: int = 128,
+                 page_size: int = 64, graph: bool = True) -> list[dict]:
+    from ...kernels import indexer_topk
+
+    specs, state, b, _ = _setup(batch, ctx, heads, topk, Hi, Di, page_size)
+    sparse = SparseQueryMetadata.build(b, topk=topk)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=g).to(torch.bfloat16)  # noqa: E731
+    q, w, k = r(batch, Hi, Di), torch.randn(batch, Hi, device=DEVICE, generator=g), r(batch, Di)
+    pages = state.views(0).index_k
+    run = lambda: indexer_topk(q, w, pages, k, b.block_table, sparse.request_of_token, b.cache_lens,  # noqa: E731
+                               b.cu_seqlens, b.positions, scale=Di ** -0.5, topk=topk)
+    case = f"indexer B{batch} ctx{ctx} Hi{Hi} Di{Di} topk{topk}" + (" graph" if graph else " eager")
+    shape = {"batch": batch, "ctx": ctx, "index_heads": Hi, "index_dim": Di, "topk": topk, "page_size": page_size}
+    records = sparse_decode_case(batch=batch, ctx=ctx, heads=heads, topk=topk, page_size=page_size, graph=graph)
+    for rec in records:
+        rec["case"] = case
+    tb = lambda us: {"tb_s": batch * (ctx + 1) * Di * 2 / (us * 1e-6) / 1e12}  # noqa: E731
+    records.append(_record(case, "fnattn indexer (triton scores + topk)", "fnattn flashmla (attention, shared top-k)",
+                           shape, lambda: timed(run, graph=graph), tb))
+    return records

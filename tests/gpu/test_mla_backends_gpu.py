@@ -1,0 +1,205 @@
+"""FlashMLA, FlashInfer-MLA and the sparse FlashMLA path against the references on a GPU.
+
+Layer shapes: DeepSeek-V3.2 / GLM-5's real one (128 heads, 512 + 64 latent, 128 + 128 nope / value dims,
+64 indexer heads of 128, top-k 2048) and tiny ones with the same latent (FlashMLA's only) but few heads,
+padded to 64 on the model side. Caches hold rows of different lengths (0, 1, page multiples and not),
+every phase runs with a prefix, verify with k = 1..4, BF16 and the per-tensor FP8 cache, pad lanes,
+and several decode steps in a row at batch > 1. Last, whole tiny DeepSeek-V3 / V3.2 / GLM-5 models
+through the fast paths against the reference path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from kinds.mla.fast_cases import compare, filled_state, forward_all, mla_config, sparse_specs
+
+import fnattn as fa
+from fnattn.driver import run_step
+
+pytestmark = pytest.mark.gpu
+TOL = 2e-2  # bf16 operands: max |err| / max |ref| over the model's own heads
+DEV = "cuda"
+
+REAL = dict(H=128, R=512, Dr=64, Dn=128, Dv=128)
+TINY = dict(H=16, R=512, Dr=64, Dn=64, Dv=64)
+TINY_PADDED = dict(H=4, padded=64, R=512, Dr=64, Dn=64, Dv=64)
+CACHED = [0, 1, 63, 64, 130, 1000]  # lengths 0 and 1, page multiples and not
+
+
+def _check(rows, label, record, *, tol=TOL, topk_tol=0.02):
+    for r in rows:
+        ok = r["finite"] and r["o_rel"] <= tol and r["writes_equal"] and r.get("topk_mismatch", 0.0) <= topk_tol
+        record({"case": label, **r, "ok": ok})
+        assert ok, f"{label}: {r}"
+
+
+def _batch(st, phase, ids, k=0, pad=0):
+    if phase == "decode":
+        return fa.Batch.decode(st, ids, pad_to=len(ids) + pad) if pad else fa.Batch.decode(st, ids)
+    if phase == "verify":
+        return (fa.Batch.verify(st, ids, num_draft=k, pad_to=len(ids) + pad) if pad
+                else fa.Batch.verify(st, ids, num_draft=k))
+    raise ValueError(phase)
+
+
+def _live(batch):
+    """Tokens of admitted requests (pad lanes' outputs are dropped by the caller)."""
+    lanes = torch.tensor([r >= 0 for r in batch.request_ids], device=DEV)
+    return lanes.repeat_interleave(torch.tensor(batch.host_new_lens, device=DEV))
+
+
+# --------------------------------------------------------------------------- dense MLA
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny_padded", "real"])
+@pytest.mark.parametrize("phase, k", [("decode", 0), ("verify", 1), ("verify", 2), ("verify", 3), ("verify", 4)])
+@pytest.mark.parametrize("backend, page", [("flashmla", 64), ("flashinfer", 64), ("flashinfer", 16)])
+def test_dense_mla_matches_reference(shape, phase, k, backend, page, record):
+    if backend == "flashinfer" and (shape == "tiny" or k in (2, 3)):
+        pytest.skip("FlashInfer compiles per variant: its matrix is padded/real heads, k in 0, 1, 4")
+    cfg = mla_config(**{"tiny": TINY, "tiny_padded": TINY_PADDED, "real": REAL}[shape])
+    spec = fa.LayerSpec(0, cfg, torch.bfloat16)
+    st = filled_state([spec], CACHED, page_size=page, device=DEV)
+    b = _batch(st, phase, list(range(len(CACHED))), k)
+    _check(compare([spec], st, b, backend, seed=k), f"mla {shape} {phase} k{k} {backend} p{page}", record)
+
+
+@pytest.mark.parametrize("backend", ["flashmla", "flashinfer"])
+def test_dense_pad_lanes_stay_out_of_live_lanes(backend, record):
+    spec = fa.LayerSpec(0, mla_config(**TINY_PADDED), torch.bfloat16)
+    st = filled_state([spec], [5, 70, 200], page_size=64, device=DEV)
+    for phase, k in (("decode", 0), ("verify", 2)):
+        b = _batch(st, phase, [0, 1, 2], k, pad=3)
+        _check(compare([spec], st, b, backend, seed=5, live=_live(b)), f"mla pad lanes {phase} {backend}", record)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.05])
+def test_fp8_cache_through_flashinfer_and_refused_by_flashmla(scale, record):
+    spec = fa.LayerSpec(0, mla_config(**REAL, cache_dtype="fp8_e4m3", cache_scale=scale), torch.bfloat16)
+    ma = fa.ModelAttention([spec], device=DEV, phases=("decode",))
+    assert ma.backend(0, "decode").name == "flashinfer", ma.explain()
+    assert "flashmla" in ma.explain() and "FP8" in ma.explain()
+    st = filled_state([spec], CACHED, page_size=64, device=DEV)
+    for phase, k in (("decode", 0), ("verify", 1), ("verify", 4)):
+        b = _batch(st, phase, list(range(len(CACHED))), k)
+        _check(compare([spec], st, b, "flashinfer", seed=k), f"mla fp8 scale{scale} {phase} k{k}", record)
+
+
+@pytest.mark.parametrize("backend", ["flashmla", "flashinfer"])
+def test_multi_step_decode_at_batch_above_one(backend, record):
+    """Several decode steps in a row, each step's writes applied, fast and reference side by side."""
+    spec = fa.LayerSpec(0, mla_config(**TINY_PADDED), torch.bfloat16)
+    cached = [3, 64, 127, 500]
+    fast = ref = filled_state([spec], cached, page_size=64, extra=12, device=DEV)
+    fm = fa.ModelAttention([spec], prefer=(backend,), device=DEV, phases=("decode",))
+    rm = fa.ModelAttention([spec], prefer=("reference",), device=DEV, phases=("decode",))
+    for step in range(8):
+        bf, br = fa.Batch.decode(fast, range(4)), fa.Batch.decode(ref, range(4))
+        of, df = forward_all(fm, fast, bf, [spec], seed=100 + step)
+        orf, dr = forward_all(rm, ref, br, [spec], seed=100 + step)
+        fast, ref = fast.apply(df), ref.apply(dr)
+        err = float((of[0].o.float() - orf[0].o.float()).abs().max() / orf[0].o.float().abs().max())
+        ok = bool(torch.isfinite(of[0].o).all()) and err <= TOL
+        record({"case": f"mla multi-step {backend} step {step}", "o_rel": err, "ok": ok})
+        assert ok, f"step {step}: {err}"
+
+
+# --------------------------------------------------------------------------- sparse MLA
+
+
+SPARSE = {  # name -> (layer shape, indexer heads, top-k, cached lengths)
+    "tiny": (TINY_PADDED, 8, 16, [0, 1, 20, 63, 130]),
+    "real": (dict(REAL), 64, 2048, [1, 100, 2100, 3000]),
+}
+
+
+@pytest.mark.parametrize("family", ["v32", "glm5"])
+@pytest.mark.parametrize("shape", ["tiny", "real"])
+@pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 1), ("verify", 2), ("verify", 3),
+                                      ("verify", 4)])
+def test_sparse_mla_matches_reference(family, shape, phase, k, record):
+    layer, Hi, topk, cached = SPARSE[shape]
+    specs = sparse_specs(topk=topk, Hi=Hi, Di=128, shared=family == "glm5", **layer)
+    page = 64 if family == "v32" else 16
+    extra = 300 if phase == "prefill" else 8
+    st = filled_state(specs, cached, page_size=page, extra=extra, device=DEV)
+    ids = list(range(len(cached)))
+    if phase == "prefill":
+        b = fa.Batch.prefill(st, {r: n for r, n in zip(ids, [5, 1, 37, 300, 64][: len(ids)])})
+    else:
+        b = _batch(st, phase, ids, k)
+    _check(compare(specs, st, b, "flashmla", seed=k), f"sparse {family} {shape} {phase} k{k}", record)
+
+
+def test_sparse_pad_lanes_and_multi_step_decode(record):
+    specs = sparse_specs(topk=16, Hi=8, Di=128, shared=True, **TINY_PADDED)
+    fast = ref = filled_state(specs, [2, 40, 90], page_size=16, extra=12, device=DEV)
+    b = _batch(fast, "decode", [0, 1, 2], pad=2)
+    _check(compare(specs, fast, b, "flashmla", seed=9, live=_live(b)), "sparse pad lanes", record)
+    fm = fa.ModelAttention(specs, prefer=("flashmla",), device=DEV, phases=("decode",))
+    rm = fa.ModelAttention(specs, prefer=("reference",), device=DEV, phases=("decode",))
+    for step in range(8):
+        of, df = forward_all(fm, fast, fa.Batch.decode(fast, range(3)), specs, seed=200 + step)
+        orf, dr = forward_all(rm, ref, fa.Batch.decode(ref, range(3)), specs, seed=200 + step)
+        fast, ref = fast.apply(df), ref.apply(dr)
+        for layer in (0, 1):
+            err = float((of[layer].o.float() - orf[layer].o.float()).abs().max() / orf[layer].o.float().abs().max())
+            ok = bool(torch.isfinite(of[layer].o).all()) and err <= TOL
+            record({"case": f"sparse multi-step step {step} layer {layer}", "o_rel": err, "ok": ok})
+            assert ok, f"step {step} layer {layer}: {err}"
+
+
+def test_sparse_refusals_on_the_gpu():
+    (unpadded,) = sparse_specs(topk=16, H=16, R=512, Dr=64, Dn=64, Dv=64)
+    ma = fa.ModelAttention([unpadded], device=DEV)
+    assert ma.backend(0, "decode").name == "reference" and "padded_heads" in ma.explain()
+    (fp8,) = sparse_specs(topk=16, **TINY_PADDED, cache_dtype="fp8_e4m3")
+    assert "656-byte" in fa.ModelAttention([fp8], device=DEV).explain()
+
+
+# --------------------------------------------------------------------------- whole models
+
+
+def _tiny_model(name):
+    from fnattn.models.registry import family_named, random_model
+
+    raw = family_named(name).tiny_config()
+    raw.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+    if name != "deepseek_v3":
+        raw.update(index_head_dim=128, index_topk=8)
+    model = random_model(name, dtype=torch.bfloat16, device=DEV, config=raw)
+    params = dataclasses.replace(model.params, config=dataclasses.replace(model.config, padded_heads=64))
+    return model, params
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v32", "glm5"])
+def test_tiny_model_logits_through_the_fast_paths(name, record):
+    model, params = _tiny_model(name)
+    specs = params.config.specs
+    logits = {}
+    for which in ("fast", "reference"):
+        ma = fa.ModelAttention(specs, device=DEV) if which == "fast" else fa.ModelAttention(
+            specs, prefer=("reference",), device=DEV)
+        if which == "fast":
+            names = {ma.backend(s.index, p).name for s in specs for p in ("decode", "verify")}
+            assert names == {"flashmla"}, ma.explain()
+        st = fa.State(specs, num_pages=16, page_size=64, max_requests=3, device=DEV, fill=float("nan"))
+        st = st.admit(0).admit(1).admit(2).reserve({0: 90, 1: 90, 2: 90})
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, 150, (40 + 3 + 70,), generator=g).to(DEV)
+        st, lp = run_step(model.step, params, ma, st, fa.Batch.prefill(st, {0: 40, 1: 3, 2: 70}), prompt)
+        out = [lp]
+        for step in range(4):
+            toks = torch.randint(0, 150, (3,), generator=g).to(DEV)
+            st, ld = run_step(model.step, params, ma, st, fa.Batch.decode(st, [0, 1, 2]), toks)
+            out.append(ld)
+        logits[which] = torch.cat(out).float()
+    f, r = logits["fast"], logits["reference"]
+    err = float((f - r).abs().max() / r.abs().max())
+    agree = float((f.argmax(-1) == r.argmax(-1)).float().mean())
+    ok = bool(torch.isfinite(f).all()) and err <= 5e-2 and agree >= 0.9
+    record({"case": f"model {name} padded 64", "logits_rel": err, "argmax_agree": agree, "ok": ok})
+    assert ok, f"{name}: rel {err:.3e}, argmax agreement {agree:.2f}"
