@@ -245,21 +245,27 @@ def weight_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         s["head.weight"] = (cfg.vocab_size, D)
     for i, spec in enumerate(cfg.specs):
-        p = f"model.layers.{i}."
-        s.update(AttnWeights.shapes(p + "attn.", spec.config, hidden=D, q_lora_rank=cfg.q_lora_rank,
-                                    o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank))
-        s.update({p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,)})
-        s.update(_hc_shapes(p + "hc_attn", cfg))
-        s.update(_hc_shapes(p + "hc_ffn", cfg))
-        m = p + "ffn."
-        s[m + "gate.weight"] = (E, D)
-        if cfg.mlp_types[i] == "moe":
-            s[m + "gate.bias"] = (E,)
-        for e in range(E):  # w1: gate, w3: up, w2: down
-            s.update({f"{m}experts.{e}.w1.weight": (I, D), f"{m}experts.{e}.w3.weight": (I, D),
-                      f"{m}experts.{e}.w2.weight": (D, I)})
-        s.update({m + "shared_experts.w1.weight": (I, D), m + "shared_experts.w3.weight": (I, D),
-                  m + "shared_experts.w2.weight": (D, I)})
+        s.update(layer_shapes(cfg, f"model.layers.{i}.", spec.config, cfg.mlp_types[i]))
+    return s
+
+
+def layer_shapes(cfg: DeepseekV4Config, p: str, c: DSV4Config, mlp_type: str) -> dict[str, tuple[int, ...]]:
+    """One decoder block's float tensors under ``p`` (``model.layers.{i}.``)."""
+    D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    s = AttnWeights.shapes(p + "attn.", c, hidden=D, q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups,
+                           o_lora_rank=cfg.o_lora_rank)
+    s.update({p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,)})
+    s.update(_hc_shapes(p + "hc_attn", cfg))
+    s.update(_hc_shapes(p + "hc_ffn", cfg))
+    m = p + "ffn."
+    s[m + "gate.weight"] = (E, D)
+    if mlp_type == "moe":
+        s[m + "gate.bias"] = (E,)
+    for e in range(E):  # w1: gate, w3: up, w2: down
+        s.update({f"{m}experts.{e}.w1.weight": (I, D), f"{m}experts.{e}.w3.weight": (I, D),
+                  f"{m}experts.{e}.w2.weight": (D, I)})
+    s.update({m + "shared_experts.w1.weight": (I, D), m + "shared_experts.w3.weight": (I, D),
+              m + "shared_experts.w2.weight": (D, I)})
     return s
 
 
@@ -312,25 +318,27 @@ class Params:
     inv_freq_compress: Tensor  # [Dr / 2]
 
 
+def load_layer(cfg: DeepseekV4Config, w, p: str, c: DSV4Config, mlp_type: str) -> Layer:
+    """One decoder block from the tensors under ``p``."""
+    m, hashed = p + "ffn.", mlp_type == "hash_moe"
+    E = range(cfg.n_routed_experts)
+    # One fused [E, 2I, D] / [E, D, I] copy for `common.experts`, as transformers merges them on load.
+    gate_up = torch.stack([torch.cat((w[f"{m}experts.{e}.w1.weight"], w[f"{m}experts.{e}.w3.weight"])) for e in E])
+    down = torch.stack([w[f"{m}experts.{e}.w2.weight"] for e in E])
+    mlp = MoE(w[m + "gate.weight"], None if hashed else w[m + "gate.bias"].float(),
+              w[m + "gate.tid2eid"].long() if hashed else None, gate_up, down,
+              tuple(w[m + f"shared_experts.{n}.weight"] for n in ("w1", "w3", "w2")))
+    return Layer(AttnWeights.take(w, p + "attn.", c), w[p + "attn_norm.weight"].float(),
+                 w[p + "ffn_norm.weight"].float(), HC.take(w, p + "hc_attn"), HC.take(w, p + "hc_ffn"), mlp)
+
+
 def load(cfg: DeepseekV4Config, w) -> Params:
-    layers = []
-    for i, spec in enumerate(cfg.specs):
-        p, m = f"model.layers.{i}.", f"model.layers.{i}.ffn."
-        hashed = cfg.mlp_types[i] == "hash_moe"
-        E = range(cfg.n_routed_experts)
-        # One fused [E, 2I, D] / [E, D, I] copy for `common.experts`, as transformers merges them on load.
-        gate_up = torch.stack([torch.cat((w[f"{m}experts.{e}.w1.weight"], w[f"{m}experts.{e}.w3.weight"])) for e in E])
-        down = torch.stack([w[f"{m}experts.{e}.w2.weight"] for e in E])
-        mlp = MoE(w[m + "gate.weight"], None if hashed else w[m + "gate.bias"].float(),
-                  w[m + "gate.tid2eid"].long() if hashed else None, gate_up, down,
-                  tuple(w[m + f"shared_experts.{n}.weight"] for n in ("w1", "w3", "w2")))
-        layers.append(Layer(AttnWeights.take(w, p + "attn.", spec.config), w[p + "attn_norm.weight"].float(),
-                            w[p + "ffn_norm.weight"].float(), HC.take(w, p + "hc_attn"), HC.take(w, p + "hc_ffn"),
-                            mlp))
+    layers = tuple(load_layer(cfg, w, f"model.layers.{i}.", spec.config, cfg.mlp_types[i])
+                   for i, spec in enumerate(cfg.specs))
     embed = w["model.embed_tokens.weight"]
     main, _ = rope_tables(dict(cfg.rope_main), cfg.qk_rope_head_dim)
     comp, _ = rope_tables(dict(cfg.rope_compress), cfg.qk_rope_head_dim)
-    return Params(cfg, embed, tuple(layers), w["model.norm.weight"].float(),
+    return Params(cfg, embed, layers, w["model.norm.weight"].float(),
                   (w["model.hc_head.hc_fn"].float(), w["model.hc_head.hc_base"].float(),
                    w["model.hc_head.hc_scale"].float()),
                   embed if cfg.tie_word_embeddings else w["head.weight"], main.to(embed.device),
@@ -381,6 +389,30 @@ def moe(block: MoE, cfg: DeepseekV4Config, x: Float[Tensor, "T D"], tokens: Tens
     return routed + shared
 
 
+def decoder_layer(session, i: int, layer: Layer, c: DSV4Config, cfg: DeepseekV4Config,
+                  streams: Float[Tensor, "T N D"], ropes: dict, comp_inv_freq: Tensor, tokens: Tensor):
+    """Decoder block ``i`` (attention layer ``i`` of the session): ``-> (streams [T, N, D], layer writes)``."""
+    cos, sin = ropes["main" if c.compress_ratio == 0 else "compress"]
+    post, comb, h = hyper(layer.attn_hc, streams, cfg)
+    h = rms_norm_fp32w(h, layer.input_norm, cfg.rms_norm_eps)
+    inputs = attention_inputs(layer.attn, c, h, session.batch.positions, cos, sin,
+                              comp_inv_freq if c.compress_ratio else None, cfg.rms_norm_eps)
+    out, deltas = session.forward(i, inputs)
+    streams = merge(post, comb, output_projection(layer.attn, out.o, cos, sin, cfg.o_groups), streams)
+    post, comb, h = hyper(layer.ffn_hc, streams, cfg)
+    h = rms_norm_fp32w(h, layer.post_norm, cfg.rms_norm_eps)
+    return merge(post, comb, moe(layer.mlp, cfg, h, tokens), streams), deltas
+
+
+def collapse(head_hc: tuple[Tensor, Tensor, Tensor], norm: Tensor, streams: Float[Tensor, "T N D"],
+             cfg: DeepseekV4Config) -> Float[Tensor, "T D"]:
+    """The hyper head (learned ``pre`` weights over the streams), then the final norm."""
+    fn, base, scale = head_hc
+    flat = unweighted_norm(streams.flatten(1).float(), cfg.rms_norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + cfg.hc_eps  # [T, N]
+    return rms_norm_fp32w((pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype), norm, cfg.rms_norm_eps)
+
+
 @checked
 def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                 ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
@@ -396,22 +428,10 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, N, D]
     layer_deltas = []
     for i, layer in enumerate(params.layers):
-        c = cfg.specs[i].config
-        cos, sin = ropes["main" if c.compress_ratio == 0 else "compress"]
-        post, comb, h = hyper(layer.attn_hc, streams, cfg)
-        h = rms_norm_fp32w(h, layer.input_norm, cfg.rms_norm_eps)
-        inputs = attention_inputs(layer.attn, c, h, pos, cos, sin,
-                                  params.inv_freq_compress if c.compress_ratio else None, cfg.rms_norm_eps)
-        out, deltas = session.forward(i, inputs)
+        streams, deltas = decoder_layer(session, i, layer, cfg.specs[i].config, cfg, streams, ropes,
+                                        params.inv_freq_compress, tokens)
         layer_deltas.append(deltas)
-        streams = merge(post, comb, output_projection(layer.attn, out.o, cos, sin, cfg.o_groups), streams)
-        post, comb, h = hyper(layer.ffn_hc, streams, cfg)
-        h = rms_norm_fp32w(h, layer.post_norm, cfg.rms_norm_eps)
-        streams = merge(post, comb, moe(layer.mlp, cfg, h, tokens), streams)
-    fn, base, scale = params.head_hc
-    flat = unweighted_norm(streams.flatten(1).float(), cfg.rms_norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + cfg.hc_eps  # [T, N]
-    hidden = rms_norm_fp32w((pre.unsqueeze(-1) * streams).sum(dim=1).to(x.dtype), params.norm, cfg.rms_norm_eps)
+    hidden = collapse(params.head_hc, params.norm, streams, cfg)
     return F.linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
@@ -422,8 +442,16 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
     return logits, deltas
 
 
+def draft(cfg: DeepseekV4Config, target_params: Params, weights=None, *, seed: int = 0):
+    """The MTP draft model (`models/deepseek_v4_mtp.py`, imported lazily: it builds on this module)."""
+    from .deepseek_v4_mtp import draft as mtp_draft
+
+    return mtp_draft(cfg, target_params, weights, seed=seed)
+
+
 def tiny_config() -> dict:
-    """Four layers (sliding, CSA every 4 tokens, HCA every 8, CSA) with a window of 6, two streams, 4 experts."""
+    """Four layers (sliding, CSA every 4 tokens with an 8-head top-3 indexer, HCA every 8, CSA), a window of 6,
+    two streams, 4 experts (the first layer hash-routed)."""
     return {
         "model_type": "deepseek_v4", "vocab_size": 160, "hidden_size": 64, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "q_lora_rank": 32,
@@ -431,7 +459,7 @@ def tiny_config() -> dict:
                                                          "heavily_compressed_attention", "compressed_sparse_attention"],
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "sliding_window": 6, "o_groups": 2,
-        "o_lora_rank": 16, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 3, "hc_mult": 2,
+        "o_lora_rank": 16, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 3, "hc_mult": 2,
         "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "n_shared_experts": 1, "moe_intermediate_size": 32, "scoring_func": "sqrtsoftplus",
         "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -442,4 +470,4 @@ def tiny_config() -> dict:
 
 register_family(Family(name="deepseek_v4", model_types=("deepseek_v4",), adapt=adapt, weight_shapes=weight_shapes,
                        load=load, step=step, tiny_config=tiny_config, step_hidden=step_hidden,
-                       index_shapes=index_shapes))
+                       draft=draft, index_shapes=index_shapes))

@@ -50,6 +50,12 @@ def _deepseek(name):
     return build
 
 
+def _deepseek_v4(vocab, seed):
+    from test_model_deepseek_v4 import hf_model, tiny_raw
+
+    return hf_model(tiny_raw(vocab_size=vocab), seed)
+
+
 def _kimi(vocab, seed):
     from test_model_kimi import MAIN, build_hf
 
@@ -72,6 +78,7 @@ BUILDERS = {
     "deepseek_v3": _deepseek("deepseek_v3"),
     "deepseek_v32": _deepseek("deepseek_v32"),
     "glm5": _deepseek("glm5"),
+    "deepseek_v4": _deepseek_v4,
     "kimi_linear": _kimi,
     "llama": _llama("llama"),
     "qwen3": _llama("qwen3"),

@@ -174,7 +174,9 @@ def _top_k(inputs: DSV4Inputs, rows: slice, entries: Tensor, visible: Tensor, ix
     scores = indexer_scores(inputs.index_q[rows], inputs.index_w[rows], entries, scale=ix.head_dim ** -0.5)
     scores = scores.masked_fill(~visible, float("-inf"))  # [n, E]
     k = min(ix.topk, entries.shape[0])
-    top = scores.topk(k, dim=-1).indices
+    # Ties (ReLU scores are often exactly 0) go to the earlier entry whatever the number of entries, so a
+    # token picks the same entries in a decode, a verify or a prefill.
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
     top = torch.where(visible.gather(1, top), top, torch.full_like(top, -1))
     return chosen.index_copy(1, torch.arange(k, device=top.device), top)
 
