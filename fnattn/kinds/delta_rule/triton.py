@@ -220,8 +220,8 @@ def _fla_prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tupl
 _guards = {}
 for _kind in ("gdn", "kda"):
     _guards["_prefill"] = register(_kind, "prefill", "triton", supports=supports, plan=plan)(_prefill)
-    _guards["_decode"] = register(_kind, "decode", "triton", supports=supports, plan=plan)(_decode)
-    _guards["_verify"] = register(_kind, "verify", "triton", supports=supports, plan=plan)(_verify)
+    _guards["_decode"] = register(_kind, "decode", "triton", supports=supports, plan=plan, capturable=True)(_decode)
+    _guards["_verify"] = register(_kind, "verify", "triton", supports=supports, plan=plan, capturable=True)(_verify)
     _guards["_fla_prefill"] = register(_kind, "prefill", "fla", supports=fla_supports, plan=plan)(_fla_prefill)
 # The module's names run only through a session from here on, like every registered backend.
 _prefill, _decode, _verify, _fla_prefill = (_guards[n] for n in ("_prefill", "_decode", "_verify", "_fla_prefill"))

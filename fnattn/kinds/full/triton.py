@@ -45,6 +45,7 @@ def _varlen(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple
     return AttentionOutput(o=o, lse=lse), writes(k=inputs.k, v=inputs.v)
 
 
-_decode = register("full", "decode", "triton", supports=supports)(_decode)
+# Decode's launch is sized by the block table's width and verify's by its 1 + k tokens: both capturable.
+_decode = register("full", "decode", "triton", supports=supports, capturable=True)(_decode)
 register("full", "prefill", "triton", supports=supports)(_varlen)
-_varlen = register("full", "verify", "triton", supports=supports)(_varlen)
+_varlen = register("full", "verify", "triton", supports=supports, capturable=True)(_varlen)
