@@ -53,7 +53,8 @@ def _deepseek(name):
 def _deepseek_v4(vocab, seed):
     from test_model_deepseek_v4 import hf_model, tiny_raw
 
-    return hf_model(tiny_raw(vocab_size=vocab), seed)
+    # No eos (transformers' default for V4 is id 1, which these random weights pick): 8 tokens in both.
+    return hf_model(tiny_raw(vocab_size=vocab, eos_token_id=None), seed)
 
 
 def _kimi(vocab, seed):
