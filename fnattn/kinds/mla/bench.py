@@ -28,7 +28,8 @@ def random_inputs(cfg: MLAConfig, T: int, dtype=torch.bfloat16) -> MLAInputs:
     r = lambda *s, scale=1.0: (torch.randn(*s, device=DEVICE, generator=g) * scale).to(dtype)  # noqa: E731
     H, R = cfg.heads, cfg.kv_lora_rank
     return MLAInputs(q_nope=r(T, H, cfg.qk_nope_head_dim), q_pe=r(T, H, cfg.qk_rope_head_dim),
-                     latent=r(T, cfg.latent_dim), w_uk=r(H, cfg.qk_nope_head_dim, R, scale=cfg.qk_nope_head_dim ** -0.5),
+                     latent=r(T, cfg.latent_dim),
+                     w_uk=r(H, cfg.qk_nope_head_dim, R, scale=cfg.qk_nope_head_dim ** -0.5),
                      w_uv=r(H, cfg.v_head_dim, R, scale=R ** -0.5))
 
 

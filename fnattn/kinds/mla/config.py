@@ -14,7 +14,6 @@ from ...checks import check_tensor, fail
 from ...declare import StepMeta, per_token, static_pytree, tensor_pytree
 from ...spec import default_scale, positive
 
-
 CACHE_DTYPES = {None: None, "fp8_e4m3": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 

@@ -9,8 +9,6 @@ reports LSE in base 2; the outputs here use the natural log.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ...deltas import Writes, writes
@@ -22,9 +20,8 @@ from ..full.config import AttentionOutput
 from ..full.flashinfer import cache_layout
 from .config import MLAInputs
 from .flashmla import latent_shape_reasons
-from .latent import absorbed_query, empty_as_neg_inf, merge, own_rows, uniform_new, values_out
+from .latent import absorbed_query, fold_own_rows, no_keys_as_neg_inf, uniform_new, values_out
 
-LN2 = math.log(2.0)
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
@@ -66,10 +63,10 @@ def _step(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOu
     o_c, lse_c = p["wrapper"].run(q[..., :R], q[..., R:], views.latent[..., :R], views.latent[..., R:],
                                   return_lse=True, **scales)  # [T, H, R], [T, H] base 2
     has_keys = (batch.cache_lens > 0).repeat_interleave(n)[:, None]  # [T, 1]
-    o_c, lse_c = empty_as_neg_inf(o_c, lse_c * LN2, has_keys)
+    o_c = torch.where(has_keys[..., None], o_c, 0.0)  # an empty cache part: its output is undefined here
+    lse_c = no_keys_as_neg_inf(lse_c, has_keys)
     # the step's own rows at the cache's precision, as a later step reads them back
-    o_n, lse_n = own_rows(q, m.as_cached(inputs.latent), n=n, scale=m.scale, R=R)
-    o_lat, lse = merge(o_c, lse_c, o_n, lse_n)
+    o_lat, lse = fold_own_rows(q, o_c, lse_c, m.as_cached(inputs.latent), n=n, scale=m.scale, lse_base2=True)
     return (AttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse),
             writes(latent=m.encode_latent(inputs.latent)))
 

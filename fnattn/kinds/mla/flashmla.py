@@ -13,8 +13,6 @@ served by the FlashInfer backend instead (`.flashinfer`).
 
 from __future__ import annotations
 
-import torch
-
 from ...checks import fail
 from ...deltas import Writes, writes
 from ...registry import register
@@ -23,7 +21,7 @@ from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
 from ..full.config import AttentionOutput
 from .config import MLAInputs
-from .latent import absorbed_query, empty_as_neg_inf, merge, own_rows, uniform_new, values_out
+from .latent import absorbed_query, fold_own_rows, no_keys_as_neg_inf, uniform_new, values_out
 
 PAGE_SIZE = 64  # FlashMLA's paged-cache block size
 
@@ -67,15 +65,14 @@ def cached_part(spec, views, inputs, q):
                                       batch.cache_lens, m.kv_lora_rank, p["meta"], p["splits"],
                                       softmax_scale=m.scale, causal=False)  # [B, n, H, R], [B, H, n]
     has_keys = (batch.cache_lens > 0).repeat_interleave(n)[:, None]  # [T, 1]
-    return empty_as_neg_inf(out.reshape(T, H, -1), lse.transpose(1, 2).reshape(T, H), has_keys)
+    return out.view(T, H, -1), no_keys_as_neg_inf(lse.transpose(1, 2).reshape(T, H), has_keys)
 
 
 def _step(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
     m = spec.config.mla
     q = absorbed_query(inputs)  # [T, H, R + Dr]
     o_c, lse_c = cached_part(spec, views, inputs, q)
-    o_n, lse_n = own_rows(q, inputs.latent, n=inputs.meta.plan["n"], scale=m.scale, R=m.kv_lora_rank)
-    o_lat, lse = merge(o_c, lse_c, o_n, lse_n)
+    o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=inputs.meta.plan["n"], scale=m.scale)
     return AttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse), writes(latent=inputs.latent)
 
 

@@ -9,11 +9,16 @@ Dq = R + Dr (the absorbed query / cached row width), B requests, n new tokens pe
 
 from __future__ import annotations
 
+import importlib.util
+import math
+
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ...checks import fail
+
+LN2 = math.log(2.0)
 
 
 def absorbed_query(inputs) -> Float[Tensor, "T H Dq"]:
@@ -64,10 +69,29 @@ def merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, T
     return o1.float() * w1 + o2.float() * w2, lse
 
 
-def empty_as_neg_inf(o: Tensor, lse: Tensor, has_keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Kernels mark a query with no key by ``lse = +inf`` (FlashMLA) or leave it undefined; make it
-    ``-inf`` with a zero output, as the references do. ``has_keys [T, 1]`` masks rows known empty."""
+def no_keys_as_neg_inf(lse: Tensor, has_keys: Tensor | None = None) -> Tensor:
+    """Kernels mark a query with no key by ``lse = +inf`` (FlashMLA, with a zero output) or leave it
+    undefined; make it ``-inf``, as the references do. ``has_keys [T, 1]`` marks rows known empty."""
     empty = torch.isposinf(lse) | torch.isnan(lse)
     if has_keys is not None:
         empty = empty | ~has_keys
-    return torch.where(empty[..., None], 0.0, o.float()), lse.masked_fill(empty, float("-inf"))
+    return lse.masked_fill(empty, float("-inf"))
+
+
+def fold_own_rows(q: Float[Tensor, "T H Dq"], o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"],
+                  new: Float[Tensor, "T Dq"], *, n: int, scale: float, lse_base2: bool = False
+                  ) -> tuple[Float[Tensor, "T H R"], Float[Tensor, "T H"]]:
+    """The cached part merged with each token's own new rows (causal): ``(o_lat, natural-log lse)``.
+
+    One decode token per request takes the fused Triton kernel (its own score and the merge in one
+    launch, ``fnattn.kernels.merge_new_token``); 1 + k verify tokens the torch path.
+    """
+    R = o_c.shape[-1]
+    if n == 1 and q.is_cuda and importlib.util.find_spec("triton") is not None:
+        from ...kernels import merge_new_token
+
+        return merge_new_token(o_c, lse_c, q, new[:, None], new[:, None, :R], scale=scale, lse_base2=lse_base2)
+    if lse_base2:
+        lse_c = lse_c * LN2
+    o_n, lse_n = own_rows(q, new, n=n, scale=scale, R=R)
+    return merge(o_c, lse_c, o_n, lse_n)

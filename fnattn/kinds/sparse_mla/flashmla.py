@@ -27,13 +27,13 @@ from ...spec import LayerSpec
 from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
 from ..mla.flashmla import latent_shape_reasons
-from ..mla.latent import absorbed_query, empty_as_neg_inf, merge, own_rows, uniform_new, values_out
+from ..mla.latent import absorbed_query, merge, no_keys_as_neg_inf, own_rows, uniform_new, values_out
 from .config import SparseAttentionOutput, SparseMLAInputs
 from .reference import check_reused
 
 LN2 = math.log(2.0)
 TOPK_BLOCK = 128  # top-k lists are padded to a multiple of this (the kernel walks them in blocks)
-LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (sgl_kernel.flash_mla's docstring)
+LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (its docstring; its max_logits are log2e-scaled too)
 
 
 def supports(spec, device) -> list[str]:
@@ -83,7 +83,7 @@ def sparse_kernel(q, kv, indices, scale, R):
     idx = F.pad(indices, (0, pad), value=-1) if pad else indices
     out, _, lse = flash_mla_sparse_fwd(q, kv.view(-1, 1, kv.shape[-1]), idx.to(torch.int32).unsqueeze(1).contiguous(),
                                        scale, R)
-    return empty_as_neg_inf(out, lse * LN2 if LSE_BASE2 else lse)
+    return out, no_keys_as_neg_inf(lse * LN2 if LSE_BASE2 else lse)  # a query with no key: zero output
 
 
 def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from helpers import registry_scope, same_bits
 
 import fnattn as fa
 from fnattn.kinds.full.config import AttentionOutput
 from fnattn.kinds.sparse_mla.config import SparseAttentionOutput
-from helpers import registry_scope, same_bits
 
 FILL = "test_rows"
 

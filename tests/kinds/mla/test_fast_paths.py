@@ -9,16 +9,16 @@ import dataclasses
 
 import pytest
 import torch
-from kinds.mla.fast_cases import compare, filled_state, mla_config, sparse_specs, step_inputs
+from fnattn.models.registry import random_model
 
 import fnattn as fa
 from fnattn.driver import run_step
 from fnattn.kinds.mla import flashinfer as mla_flashinfer
 from fnattn.kinds.mla import flashmla as mla_flashmla
 from fnattn.kinds.mla.latent import merge, own_rows
-from fnattn.kinds.mla.math import mla_absorbed, topk_mask
+from fnattn.kinds.mla.math import mla_absorbed
 from fnattn.kinds.sparse_mla import flashmla as sparse_flashmla
-from fnattn.models.registry import random_model
+from kinds.mla.fast_cases import compare, filled_state, mla_config, sparse_specs, step_inputs
 
 SMALL = dict(R=16, Dr=8, Dn=8, Dv=8)
 
@@ -80,7 +80,7 @@ def test_padded_heads_leave_the_model_heads_unchanged():
     plain, padded = _spec(H=3), _spec(H=3, padded=8)
     st_p = filled_state([plain], [6, 2], page_size=4, seed=1)
     st_q = filled_state([padded], [6, 2], page_size=4, seed=1)
-    for st, spec in ((st_p, plain), (st_q, padded)):
+    for st in (st_p, st_q):
         assert st.views(0).latent.shape[-1] == 24
     bp, bq = fa.Batch.decode(st_p, [0, 1]), fa.Batch.decode(st_q, [0, 1])
     ip, iq = step_inputs(plain, bp, seed=2), step_inputs(padded, bq, seed=2)
