@@ -26,6 +26,7 @@ from fnattn import IndexerConfig, LayerSpec, StepDeltas
 from fnattn.checks import checked, fail
 from fnattn.kinds.dsv4 import DSV4Config
 from fnattn.kinds.dsv4.math import rms_norm_fp32w
+from fnattn.tp import all_reduce
 
 from .common import check_config_value, check_tokens, experts, grouped_topk
 from .deepseek_v32 import get_field, rope_tables
@@ -398,10 +399,11 @@ def decoder_layer(session, i: int, layer: Layer, c: DSV4Config, cfg: DeepseekV4C
     inputs = attention_inputs(layer.attn, c, h, session.batch.positions, cos, sin,
                               comp_inv_freq if c.compress_ratio else None, cfg.rms_norm_eps)
     out, deltas = session.forward(i, inputs)
-    streams = merge(post, comb, output_projection(layer.attn, out.o, cos, sin, cfg.o_groups), streams)
+    # the grouped output projection and the MoE are row-parallel under TP (models/tp.py)
+    streams = merge(post, comb, all_reduce(output_projection(layer.attn, out.o, cos, sin, cfg.o_groups)), streams)
     post, comb, h = hyper(layer.ffn_hc, streams, cfg)
     h = rms_norm_fp32w(h, layer.post_norm, cfg.rms_norm_eps)
-    return merge(post, comb, moe(layer.mlp, cfg, h, tokens), streams), deltas
+    return merge(post, comb, all_reduce(moe(layer.mlp, cfg, h, tokens)), streams), deltas
 
 
 def collapse(head_hc: tuple[Tensor, Tensor, Tensor], norm: Tensor, streams: Float[Tensor, "T N D"],
