@@ -270,6 +270,38 @@ def _kimi_rules(cfg):
 register_family_tp(("kimi_linear",), FamilyTP(_kimi_local, _kimi_rules))
 
 
+# DeepSeek-V4 ---------------------------------------------------------------------------------------
+
+def _v4_local(cfg, tp):
+    return replace(cfg, **_split(cfg, tp, f"deepseek_v4 tp={tp}", num_heads=cfg.num_heads, o_groups=cfg.o_groups,
+                                 moe_intermediate_size=cfg.moe_intermediate_size))
+
+
+def _v4_rules(cfg):
+    """Query heads (and their sinks) split; the one shared K=V head, the compressors and the indexer
+    replicated; the grouped output projection split by groups of heads (``wo_a`` rows, ``wo_b``
+    columns: row-parallel); the mHC mixers replicated; every expert and the shared one by its
+    intermediate size."""
+    a, f = _L + r"attn\.", _L + r"ffn\."
+    H, G = cfg.num_heads, cfg.o_groups
+    groups = heads(G, cfg.o_lora_rank, "o_groups")
+    return [(r"model\.embed_tokens\.weight|model\.norm\.weight|head\.weight|model\.hc_head\.hc_(?:fn|base|scale)",
+             Replicated()),
+            (_L + r"(?:attn_norm|ffn_norm)\.weight|" + _L + r"hc_(?:attn|ffn)_(?:fn|base|scale)", Replicated()),
+            (a + r"attn_sink", Split(0, heads(H, 1, "num_heads"))),
+            (a + r"wq_b\.weight", Split(0, heads(H, cfg.head_dim, "num_heads"))),
+            (a + r"(?:wq_a|q_norm|wkv|norm)\.weight|" + a + r"(?:compressor|indexer)\..+", Replicated()),
+            (a + r"wo_a\.weight", Split(0, groups)), (a + r"wo_b\.weight", Split(1, groups)),
+            (f + r"gate\.(?:weight|bias|tid2eid)", Replicated()),
+            *_mlp_rules(f + r"experts\.\d+\.", cfg.moe_intermediate_size, "moe_intermediate_size",
+                        names=("w1", "w3", "w2")),
+            *_mlp_rules(f + r"shared_experts\.", cfg.moe_intermediate_size, "moe_intermediate_size",
+                        names=("w1", "w3", "w2"))]
+
+
+register_family_tp(("deepseek_v4",), FamilyTP(_v4_local, _v4_rules))
+
+
 # --------------------------------------------------------------------------- attention kinds
 
 
@@ -308,6 +340,8 @@ KIND_TP: dict[str, KindTP] = {
                          lambda c, name: None),  # latent and indexer keys: replicated
     "gdn": KindTP(lambda c, tp: _by(tp, c, num_k_heads=c.num_k_heads, num_v_heads=c.num_v_heads), _recurrent_layout),
     "kda": KindTP(lambda c, tp: _by(tp, c, num_heads=c.num_heads), _recurrent_layout),
+    # one K=V head, compressed entries and index keys: every head's, replicated
+    "dsv4": KindTP(lambda c, tp: _by(tp, c, num_heads=c.num_heads), lambda c, name: None),
 }
 
 
