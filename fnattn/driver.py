@@ -70,7 +70,7 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
              max_new_tokens: int | None = None, stop: StopCriteria | None = None, sampler: Sampler | None = None,
              tokenizer=None, chunk: int | None = None,
              on_step: Callable[[int, dict[int, int]], None] | None = None, release: bool = True,
-             max_running: int | None = None, share_prefixes: bool = False):
+             max_running: int | None = None, share_prefixes: bool = False, runner=None):
     """Generate for a batch of new requests; ``-> (state, {rid: new tokens})``, a `GenerateResult` whose
     ``.stats["prefix_hit_rate"]`` is the share of prompt tokens served from shared pages.
 
@@ -82,7 +82,8 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
     """
     result = generate_completions(step, params, model_attention, state, prompts, max_new_tokens=max_new_tokens,
                                   stop=stop, sampler=sampler, tokenizer=tokenizer, chunk=chunk, on_step=on_step,
-                                  release=release, max_running=max_running, share_prefixes=share_prefixes)
+                                  release=release, max_running=max_running, share_prefixes=share_prefixes,
+                                  runner=runner)
     state, done = result
     return GenerateResult(state, {r: c.ids for r, c in done.items()}, result.stats)
 
@@ -104,7 +105,7 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
                          sampler: Sampler | None = None, tokenizer=None, chunk: int | None = None,
                          on_step: Callable[[int, dict[int, int]], None] | None = None,
                          on_text: Callable[[int, str], None] | None = None, release: bool = True,
-                         max_running: int | None = None, share_prefixes: bool = False):
+                         max_running: int | None = None, share_prefixes: bool = False, runner=None):
     """`generate` with ``-> (state, {rid: Completion})`` (a `GenerateResult`); ``on_text(rid, chunk)`` streams
     each request's text.
 
@@ -123,6 +124,9 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
     default), so every full page of a prompt has one. Prompts admitted together whose
     common prefix another of them would serve go in a later prefill of the same admission, after it. The
     generated tokens are those of a run without sharing; ``.stats`` reports the hit rate.
+
+    ``runner``: a `fnattn.graph.StepRunner` of the same model, which runs the decode steps (captured CUDA
+    graphs on a GPU; requests join and leave its buckets between replays). Prefill stays eager.
     """
     stop = _criteria(max_new_tokens, stop)
     if max_running is not None:
@@ -130,6 +134,10 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
             fail("generate", "max_running", "an int >= 1 or None", max_running)
         if not release and max_running < len(prompts):
             fail("generate", "release", f"True when max_running ({max_running}) < the number of prompts", release)
+    from .graph import StepRunner
+
+    if runner is not None and (not isinstance(runner, StepRunner) or runner.attn is not model_attention):
+        fail("generate", "runner", "None or a StepRunner over this model_attention", type(runner).__name__)
     sampler = sampler if sampler is not None else Sampler()
     if not isinstance(sampler, Sampler):
         fail("generate", "sampler", "a Sampler", type(sampler).__name__)
@@ -204,11 +212,13 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
         running = [r for r in running if not streams[r].completion.finished]
         if running:
             state = state.reserve({r: 1 for r in running})
-            batch = Batch.decode(state, running)
-            tokens = torch.tensor([streams[r].completion.ids[-1] for r in batch.request_ids], dtype=torch.long,
+            tokens = torch.tensor([streams[r].completion.ids[-1] for r in running], dtype=torch.long,
                                   device=state.device)
-            state, logits = run_step(step, params, model_attention, state, batch, tokens)
-            take(list(batch.request_ids), logits, i)
+            if runner is not None:
+                state, logits = runner.decode(state, running, tokens)
+            else:
+                state, logits = run_step(step, params, model_attention, state, Batch.decode(state, running), tokens)
+            take(list(running), logits, i)
             running, i = [r for r in running if not streams[r].completion.finished], i + 1
     total = sum(len(p) for p in prompts.values())
     stats = {"prompt_tokens": total, "prefix_hit_tokens": hits, "prefix_hit_rate": hits / total if total else 0.0}

@@ -117,8 +117,29 @@ class StepRunner:
         if not ids:
             fail("StepRunner.decode", "request_ids", "at least one request", ids)
         bucket = Bucket("decode", self.bucket_for(len(ids)), 0, self.columns(state))
-        state, entry = self._ensure(state, bucket, "native")
-        batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns)
+        state, _ = self._ensure(state, bucket, "native")
+        return self.run(state, Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns), tokens,
+                        out=out)
+
+    def run(self, state, batch: Batch, tokens: Tensor, *, out: Tensor | None = None):
+        """One decode step over a batch padded to one of this runner's buckets (``Batch.decode(state, ids,
+        pad_to=bucket, columns=runner.columns(state))``); ``tokens`` [n] for its requests.
+        ``-> (state, logits [n, V])``. Every lane is checked before any is copied."""
+        if not isinstance(batch, Batch):
+            fail("StepRunner.run", "batch", "a Batch", type(batch).__name__)
+        if batch.phase != "decode":  # by its phase, never by its shape
+            fail("StepRunner.run", "batch.phase", "'decode' (verify steps go through StepRunner.verify; prefill "
+                 "runs eagerly)", batch.phase)
+        bucket = Bucket("decode", batch.num_requests, 0, batch.block_table.shape[1])
+        entry = self._entries.get((bucket, "native"))
+        if entry is None:
+            if batch.num_requests not in self.buckets or bucket.columns != self.columns(state):
+                raise LaneError(f"batch: expected a bucket of {self.buckets} lanes and {self.columns(state)} "
+                                f"block-table columns, got {batch.num_requests} lanes and {bucket.columns}")
+            version = state.version
+            state, entry = self._ensure(state, bucket, "native")
+            if state.version != version:  # captured just now: the same builder, over the new handle
+                batch = Batch.decode(state, batch.live_ids, pad_to=bucket.lanes, columns=bucket.columns)
         outputs, deltas, _ = self._run(state, entry, batch, tokens, out)
         if entry.graph is None:
             return state.apply(deltas), outputs["logits"]

@@ -105,15 +105,24 @@ class Speculator:
     target's bonus token, the target's deltas are filtered and applied once,
     and the draft catches up on the accepted positions with the target's true
     hidden states.
+
+    ``target_runner``: a `fnattn.graph.StepRunner` over ``target_step`` with a ``hidden`` output lane, which
+    runs every verify step (the captured verify graph on a GPU); prefill and the draft stay eager.
     """
 
     def __init__(self, *, target_step, target_params, target_attn, target_state, draft_step, draft_params,
-                 draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None):
+                 draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None,
+                 target_runner=None):
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Speculator", "num_draft", "an int >= 1", num_draft)
         if recovery not in ("native", "replay"):
             fail("Speculator", "recovery", "'native' or 'replay'", recovery)
+        if target_runner is not None and (not getattr(target_runner, "hidden", False)
+                                          or target_runner.attn is not target_attn):
+            fail("Speculator", "target_runner", "None or a StepRunner over target_attn with a 'hidden' output lane",
+                 type(target_runner).__name__)
         self.k, self.recovery, self.propose_hook = num_draft, recovery, propose_hook
+        self.runner = target_runner
         self.target = (target_step, target_params, target_attn)
         self.draft = (draft_step, draft_params, draft_attn)
         self.tstate, self.dstate = target_state, draft_state
@@ -194,14 +203,23 @@ class Speculator:
         if self.propose_hook is not None:
             drafts = {r: list(d) for r, d in self.propose_hook(self.steps, drafts).items()}
         self.tstate = self.tstate.reserve({r: self.k + 1 for r in ids})
-        batch = Batch.verify(self.tstate, ids, num_draft=self.k, recovery=self.recovery)
-        tokens = [t for r in batch.request_ids for t in [self.last[r], *drafts[r]]]
-        logits, hidden, deltas, replay_outputs = self._run_target(batch, self._tokens(tokens))
-        accepted, bonus = greedy_accept(logits, batch, drafts)
-        replay = None
-        if self.recovery == "replay":
-            replay = replay_writes(self.target[2], self.tstate, batch, replay_outputs, accepted)
-        self.tstate = self.tstate.apply(accept_step(deltas, batch, accepted, replay=replay))
+        if self.runner is not None:
+            tokens = [t for r in ids for t in [self.last[r], *drafts[r]]]
+            verified = self.runner.verify(self.tstate, ids, self._tokens(tokens), num_draft=self.k,
+                                          recovery=self.recovery)
+            batch, logits, hidden = verified.live_batch, verified.logits, verified.hidden
+            self.trace.append(logits)
+            accepted, bonus = greedy_accept(logits, batch, drafts)
+            self.tstate = verified.accept(accepted)
+        else:
+            batch = Batch.verify(self.tstate, ids, num_draft=self.k, recovery=self.recovery)
+            tokens = [t for r in batch.request_ids for t in [self.last[r], *drafts[r]]]
+            logits, hidden, deltas, replay_outputs = self._run_target(batch, self._tokens(tokens))
+            accepted, bonus = greedy_accept(logits, batch, drafts)
+            replay = None
+            if self.recovery == "replay":
+                replay = replay_writes(self.target[2], self.tstate, batch, replay_outputs, accepted)
+            self.tstate = self.tstate.apply(accept_step(deltas, batch, accepted, replay=replay))
         emitted, shifted, rows = {}, [], []
         cu = batch.host_cu_seqlens
         for b, r in enumerate(batch.request_ids):

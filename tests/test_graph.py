@@ -1,0 +1,268 @@
+"""Captured steps without a GPU: the capture-free StepRunner, its lane checks, padding and the host-read guard."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from fnattn.models import tiny
+from fnattn.models.registry import FAMILIES, _load_builtin, random_model
+from helpers import gdn_spec
+
+import fnattn as fa
+from fnattn.graph import StepRunner
+from fnattn.lanes import Bucket, HostReadError, Lane, LaneError, Manifest, check_lanes, no_host_reads, step_manifest
+from fnattn.speculative import Speculator
+
+_load_builtin()
+FAMILY_NAMES = sorted(FAMILIES)
+NAN = float("nan")
+
+
+def _state(specs, **kw):
+    kw = {"num_pages": 32, "page_size": 8, "max_requests": 4, "fill": NAN, "recurrent_ring": 4, **kw}
+    return fa.State(specs, **kw)
+
+
+def _prefill(step, params, attn, st, prompts):
+    for r in prompts:
+        st = st.admit(r)
+    st = st.reserve({r: len(p) for r, p in prompts.items()})
+    b = fa.Batch.prefill(st, {r: len(p) for r, p in prompts.items()})
+    tok = torch.tensor([t for r in b.request_ids for t in prompts[r]])
+    with attn.session(st, b) as s:
+        logits, d = step(params, s, tok)
+    return st.apply(d), {r: int(logits[b.host_cu_seqlens[i + 1] - 1].argmax()) for i, r in enumerate(b.request_ids)}
+
+
+def _decode_run(model, attn, runner, steps=6):
+    """Decode with requests joining (2 at step 2) and leaving (0 after step 3); ``-> logits per step``."""
+    st, last = _prefill(model.step, model.params, attn, _state(model.specs), {0: [1, 2, 3, 4, 5], 1: [7, 8, 9]})
+    out = []
+    for i in range(steps):
+        if i == 2:
+            st, first = _prefill(model.step, model.params, attn, st, {2: [4, 4, 2]})
+            last.update(first)
+        if i == 4:
+            st = st.release(0)
+            del last[0]
+        ids = list(last)
+        st = st.reserve({r: 1 for r in ids})
+        tok = torch.tensor([last[r] for r in ids])
+        if runner is None:
+            b = fa.Batch.decode(st, ids)
+            with attn.session(st, b) as s:
+                logits, d = model.step(model.params, s, tok)
+            st = st.apply(d)
+        else:
+            st, logits = runner.decode(st, ids, tok)
+        out.append(logits)
+        last = {r: int(logits[j].argmax()) for j, r in enumerate(ids)}
+    return out, st
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_capture_free_steps_equal_eager_steps_for_every_family(name):
+    model = random_model(name)
+    attn = fa.ModelAttention(model.specs)
+    runner = StepRunner(model.step, model.params, attn, model.manifest(), host_reads="error", max_context=64,
+                        buckets=(1, 2, 4))
+    assert runner.capture is False
+    want, _ = _decode_run(model, attn, None)
+    got, st = _decode_run(model, attn, runner)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.isfinite(a).all()  # the NaN null page/slot never reached a live lane
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert {e.bucket.lanes for e in runner._entries.values()} == {2, 4}  # 2 requests, then 3, then 2 again
+    assert st.free_slots == 2
+
+
+def _tiny():
+    cfg = tiny.TinyConfig(num_layers=2)
+    params = tiny.init_params(cfg)
+    attn = fa.ModelAttention(tiny.layer_specs(cfg))
+    runner = StepRunner(tiny.step, params, attn, tiny.manifest(cfg), max_context=32, buckets=(2, 4))
+    st, last = _prefill(tiny.step, params, attn, _state(tiny.layer_specs(cfg)), {0: [1, 2, 3], 1: [5, 6]})
+    st = st.reserve({0: 1, 1: 1})
+    st, _ = runner.decode(st, [0, 1], torch.tensor([last[0], last[1]]))  # the bucket's buffers now exist
+    st = st.reserve({0: 1, 1: 1})
+    return cfg, runner, st
+
+
+def _good(runner, st):
+    return fa.Batch.decode(st, [0, 1], pad_to=2, columns=runner.columns(st)), torch.tensor([3, 4])
+
+
+def _buffers(runner):
+    (entry,) = runner._entries.values()
+    return {k: v.clone() for k, v in entry.inputs.items()}
+
+
+def _unchanged(runner, before):
+    (entry,) = runner._entries.values()
+    return all(torch.equal(entry.inputs[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("problem, match", [
+    ("missing", "lane 'positions': missing"),
+    ("shape", "lane 'positions': expected shape"),
+    ("dtype", "lane 'slot_mapping': expected dtype torch.int64"),
+    ("device", "lane 'cache_lens': expected a tensor on cpu"),
+    ("strided", "lane 'positions': a view onto the storage"),
+    ("overlap", "overlaps lane"),
+])
+def test_each_bad_lane_is_named_and_nothing_is_copied(problem, match):
+    _, runner, st = _tiny()
+    batch, tokens = _good(runner, st)
+    if problem == "missing":
+        batch = replace(batch, positions=None)
+    elif problem == "shape":
+        batch = replace(batch, positions=batch.positions[:1])
+    elif problem == "dtype":
+        batch = replace(batch, slot_mapping=batch.slot_mapping.int())
+    elif problem == "device":
+        batch = replace(batch, cache_lens=torch.empty(2, dtype=torch.int32, device="meta"))
+    elif problem == "strided":  # two lanes carved out of one buffer, with gaps
+        buf = torch.empty(8, dtype=torch.int64)
+        buf[0:4:2], buf[1:4:2] = batch.positions, batch.slot_mapping
+        batch = replace(batch, positions=buf[0:4:2], slot_mapping=buf[1:4:2])
+    else:
+        buf = torch.cat([batch.positions, batch.slot_mapping])
+        batch = replace(batch, positions=buf[0:2], slot_mapping=buf[1:3])
+    before = _buffers(runner)
+    with pytest.raises(LaneError, match=match):
+        runner.run(st, batch, tokens)
+    assert _unchanged(runner, before) and st.is_live
+
+
+def test_an_out_buffer_with_padded_rows_is_refused_and_nothing_is_copied():
+    cfg, runner, st = _tiny()
+    batch, tokens = _good(runner, st)
+    before = _buffers(runner)
+    with pytest.raises(LaneError, match="packed rows"):
+        runner.run(st, batch, tokens, out=torch.empty(2, cfg.vocab_size + 8)[:, :cfg.vocab_size])
+    assert _unchanged(runner, before)
+    out = torch.empty(2, cfg.vocab_size)
+    st, logits = runner.run(st, batch, tokens, out=out)
+    assert logits is out and torch.isfinite(out).all()
+
+
+def test_tokens_out_of_range_are_refused_before_copying():
+    cfg, runner, st = _tiny()
+    batch, _ = _good(runner, st)
+    before = _buffers(runner)
+    with pytest.raises(LaneError, match="lane 'tokens': expected ids in 0..255"):
+        runner.run(st, batch, torch.tensor([3, cfg.vocab_size]))
+    assert _unchanged(runner, before)
+
+
+def test_a_batch_is_classified_by_its_phase_never_by_its_shape():
+    _, runner, st = _tiny()
+    prefill = fa.Batch.prefill(st, {0: 1, 1: 1})  # two requests of one token: shaped like a decode batch
+    with pytest.raises(ValueError, match="`batch.phase` must be 'decode'"):
+        runner.run(st, prefill, torch.tensor([1, 2]))
+    from fnattn.batch import _build
+
+    with pytest.raises(ValueError, match="`pad_to` must be None"):  # prefill batches are never padded by lanes
+        _build(st, "prefill", {0: 1}, num_draft=0, pad_to=4)
+
+
+def test_pad_lanes_use_the_null_page_and_slot_and_move_no_cursor():
+    specs = (gdn_spec(),)
+    st = fa.State(specs, num_pages=4, page_size=4, max_requests=2).admit(0).reserve({0: 1})
+    b = fa.Batch.decode(st, [0], pad_to=3, columns=4)
+    assert b.request_ids == (0, -1, -2) and b.live_ids == (0,) and b.num_pad == 2
+    assert b.block_table.shape == (3, 4) and b.block_table[1:].eq(0).all() and b.slot_mapping[1:].tolist() == [0, 0]
+    N = st.slots_per_ring
+    assert b.recurrent_slots[1:].tolist() == [0, 0] and b.recurrent_write_rows[1:].tolist() == [N, N]
+    assert b.cursor_after(b.host_new_lens).request_ids == (0,)
+    bad = replace(b, host_pages=(b.host_pages[0], (1,), (0,)))
+    from fnattn.apply import check_batch
+    with pytest.raises(ValueError, match="pad lane -1"):
+        check_batch(st, bad, "test")
+    with pytest.raises(ValueError, match="`columns`"):
+        fa.Batch.decode(st, [0], pad_to=3, columns=0)
+
+
+def test_the_guard_names_a_host_read():
+    with no_host_reads():
+        t = torch.arange(3)
+        _ = t + 1  # device work is fine
+        for read in (lambda: t.sum().item(), lambda: t.tolist(), lambda: bool(t[0]), lambda: t[t > 0],
+                     lambda: t.nonzero()):
+            with pytest.raises(HostReadError):
+                read()
+
+
+def test_a_step_that_reads_the_device_fails_under_the_guard():
+    cfg = tiny.TinyConfig(num_layers=1)
+    params = tiny.init_params(cfg)
+    attn = fa.ModelAttention(tiny.layer_specs(cfg))
+
+    def step(params, session, tokens):
+        if tokens.sum().item() < 0:  # a host read inside the step
+            pass
+        return tiny.step(params, session, tokens)
+
+    runner = StepRunner(step, params, attn, tiny.manifest(cfg), host_reads="error", max_context=16, buckets=(1,))
+    st, last = _prefill(tiny.step, params, attn, _state(tiny.layer_specs(cfg)), {0: [1, 2]})
+    st = st.reserve({0: 1})
+    with pytest.raises(HostReadError, match="`item`"):
+        runner.decode(st, [0], torch.tensor([last[0]]))
+
+
+def test_manifest_declarations_are_checked():
+    m = step_manifest(vocab=10)
+    with pytest.raises(ValueError, match="lanes\\['positions'\\]"):
+        Manifest(tuple(lane for lane in m.lanes if lane.name != "positions"), m.dims)
+    with pytest.raises(ValueError, match="`role`"):
+        Lane("x", ("T",), torch.int64, "copied")
+    bucket = Bucket("decode", 2, 0, 4)
+    g = step_manifest(vocab=10, generated=(Lane("topk", ("T", 3), torch.int64, "generated"),))
+    with pytest.raises(LaneError, match="generated lanes are never copied"):
+        check_lanes(g, bucket, {"topk": torch.zeros(2, 3, dtype=torch.int64)}, torch.device("cpu"))
+    assert g.shape(g.lanes[-1], bucket) == (2, 3) and g.shape(g.lanes[1], bucket) == (3,)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm5"])
+def test_dsa_families_declare_and_fill_their_generated_top_k(name):
+    model = random_model(name)
+    attn = fa.ModelAttention(model.specs)
+    manifest = model.manifest()
+    names = [lane.name for lane in manifest.role("generated")]
+    assert names and all(n.startswith("indexer_topk_") for n in names)
+    runner = StepRunner(model.step, model.params, attn, manifest, max_context=64, buckets=(2,))
+    _decode_run(model, attn, runner, steps=2)
+    (entry,) = runner._entries.values()
+    assert sorted(entry.generated) == sorted(names)
+
+
+def test_runner_arguments_are_checked():
+    cfg = tiny.TinyConfig(num_layers=1)
+    params, attn = tiny.init_params(cfg), fa.ModelAttention(tiny.layer_specs(cfg))
+    for kw, arg in ((dict(buckets=(4, 2)), "buckets"), (dict(max_context=0), "max_context"),
+                    (dict(capture=True), "capture"), (dict(host_reads="warn"), "host_reads")):
+        with pytest.raises(ValueError, match=f"`{arg}`"):
+            StepRunner(tiny.step, params, attn, tiny.manifest(cfg), **kw)
+    assert StepRunner(tiny.step, params, attn, tiny.manifest(cfg)).uncapturable()  # CPU: reference backends
+
+
+@pytest.mark.parametrize("recovery", ["native", "replay"])
+def test_mtp_through_the_verify_runner_equals_eager(recovery):
+    model = random_model("qwen3_5")
+    draft = model.family.draft(model.config, model.params, None, seed=1)
+
+    def run(use_runner):
+        t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
+        runner = StepRunner(model.family.step_hidden, model.params, t_attn, model.manifest(hidden=True),
+                            host_reads="error", max_context=96, buckets=(2,)) if use_runner else None
+        spec = Speculator(target_step=model.family.step_hidden, target_params=model.params, target_attn=t_attn,
+                          target_state=_state(model.specs, recurrent_ring=5), draft_step=draft.step,
+                          draft_params=draft.params, draft_attn=d_attn, draft_state=_state(draft.specs),
+                          num_draft=2, recovery=recovery, target_runner=runner)
+        spec.start({0: [1, 2, 3, 4], 1: [9, 8]})
+        return [spec.step() for _ in range(5)], spec.trace
+
+    (a, ta), (b, tb) = run(False), run(True)
+    assert a == b and len(ta) == len(tb)  # the same tokens, and every target and draft logits in the same order
+    for x, y in zip(ta, tb):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
