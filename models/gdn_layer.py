@@ -40,6 +40,7 @@ from fnattn.kinds.delta_rule.math import RecurrentLayerOutput, gated_delta_chunk
 from fnattn.kinds.delta_rule.qkv import gdn_qkv
 
 from .common import rms_norm
+from .fused import gated_rms_norm_silu  # one kernel on CUDA; `gated_rmsnorm_silu`'s math elsewhere
 
 __all__ = [
     "GDNWeights",
@@ -77,6 +78,11 @@ class GDNWeights:
     head_v_dim: int
     eps: float = 1e-6
     activation: str = "silu"
+    # Set by `from_state_dict`: the four input projections as one [C + HV + 2H, D] weight (one GEMM; the four
+    # fields above are row views of it), and the fp32 decay factors the recurrence takes (-exp(A_log), dt_bias).
+    in_proj: Float[Tensor, "P Dmodel"] | None = None
+    neg_decay: Float[Tensor, " H"] | None = None
+    dt_bias_f32: Float[Tensor, " H"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
@@ -100,6 +106,11 @@ class GDNWeights:
         expect_shape("dt_bias", self.dt_bias, (self.num_v_heads,))
         expect_shape("norm_weight", self.norm_weight, (self.head_v_dim,))
         expect_shape("out_proj", self.out_proj, (D, self.value_dim))
+        if self.in_proj is not None:
+            expect_shape("in_proj", self.in_proj, (self.conv_dim + self.value_dim + 2 * self.num_v_heads, D))
+        for name in ("neg_decay", "dt_bias_f32"):
+            if getattr(self, name) is not None:
+                expect_shape(name, getattr(self, name), (self.num_v_heads,))
 
     @property
     def hidden_size(self) -> int:
@@ -183,6 +194,11 @@ class GDNWeights:
                 f"{prefix + 'in_proj_qkvz.weight'!r} (Qwen3-Next)"
             )
 
+        # One GEMM instead of four: the four projections become row views of one fused weight.
+        in_proj = torch.cat([in_proj_qkv, in_proj_z, in_proj_b, in_proj_a], dim=0)
+        in_proj_qkv, in_proj_z, in_proj_b, in_proj_a = in_proj.split(
+            [in_proj_qkv.shape[0], in_proj_z.shape[0], in_proj_b.shape[0], in_proj_a.shape[0]], dim=0)
+        A_log, dt_bias = get("A_log"), get("dt_bias")
         return cls(
             in_proj_qkv=in_proj_qkv,
             in_proj_z=in_proj_z,
@@ -191,7 +207,7 @@ class GDNWeights:
             conv_weight=conv[:, 0, :],
             conv_bias=conv_bias,
             A_log=A_log,
-            dt_bias=get("dt_bias"),
+            dt_bias=dt_bias,
             norm_weight=norm_weight,
             out_proj=get("out_proj.weight"),
             num_k_heads=num_k_heads,
@@ -200,6 +216,9 @@ class GDNWeights:
             head_v_dim=head_v_dim,
             eps=float(eps),
             activation=activation,
+            in_proj=in_proj,
+            neg_decay=-A_log.float().exp(),
+            dt_bias_f32=dt_bias.float(),
         )
 
 
@@ -256,12 +275,17 @@ def gdn_project(
     """
     expect_float("x", x)
     expect_shape("x", x, (None, w.hidden_size))
-    T = x.shape[0]
-    conv_input = F.linear(x, w.in_proj_qkv)
-    z = F.linear(x, w.in_proj_z).reshape(T, w.num_v_heads, w.head_v_dim)
-    beta = torch.sigmoid(F.linear(x, w.in_proj_b))
-    a = F.linear(x, w.in_proj_a)
-    g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
+    T, H = x.shape[0], w.num_v_heads
+    if w.in_proj is not None:  # one GEMM; the parts are column slices of its output
+        conv_input, z, b, a = F.linear(x, w.in_proj).split([w.conv_dim, w.value_dim, H, H], dim=-1)
+    else:
+        conv_input, z, b, a = (F.linear(x, p) for p in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
+    z = z.reshape(T, H, w.head_v_dim)
+    beta = torch.sigmoid(b)
+    # fp32 where the math needs it: the log-decay feeds an exp inside the recurrence.
+    neg_decay = -w.A_log.float().exp() if w.neg_decay is None else w.neg_decay
+    dt_bias = w.dt_bias.float() if w.dt_bias_f32 is None else w.dt_bias_f32
+    g = neg_decay * F.softplus(a.float() + dt_bias)
     return conv_input, z, g, beta
 
 
@@ -269,7 +293,7 @@ def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V
     """The gated RMSNorm and the output projection, in ``z.dtype`` (the activation dtype)."""
     expect_shape("o", o, (None, w.num_v_heads, w.head_v_dim))
     expect_shape("z", z, (o.shape[0], w.num_v_heads, w.head_v_dim))
-    o = gated_rmsnorm_silu(o.to(z.dtype), z, w.norm_weight, eps=w.eps)
+    o = gated_rms_norm_silu(o, z, w.norm_weight, w.eps)
     return F.linear(o.reshape(o.shape[0], w.value_dim), w.out_proj)
 
 

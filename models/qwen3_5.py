@@ -39,15 +39,14 @@ from fnattn.tp import all_reduce
 from .common import (
     REQUIRED,
     SwiGLU,
-    apply_rope,
     check_tokens,
     config_field,
     moe_sum,
-    rms_norm,
     rope_cos_sin,
     rope_inv_freq,
     softmax_topk,
 )
+from .fused import add_rms_norm_offset_, rms_norm_offset, rope_, rope_table, silu_and_mul
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
 
@@ -302,18 +301,41 @@ def _mlp_shapes(cfg: QwenConfig, i: int, p: str) -> dict:
 class MoE:
     router: Tensor  # [E, D]
     experts: tuple[SwiGLU, ...]  # E experts, kept as the checkpoint's per-expert tensors (no stacking copy)
-    shared: SwiGLU | None
+    shared: DenseMLP | None
     shared_gate: Tensor | None  # [1, D]
 
 
 @dataclass(frozen=True, eq=False)
 class Attention:
-    q_proj: Tensor  # [2 Hq Dh, D]: per head, Dh query rows then Dh output-gate rows
-    k_proj: Tensor  # [Hkv Dh, D]
-    v_proj: Tensor  # [Hkv Dh, D]
+    qkv: Tensor  # [2 Hq Dh + 2 Hkv Dh, D]: q_proj (per head, Dh query rows then Dh gate rows), k_proj, v_proj
     o_proj: Tensor  # [D, Hq Dh]
     q_norm: Tensor  # [Dh], stored as weight - 1
     k_norm: Tensor  # [Dh], stored as weight - 1
+    kv_rows: int  # Hkv Dh: rows of k_proj (and of v_proj) in qkv
+
+    @classmethod
+    def fused(cls, q_proj: Tensor, k_proj: Tensor, v_proj: Tensor, o_proj: Tensor, q_norm: Tensor,
+              k_norm: Tensor) -> Attention:
+        """The checkpoint's projections concatenated once at load: one GEMM per step instead of three."""
+        if k_proj.shape != v_proj.shape:
+            fail("qwen3_5 attention", "v_proj", f"the shape of k_proj {tuple(k_proj.shape)}", tuple(v_proj.shape))
+        return cls(torch.cat([q_proj, k_proj, v_proj]), o_proj, q_norm, k_norm, k_proj.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class DenseMLP:
+    """A SwiGLU MLP with gate and up concatenated at load: one GEMM, then `silu_and_mul`, then down."""
+
+    gate_up: Tensor  # [2 I, D]: gate_proj rows, then up_proj rows
+    down: Tensor  # [D, I]
+
+    @classmethod
+    def take(cls, weights, prefix: str) -> DenseMLP:
+        w = SwiGLU.take(weights, prefix)
+        return cls(torch.cat([w.gate, w.up]), w.down)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down)
 
 
 @dataclass(frozen=True, eq=False)
@@ -321,7 +343,7 @@ class Layer:
     input_norm: Tensor  # [D], stored as weight - 1
     attn: GDNWeights | Attention
     post_norm: Tensor  # [D], stored as weight - 1
-    mlp: SwiGLU | MoE
+    mlp: DenseMLP | MoE
 
 
 @dataclass(frozen=True, eq=False)
@@ -355,17 +377,17 @@ def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
                                           prefix=L + "linear_attn.")
     else:
         a = L + "self_attn."
-        attn = Attention(**{n: weights[f"{a}{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                    "q_norm", "k_norm")})
+        attn = Attention.fused(**{n: weights[f"{a}{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                          "q_norm", "k_norm")})
     m = L + "mlp."
     if cfg.moe_layers[i]:
         shared = cfg.shared_expert_intermediate_size > 0
         mlp = MoE(router=weights[m + "gate.weight"],
                   experts=tuple(SwiGLU.take(weights, f"{m}experts.{e}.") for e in range(cfg.num_experts)),
-                  shared=SwiGLU.take(weights, m + "shared_expert.") if shared else None,
+                  shared=DenseMLP.take(weights, m + "shared_expert.") if shared else None,
                   shared_gate=weights[m + "shared_expert_gate.weight"] if shared else None)
     else:
-        mlp = SwiGLU.take(weights, m)
+        mlp = DenseMLP.take(weights, m)
     return Layer(weights[L + "input_layernorm.weight"], attn, weights[L + "post_attention_layernorm.weight"], mlp)
 
 
@@ -373,17 +395,20 @@ def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
 
 
 def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], cos: Tensor, sin: Tensor,
-                    cfg: QwenConfig):
-    """``-> (output [T, D], layer deltas)``."""
-    T, Hq, Hkv, Dh = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q, gate = F.linear(h, w.q_proj).view(T, Hq, 2 * Dh).chunk(2, dim=-1)  # [T, Hq, Dh] each
-    q = apply_rope(rms_norm(q, w.q_norm, cfg.rms_norm_eps, offset=1.0), cos, sin)
-    k = apply_rope(rms_norm(F.linear(h, w.k_proj).view(T, Hkv, Dh), w.k_norm, cfg.rms_norm_eps, offset=1.0), cos, sin)
-    v = F.linear(h, w.v_proj).view(T, Hkv, Dh)
-    # Attention runs in the spec's dtype, which may differ from the weights' (e.g. bf16 weights, fp32 specs).
+                    cfg: QwenConfig, table: Tensor | None = None):
+    """``-> (output [T, D], layer deltas)``; ``table``: the step's `rope_table` (FlashInfer's rope on CUDA)."""
+    T, Dh = h.shape[0], cfg.head_dim
+    qg, k, v = F.linear(h, w.qkv).split([w.qkv.shape[0] - 2 * w.kv_rows, w.kv_rows, w.kv_rows], dim=-1)
+    q, gate = qg.view(T, -1, 2 * Dh).chunk(2, dim=-1)  # [T, Hq, Dh] each (Hq of this rank under TP)
+    q = rms_norm_offset(q, w.q_norm, cfg.rms_norm_eps)  # a new contiguous tensor, which rope_ may rotate in place
+    k = rms_norm_offset(k.view(T, -1, Dh), w.k_norm, cfg.rms_norm_eps)
+    q, k = rope_(q, k, cos, sin, table)
+    v = v.view(T, -1, Dh).contiguous()  # a column slice of the GEMM output; a no-op at one token
+    # Attention runs in the spec's dtype, which may differ from the weights' (e.g. bf16 weights, fp32 specs);
+    # when they agree (the served case) these casts are no-ops.
     dt = cfg.dtype
     out, deltas = session.forward(layer, FullAttentionInputs(q=q.to(dt), k=k.to(dt), v=v.to(dt)))
-    o = out.o.to(h.dtype).reshape(T, Hq * Dh) * torch.sigmoid(gate.reshape(T, Hq * Dh))
+    o = out.o.to(h.dtype).reshape(T, -1) * torch.sigmoid(gate).reshape(T, -1)
     return F.linear(o, w.o_proj), deltas
 
 
@@ -407,35 +432,55 @@ def moe(h: Float[Tensor, "T D"], m: MoE, cfg: QwenConfig) -> Float[Tensor, "T D"
     return out
 
 
-def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: Tensor, sin: Tensor,
-                  cfg: QwenConfig):
-    """Decoder layer ``i`` (attention through the session, then the MLP): ``-> (x [T, D], layer deltas)``."""
-    eps = cfg.rms_norm_eps
-    h = rms_norm(x, layer.input_norm, eps, offset=1.0)
+def _mixer_and_mlp(session, i: int, layer: Layer, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor,
+                   cfg: QwenConfig, table: Tensor | None):
+    """Layer ``i`` after its input norm ``h``: ``-> (MLP output, residual stream x + attention, layer deltas)``.
+
+    ``x`` must be the step's own tensor: on CUDA the fused residual add writes the sum into it.
+    """
     if isinstance(layer.attn, GDNWeights):
         y, deltas = linear_attention(session, i, layer.attn, h, cfg)
     else:
-        y, deltas = gated_attention(session, i, layer.attn, h, cos, sin, cfg)
-    x = x + all_reduce(y)  # o_proj / out_proj and the MLPs' down projections are row-parallel under TP
-    h = rms_norm(x, layer.post_norm, eps, offset=1.0)
-    return x + all_reduce(moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp(h)), deltas
+        y, deltas = gated_attention(session, i, layer.attn, h, cos, sin, cfg, table)
+    # o_proj / out_proj and the MLPs' down projections are row-parallel under TP.
+    x, h = add_rms_norm_offset_(all_reduce(y), x, layer.post_norm, cfg.rms_norm_eps)
+    return all_reduce(moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp(h)), x, deltas
+
+
+def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: Tensor, sin: Tensor,
+                  cfg: QwenConfig):
+    """Decoder layer ``i`` (attention through the session, then the MLP): ``-> (x [T, D], layer deltas)``.
+
+    Leaves ``x`` as it was (`step_hidden` instead chains the layers through fused residual adds)."""
+    h = rms_norm_offset(x, layer.input_norm, cfg.rms_norm_eps)
+    y, x, deltas = _mixer_and_mlp(session, i, layer, x.clone() if x.is_cuda else x, h, cos, sin, cfg, None)
+    return x + y, deltas
 
 
 @checked
 def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                 ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
-    """`step` that also returns the final norm's output (lm_head's input), which MTP drafts read."""
+    """`step` that also returns the final norm's output (lm_head's input), which MTP drafts read.
+
+    Each layer's MLP output is added to the residual stream by the next norm (one fused add + RMSNorm),
+    the last one by the final norm.
+    """
     cfg, batch = params.config, session.batch
     if tokens.shape[0] != batch.num_tokens:
         fail(f"{cfg.model_type}.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
     check_tokens(f"{cfg.model_type}.step", tokens, cfg.vocab_size)
-    cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim]
-    x = F.embedding(tokens, params.embed)  # [T, D]
-    layer_deltas = []
+    cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim] fp32, once per step
+    table = rope_table(cos, sin) if cos.is_cuda else None
+    x = F.embedding(tokens, params.embed)  # [T, D]; the residual stream, this step's own tensor
+    eps, y, layer_deltas = cfg.rms_norm_eps, None, []
     for i, layer in enumerate(params.layers):
-        x, deltas = decoder_layer(session, i, layer, x, cos, sin, cfg)
+        if y is None:
+            h = rms_norm_offset(x, layer.input_norm, eps)
+        else:
+            x, h = add_rms_norm_offset_(y, x, layer.input_norm, eps)
+        y, x, deltas = _mixer_and_mlp(session, i, layer, x, h, cos, sin, cfg, table)
         layer_deltas.append(deltas)
-    hidden = rms_norm(x, params.norm, cfg.rms_norm_eps, offset=1.0)  # [T, D]
+    x, hidden = add_rms_norm_offset_(y, x, params.norm, eps)  # [T, D]
     # The cursor advances once, after every layer has read the state.
     return F.linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 

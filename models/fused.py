@@ -1,0 +1,133 @@
+"""Fused model pieces: one kernel where the plain torch form launches several.
+
+Each function has two bodies with one contract: on a CUDA tensor in bf16 / fp16
+(with the kernel's package installed) it calls FlashInfer's or fla-core's
+kernel; otherwise it runs the unfused torch math of `models.common`, which is
+also what `unfused()` forces for parity checks. The torch bodies are the
+truth; the kernels agree with them to bf16 rounding (tests/gpu/test_fused_gpu.py).
+
+Where fp32 stays, the math needs it: RMSNorm statistics, the rope angles (one
+fp32 table per step, shared by every layer) and GDN's log-decay
+``g = -exp(A_log) * softplus(a + dt_bias)``, which the recurrence takes in fp32.
+
+Functions whose names end in ``_`` write into their arguments (as torch's
+in-place ops do); a model passes them only tensors the step itself made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .common import apply_rope, rms_norm
+
+_ENABLED = [True]
+
+
+@contextlib.contextmanager
+def unfused():
+    """Within this block every function here runs its torch body (the reference for parity tests)."""
+    _ENABLED.append(False)
+    try:
+        yield
+    finally:
+        _ENABLED.pop()
+
+
+@cache
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _kernel(package: str, *tensors: Tensor) -> bool:
+    """Whether the kernel path applies: enabled, CUDA, half precision, one dtype, package installed."""
+    if not _ENABLED[-1]:
+        return False
+    t0 = tensors[0]
+    if t0.device.type != "cuda" or t0.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return all(t.dtype == t0.dtype for t in tensors) and _installed(package)
+
+
+def rms_norm_offset(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``rms_norm(x, weight, eps, offset=1.0)`` (Qwen's ``1 + weight`` norm) over the last dim; any leading dims."""
+    if _kernel("flashinfer", x, weight):
+        import flashinfer
+
+        shape = x.shape
+        out = flashinfer.norm.gemma_rmsnorm(x.reshape(-1, shape[-1]), weight, eps)  # 2D rows, last dim contiguous
+        return out.view(shape)
+    return rms_norm(x, weight, eps, offset=1.0)
+
+
+def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``-> (residual + y, rms_norm(residual + y, weight, eps, offset=1.0))``, both ``[T, D]``.
+
+    With the kernel it is one launch that writes the sum into ``residual`` and
+    the normed value into ``y`` (FlashInfer's gemma_fused_add_rmsnorm, which
+    normalizes the fp32 sum before rounding it; the torch body normalizes the
+    rounded sum).
+    """
+    if _kernel("flashinfer", y, residual, weight) and y.is_contiguous() and residual.is_contiguous():
+        import flashinfer
+
+        flashinfer.norm.gemma_fused_add_rmsnorm(y, residual, weight, eps)
+        return residual, y
+    x = residual + y
+    return x, rms_norm(x, weight, eps, offset=1.0)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """``silu(g) * u`` for ``gate_up = [g | u]`` along the last dim (``[T, 2I] -> [T, I]``)."""
+    if _kernel("flashinfer", gate_up) and gate_up.is_contiguous():
+        import flashinfer
+
+        return flashinfer.activation.silu_and_mul(gate_up)
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def rope_table(cos: Tensor, sin: Tensor) -> Tensor:
+    """The per-step ``[T, Dr]`` fp32 table FlashInfer's rope reads: ``cat(cos[:, :Dr/2], sin[:, :Dr/2])``, row t
+    for token t (so the kernel's positions are ``0..T-1``). Built once per step from `rope_cos_sin`'s output."""
+    half = cos.shape[-1] // 2
+    return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
+
+
+def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, table: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Rotate-half rope on the first ``Dr`` dims of ``q [T, Hq, D]`` and ``k [T, Hkv, D]``: ``-> (q, k)``.
+
+    The kernel (FlashInfer's apply_rope_with_cos_sin_cache_inplace, reading
+    `rope_table`) rotates ``q`` and ``k`` in place, both in one launch; they
+    must be contiguous. The torch body is `common.apply_rope` (fp32 rotation,
+    rounded once).
+    """
+    if table is not None and _kernel("flashinfer", q, k) and q.is_contiguous() and k.is_contiguous():
+        import flashinfer
+
+        T, D = q.shape[0], q.shape[-1]
+        positions = torch.arange(T, device=q.device, dtype=torch.int64)
+        flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(positions, q.view(T, -1), k.view(T, -1), D, table,
+                                                               is_neox=True)
+        return q, k
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``rms_norm(x, weight) * silu(gate)`` over the last dim (GDN's output norm), in ``gate.dtype``.
+
+    The kernel is fla-core's rms_norm_gated (statistics, weight and gate in
+    fp32, one rounding); the torch body rounds the normed value before the
+    gate, as transformers' module does.
+    """
+    x = x.to(gate.dtype)
+    if _kernel("fla", x, gate, weight):
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+        return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
+    return (rms_norm(x, weight, eps) * F.silu(gate.float())).to(x.dtype)
