@@ -220,6 +220,7 @@ def test_rank_specs_hold_the_ranks_heads(ranks):
     assert (gdn.num_k_heads, gdn.num_v_heads) == (1, 2)
     assert ranks[0]["deepseek_v3"]["heads"][0].num_heads == 2
     assert ranks[0]["kimi_linear"]["heads"][0].num_heads == 1  # KDA: 2 heads over 2 ranks
+    assert ranks[0]["deepseek_v4"]["heads"][0].num_heads == 2
     # the rank's State holds its heads only: [pages, page size, heads, dim] and [slots, heads, K, V]
     whole, mine = ranks[1]["llama"]["pools"]
     assert mine["k"][:2] == whole["k"][:2] and (whole["k"][2], mine["k"][2]) == (2, 1)
@@ -243,6 +244,7 @@ def _group(size: int, rank: int = 0) -> tp.TPGroup:
     ("qwen3_5", {}, 4, "linear_num_key_heads"),
     ("deepseek_v32", {}, 8, "num_heads"),
     ("kimi_linear", {}, 4, "kda_heads"),
+    ("deepseek_v4", {}, 4, "o_groups"),  # 4 heads split, their 2 output groups do not
 ])
 def test_heads_that_do_not_split_are_refused_naming_the_field(name, config, size, field):
     cfg = {**FAMILIES[name].tiny_config(), **config}
