@@ -247,3 +247,21 @@ def test_routing_table_out_of_range_is_refused(case, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="tid2eid"):
         load_model(tmp_path)
+
+
+def test_transfer_moves_the_window_entries_and_compressor_state():
+    """Export after a prefill that leaves half-filled windows, import into another page size and ring, decode."""
+    import test_transfer as tt
+
+    from fnattn.transfer import RequestState
+
+    model = tt.Model("deepseek_v4")
+    a, last = tt.sender(model, n=11)  # 11 tokens: CSA holds 3 pending rows, HCA 3, the window is full
+    follow = [int(last[-1].argmax())] + tt.prompt(model, 9, seed=1)  # crosses 12 and 16 after the hand-off
+    _, want = model.decode(a, 7, follow)
+    a, _ = tt.sender(model, n=11)
+    payload = RequestState.from_bytes(a.export_request(7).to_bytes())
+    b, rid = tt.receiver(model).import_request(payload)
+    assert rid == 7
+    b, got = model.decode(b, 7, follow)
+    assert torch.equal(got, want)
