@@ -302,11 +302,17 @@ def expected_tensors(state, phase: str, reqs, *, columns: int | None = None,
     return values, ring
 
 
+def ring_of(state, phase: str, reqs) -> int:
+    """The ring a batch of ``reqs`` writes new recurrent states into (0: none, they overwrite the row)."""
+    R = state.recurrent_ring
+    fits = max(n for _, n in reqs) <= R - 1 if phase == "verify" else R >= 2
+    return R if state.has_recurrent and fits else 0
+
+
 def _recurrent_rows(state, phase: str, reqs) -> tuple[list[int], list[int], int]:
     """``-> (row read per request, row written per state, ring)``; see `State` on the ring."""
     N, R = state.slots_per_ring, state.recurrent_ring
-    fits = max(n for _, n in reqs) <= R - 1 if phase == "verify" else R >= 2
-    ring = R if state.has_recurrent and fits else 0
+    ring = ring_of(state, phase, reqs)
     rows = [r.ring_pos * N + r.slot for r, _ in reqs]
     write_rows = []
     for (r, n), row in zip(reqs, rows):

@@ -14,7 +14,7 @@ replays, then moves the cursors on the host. Capture and replay take their batch
 
 Without capture (the CPU, a notebook, ``capture=False``) the same validation and the same static buffers
 surround the eager step and its full `State.apply`; with ``host_reads="error"`` the step also runs under
-`fnattn.lanes.no_host_reads`, the CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")``.
+`fnattn.lanes.no_host_reads` (and on CUDA under ``torch.cuda.set_sync_debug_mode("error")``).
 
 Verify writes every token row and every spare ring row inside the graph; acceptance then moves cursors
 only (rows past a cursor are never read). Replay recovery re-runs the accepted tokens eagerly after the
@@ -24,6 +24,7 @@ graph, since how many there are is known only then. Prefill runs eagerly.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -89,6 +90,7 @@ class StepRunner:
                  f"({'; '.join(refused)})", capture)
         self.capture = on_cuda and not refused if capture is None else capture
         self._entries: dict[tuple[Bucket, str], _Entry] = {}
+        self.last_validation_s = 0.0
         self._pool = None
 
     # ---------------------------------------------------------------- info
@@ -176,6 +178,7 @@ class StepRunner:
     def _run(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out: Tensor | None):
         """Validate every lane, copy them into the static buffers, run the step; ``-> (outputs, deltas)``."""
         where = "StepRunner"
+        started = time.perf_counter()
         values = self._lanes_of(batch, self._padded_tokens(batch, tokens))
         check_lanes(self.manifest, entry.bucket, values, state.device)
         vocab = self.manifest.dims["V"]
@@ -187,6 +190,7 @@ class StepRunner:
                 0 <= int(t.min()) and int(t.max()) < vocab):
             raise LaneError(f"lane 'tokens': expected ids in 0..{vocab - 1}, got {t.min()}..{t.max()}")
         check_batch(state, batch, where)
+        self.last_validation_s = time.perf_counter() - started  # host time of the checks, read by the bench
         for name, value in values.items():  # nothing was copied before every lane passed
             entry.inputs[name].copy_(value)
         if entry.graph is not None:
@@ -209,7 +213,7 @@ class StepRunner:
     def _eager(self, state, entry: _Entry, batch: Batch, *, guard: bool = False):
         """The step over a batch in the static buffers: ``-> (outputs, deltas, replay outputs)``; the
         generated lanes it recorded go to ``entry.generated``."""
-        reads = no_host_reads() if guard else contextlib.nullcontext()
+        reads = _host_reads_fail(state.device) if guard else contextlib.nullcontext()
         with static_shapes(), reads, self.attn.session(state, batch) as s:
             result = self.step(self.params, s, entry.inputs["tokens"])
         n_out = 2 if self.hidden else 1
@@ -285,6 +289,22 @@ class StepRunner:
             fail("StepRunner", "state", f"the state the batch was built from (version {batch.state_version})",
                  state.version)
         return state._advance(cursor, batch.step_id, state._storage)
+
+
+@contextlib.contextmanager
+def _host_reads_fail(device: torch.device):
+    """`no_host_reads`, and on CUDA also ``torch.cuda.set_sync_debug_mode("error")``, around a step."""
+    if device.type != "cuda":
+        with no_host_reads():
+            yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with no_host_reads():
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
 
 
 class Verified:
