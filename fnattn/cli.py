@@ -30,6 +30,20 @@ class _Progress:
                 self.stream.write(f"decode {done}/{self.total}  {rate:6.1f} tok/s\n")
 
 
+def _runner(step, params, ma, manifest, args, *, max_context: int):
+    """A captured-step runner on CUDA unless ``--eager``; None (eager steps) otherwise."""
+    if getattr(args, "eager", False) or not str(args.device).startswith("cuda"):
+        return None
+    from .graph import StepRunner
+
+    runner = StepRunner(step, params, ma, manifest, max_context=max_context)
+    if not runner.capture:
+        why = runner.uncapturable()
+        print(f"fnattn: CUDA graphs off ({why[0]}{'; ...' if len(why) > 1 else ''})", file=sys.stderr)
+        return None
+    return runner
+
+
 def demo(args) -> int:
     if args.mtp:
         return demo_mtp(args)
@@ -54,8 +68,9 @@ def demo(args) -> int:
     print(f"prompt: {args.prompt!r} ({len(prompt)} tokens)")
     started = time.perf_counter()
     progress = _Progress(args.tokens)
+    runner = _runner(tiny.step, params, ma, tiny.manifest(cfg), args, max_context=len(prompt) + args.tokens)
     state, out = generate(tiny.step, params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
-                          on_step=lambda i, _: progress(i + 1))
+                          on_step=lambda i, _: progress(i + 1), runner=runner)
     elapsed = time.perf_counter() - started
     text = bytes(t for t in out[0]).decode("utf-8", errors="replace")
     print(f"generated {len(out[0])} tokens: {text!r}")
@@ -93,8 +108,9 @@ def demo_family(args) -> int:
     print(f"prompt: {args.prompt!r} as token ids {prompt}")
     started = time.perf_counter()
     progress = _Progress(args.tokens)
+    runner = _runner(model.step, model.params, ma, model.manifest(), args, max_context=len(prompt) + args.tokens)
     state, out = generate(model.step, model.params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
-                          on_step=lambda i, _: progress(i + 1))
+                          on_step=lambda i, _: progress(i + 1), runner=runner)
     elapsed = time.perf_counter() - started
     print(f"generated token ids: {out[0]}")
     print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, greedy, batch 1)")
@@ -116,6 +132,7 @@ def demo_mtp(args) -> int:
         cfg = tiny.TinyConfig()
         params = tiny.init_params(cfg, seed=args.seed, device=args.device)
         target = (tiny.step_hidden, params, tiny.layer_specs(cfg))
+        manifest = tiny.manifest(cfg, hidden=True)
         draft = (tiny.draft_step, tiny.init_draft(cfg, params, seed=args.seed + 1), tiny.draft_specs(cfg))
         prompt = list(args.prompt.encode("utf-8"))
     else:
@@ -128,6 +145,7 @@ def demo_mtp(args) -> int:
         model = random_model(args.model, seed=args.seed, dtype=torch.float32, device=args.device)
         d = fam.draft(model.config, model.params, None, seed=args.seed + 1)
         target, draft = (fam.step_hidden, model.params, model.specs), (d.step, d.params, d.specs)
+        manifest = model.manifest(hidden=True)
         prompt = [(7 * i + 3) % model.config.vocab_size for i in range(12)]
     total = len(prompt) + args.tokens + (args.mtp + 1) * 2
 
@@ -138,9 +156,10 @@ def demo_mtp(args) -> int:
                            recurrent_ring=args.mtp + 2))
 
     (t_attn, t_state), (d_attn, d_state) = parts(target[2]), parts(draft[2])
+    runner = _runner(target[0], target[1], t_attn, manifest, args, max_context=total)  # the verify graph
     spec = Speculator(target_step=target[0], target_params=target[1], target_attn=t_attn, target_state=t_state,
                       draft_step=draft[0], draft_params=draft[1], draft_attn=d_attn, draft_state=d_state,
-                      num_draft=args.mtp, recovery=args.recovery)
+                      num_draft=args.mtp, recovery=args.recovery, target_runner=runner)
     print(f"fnattn demo --mtp {args.mtp}: {args.model} target + draft head (random weights), "
           f"{args.recovery} recovery")
     started = time.perf_counter()
@@ -358,9 +377,11 @@ def generate_text(args) -> int:
     if streaming:
         sys.stdout.write(texts[0])
     started = time.perf_counter()
+    runner = _runner(model.step, model.params, ma, model.manifest(), args,
+                     max_context=longest + args.max_new_tokens)
     result = generate_completions(model.step, model.params, ma, state, prompts, stop=stop, sampler=sampler,
                                   tokenizer=tokenizer, on_text=on_text, max_running=running,
-                                  share_prefixes=share)
+                                  share_prefixes=share, runner=runner)
     _, done = result
     elapsed = time.perf_counter() - started
     total = sum(len(c.ids) for c in done.values())
@@ -398,6 +419,8 @@ def _version() -> str:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", type=_device, help="torch device: cpu (default) or cuda[:N]")
     p.add_argument("--page-size", type=_int_in(1, 1 << 16), default=16, help="tokens per cache page (default 16)")
+    p.add_argument("--eager", action="store_true",
+                   help="run decode (and MTP verify) steps eagerly; on CUDA they are captured in graphs by default")
 
 
 def main(argv=None) -> int:
