@@ -17,7 +17,6 @@ import torch
 from kinds.mla.fast_cases import compare, filled_state, forward_all, mla_config, sparse_specs
 
 import fnattn as fa
-from fnattn.driver import run_step
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-2  # bf16 operands: max |err| / max |ref| over the model's own heads
@@ -163,7 +162,7 @@ def test_sparse_refusals_on_the_gpu():
 # --------------------------------------------------------------------------- whole models
 
 
-def _tiny_model(name):
+def _tiny_model(name, topk):
     from fnattn.models.registry import family_named, random_model
 
     raw = family_named(name).tiny_config()
@@ -171,37 +170,68 @@ def _tiny_model(name):
     if name != "deepseek_v3":
         # 32 indexer heads: a score is exactly 0 (every head's relu 0) with odds 2^-32, so the fast and the
         # reference top-k never face exact ties, which either may break its own way
-        raw.update(index_head_dim=128, index_topk=8, index_n_heads=32)
+        raw.update(index_head_dim=128, index_topk=topk, index_n_heads=32)
     model = random_model(name, dtype=torch.bfloat16, device=DEV, config=raw)
     params = dataclasses.replace(model.params, config=dataclasses.replace(model.config, padded_heads=64))
     return model, params
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v32", "glm5"])
-def test_tiny_model_logits_through_the_fast_paths(name, record):
-    model, params = _tiny_model(name)
+class Recording:
+    """A session that keeps every layer's top-k (the model step sees the session it wraps)."""
+
+    def __init__(self, session):
+        self.session, self.topk = session, {}
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def forward(self, layer, inputs):
+        out, deltas = self.session.forward(layer, inputs)
+        if hasattr(out, "topk_indices"):
+            self.topk[layer] = out.topk_indices.sort(dim=1).values
+        return out, deltas
+
+
+def _model_run(model, params, ma):
     specs = params.config.specs
-    logits = {}
-    for which in ("fast", "reference"):
-        ma = fa.ModelAttention(specs, device=DEV) if which == "fast" else fa.ModelAttention(
-            specs, prefer=("reference",), device=DEV)
-        if which == "fast":
-            names = {ma.backend(s.index, p).name for s in specs for p in ("decode", "verify")}
-            assert names == {"flashmla"}, ma.explain()
-        st = fa.State(specs, num_pages=16, page_size=64, max_requests=3, device=DEV, fill=float("nan"))
-        st = st.admit(0).admit(1).admit(2).reserve({0: 90, 1: 90, 2: 90})
-        g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, 150, (40 + 3 + 70,), generator=g).to(DEV)
-        st, lp = run_step(model.step, params, ma, st, fa.Batch.prefill(st, {0: 40, 1: 3, 2: 70}), prompt)
-        out = [lp]
-        for _ in range(4):
-            toks = torch.randint(0, 150, (3,), generator=g).to(DEV)
-            st, ld = run_step(model.step, params, ma, st, fa.Batch.decode(st, [0, 1, 2]), toks)
-            out.append(ld)
-        logits[which] = torch.cat(out).float()
-    f, r = logits["fast"], logits["reference"]
+    st = fa.State(specs, num_pages=16, page_size=64, max_requests=3, device=DEV, fill=float("nan"))
+    st = st.admit(0).admit(1).admit(2).reserve({0: 90, 1: 90, 2: 90})
+    g = torch.Generator().manual_seed(0)
+    batches = [(fa.Batch.prefill, {0: 40, 1: 3, 2: 70})] + [(fa.Batch.decode, [0, 1, 2])] * 4
+    logits, first_topk = [], []
+    for make, arg in batches:
+        b = make(st, arg)
+        with ma.session(st, b) as s:
+            rec = Recording(s)
+            out, deltas = model.step(params, rec, torch.randint(0, 150, (b.num_tokens,), generator=g).to(DEV))
+        st = st.apply(deltas)
+        logits.append(out.float())
+        if 0 in rec.topk:
+            first_topk.append(rec.topk[0])
+    return torch.cat(logits), first_topk
+
+
+@pytest.mark.parametrize("name, topk", [("deepseek_v3", None), ("deepseek_v32", 512), ("glm5", 512),
+                                        ("deepseek_v32", 8), ("glm5", 8)])
+def test_tiny_model_logits_through_the_fast_paths(name, topk, record):
+    """Logits through the fast paths match the reference path. With top-k >= the context every layer
+    attends every visible token, so the logits must agree to bf16 rounding. With a small top-k a
+    rounding-level change of a layer's input can flip which token is 8th best in later layers (a
+    0.4% perturbation of the attention output moves the logits by 10% here, in the reference alone):
+    then the first layer, whose inputs are the same on both paths, must select the same tokens, and
+    the greedy tokens must agree."""
+    model, params = _tiny_model(name, topk)
+    specs = params.config.specs
+    fast = fa.ModelAttention(specs, device=DEV)
+    assert {fast.backend(s.index, p).name for s in specs for p in ("decode", "verify")} == {"flashmla"}, \
+        fast.explain()
+    f, ft = _model_run(model, params, fast)
+    r, rt = _model_run(model, params, fa.ModelAttention(specs, prefer=("reference",), device=DEV))
     err = float((f - r).abs().max() / r.abs().max())
     agree = float((f.argmax(-1) == r.argmax(-1)).float().mean())
-    ok = bool(torch.isfinite(f).all()) and err <= 5e-2 and agree >= 0.9
-    record({"case": f"model {name} padded 64", "logits_rel": err, "argmax_agree": agree, "ok": ok})
-    assert ok, f"{name}: rel {err:.3e}, argmax agreement {agree:.2f}"
+    same_first = float(torch.cat([(a == b).all(dim=1) for a, b in zip(ft, rt)]).float().mean()) if ft else 1.0
+    strict = topk is None or topk >= 120
+    ok = bool(torch.isfinite(f).all()) and (err <= 5e-2 if strict else (same_first >= 0.99 and agree >= 0.95))
+    record({"case": f"model {name} topk {topk} padded 64", "logits_rel": err, "argmax_agree": agree,
+            "first_layer_topk_same": same_first, "ok": ok})
+    assert ok, f"{name} topk {topk}: rel {err:.3e}, argmax agreement {agree:.2f}, layer-0 top-k same {same_first:.3f}"

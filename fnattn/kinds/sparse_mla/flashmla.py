@@ -27,7 +27,7 @@ from ...spec import LayerSpec
 from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
 from ..mla.flashmla import latent_shape_reasons
-from ..mla.latent import absorbed_query, merge, no_keys_as_neg_inf, own_rows, uniform_new, values_out
+from ..mla.latent import absorbed_query, fold_own_rows, merge, no_keys_as_neg_inf, uniform_new, values_out
 from .config import SparseAttentionOutput, SparseMLAInputs
 from .reference import check_reused
 
@@ -95,13 +95,13 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
     o_c, lse_c = sparse_kernel(q, views.latent, slots, m.scale, R)
     if phase == "prefill":
         o_n, lse_n = sparse_kernel(q, inputs.latent, rows, m.scale, R)
+        o_lat, lse = merge(o_c, lse_c, o_n, lse_n)
     else:
         n = uniform_new(batch, "sparse_mla flashmla")
         # which of its request's new rows each token selected: a [T, n] mask
         picked = torch.zeros(q.shape[0], n + 1, dtype=torch.bool, device=q.device)
         picked = picked.scatter(1, torch.where(fresh, rel, n), True)[:, :n]
-        o_n, lse_n = own_rows(q, inputs.latent, n=n, scale=m.scale, R=R, allowed=picked)
-    o_lat, lse = merge(o_c, lse_c, o_n, lse_n)
+        o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=n, scale=m.scale, allowed=picked)
     out = SparseAttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse, topk_indices=selected)
     if spec.config.index_source_layer is None:
         return out, writes(latent=inputs.latent, index_k=inputs.index_k)
