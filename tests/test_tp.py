@@ -2,7 +2,9 @@
 
 One spawn of two processes for the module: each rank builds every family's
 tiny random model whole (the tp=1 reference) and sharded over the two ranks,
-runs a two-request prefill and a few decode steps through both, and moves a
+runs a two-request prefill and a few decode steps through both (the sharded
+model's decode steps also through its `StepRunner`, padded, without host
+reads: what CUDA captures per rank), and moves a
 request between the degrees (tp=2 prefill -> tp=1 decode on rank 0, through
 `send_request` / `gather_request`; tp=1 prefill -> tp=2 decode through
 `split_request`). The ranks write what they measured to files; the tests
@@ -27,6 +29,7 @@ from test_generation import bpe  # noqa: F401 (a fixture: the trained byte-level
 
 import fnattn as fa
 from fnattn import tp
+from fnattn.graph import StepRunner
 from fnattn.transfer import recv_request, send_request
 
 _load_builtin()
@@ -104,17 +107,31 @@ def _case(case: str, group: tp.TPGroup, device="cpu", dtype=torch.float32) -> di
     a, want = full.prefill(full.state(), prompts)
     b, got = part.prefill(part.state(), prompts)
     diffs, out["scale"] = [_diff(got, want)], float(want.float().abs().max())
-    ref_steps = []
+    ref_steps, ref_logits = [], []
     for _ in range(DECODE):
         ends = torch.tensor(list(PROMPTS.values())).cumsum(0) - 1 if not ref_steps else torch.arange(len(PROMPTS))
         tokens = {r: int(want[ends[i]].argmax()) for i, r in enumerate(PROMPTS)}
         ref_steps.append(tokens)
         a, want = full.decode(a, tokens)
         b, got = part.decode(b, tokens)
+        ref_logits.append(want)
         diffs.append(_diff(got, want))
     out["diffs"] = diffs
     layer = full.model.specs[0].index  # what the pools of the first layer hold, per token or request
     out["pools"] = [{n: tuple(v.shape) for n, v in st.views(layer).items()} for st in (a, b)]
+
+    # the same decode steps through the rank's StepRunner: padded to a bucket of 4 lanes (pad lanes on the
+    # null page and slot), no host reads; on CUDA each rank captures its step, all-reduces included
+    model = part.model
+    runner = StepRunner(model.step, model.params, part.attn, model.manifest(), host_reads="error", max_context=64,
+                        buckets=(4,))
+    b, _ = part.prefill(part.state(pages=32, requests=4), prompts)
+    runner_diffs = []
+    for tokens, want in zip(ref_steps, ref_logits):
+        b = b.reserve({r: 1 for r in tokens})
+        b, got = runner.decode(b, list(tokens), torch.tensor(list(tokens.values()), device=device))
+        runner_diffs.append(_diff(got, want))
+    out["runner_diffs"], out["captured"] = runner_diffs, bool(runner.capture)
 
     # tp=2 prefill -> tp=1 decode: rank 1 sends its heads of request 0 to rank 0, which puts them together
     a, _ = full.prefill(full.state(), {0: prompts[0]})
@@ -191,13 +208,14 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_logits_equal_tp1(ranks, case):
+def test_tp2_logits_equal_tp1_eager_and_through_the_step_runner(ranks, case):
     for rank, results in enumerate(ranks):
         got = results.get(case)
         assert got is not None, f"rank {rank} did not reach {case}"
         assert "error" not in got, got["error"]
         assert len(got["diffs"]) == 1 + DECODE
         assert max(got["diffs"]) <= TOL, (rank, got["diffs"])
+        assert len(got["runner_diffs"]) == DECODE and max(got["runner_diffs"]) <= TOL, (rank, got["runner_diffs"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
