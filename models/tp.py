@@ -106,7 +106,7 @@ def register_family_tp(names: Sequence[str], plan: FamilyTP) -> None:
         FAMILY_TP[name] = plan
 
 
-def _split(cfg, tp: int, where: str, **fields) -> dict:
+def _split(tp: int, where: str, **fields) -> dict:
     """``{field: value / tp}`` for the named config fields (``(value, True)``: replicated below tp)."""
     out = {}
     for name, value in fields.items():
@@ -131,7 +131,7 @@ _NORMS = [(r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight", R
 # Llama / Qwen3 / Qwen2 ---------------------------------------------------------------------------
 
 def _dense_local(cfg, tp):
-    return replace(cfg, **_split(cfg, tp, f"{cfg.model_type} tp={tp}", num_attention_heads=cfg.num_attention_heads,
+    return replace(cfg, **_split(tp, f"{cfg.model_type} tp={tp}", num_attention_heads=cfg.num_attention_heads,
                                  num_key_value_heads=(cfg.num_key_value_heads, True),
                                  intermediate_size=cfg.intermediate_size))
 
@@ -153,7 +153,7 @@ register_family_tp(("llama", "qwen3", "qwen2"), FamilyTP(_dense_local, _dense_ru
 
 def _qwen_local(cfg, tp):
     return replace(cfg, **_split(
-        cfg, tp, f"{cfg.model_type} tp={tp}", num_attention_heads=cfg.num_attention_heads,
+        tp, f"{cfg.model_type} tp={tp}", num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=(cfg.num_key_value_heads, True), linear_num_key_heads=cfg.linear_num_key_heads,
         linear_num_value_heads=cfg.linear_num_value_heads, intermediate_size=cfg.intermediate_size,
         moe_intermediate_size=cfg.moe_intermediate_size,
@@ -211,8 +211,8 @@ def _mla_rules(a: str, cfg):
 
 def _deepseek_local(cfg, tp):
     where = f"{cfg.model_type} tp={tp}"
-    moe = cfg.moe and replace(cfg.moe, **_split(cfg, tp, where, moe_intermediate_size=cfg.moe.moe_intermediate_size))
-    return replace(cfg, moe=moe, **_split(cfg, tp, where, num_heads=cfg.num_heads,
+    moe = cfg.moe and replace(cfg.moe, **_split(tp, where, moe_intermediate_size=cfg.moe.moe_intermediate_size))
+    return replace(cfg, moe=moe, **_split(tp, where, num_heads=cfg.num_heads,
                                           intermediate_size=cfg.intermediate_size))
 
 
@@ -232,7 +232,7 @@ register_family_tp(("deepseek_v3", "deepseek_v32", "glm5"), FamilyTP(_deepseek_l
 
 
 def _kimi_local(cfg, tp):
-    return replace(cfg, **_split(cfg, tp, f"kimi_linear tp={tp}", kda_heads=cfg.kda_heads, num_heads=cfg.num_heads,
+    return replace(cfg, **_split(tp, f"kimi_linear tp={tp}", kda_heads=cfg.kda_heads, num_heads=cfg.num_heads,
                                  intermediate_size=cfg.intermediate_size,
                                  moe_intermediate_size=cfg.moe_intermediate_size))
 
@@ -273,7 +273,7 @@ register_family_tp(("kimi_linear",), FamilyTP(_kimi_local, _kimi_rules))
 # DeepSeek-V4 ---------------------------------------------------------------------------------------
 
 def _v4_local(cfg, tp):
-    return replace(cfg, **_split(cfg, tp, f"deepseek_v4 tp={tp}", num_heads=cfg.num_heads, o_groups=cfg.o_groups,
+    return replace(cfg, **_split(tp, f"deepseek_v4 tp={tp}", num_heads=cfg.num_heads, o_groups=cfg.o_groups,
                                  moe_intermediate_size=cfg.moe_intermediate_size))
 
 
