@@ -1,7 +1,8 @@
 """DeepSeek-V4 attention: sliding window, compressed sparse (CSA, with an indexer) and heavily compressed (HCA).
 
 The config with its storage, the inputs and outputs live in `.config`, the
-math in `.math` and the reference backend per phase in `.reference`.
+math in `.math`, the reference backend per phase in `.reference` and the
+FlashMLA sparse path (CUDA, bf16, 512-dim heads) in `.flashmla`.
 """
 
 from ...declare import register_kind
@@ -9,6 +10,6 @@ from .config import DSV4Config, DSV4Inputs, DSV4Output
 
 register_kind("dsv4", config=DSV4Config, inputs=DSV4Inputs)
 
-from . import reference  # noqa: E402,F401 - registers the reference backends
+from . import flashmla, reference  # noqa: E402,F401 - registers the backends
 
 __all__ = ["DSV4Config", "DSV4Inputs", "DSV4Output"]

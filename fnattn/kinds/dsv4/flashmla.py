@@ -1,0 +1,182 @@
+"""FlashMLA's sparse kernel (``flash_mla_sparse_fwd``, sglang-kernel 0.4.5) for DeepSeek-V4 attention, every phase.
+
+DeepSeek-V4 attention is MQA with one shared K=V head of 512 dims, which is
+FlashMLA's sparse layout (``d_qk = d_v = 512``, one KV head). Each query
+attends a list of rows in one flat key array, so the backend names, for every
+token, the rows it may see and splits them by where they live:
+
+* cached window rows, as slots of the paged ``kv`` pool (``[P * S, 512]``);
+* cached compressed entries (HCA: every closed window; CSA: the indexer's
+  top-k), as the slots of their closing tokens in the paged ``comp`` pool;
+* this step's own window rows and its new entries, which are not in the
+  pools yet (the step writes nothing), as rows of ``cat(kv, new entries)``.
+
+One kernel call per part without sinks, then one merge by log-sum-exp in
+which the sink joins the denominator: ``o = sum_i e^lse_i o_i / (sum_i e^lse_i
++ e^sink)``. The kernel takes 64 or 128 query heads: a layer with fewer is
+padded with zero heads here and sliced back. Lists go to the kernel padded
+with -1 to a multiple of 128.
+
+The compressor (pooling the windows a step closes, the ring state) and the
+indexer's top-k are the reference's torch code, run per request on the
+device; this path is not capturable (it loops over requests on the host).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ...deltas import Writes, writes
+from ...registry import register
+from ...spec import LayerSpec
+from ...state import Views
+from ..availability import needs_cuda, needs_dtype, package_missing
+from .config import DSV4Inputs, DSV4Output
+from .reference import _branch, _top_k
+
+LN2 = math.log(2.0)
+TOPK_BLOCK = 128
+HEAD_DIM = 512
+PADDED_HEADS = (64, 128)
+
+
+def supports(spec, device) -> list[str]:
+    c = spec.config
+    reasons = needs_cuda(device) + package_missing("sgl_kernel") + needs_dtype(spec, (torch.bfloat16,))
+    if c.head_dim != HEAD_DIM:
+        reasons.append(f"FlashMLA's sparse kernel takes a {HEAD_DIM}-dim K=V head, the layer has {c.head_dim}")
+    if c.num_heads > max(PADDED_HEADS):
+        reasons.append(f"FlashMLA's sparse kernel takes at most {max(PADDED_HEADS)} query heads, got {c.num_heads}")
+    return reasons
+
+
+def kernel(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float):
+    """``flash_mla_sparse_fwd`` of ``q [T, Hp, 512]`` over rows ``idx [T, K]`` (-1: none) of ``kv [N, 512]``:
+    ``-> (o [T, Hp, 512] fp32, natural-log lse [T, Hp], -inf for a query without rows)``."""
+    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
+
+    pad = -idx.shape[1] % TOPK_BLOCK
+    idx = F.pad(idx, (0, pad), value=-1) if pad else idx
+    out, _, lse = flash_mla_sparse_fwd(q.contiguous(), kv.reshape(-1, 1, kv.shape[-1]).contiguous(),
+                                       idx.to(torch.int32).unsqueeze(1).contiguous(), scale, kv.shape[-1])
+    lse = lse * LN2  # the kernel's lse is base 2
+    empty = (idx < 0).all(dim=1, keepdim=True) | torch.isnan(lse) | torch.isposinf(lse)
+    return out.float(), lse.masked_fill(empty, float("-inf"))
+
+
+def _padded_heads(H: int) -> int:
+    return next(p for p in PADDED_HEADS if p >= H)
+
+
+def _rows(batch, positions, req, valid):
+    """Paged slots of ``positions`` [T, K] of each token's request ``req`` [T]; -1 where not ``valid``."""
+    S = batch.page_size
+    p = positions.clamp(min=0)
+    page = batch.block_table.long()[req[:, None], p // S]
+    return torch.where(valid, page * S + p % S, torch.full_like(p, -1))
+
+
+def sparse_step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str):
+    c, batch = spec.config, inputs.meta.batch
+    device, T, H, W, m = inputs.q.device, batch.num_tokens, c.num_heads, c.sliding_window, c.compress_ratio
+    lens = torch.tensor(batch.host_new_lens, device=device)
+    req = torch.repeat_interleave(torch.arange(batch.num_requests, device=device), lens)  # [T]
+    pos = batch.positions.long()
+    c0 = batch.cache_lens.long()[req]  # [T]
+    cu = batch.cu_seqlens.long()[req]  # [T] first row of the token's request
+    # The window: positions t, t - 1, ..., t - W + 1.
+    wpos = pos[:, None] - torch.arange(W, device=device)[None, :]  # [T, W]
+    cached_w = _rows(batch, wpos, req, (wpos >= 0) & (wpos < c0[:, None]))
+    fresh_w = torch.where(wpos >= c0[:, None], cu[:, None] + wpos - c0[:, None], torch.full_like(wpos, -1))
+    parts = [(views.kv, cached_w)]
+    step_rows, step_idx = [inputs.kv], [fresh_w]
+    per_token = phase == "verify" and batch.recovery != "replay"
+    values, picks = {"kv": inputs.kv}, None
+    if m:
+        cu_host = batch.host_cu_seqlens
+        comp_rows, comp_states, index_rows, index_states, picked, new_entries = [], [], [], [], [], []
+        for b in range(batch.num_requests):
+            rows = slice(cu_host[b], cu_host[b + 1])
+            br = _branch(spec, views, batch, b, rows, kv_in=inputs.comp_kv, gate_in=inputs.comp_gate,
+                         norm=inputs.comp_norm, inv_freq=inputs.comp_inv_freq, store="comp", state="comp_state",
+                         per_token_states=per_token)
+            comp_rows.append(br.new_rows)
+            comp_states.append(br.states)
+            first = batch.host_cache_lens[b] // m
+            new_entries.append(br.entries[first:])
+            n, E = batch.host_new_lens[b], br.entries.shape[0]
+            q_pos = torch.arange(batch.host_cache_lens[b], batch.host_cache_lens[b] + n, device=device)
+            visible = torch.arange(E, device=device)[None, :] < ((q_pos + 1) // m)[:, None]  # [n, E]
+            if c.indexer is not None:
+                ix = _branch(spec, views, batch, b, rows, kv_in=inputs.index_kv, gate_in=inputs.index_gate,
+                             norm=inputs.index_norm, inv_freq=inputs.comp_inv_freq, store="index_k",
+                             state="index_state", per_token_states=per_token)
+                index_rows.append(ix.new_rows)
+                index_states.append(ix.states)
+                picked.append(_top_k(inputs, rows, ix.entries, visible, c.indexer))  # [n, topk]
+            else:
+                picked.append(torch.where(visible, torch.arange(E, device=device)[None, :], -1))
+        width = max(p.shape[1] for p in picked)
+        ent = torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in picked])  # [T, Emax] entry ids
+        first_new = (c0 // m)[:, None]  # entries closed before the step: in the comp pool
+        cached_e = _rows(batch, ent * m + m - 1, req, (ent >= 0) & (ent < first_new))
+        counts = torch.tensor([e.shape[0] for e in new_entries], device=device)
+        offset = T + torch.cumsum(counts, 0) - counts  # row of each request's first new entry in the step array
+        fresh_e = torch.where(ent >= first_new, offset[req][:, None] + ent - first_new, torch.full_like(ent, -1))
+        parts.append((views.comp, cached_e))
+        step_rows += new_entries
+        step_idx.append(fresh_e)
+        values.update(comp=torch.cat(comp_rows), comp_state=torch.cat(comp_states))
+        if c.indexer is not None:
+            picks = ent
+            values.update(index_k=torch.cat(index_rows), index_state=torch.cat(index_states))
+    parts.append((torch.cat(step_rows), torch.cat(step_idx, dim=1)))
+    Hp = _padded_heads(H)
+    q = F.pad(inputs.q, (0, 0, 0, Hp - H)) if Hp > H else inputs.q  # [T, Hp, 512]
+    os, lses = [], []
+    for kv, idx in parts:
+        if idx.shape[1]:
+            o, lse = kernel(q, kv.reshape(-1, kv.shape[-1]), idx, c.scale)
+            os.append(o[:, :H])
+            lses.append(lse[:, :H])
+    o = _merge_with_sink(os, lses, inputs.sinks)
+    out = DSV4Output(o=o.to(spec.dtype), topk_indices=picks)
+    if phase == "verify" and m:
+        from dataclasses import replace
+
+        out = replace(out, replay=replace(inputs, meta=None))
+        if batch.recovery == "replay":
+            values = {k: v for k, v in values.items() if k not in ("comp_state", "index_state")}
+    return out, writes(**values)
+
+
+def _merge_with_sink(os, lses, sinks):
+    """``sum_i e^lse_i o_i / (sum_i e^lse_i + e^sink)`` over the parts, fp32."""
+    lse = torch.stack(lses)  # [P, T, H]
+    top = lse.max(dim=0).values
+    if sinks is not None:
+        top = torch.maximum(top, sinks.float()[None, :])
+    w = torch.exp(lse - top[None])  # [P, T, H]
+    den = w.sum(dim=0)
+    if sinks is not None:
+        den = den + torch.exp(sinks.float()[None, :] - top)
+    num = sum(wi[..., None] * oi for wi, oi in zip(w, os))
+    return num / den[..., None]
+
+
+@register("dsv4", "prefill", "flashmla", supports=supports)
+def prefill(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Output, Writes]:
+    return sparse_step(spec, views, inputs, "prefill")
+
+
+@register("dsv4", "decode", "flashmla", supports=supports)
+def decode(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Output, Writes]:
+    return sparse_step(spec, views, inputs, "decode")
+
+
+@register("dsv4", "verify", "flashmla", supports=supports)
+def verify(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Output, Writes]:
+    return sparse_step(spec, views, inputs, "verify")

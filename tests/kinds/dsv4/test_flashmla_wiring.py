@@ -1,0 +1,89 @@
+"""The FlashMLA path's wiring on the CPU: its row lists, parts and sink merge, with the kernel emulated.
+
+`fnattn.kinds.dsv4.flashmla.kernel` is replaced by a torch version of
+``flash_mla_sparse_fwd``'s contract (each query attends the rows its list
+names in one flat array; natural-log LSE, -inf and a zero output without
+rows). Everything else (which slots of the kv and comp pools, which rows of
+the step, the head padding to 64, the merge with the sink) runs as on the
+GPU and must give the reference's outputs and writes. The kernel itself is
+compared on the H200 by tests/gpu/test_dsv4_flashmla_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import registry_scope, same_bits
+from kinds.dsv4.test_reference import CONFIGS, Stream, new_state
+
+import fnattn as fa
+from fnattn.kinds.dsv4 import flashmla
+
+
+def emulated_kernel(q, kv, idx, scale):
+    T, H, D = q.shape
+    rows = kv[idx.clamp(min=0)]  # [T, K, D]
+    rows = torch.where((idx >= 0)[..., None], rows, torch.zeros_like(rows))  # the kernel never reads them
+    logits = torch.einsum("thd,tkd->thk", q.float(), rows.float()) * scale
+    logits = logits.masked_fill((idx < 0)[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [T, H]
+    p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("thk,tkd->thd", p, rows.float())
+    return o, lse
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(flashmla, "kernel", emulated_kernel)
+    with registry_scope():
+        for phase in ("prefill", "decode", "verify"):
+            def fn(spec, views, inputs, _phase=phase):
+                return flashmla.sparse_step(spec, views, inputs, _phase)
+
+            fa.register("dsv4", phase, "emulated_flashmla")(fn)
+        yield
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("phase", ["prefill", "decode", "verify", "verify_replay"])
+def test_emulated_flashmla_equals_reference(emulated, name, phase):
+    c = CONFIGS[name]
+    streams = {0: Stream(c, 40, 11), 1: Stream(c, 40, 12)}
+    states = []
+    ma = fa.ModelAttention((fa.LayerSpec(0, c, torch.float32),), prefer=["reference"])
+    for _ in range(2):
+        st, _ = new_state(c)
+        st = st.reserve({0: 17, 1: 6})
+        b = fa.Batch.prefill(st, {0: 17, 1: 6})
+        with ma.session(st, b) as s:
+            _, w = s.forward(0, streams[0].inputs([(streams[0], 0, 17), (streams[1], 0, 6)]))
+        states.append(st.apply(fa.StepDeltas.collect(b, [w])))
+    n = {"prefill": 5, "decode": 1, "verify": 4, "verify_replay": 4}[phase]
+    outs = []
+    for st, prefer in zip(states, ("reference", "emulated_flashmla")):
+        st = st.reserve({0: n, 1: n})
+        if phase == "prefill":
+            batch = fa.Batch.prefill(st, {0: n, 1: n})
+        elif phase == "decode":
+            batch = fa.Batch.decode(st, [0, 1])
+        else:
+            batch = fa.Batch.verify(st, [0, 1], num_draft=3, recovery="replay" if phase == "verify_replay" else "native")
+        rows = [(streams[r], st.request(r).length, n) for r in batch.request_ids]
+        m2 = fa.ModelAttention((fa.LayerSpec(0, c, torch.float32),), prefer=[prefer])
+        with m2.session(st, batch) as s:
+            outs.append(s.forward(0, streams[0].inputs(rows)))
+    (o_ref, w_ref), (o_fast, w_fast) = outs
+    torch.testing.assert_close(o_fast.o, o_ref.o, atol=1e-5, rtol=0)
+    if o_ref.topk_indices is not None:
+        assert torch.equal(o_fast.topk_indices, o_ref.topk_indices)
+    assert set(w_fast.values) == set(w_ref.values)
+    for k in w_ref.values:
+        assert same_bits(w_fast[k], w_ref[k]), k
+    assert (o_fast.replay is None) == (o_ref.replay is None)
+
+
+def test_heads_pad_to_the_kernel_sizes():
+    assert [flashmla._padded_heads(h) for h in (1, 2, 64, 65, 128)] == [64, 64, 64, 128, 128]
+    spec = fa.LayerSpec(0, CONFIGS["csa"], torch.float32)
+    reasons = flashmla.supports(spec, torch.device("cpu"))
+    assert any("CUDA" in r for r in reasons) and any("512" in r for r in reasons)
