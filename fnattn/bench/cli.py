@@ -10,7 +10,7 @@ import sys
 from . import draw_png, print_table, with_ratios, write_json
 
 CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "mla-decode",
-         "mla-sparse", "indexer", "standard")
+         "mla-sparse", "indexer", "standard", "model")
 MLA_CASES = ("mla-decode", "mla-sparse", "indexer")
 
 
@@ -30,11 +30,76 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     p.add_argument("--out", default="bench.json", help="JSON output path")
     p.add_argument("--png", default=None, help="also draw a PNG here")
+    m = p.add_argument_group("model", "fnattn bench model: a whole model (fnattn/bench/model.py)")
+    m.add_argument("--family", default="qwen3_5", help="model family (default qwen3_5)")
+    m.add_argument("--shape", default="tiny", help="tiny (CPU-sized) or a real shape of the family: 0.8b")
+    m.add_argument("--prompt", type=int, nargs="+", default=[512], help="prompt / cached tokens per request")
+    m.add_argument("--steps", type=int, default=None,
+                   help="decode steps timed per case (default 32; 64 for the CPU tiny end-to-end case)")
+    m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    m.add_argument("--prefill-tokens", type=int, default=16384, help="time prefill when batch x prompt <= this")
+    m.add_argument("--hf-tokens", type=int, default=65536, help="run transformers when batch x prompt <= this")
+    m.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
+
+
+def run_model(args) -> int:
+    from .model import draw_model_png, print_model_table, run_model_bench
+
+    for name in ("prompt", "batch"):
+        if any(v < 1 for v in getattr(args, name)):
+            print(f"fnattn bench: --{name} values must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
+    if args.steps is not None and args.steps < 1:
+        print(f"fnattn bench: --steps must be >= 1, got {args.steps}", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.device not in (None, "cpu") and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        print(f"fnattn bench: --device must be cpu or an available cuda device, got {args.device!r}", file=sys.stderr)
+        return 2
+    records = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
+    steps = args.steps or (64 if args.shape == "tiny" else 32)
+    try:
+        run_model_bench(family=args.family, shape=args.shape, batches=args.batch, prompts=args.prompt, steps=steps,
+                        device=args.device, page_size=args.page_size or 16, prefill_tokens=args.prefill_tokens,
+                        hf_tokens=args.hf_tokens, transformers=not args.no_transformers, graph=not args.eager,
+                        records=records, log=lambda line: print(line, file=sys.stderr))
+    except ValueError as e:
+        if not records:  # a user mistake (family, shape): one line
+            print(f"fnattn bench: {e}", file=sys.stderr)
+            return 2
+        raise
+    finally:
+        if records:
+            with_ratios(records)
+            print_model_table(records)
+            write_json(records, args.out, command=_model_command(args, steps))
+            if args.png:
+                why = draw_model_png(records, args.png)
+                if why:
+                    print(f"fnattn bench: {why}", file=sys.stderr)
+    return 0
+
+
+def _model_command(args, steps: int) -> str:
+    """The command line that reproduces this run, from the parsed options (so also when called as a function)."""
+    parts = ["fnattn bench model", f"--family {args.family}", f"--shape {args.shape}",
+             "--batch " + " ".join(map(str, args.batch)), "--prompt " + " ".join(map(str, args.prompt)),
+             f"--steps {steps}", f"--prefill-tokens {args.prefill_tokens}", f"--hf-tokens {args.hf_tokens}"]
+    parts += [f"--device {args.device}"] if args.device else []
+    parts += [f"--page-size {args.page_size}"] if args.page_size else []
+    parts += ["--eager"] if args.eager else []
+    parts += ["--no-transformers"] if args.no_transformers else []
+    parts += [f"--out {shlex.quote(args.out)}"] + ([f"--png {shlex.quote(args.png)}"] if args.png else [])
+    return " ".join(parts)
 
 
 def run(args) -> int:
     import torch
 
+    if args.case == "model":
+        return run_model(args)
     if not torch.cuda.is_available():
         print("fnattn bench: needs a CUDA device (none found)", file=sys.stderr)
         return 2
@@ -92,6 +157,14 @@ def mla_cases(args, graph: bool) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from ..threads import apply_thread_policy
+
     p = argparse.ArgumentParser(prog="fnattn bench", description=__doc__)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        apply_thread_policy()
+    except ValueError as e:
+        print(f"fnattn bench: {e}", file=sys.stderr)
+        return 2
+    return run(args)

@@ -31,18 +31,19 @@ def placeholder_step(state, counts) -> State:
     return state.apply(StepDeltas.collect(batch, writes))
 
 
-def cached_state(specs, *, batch: int, ctx: int, page_size: int, extra: int = 1, recurrent_ring: int = 2):
+def cached_state(specs, *, batch: int, ctx: int, page_size: int, extra: int = 1, recurrent_ring: int = 2,
+                 device="cuda"):
     """``batch`` requests with ``ctx`` random cached tokens each, room for ``extra`` more."""
     specs = [specs] if isinstance(specs, LayerSpec) else list(specs)
     pages = batch * (-(-(ctx + extra) // page_size))
-    state = State(specs, num_pages=pages, page_size=page_size, max_requests=batch, device="cuda",
+    state = State(specs, num_pages=pages, page_size=page_size, max_requests=batch, device=device,
                   recurrent_ring=recurrent_ring)
     for r in range(batch):
         state = state.admit(r)
     state = state.reserve({r: ctx + extra for r in range(batch)})
     if ctx:
         state = placeholder_step(state, {r: ctx for r in range(batch)})
-    gen = torch.Generator(device="cuda").manual_seed(0)  # independent of any graph capture
+    gen = torch.Generator(device=device).manual_seed(0)  # independent of any graph capture
     for pool in state.pools.values():
         for t in pool.tensors.values():
             t.normal_(generator=gen)

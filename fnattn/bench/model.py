@@ -1,0 +1,421 @@
+"""``fnattn bench model``: a whole model's prefill and decode, eager and captured, beside transformers
+on the same weights and the memory roofline, all measured in one run.
+
+Weights are random (`models.registry.random_checkpoint` of the family's config dict at ``--shape``),
+bf16 on CUDA and fp32 on CPU. For each prompt length P and batch B:
+
+- prefill: one step of B prompts of P tokens through the driver (the session, every layer, the apply),
+  when B * P fits ``--prefill-tokens``; tok/s = B * P / time;
+- decode: ``--steps`` steps over B requests holding P cached tokens (random K/V and recurrent rows, as
+  `bench.setup.cached_state` fills them), eager (`driver.run_step`: session, step, apply) and, where
+  `fnattn.graph.StepRunner` captures, replayed from CUDA graphs; the median step and B / step tok/s;
+- transformers' causal LM with the same tensors loaded by name (sdpa attention; fla's kernels when
+  installed), prefill and decode, when B * P fits ``--hf-tokens``;
+- the roofline: the weights read per step, and per step the weights plus every K/V row read and
+  written and every recurrent row read and written, each over the device copy bandwidth measured now.
+
+Every decode record carries ``x_roofline`` (its step over its own roofline) and ``ratio_to_peer``
+(transformers' step over this one, > 1: faster). ``--shape tiny`` runs on CPU in seconds; its
+``cpu e2e`` record is the tiny model's P-token prefill plus ``--steps`` decode steps, end to end.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+QWEN3_5_0_8B = {  # the Qwen3.5-0.8B text decoder's shape
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "num_hidden_layers": 24,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "intermediate_size": 3584,
+    "hidden_act": "silu", "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
+}
+QWEN3_5_0_8B["layer_types"] = QWEN3_5_0_8B["layer_types"] * 6
+
+SHAPES = {"qwen3_5": {"0.8b": QWEN3_5_0_8B}}
+HF_CLASSES = {"qwen3_5": ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
+
+
+def config_for(family: str, shape: str) -> dict:
+    """The config dict of ``family`` at ``shape`` ("tiny": the family's tiny config)."""
+    from ..models.registry import family_named
+
+    fam = family_named(family)
+    if shape == "tiny":
+        return fam.tiny_config()
+    known = sorted(SHAPES.get(family, {})) + ["tiny"]
+    if shape not in SHAPES.get(family, {}):
+        raise ValueError(f"--shape: must be one of {known} for family {family!r}, got {shape!r}")
+    return dict(SHAPES[family][shape])
+
+
+# ------------------------------------------------------------------------------------------ bytes
+
+
+def weight_bytes(params) -> int:
+    """Bytes of every distinct tensor storage the params hold (views and tied weights counted once)."""
+    seen: dict[int, int] = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif hasattr(x, "__dataclass_fields__"):
+            for name in x.__dataclass_fields__:
+                walk(getattr(x, name))
+
+    walk(params)
+    return sum(seen.values())
+
+
+def step_bytes(state, batch: int, ctx: int) -> dict[str, int]:
+    """K/V and recurrent bytes one decode step moves for ``batch`` requests with ``ctx`` cached tokens."""
+    out = {"kv_read": 0, "kv_written": 0, "state_read": 0, "state_written": 0}
+    for spec in state.specs:
+        views = state.views(spec.index)
+        for name, space in state.storage_spaces[spec.index].items():
+            t = views[name]
+            row = t.shape[2:] if space == "token" else t.shape[1:]
+            nbytes = math.prod(row) * t.element_size()
+            if space == "token":
+                out["kv_read"] += batch * ctx * nbytes
+                out["kv_written"] += batch * nbytes
+            else:
+                out["state_read"] += batch * nbytes
+                out["state_written"] += batch * nbytes
+    return out
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s the device moves copying one buffer into another (read + write), measured now."""
+    if device.type == "cuda":
+        from . import copy_bandwidth_tbs
+
+        return copy_bandwidth_tbs() * 1e12
+    n = 256 << 20
+    src, dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * n / min(times)
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _tokens(n: int, vocab: int, device, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n,), generator=g).to(device)
+
+
+def time_prefill(model, ma, device, batch: int, prompt: int, *, page_size: int, reps: int) -> list[float]:
+    """Seconds of one prefill step of ``batch`` prompts of ``prompt`` tokens (a fresh State each time;
+    the first run, which compiles and autotunes, is not counted)."""
+    from ..batch import Batch
+    from ..driver import run_step
+    from ..state import State
+
+    pages = batch * -(-prompt // page_size)
+    times = []
+    for i in range(reps + 1):
+        st = State(model.specs, num_pages=pages, page_size=page_size, max_requests=batch, device=device)
+        for r in range(batch):
+            st = st.admit(r)
+        st = st.reserve({r: prompt for r in range(batch)})
+        b = Batch.prefill(st, {r: prompt for r in range(batch)})
+        tokens = _tokens(b.num_tokens, model.config.vocab_size, device, i)
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            run_step(model.step, model.params, ma, st, b, tokens)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        del st, b
+    return times[1:]
+
+
+def decode_state(model, device, batch: int, ctx: int, *, page_size: int, steps: int):
+    from .setup import cached_state
+
+    return cached_state(model.specs, batch=batch, ctx=ctx, page_size=page_size, extra=steps + 8, device=device)
+
+
+def time_decode(model, ma, state, batch: int, steps: int, *, runner=None, warmup: int = 3):
+    """``-> (seconds of each of ``steps`` decode steps after ``warmup``, the state after)``; eager, or
+    through ``runner``."""
+    from ..batch import Batch
+    from ..driver import run_step
+
+    device, ids = state.device, list(range(batch))
+    tokens = _tokens(batch, model.config.vocab_size, device, 7)
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + steps):
+            state = state.reserve({r: 1 for r in ids})
+            _sync(device)
+            t0 = time.perf_counter()
+            if runner is None:
+                state, logits = run_step(model.step, model.params, ma, state, Batch.decode(state, ids), tokens)
+            else:
+                state, logits = runner.decode(state, ids, tokens)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    return times, state
+
+
+def cpu_end_to_end(model, ma, *, prompt: int, steps: int, page_size: int) -> dict:
+    """The tiny model's ``prompt``-token prefill then ``steps`` greedy decode steps, one request, on CPU;
+    the best of three runs (a warm-up run first)."""
+    from ..batch import Batch
+    from ..driver import prefill, run_step
+    from ..state import State
+
+    ids = [(7 * i) % (model.config.vocab_size - 1) + 1 for i in range(prompt)]
+    best = None
+    for _ in range(4):
+        st = State(model.specs, num_pages=-(-(prompt + steps) // page_size) + 1, page_size=page_size,
+                   max_requests=1).admit(0)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            st, last = prefill(model.step, model.params, ma, st, {0: ids})
+            t1 = time.perf_counter()
+            tok = last[0].argmax().view(1)
+            for _ in range(steps):
+                st = st.reserve({0: 1})
+                st, logits = run_step(model.step, model.params, ma, st, Batch.decode(st, [0]), tok)
+                tok = logits[0].argmax().view(1)
+        t2 = time.perf_counter()
+        run = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
+        best = run if best is None or run["total_s"] < best["total_s"] else best
+    return best
+
+
+# ------------------------------------------------------------------------------------------ transformers
+
+
+def transformers_model(family: str, config: dict, weights: dict, device, dtype):
+    """transformers' causal LM of ``config`` holding ``weights`` (loaded by name) or None, with the reason."""
+    if family not in HF_CLASSES:
+        return None, f"no transformers class is wired for family {family!r}"
+    try:
+        import importlib
+
+        module, config_cls, model_cls = HF_CLASSES[family]
+        mod = importlib.import_module(f"transformers.models.{module}")
+    except ImportError as e:
+        return None, f"transformers does not have it: {e}"
+    kw = {k: v for k, v in config.items() if k != "model_type"}
+    hf_cfg = getattr(mod, config_cls)(**kw, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    hf_cfg._attn_implementation = "sdpa"
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = getattr(mod, model_cls)(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(before)
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    missing = [m for m in missing if not (config.get("tie_word_embeddings") and m == "lm_head.weight")]
+    if missing or unexpected:
+        return None, f"weights do not load by name (missing {missing[:3]}, unexpected {unexpected[:3]})"
+    if config.get("tie_word_embeddings"):
+        hf.tie_weights()
+    return hf, None
+
+
+def hf_prefill_and_decode(hf, device, vocab: int, batch: int, prompt: int, steps: int, warmup: int = 2):
+    """transformers: seconds of the B x P prefill (only the last logits kept) and of each decode step."""
+    ids = _tokens(batch * prompt, vocab, device, 3).view(batch, prompt)
+    with torch.no_grad():
+        for _ in range(2):  # the first prefill compiles / autotunes fla's kernels
+            _sync(device)
+            t0 = time.perf_counter()
+            out = hf(ids, use_cache=True, logits_to_keep=1)
+            _sync(device)
+            prefill_s = time.perf_counter() - t0
+        cache, tok, times = out.cache, out.logits[:, -1].argmax(-1, keepdim=True), []
+        for i in range(warmup + steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = hf(tok, cache=cache, use_cache=True, logits_to_keep=1)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            cache = out.cache
+    return prefill_s, times
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+
+def _record(case, backend, phase, seconds, tokens, **extra) -> dict:
+    rec = {"case": case, "backend": backend, "phase": phase, "time_us": seconds * 1e6,
+           "tok_s": tokens / seconds if seconds else None}
+    rec.update(extra)
+    return rec
+
+
+def _graph_runner(model, ma, batch: int, max_context: int):
+    """A StepRunner for one bucket, or the reason there is none."""
+    if ma.device.type != "cuda":
+        return None, "CUDA graphs need a CUDA device"
+    try:
+        from ..graph import StepRunner
+    except ImportError as e:
+        return None, f"fnattn.graph.StepRunner is not available ({e})"
+    runner = StepRunner(model.step, model.params, ma, model.manifest(), buckets=(batch,), max_context=max_context)
+    if not runner.capture:
+        why = "; ".join(runner.uncapturable()) or "not a CUDA model"
+        return None, f"no CUDA-graph capture here ({why})"
+    return runner, None
+
+
+def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, device: str | None = None,
+                    page_size: int = 16, prefill_tokens: int = 16384, hf_tokens: int = 65536,
+                    transformers: bool = True, graph: bool = True, records: list | None = None,
+                    log=print) -> list[dict]:
+    """Every measurement of one model (module docstring); appends to ``records`` as it goes."""
+    from ..model_attention import ModelAttention
+    from ..models.registry import Model, _with_dtype, family_named, random_checkpoint
+
+    records = [] if records is None else records
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    fam = family_named(family)
+    config = config_for(family, shape)
+    cfg = _with_dtype(fam.adapt(config), dtype)
+    weights = random_checkpoint(fam, cfg, dtype=dtype, device=dev)
+    model = Model(fam, cfg, fam.load(cfg, weights))
+    ma = ModelAttention(model.specs, device=dev)
+    wbytes = weight_bytes(model.params)
+    bw = copy_bandwidth(dev)
+    name = f"{family} {shape}"
+    log(f"{name}: {wbytes / 1e9:.3f} GB of weights, copy bandwidth {bw / 1e12:.2f} TB/s on {dev}")
+    records.append({"case": name, "backend": "roofline weights", "phase": "decode", "weight_bytes": wbytes,
+                    "copy_bandwidth_tb_s": bw / 1e12, "time_us": wbytes / bw * 1e6,
+                    "note": "every weight read once per decode step, over the copy bandwidth measured now"})
+    hf, hf_why = (None, "--no-transformers") if not transformers else (None, None)
+    if transformers:
+        hf, hf_why = transformers_model(family, config, weights, dev, dtype)
+        if hf is None:
+            log(f"transformers: skipped ({hf_why})")
+    del weights
+    if dev.type == "cpu" and shape == "tiny":
+        for prompt in prompts:
+            run = cpu_end_to_end(model, ma, prompt=prompt, steps=steps, page_size=page_size)
+            records.append({"case": f"{name} cpu e2e P{prompt}+{steps}", "backend": "fnattn eager", "phase": "e2e",
+                            "time_us": run["total_s"] * 1e6, "threads": torch.get_num_threads(), **run,
+                            "target_s": 0.25})
+            log(f"cpu e2e: {prompt}-token prefill + {steps} decode steps in {run['total_s']:.3f} s "
+                f"(prefill {run['prefill_s']:.3f} s, decode {run['decode_s']:.3f} s, "
+                f"{torch.get_num_threads()} threads)")
+    for prompt in prompts:
+        for b in batches:
+            case = f"{name} B{b} ctx{prompt}"
+            if b * prompt <= prefill_tokens:
+                t = statistics.median(time_prefill(model, ma, dev, b, prompt, page_size=page_size, reps=3))
+                records.append(_record(f"{name} prefill B{b} P{prompt}", "fnattn eager", "prefill", t, b * prompt))
+            st = decode_state(model, dev, b, prompt, page_size=page_size, steps=2 * steps + 16)
+            moved = step_bytes(st, b, prompt)
+            per_step = wbytes + sum(moved.values())
+            records.append({"case": case, "backend": "roofline step", "phase": "decode", "time_us": per_step / bw * 1e6,
+                            "bytes": {"weights": wbytes, **moved}, "tok_s": b / (per_step / bw)})
+            times, st = time_decode(model, ma, st, b, steps)
+            records.append(_record(case, "fnattn eager", "decode", statistics.median(times), b))
+            if graph:
+                runner, why = _graph_runner(model, ma, b, prompt + 2 * steps + 16)
+                if runner is None:
+                    records.append({"case": case, "backend": "fnattn graph", "phase": "decode", "skipped": why})
+                    log(f"{case}: graph skipped ({why})")
+                else:
+                    times, st = time_decode(model, ma, st, b, steps, runner=runner)
+                    records.append(_record(case, "fnattn graph", "decode", statistics.median(times), b))
+            del st
+            if hf is not None and b * prompt <= hf_tokens:
+                pre, times = hf_prefill_and_decode(hf, dev, cfg.vocab_size, b, prompt, steps)
+                records.append(_record(f"{name} prefill B{b} P{prompt}", "transformers", "prefill", pre, b * prompt))
+                records.append(_record(case, "transformers eager", "decode", statistics.median(times), b))
+            elif hf is not None:
+                log(f"{case}: transformers skipped (B x P = {b * prompt} > --hf-tokens {hf_tokens})")
+            _finish_case(records, case)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return records
+
+
+def _finish_case(records: list[dict], case: str) -> None:
+    """Ratios for one decode case: to transformers (peer) and to this case's step roofline."""
+    rows = [r for r in records if r["case"] == case and r.get("time_us")]
+    roof = next((r for r in rows if r["backend"] == "roofline step"), None)
+    peer = next((r for r in rows if r["backend"] == "transformers eager"), None)
+    for r in rows:
+        if r["backend"].startswith("fnattn") or r["backend"].startswith("transformers"):
+            if roof:
+                r["x_roofline"] = r["time_us"] / roof["time_us"]
+            if peer:
+                r["peer"] = peer["backend"]
+
+
+def draw_model_png(records: list[dict], path) -> str | None:
+    """Decode step time against batch per backend and context, log scale; ``-> None`` or why no PNG was drawn."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed: no PNG"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r.get("phase") == "decode" and r.get("time_us") and " B" in r["case"]]
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in rows:
+        head, _, ctx = r["case"].rpartition(" ctx")
+        series.setdefault((r["backend"], ctx), []).append((int(head.rpartition(" B")[2]), r["time_us"] / 1e3))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (backend, ctx), pts in sorted(series.items()):
+        pts.sort()
+        style = "--" if backend.startswith("roofline") else "-"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=f"{backend}, ctx {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (requests)")
+    ax.set_ylabel("decode step, ms (median)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return None
+
+
+def print_model_table(records: list[dict]) -> None:
+    print(f"{'case':<40}{'backend':<22}{'ms':>10}{'tok/s':>12}{'x roof':>8}{'vs HF':>8}")
+    for r in records:
+        if r.get("skipped"):
+            print(f"{r['case']:<40}{r['backend']:<22}  skipped: {r['skipped'][:70]}")
+            continue
+        if not r.get("time_us"):
+            continue
+        tok = f"{r['tok_s']:.0f}" if r.get("tok_s") else ""
+        roof = f"{r['x_roofline']:.2f}" if r.get("x_roofline") else ""
+        ratio = f"{r['ratio_to_peer']:.2f}x" if r.get("ratio_to_peer") else ""
+        print(f"{r['case']:<40}{r['backend']:<22}{r['time_us'] / 1e3:>10.3f}{tok:>12}{roof:>8}{ratio:>8}")

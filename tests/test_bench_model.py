@@ -1,0 +1,61 @@
+"""`fnattn bench model --shape tiny` on CPU (the CI smoke case): every record it promises, and the byte
+counts its rooflines divide."""
+
+import json
+
+import pytest
+import torch
+
+from fnattn.bench.model import config_for, step_bytes, weight_bytes
+from fnattn.bench.setup import cached_state
+from fnattn.cli import main
+from fnattn.models.registry import family_named, random_checkpoint
+
+
+def test_tiny_model_bench_writes_every_record(tmp_path, capsys):
+    out = tmp_path / "model.json"
+    assert main(["bench", "model", "--family", "qwen3_5", "--shape", "tiny", "--batch", "1", "2", "--prompt", "48",
+                 "--steps", "3", "--out", str(out), "--png", str(tmp_path / "model.png")]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("fnattn bench model")
+    got = {(r["case"], r["backend"]) for r in doc["records"]}
+    for b in (1, 2):
+        case = f"qwen3_5 tiny B{b} ctx48"
+        for backend in ("roofline step", "fnattn eager", "fnattn graph", "transformers eager"):
+            assert (case, backend) in got, (case, backend)
+        assert (f"qwen3_5 tiny prefill B{b} P48", "fnattn eager") in got
+    by = {(r["case"], r["backend"]): r for r in doc["records"]}
+    eager = by[("qwen3_5 tiny B1 ctx48", "fnattn eager")]
+    assert eager["time_us"] > 0 and eager["x_roofline"] > 0 and eager["ratio_to_peer"] > 0
+    assert "CUDA" in by[("qwen3_5 tiny B1 ctx48", "fnattn graph")]["skipped"]
+    e2e = by[("qwen3_5 tiny cpu e2e P48+3", "fnattn eager")]
+    assert e2e["total_s"] == pytest.approx(e2e["prefill_s"] + e2e["decode_s"])
+    assert "qwen3_5 tiny B2 ctx48" in capsys.readouterr().out
+
+
+def test_a_wrong_shape_exits_2_with_one_line(tmp_path, capsys):
+    assert main(["bench", "model", "--shape", "7b", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--shape" in err[0] and "0.8b" in err[0]
+
+
+def test_weight_and_step_bytes():
+    fam = family_named("qwen3_5")
+    cfg = fam.adapt(config_for("qwen3_5", "tiny"))
+    weights = random_checkpoint(fam, cfg)
+    ckpt = sum(t.numel() * t.element_size() for t in weights.values())
+    got = weight_bytes(fam.load(cfg, weights))
+    assert ckpt <= got <= ckpt * 1.01  # fused copies replace their parts; only small fp32 extras are added
+    st = cached_state(cfg.specs, batch=3, ctx=10, page_size=4, device="cpu")
+    moved = step_bytes(st, 3, 10)
+    kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # k and v, fp32, one full-attention layer
+    assert moved["kv_read"] == 3 * 10 * kv_row and moved["kv_written"] == 3 * kv_row
+    assert moved["state_read"] == moved["state_written"] > 0
+
+
+def test_the_real_shape_is_the_qwen3_5_0_8b_text_decoder():
+    c = config_for("qwen3_5", "0.8b")
+    assert c["layer_types"].count("linear_attention") == 18 and c["layer_types"].count("full_attention") == 6
+    assert (c["hidden_size"], c["vocab_size"], c["intermediate_size"]) == (1024, 248320, 3584)
+    cfg = family_named("qwen3_5").adapt(c)
+    assert cfg.tie_word_embeddings and cfg.rotary_dim == 64 and torch.float32 == cfg.dtype
