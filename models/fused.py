@@ -84,7 +84,9 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     """``silu(g) * u`` for ``gate_up = [g | u]`` along the last dim (``[T, 2I] -> [T, I]``)."""
-    if _kernel("flashinfer", gate_up) and gate_up.is_contiguous():
+    # The kernel loads 16-byte vectors: each row must be a whole number of them.
+    if _kernel("flashinfer", gate_up) and gate_up.is_contiguous() and gate_up.shape[-1] * gate_up.element_size() % 16 \
+            == 0:
         import flashinfer
 
         return flashinfer.activation.silu_and_mul(gate_up)
@@ -99,6 +101,14 @@ def rope_table(cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
 
 
+def _rope_kernel_fits(q: Tensor, table: Tensor) -> bool:
+    """FlashInfer's rope kernel takes head dims 64..512 (powers of two) and loads ``vec`` lanes at a time, with
+    ``vec = max(16 bytes, D / 32)``: each half of the rotary dims must be whole vectors."""
+    D, Dr = q.shape[-1], table.shape[-1]
+    vec = max(16 // q.element_size(), D // 32)
+    return D in (64, 128, 256, 512) and Dr <= D and (Dr // 2) % vec == 0
+
+
 def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, table: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Rotate-half rope on the first ``Dr`` dims of ``q [T, Hq, D]`` and ``k [T, Hkv, D]``: ``-> (q, k)``.
 
@@ -107,7 +117,8 @@ def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, table: Tensor | None =
     must be contiguous. The torch body is `common.apply_rope` (fp32 rotation,
     rounded once).
     """
-    if table is not None and _kernel("flashinfer", q, k) and q.is_contiguous() and k.is_contiguous():
+    if table is not None and _rope_kernel_fits(q, table) and _kernel("flashinfer", q, k) and q.is_contiguous() \
+            and k.is_contiguous():
         import flashinfer
 
         T, D = q.shape[0], q.shape[-1]

@@ -1,0 +1,122 @@
+"""Fused kernels against their unfused torch bodies on a GPU, bf16: each piece of `models.fused`, then whole
+Qwen3.5 models (the tiny config and a 4-layer slice of the 0.8B shape) fused vs `fused.unfused()` over a
+prefill and decode steps. Set FNATTN_GPU_RESULTS=path.json to record every comparison."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fnattn as fa
+from fnattn.driver import prefill, run_step
+from fnattn.models import fused
+from fnattn.models.common import rope_cos_sin, rope_inv_freq
+from fnattn.models.registry import random_model
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+def _check(record, case, got, want, tol):
+    rel = _rel(got, want)
+    ok = bool(torch.isfinite(got).all()) and rel <= tol
+    record({"case": case, "backend": "fused", "reference": "unfused torch", "max_rel": rel, "ok": ok})
+    assert ok, f"{case}: max rel {rel:.3e} > {tol}"
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).to(BF16)
+
+
+@pytest.mark.parametrize("T", [1, 7, 4096])
+def test_add_rms_norm_and_norm(T, record):
+    pytest.importorskip("flashinfer")
+    x, y, w = _randn(T, 1024, seed=1), _randn(T, 1024, seed=2), _randn(1024, seed=3, scale=0.1)
+    with fused.unfused():
+        want_sum, want_h = fused.add_rms_norm_offset_(y.clone(), x.clone(), w, 1e-6)
+        want_n = fused.rms_norm_offset(x, w, 1e-6)
+    got_sum, got_h = fused.add_rms_norm_offset_(y.clone(), x.clone(), w, 1e-6)
+    _check(record, f"add+rmsnorm(1+w) T{T} sum", got_sum, want_sum, 1e-2)
+    _check(record, f"add+rmsnorm(1+w) T{T} normed", got_h, want_h, 2e-2)
+    _check(record, f"rmsnorm(1+w) T{T}", fused.rms_norm_offset(x, w, 1e-6), want_n, 2e-2)
+    # q/k norms: a strided [T, H, D] view of a wider GEMM output
+    qg = _randn(T, 8, 512, seed=4)[..., :256]
+    wq = _randn(256, seed=5, scale=0.1)
+    with fused.unfused():
+        want_q = fused.rms_norm_offset(qg, wq, 1e-6)
+    _check(record, f"q norm strided T{T}", fused.rms_norm_offset(qg, wq, 1e-6), want_q, 2e-2)
+
+
+@pytest.mark.parametrize("T", [1, 4096])
+def test_silu_and_mul(T, record):
+    pytest.importorskip("flashinfer")
+    gu = _randn(T, 2 * 3584, seed=6)
+    _check(record, f"silu_and_mul T{T}", fused.silu_and_mul(gu), F.silu(gu[:, :3584]) * gu[:, 3584:], 2e-2)
+
+
+@pytest.mark.parametrize("T, start", [(1, 0), (1, 8191), (33, 100), (8192, 0)])
+def test_partial_rope(T, start, record):
+    """Qwen3.5's rope: theta 1e7, the first 64 of 256 dims, rotate-half; positions up to 8k."""
+    pytest.importorskip("flashinfer")
+    pos = torch.arange(start, start + T, device="cuda")
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(64, 1e7, device="cuda"))
+    q, k = _randn(T, 8, 256, seed=7), _randn(T, 2, 256, seed=8)
+    with fused.unfused():
+        want_q, want_k = fused.rope_(q.clone(), k.clone(), cos, sin, fused.rope_table(cos, sin))
+    got_q, got_k = fused.rope_(q.clone(), k.clone(), cos, sin, fused.rope_table(cos, sin))
+    _check(record, f"rope q T{T} from {start}", got_q, want_q, 2e-2)
+    _check(record, f"rope k T{T} from {start}", got_k, want_k, 2e-2)
+    assert torch.equal(got_q[..., 64:], q[..., 64:])  # the dims past rotary_dim pass through
+
+
+@pytest.mark.parametrize("T", [1, 4096])
+def test_gated_norm(T, record):
+    pytest.importorskip("fla")
+    o, z, w = _randn(T, 16, 128, seed=9), _randn(T, 16, 128, seed=10), 1 + _randn(128, seed=11, scale=0.1)
+    with fused.unfused():
+        want = fused.gated_rms_norm_silu(o, z, w, 1e-6)
+    _check(record, f"gated rmsnorm silu T{T}", fused.gated_rms_norm_silu(o, z, w, 1e-6), want, 2e-2)
+
+
+SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full attention), a smaller vocab
+    "model_type": "qwen3_5_text", "vocab_size": 4096, "hidden_size": 1024, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "intermediate_size": 3584, "hidden_act": "silu",
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize("name, config", [("tiny", None), ("0.8b slice", SLICE_0_8B)])
+def test_whole_model_fused_matches_unfused(name, config, record):
+    pytest.importorskip("flashinfer")
+    model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
+    ma = fa.ModelAttention(model.specs, device="cuda")
+    vocab = model.config.vocab_size
+    prompts = {0: [(5 * i) % (vocab - 1) + 1 for i in range(300)], 1: [(11 * i) % (vocab - 1) + 1 for i in range(37)]}
+
+    def run():
+        st = fa.State(model.specs, num_pages=64, page_size=16, max_requests=2, device="cuda")
+        st = st.admit(0).admit(1)
+        with torch.no_grad():
+            st, last = prefill(model.step, model.params, ma, st, prompts)
+            out = [torch.stack([last[0], last[1]])]
+            for t in range(8):
+                st = st.reserve({0: 1, 1: 1})
+                tokens = torch.tensor([t + 1, t + 2], device="cuda")
+                st, logits = run_step(model.step, model.params, ma, st, fa.Batch.decode(st, [0, 1]), tokens)
+                out.append(logits)
+        return torch.cat(out)
+
+    with fused.unfused():
+        want = run()
+    got = run()
+    _check(record, f"qwen3_5 {name}: logits, prefill + 8 decode steps", got, want, 3e-2)
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    record({"case": f"qwen3_5 {name}: top-1 agreement", "backend": "fused", "agreement": agree, "ok": agree >= 0.75})
+    assert agree >= 0.75, f"top-1 agreement {agree:.2f}"
