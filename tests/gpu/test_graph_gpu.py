@@ -29,6 +29,8 @@ def build(name):
     raw = fam.tiny_config()
     if name in MLA:
         raw.update(kv_lora_rank=512, qk_rope_head_dim=64)
+        if "index_head_dim" in raw:  # the indexer's rope part is the layer's
+            raw.update(index_head_dim=64)
     cfg = dataclasses.replace(fam.adapt(raw), dtype=BF16)
     if name in MLA and hasattr(cfg, "padded_heads"):
         cfg = dataclasses.replace(cfg, padded_heads=64)
