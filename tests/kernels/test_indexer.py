@@ -15,6 +15,7 @@ from fnattn.kernels.indexer import (  # noqa: E402
     indexer_topk,
     indexer_topk_ref,
 )
+
 from fnattn.kinds.sparse_mla.indexer import indexer_scores, topk_indices  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
