@@ -399,6 +399,8 @@ def decoder_layer(session, i: int, layer: Layer, c: DSV4Config, cfg: DeepseekV4C
     inputs = attention_inputs(layer.attn, c, h, session.batch.positions, cos, sin,
                               comp_inv_freq if c.compress_ratio else None, cfg.rms_norm_eps)
     out, deltas = session.forward(i, inputs)
+    if out.topk_indices is not None:  # CSA: the indexer's top-k, a generated lane of a captured step
+        session.record(f"indexer_topk_{i}", out.topk_indices)
     # the grouped output projection and the MoE are row-parallel under TP (models/tp.py)
     streams = merge(post, comb, all_reduce(output_projection(layer.attn, out.o, cos, sin, cfg.o_groups)), streams)
     post, comb, h = hyper(layer.ffn_hc, streams, cfg)
@@ -444,6 +446,14 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
     return logits, deltas
 
 
+def generated_lanes(cfg: DeepseekV4Config) -> tuple:
+    """The top-k each CSA layer's indexer builds inside the step ([T, index_topk] int64): generated, never copied."""
+    from fnattn.lanes import Lane
+
+    return tuple(Lane(f"indexer_topk_{i}", ("T", cfg.index_topk), torch.int64, "generated")
+                 for i, s in enumerate(cfg.specs) if s.config.indexer is not None)
+
+
 def draft(cfg: DeepseekV4Config, target_params: Params, weights=None, *, seed: int = 0):
     """The MTP draft model (`models/deepseek_v4_mtp.py`, imported lazily: it builds on this module)."""
     from .deepseek_v4_mtp import draft as mtp_draft
@@ -472,4 +482,4 @@ def tiny_config() -> dict:
 
 register_family(Family(name="deepseek_v4", model_types=("deepseek_v4",), adapt=adapt, weight_shapes=weight_shapes,
                        load=load, step=step, tiny_config=tiny_config, step_hidden=step_hidden,
-                       draft=draft, index_shapes=index_shapes))
+                       draft=draft, index_shapes=index_shapes, generated_lanes=generated_lanes))

@@ -265,3 +265,25 @@ def test_transfer_moves_the_window_entries_and_compressor_state():
     assert rid == 7
     b, got = model.decode(b, 7, follow)
     assert torch.equal(got, want)
+
+
+def test_csa_layers_declare_and_fill_their_generated_top_k():
+    from fnattn.graph import StepRunner
+
+    model = random_model("deepseek_v4", seed=4)
+    attn = fa.ModelAttention(model.specs)
+    manifest = model.manifest()
+    names = sorted(lane.name for lane in manifest.role("generated"))
+    assert names == [f"indexer_topk_{i}" for i, s in enumerate(model.specs) if s.config.compressor == "csa"]
+    runner = StepRunner(model.step, model.params, attn, manifest, max_context=64, buckets=(2,))
+    st = fa.State(model.specs, num_pages=32, page_size=8, max_requests=2, fill=float("nan")).admit(0).admit(1)
+    prompts = {0: list(range(1, 14)), 1: [5, 6, 7]}
+    st = st.reserve({r: len(p) for r, p in prompts.items()})
+    st, logits = run_step(model.step, model.params, attn, st, fa.Batch.prefill(st, {0: 13, 1: 3}),
+                          torch.tensor(prompts[0] + prompts[1]))
+    tok = torch.tensor([int(logits[12].argmax()), int(logits[15].argmax())])
+    st = st.reserve({0: 1, 1: 1})
+    st, got = runner.decode(st, [0, 1], tok)
+    (entry,) = runner._entries.values()
+    assert sorted(entry.generated) == names
+    assert torch.isfinite(got).all()
