@@ -287,3 +287,11 @@ def test_csa_layers_declare_and_fill_their_generated_top_k():
     (entry,) = runner._entries.values()
     assert sorted(entry.generated) == names
     assert torch.isfinite(got).all()
+
+
+def test_a_prefix_hit_equals_a_cold_run():
+    """A request admitted on another's 9-token prefix (window rows, entries and compressor state copied at the
+    holder's cursor) decodes what a cold run of it does, and the holder keeps decoding as if alone."""
+    import test_prefix_sharing
+
+    test_prefix_sharing.test_prefix_hit_equals_cold_run("deepseek_v4", 9)
