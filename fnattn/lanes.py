@@ -119,8 +119,16 @@ class Manifest:
         return tuple(lane for lane in self.lanes if lane.role == role)
 
     def shape(self, lane: Lane, bucket: Bucket) -> tuple[int, ...]:
-        sizes = {**self.dims, **bucket.sizes()}
-        return tuple(d if isinstance(d, int) else _size(d, sizes, f"lane {lane.name!r}") for d in lane.shape)
+        return self.shapes(bucket)[lane.name]
+
+    def shapes(self, bucket: Bucket) -> Mapping[str, tuple[int, ...]]:
+        """Every lane's shape in ``bucket`` (bound once per bucket: replays check against it)."""
+        cache = self.__dict__.setdefault("_bound", {})
+        if bucket not in cache:
+            sizes = {**self.dims, **bucket.sizes()}
+            cache[bucket] = {lane.name: tuple(d if isinstance(d, int) else _size(d, sizes, f"lane {lane.name!r}")
+                                              for d in lane.shape) for lane in self.lanes}
+        return cache[bucket]
 
 
 def _size(symbol: str, sizes: Mapping[str, int], where: str) -> int:
@@ -148,6 +156,7 @@ def check_lanes(manifest: Manifest, bucket: Bucket, values: Mapping[str, Tensor]
     """Every lane of ``role`` present, of its bucket's shape, dtype and device, dense; lanes that are views of
     one storage laid out without gaps or overlap. Raises `LaneError` naming the lane; copies nothing."""
     lanes = manifest.role(role)
+    shapes = manifest.shapes(bucket)
     extra = sorted(set(values) - {lane.name for lane in lanes})
     if extra:
         raise LaneError(f"lanes {extra}: not {role} lanes of this manifest (they are "
@@ -158,8 +167,8 @@ def check_lanes(manifest: Manifest, bucket: Bucket, values: Mapping[str, Tensor]
             raise LaneError(f"lane {lane.name!r}: missing ({role} lanes: {[x.name for x in lanes]})")
         if not isinstance(v, Tensor) or v.layout != torch.strided:
             raise LaneError(f"lane {lane.name!r}: expected a dense tensor, got {type(v).__name__}")
-        want = manifest.shape(lane, bucket)
-        if tuple(v.shape) != want:
+        want = shapes[lane.name]
+        if v.shape != want:
             raise LaneError(f"lane {lane.name!r}: expected shape {want} (bucket {bucket.lanes} lanes, "
                             f"{bucket.tokens} tokens, {bucket.columns} columns), got {tuple(v.shape)}")
         if v.dtype != lane.dtype:
