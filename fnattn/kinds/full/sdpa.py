@@ -87,8 +87,8 @@ def _one_request(c, q, k, v, kc, vc, q_pos, n_cached) -> tuple[Tensor, Tensor]:
     """``n`` new tokens over ``n_cached`` cached ones and themselves: ``(o [n, Hq, D], lse [n, Hq])``."""
     n, g, scale, W, dt = q.shape[0], c.group_size, c.scale, c.sliding_window, q.dtype
     if n == 1:  # decode: the token sees its cache (within the window) and itself; one call, no merge
-        keys = k if kc is None else torch.cat((kc, k))
-        vals = v if vc is None else torch.cat((vc, v))
+        keys = k if kc is None else _with_row(kc, n_cached, k)
+        vals = v if vc is None else _with_row(vc, n_cached, v)
         mask = None
         if W:
             mask = _bias(_visible(q_pos, torch.arange(n_cached + 1, device=q.device), W, causal=False), g, dt)
@@ -115,6 +115,21 @@ def _one_request(c, q, k, v, kc, vc, q_pos, n_cached) -> tuple[Tensor, Tensor]:
     return o, lse
 
 
+def _gather(pages: Tensor, block_row: Tensor, n: int, page_size: int, room: int) -> Tensor:
+    """The first ``n`` cached tokens of one request, in a fresh ``[used pages * S + room, ...]`` buffer whose rows
+    past ``n`` are free: a decode step appends its own row there instead of copying the cache again."""
+    used = block_row[: -(-n // page_size)].long()
+    buf = pages.new_empty((used.numel() * page_size + room, *pages.shape[2:]))
+    torch.index_select(pages, 0, used, out=buf[: used.numel() * page_size].view(used.numel(), *pages.shape[1:]))
+    return buf
+
+
+def _with_row(buf: Tensor, n: int, row: Tensor) -> Tensor:
+    """``buf[:n]`` followed by ``row`` ([1, ...]), written into the buffer's free row ``n``."""
+    buf[n : n + 1] = row
+    return buf[: n + 1]
+
+
 def paged_sdpa(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     c, batch = spec.config, inputs.meta.batch
     cu, dt = batch.host_cu_seqlens, inputs.q.dtype
@@ -122,7 +137,10 @@ def paged_sdpa(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tu
     for b, n_cached in enumerate(batch.host_cache_lens):
         rows = slice(cu[b], cu[b + 1])
         kc = vc = None
-        if n_cached:
+        if n_cached and batch.host_new_lens[b] == 1:  # [>= m + 1, Hkv, D]: room for the new row
+            kc = _gather(views.k, batch.block_table[b], n_cached, batch.page_size, 1)
+            vc = _gather(views.v, batch.block_table[b], n_cached, batch.page_size, 1)
+        elif n_cached:
             kc = cached_tokens(views.k, batch.block_table[b], n_cached, batch.page_size)  # [m, Hkv, D]
             vc = cached_tokens(views.v, batch.block_table[b], n_cached, batch.page_size)
         o, lse = _one_request(c, inputs.q[rows], inputs.k[rows], inputs.v[rows], kc, vc, batch.positions[rows],
