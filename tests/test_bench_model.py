@@ -59,3 +59,22 @@ def test_the_real_shape_is_the_qwen3_5_0_8b_text_decoder():
     assert (c["hidden_size"], c["vocab_size"], c["intermediate_size"]) == (1024, 248320, 3584)
     cfg = family_named("qwen3_5").adapt(c)
     assert cfg.tie_word_embeddings and cfg.rotary_dim == 64 and torch.float32 == cfg.dtype
+
+
+def test_decode_room_fits_the_runner_block_table():
+    """The decode state's reserved pages fit the StepRunner's block-table width the bench gives it (run
+    uncaptured on CPU: the same lanes and checks as a captured step)."""
+    from fnattn.bench.model import decode_state, time_decode
+    from fnattn.graph import StepRunner
+    from fnattn.model_attention import ModelAttention
+    from fnattn.models.registry import random_model
+
+    model = random_model("qwen3_5")
+    ma = ModelAttention(model.specs)
+    steps, ctx, room = 3, 43, 2 * (3 + 8)  # ctx + room = 65: one token past a page boundary
+    st = decode_state(model, torch.device("cpu"), 2, ctx, page_size=16, room=room)
+    times, st = time_decode(model, ma, st, 2, steps)
+    runner = StepRunner(model.step, model.params, ma, model.manifest(), buckets=(2,), max_context=ctx + room,
+                        capture=False)
+    times, st = time_decode(model, ma, st, 2, steps, runner=runner)
+    assert len(times) == steps and st.request(0).length == ctx + 2 * (steps + 3)

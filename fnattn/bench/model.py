@@ -154,10 +154,11 @@ def time_prefill(model, ma, device, batch: int, prompt: int, *, page_size: int, 
     return times[1:]
 
 
-def decode_state(model, device, batch: int, ctx: int, *, page_size: int, steps: int):
+def decode_state(model, device, batch: int, ctx: int, *, page_size: int, room: int):
+    """``batch`` requests holding ``ctx`` random cached tokens, with pages reserved for ``room`` more."""
     from .setup import cached_state
 
-    return cached_state(model.specs, batch=batch, ctx=ctx, page_size=page_size, extra=steps + 8, device=device)
+    return cached_state(model.specs, batch=batch, ctx=ctx, page_size=page_size, extra=room, device=device)
 
 
 def time_decode(model, ma, state, batch: int, steps: int, *, runner=None, warmup: int = 3):
@@ -320,6 +321,8 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
         hf, hf_why = transformers_model(family, config, weights, dev, dtype)
         if hf is None:
             log(f"transformers: skipped ({hf_why})")
+    if hf is None:
+        records.append({"case": name, "backend": "transformers", "phase": "decode", "skipped": hf_why})
     del weights
     if dev.type == "cpu" and shape == "tiny":
         for prompt in prompts:
@@ -335,8 +338,10 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
             case = f"{name} B{b} ctx{prompt}"
             if b * prompt <= prefill_tokens:
                 t = statistics.median(time_prefill(model, ma, dev, b, prompt, page_size=page_size, reps=3))
-                records.append(_record(f"{name} prefill B{b} P{prompt}", "fnattn eager", "prefill", t, b * prompt))
-            st = decode_state(model, dev, b, prompt, page_size=page_size, steps=2 * steps + 16)
+                records.append(_record(f"{name} prefill B{b} P{prompt}", "fnattn eager", "prefill", t, b * prompt,
+                                       peer="transformers"))
+            room = 2 * (steps + 8)  # eager then graph steps, each after 3 warm-up steps
+            st = decode_state(model, dev, b, prompt, page_size=page_size, room=room)
             moved = step_bytes(st, b, prompt)
             per_step = wbytes + sum(moved.values())
             records.append({"case": case, "backend": "roofline step", "phase": "decode", "time_us": per_step / bw * 1e6,
@@ -344,7 +349,7 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
             times, st = time_decode(model, ma, st, b, steps)
             records.append(_record(case, "fnattn eager", "decode", statistics.median(times), b))
             if graph:
-                runner, why = _graph_runner(model, ma, b, prompt + 2 * steps + 16)
+                runner, why = _graph_runner(model, ma, b, prompt + room)  # the block table's reserved width
                 if runner is None:
                     records.append({"case": case, "backend": "fnattn graph", "phase": "decode", "skipped": why})
                     log(f"{case}: graph skipped ({why})")
