@@ -5,7 +5,8 @@
 names in one flat array; natural-log LSE, -inf and a zero output without
 rows). Everything else (which slots of the kv and comp pools, which rows of
 the step, the head padding to 64, the merge with the sink) runs as on the
-GPU and must give the reference's outputs and writes. The kernel itself is
+GPU and must give the reference's outputs and writes; decode (every request at
+once, `fnattn.kinds.dsv4.decode`) also under the host-read guard, pad lanes included. The kernel itself is
 compared on the H200 by tests/gpu/test_dsv4_flashmla_gpu.py.
 """
 
@@ -77,8 +78,11 @@ def test_emulated_flashmla_equals_reference(emulated, name, phase):
     if o_ref.topk_indices is not None:
         assert torch.equal(o_fast.topk_indices, o_ref.topk_indices)
     assert set(w_fast.values) == set(w_ref.values)
-    for k in w_ref.values:
-        assert same_bits(w_fast[k], w_ref[k]), k
+    for k in w_ref.values:  # the states and window rows are copies; a pooled entry may round differently
+        if k in ("comp", "index_k"):
+            torch.testing.assert_close(w_fast[k], w_ref[k], atol=1e-6, rtol=0)
+        else:
+            assert same_bits(w_fast[k], w_ref[k]), k
     assert (o_fast.replay is None) == (o_ref.replay is None)
 
 
@@ -87,3 +91,44 @@ def test_heads_pad_to_the_kernel_sizes():
     spec = fa.LayerSpec(0, CONFIGS["csa"], torch.float32)
     reasons = flashmla.supports(spec, torch.device("cpu"))
     assert any("CUDA" in r for r in reasons) and any("512" in r for r in reasons)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_decode_reads_nothing_on_the_host_and_steps_like_the_reference(emulated, name):
+    """Several decode steps across window boundaries, pad lanes included, under the host-read guard."""
+    from fnattn.lanes import no_host_reads
+
+    c = CONFIGS[name]
+    streams = {0: Stream(c, 60, 13), 1: Stream(c, 60, 14)}
+    ref = fa.ModelAttention((fa.LayerSpec(0, c, torch.float32),), prefer=["reference"])
+    fast = fa.ModelAttention((fa.LayerSpec(0, c, torch.float32),), prefer=["emulated_flashmla"])
+    states = []
+    for _ in range(2):
+        st, _ = new_state(c, requests=3)
+        st = st.reserve({0: 9, 1: 2})
+        b = fa.Batch.prefill(st, {0: 9, 1: 2})
+        with ref.session(st, b) as s:
+            _, w = s.forward(0, streams[0].inputs([(streams[0], 0, 9), (streams[1], 0, 2)]))
+        states.append(st.apply(fa.StepDeltas.collect(b, [w])))
+    for _ in range(9):
+        outs = []
+        for i, ma in enumerate((ref, fast)):
+            st = states[i].reserve({0: 1, 1: 1})
+            batch = fa.Batch.decode(st, [0, 1], pad_to=3)
+            rows = [(streams[r] if r >= 0 else streams[0], st.request(r).length if r >= 0 else 0, 1)
+                    for r in batch.request_ids]
+            x = streams[0].inputs(rows)
+            with ma.session(st, batch) as s:
+                if i:
+                    with no_host_reads():
+                        out, w = s.forward(0, x)
+                else:
+                    out, w = s.forward(0, x)
+            outs.append((out, w))
+            states[i] = st.apply(fa.StepDeltas.collect(batch, [w]))
+        (o_r, w_r), (o_f, w_f) = outs
+        torch.testing.assert_close(o_f.o[:2], o_r.o[:2], atol=1e-5, rtol=0)
+        if o_r.topk_indices is not None:
+            assert torch.equal(o_f.topk_indices[:2], o_r.topk_indices[:2])
+        for k in w_r.values:
+            torch.testing.assert_close(w_f[k][:2], w_r[k][:2], atol=1e-6, rtol=0)
