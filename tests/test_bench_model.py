@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+from fnattn.models.registry import family_named, random_checkpoint
 
 from fnattn.bench.model import config_for, step_bytes, weight_bytes
 from fnattn.bench.setup import cached_state
 from fnattn.cli import main
-from fnattn.models.registry import family_named, random_checkpoint
 
 
 def test_tiny_model_bench_writes_every_record(tmp_path, capsys):
@@ -64,10 +64,11 @@ def test_the_real_shape_is_the_qwen3_5_0_8b_text_decoder():
 def test_decode_room_fits_the_runner_block_table():
     """The decode state's reserved pages fit the StepRunner's block-table width the bench gives it (run
     uncaptured on CPU: the same lanes and checks as a captured step)."""
+    from fnattn.models.registry import random_model
+
     from fnattn.bench.model import decode_state, time_decode
     from fnattn.graph import StepRunner
     from fnattn.model_attention import ModelAttention
-    from fnattn.models.registry import random_model
 
     model = random_model("qwen3_5")
     ma = ModelAttention(model.specs)
@@ -78,3 +79,29 @@ def test_decode_room_fits_the_runner_block_table():
                         capture=False)
     times, st = time_decode(model, ma, st, 2, steps, runner=runner)
     assert len(times) == steps and st.request(0).length == ctx + 2 * (steps + 3)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_peer_runs_our_weights(tied):
+    """The peer really holds the bench's tensors: its prefill logits are ours (tiny config, fp32, CPU), with
+    untied and tied embeddings (the 0.8B shape ties them)."""
+    pytest.importorskip("transformers")
+    from fnattn.models.registry import Model
+
+    import fnattn as fa
+    from fnattn.bench.model import transformers_model
+    from fnattn.driver import prefill
+
+    fam = family_named("qwen3_5")
+    config = {**config_for("qwen3_5", "tiny"), "tie_word_embeddings": tied}
+    cfg = fam.adapt(config)
+    weights = random_checkpoint(fam, cfg, seed=3)
+    hf, why = transformers_model("qwen3_5", config, weights, torch.device("cpu"), torch.float32)
+    assert why is None
+    model = Model(fam, cfg, fam.load(cfg, weights))
+    prompt = [5, 9, 17, 33, 2, 71, 8, 100, 3]
+    st = fa.State(model.specs, num_pages=8, page_size=4, max_requests=1).admit(0)
+    _, last = prefill(model.step, model.params, fa.ModelAttention(model.specs), st, {0: prompt})
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompt]), logits_to_keep=1).logits[0, -1]
+    torch.testing.assert_close(last[0], theirs.float(), atol=1e-4, rtol=1e-4)
