@@ -5,12 +5,12 @@ prefill and decode steps. Set FNATTN_GPU_RESULTS=path.json to record every compa
 import pytest
 import torch
 import torch.nn.functional as F
-
-import fnattn as fa
-from fnattn.driver import prefill, run_step
 from fnattn.models import fused
 from fnattn.models.common import rope_cos_sin, rope_inv_freq
 from fnattn.models.registry import random_model
+
+import fnattn as fa
+from fnattn.driver import prefill, run_step
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
