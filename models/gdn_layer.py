@@ -285,7 +285,7 @@ def gdn_project(
     # fp32 where the math needs it: the log-decay feeds an exp inside the recurrence.
     neg_decay = -w.A_log.float().exp() if w.neg_decay is None else w.neg_decay
     dt_bias = w.dt_bias.float() if w.dt_bias_f32 is None else w.dt_bias_f32
-    g = neg_decay * F.softplus(a.float() + dt_bias)
+    g = neg_decay * F.softplus(a + dt_bias)  # a (bf16 / fp32) is promoted to fp32 inside the add: one launch
     return conv_input, z, g, beta
 
 
