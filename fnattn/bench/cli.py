@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--prefill-tokens", type=int, default=16384, help="time prefill when batch x prompt <= this")
     m.add_argument("--hf-tokens", type=int, default=65536, help="run transformers when batch x prompt <= this")
     m.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, under torchrun --nproc-per-node N "
+                                                     "(default 1; rank 0 writes the results)")
 
 
 def run_model(args) -> int:
@@ -57,21 +59,33 @@ def run_model(args) -> int:
     if args.device not in (None, "cpu") and not (args.device.startswith("cuda") and torch.cuda.is_available()):
         print(f"fnattn bench: --device must be cpu or an available cuda device, got {args.device!r}", file=sys.stderr)
         return 2
+    group = None
+    if args.tp != 1:
+        from ..tp import launch
+
+        try:
+            if args.tp < 1:
+                raise ValueError("must be >= 1")
+            group, args.device = launch(args.tp, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except ValueError as e:
+            print(f"fnattn bench: --tp {args.tp}: {e}", file=sys.stderr)
+            return 2
     records = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
     steps = args.steps or (64 if args.shape == "tiny" else 32)
+    lead = group is None or group.rank == 0  # every rank times the same steps; rank 0 reports them
     try:
         run_model_bench(family=args.family, shape=args.shape, batches=args.batch, prompts=args.prompt, steps=steps,
                         device=args.device, page_size=args.page_size or 16, prefill_tokens=args.prefill_tokens,
                         hf_tokens=args.hf_tokens, transformers=not args.no_transformers, graph=not args.eager,
-                        records=records, log=lambda line: print(line, file=sys.stderr))
+                        records=records, log=lambda line: lead and print(line, file=sys.stderr), tp=group)
     except ValueError as e:
         if not records:  # a user mistake (family, shape): one line
             print(f"fnattn bench: {e}", file=sys.stderr)
             return 2
         raise
     finally:
-        if records:
+        if records and lead:
             with_ratios(records)
             print_model_table(records)
             write_json(records, args.out, command=_model_command(args, steps))
@@ -79,6 +93,11 @@ def run_model(args) -> int:
                 why = draw_model_png(records, args.png)
                 if why:
                     print(f"fnattn bench: {why}", file=sys.stderr)
+    if group is not None:  # every rank leaves together (a peer's closed connection would abort the others)
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
@@ -91,6 +110,7 @@ def _model_command(args, steps: int) -> str:
     parts += [f"--page-size {args.page_size}"] if args.page_size else []
     parts += ["--eager"] if args.eager else []
     parts += ["--no-transformers"] if args.no_transformers else []
+    parts += [f"--tp {args.tp}"] if args.tp != 1 else []
     parts += [f"--out {shlex.quote(args.out)}"] + ([f"--png {shlex.quote(args.png)}"] if args.png else [])
     return " ".join(parts)
 

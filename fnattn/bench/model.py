@@ -295,8 +295,11 @@ def _graph_runner(model, ma, batch: int, max_context: int):
 def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, device: str | None = None,
                     page_size: int = 16, prefill_tokens: int = 16384, hf_tokens: int = 65536,
                     transformers: bool = True, graph: bool = True, records: list | None = None,
-                    log=print) -> list[dict]:
-    """Every measurement of one model (module docstring); appends to ``records`` as it goes."""
+                    log=print, tp=None) -> list[dict]:
+    """Every measurement of one model (module docstring); appends to ``records`` as it goes.
+
+    ``tp``: a `fnattn.tp.TPGroup` of several ranks: this rank's share of the model (`fnattn.models.tp`),
+    timed like a whole one; the transformers peer (a whole model) is skipped."""
     from ..model_attention import ModelAttention
     from ..models.registry import Model, _with_dtype, family_named, random_checkpoint
 
@@ -307,16 +310,23 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
     config = config_for(family, shape)
     cfg = _with_dtype(fam.adapt(config), dtype)
     weights = random_checkpoint(fam, cfg, dtype=dtype, device=dev)
-    model = Model(fam, cfg, fam.load(cfg, weights))
+    sharded = tp is not None and tp.size > 1
+    if sharded:
+        from ..models.tp import shard_model
+
+        model, transformers = shard_model(fam, cfg, weights, tp), False
+    else:
+        model = Model(fam, cfg, fam.load(cfg, weights))
     ma = ModelAttention(model.specs, device=dev)
     wbytes = weight_bytes(model.params)
     bw = copy_bandwidth(dev)
-    name = f"{family} {shape}"
+    name = f"{family} {shape}" + (f" tp{tp.size}" if sharded else "")
     log(f"{name}: {wbytes / 1e9:.3f} GB of weights, copy bandwidth {bw / 1e12:.2f} TB/s on {dev}")
     records.append({"case": name, "backend": "roofline weights", "phase": "decode", "weight_bytes": wbytes,
                     "copy_bandwidth_tb_s": bw / 1e12, "time_us": wbytes / bw * 1e6,
                     "note": "every weight read once per decode step, over the copy bandwidth measured now"})
-    hf, hf_why = (None, "--no-transformers") if not transformers else (None, None)
+    skipped = f"--tp {tp.size} (the peer is the whole model)" if sharded else "--no-transformers"
+    hf, hf_why = (None, skipped) if not transformers else (None, None)
     if transformers:
         hf, hf_why = transformers_model(family, config, weights, dev, dtype)
         if hf is None:
