@@ -400,9 +400,10 @@ def generate_text(args) -> int:
     if group is None or group.rank == 0:
         tp = f", tp={group.size}" if group is not None else ""
         print(f"\n[{total} tokens, {total / elapsed:.1f} tokens/s{hits}{tp}]", file=sys.stderr)
-    if group is not None:
+    if group is not None:  # every rank leaves together (a peer's closed connection would abort the others)
         import torch.distributed as dist
 
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
