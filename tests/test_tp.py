@@ -391,3 +391,36 @@ def test_generate_tp_outside_its_torchrun_launch_exits_2_with_one_line(checkpoin
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err == f"fnattn generate: error: {message}\n"
+
+
+# --------------------------------------------------------------------------- fnattn bench model --tp
+
+
+def test_bench_model_tp2_under_torchrun_times_the_ranks_share(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "fnattn", "bench", "model", "--family", "qwen3_5", "--tp", "2",
+           "--device", "cpu", "--no-transformers", "--steps", "3", "--batch", "2", "--prompt", "8", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["command"].endswith(f"--tp 2 --out {out}")
+    rows = {(r["case"], r["backend"]): r for r in doc["records"]}
+    eager = rows[("qwen3_5 tiny tp2 B2 ctx8", "fnattn eager")]
+    assert eager["phase"] == "decode" and eager["time_us"] > 0
+    assert rows[("qwen3_5 tiny tp2", "transformers")]["skipped"].startswith("--tp 2")
+    assert run.stdout.count("qwen3_5 tiny tp2 B2 ctx8") == 3  # rank 0's table alone (roofline, eager, graph)
+
+
+def test_bench_model_tp_outside_torchrun_exits_2_with_one_line(capsys, monkeypatch):
+    from fnattn.cli import main
+
+    for k in tp.TORCHRUN_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert main(["bench", "model", "--family", "llama", "--tp", "2", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("fnattn bench: --tp 2: needs a torchrun launch (torchrun --nproc-per-node 2 "
+                                       "-m fnattn ...): RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set\n")
