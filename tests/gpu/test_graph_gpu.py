@@ -31,11 +31,13 @@ def build(name):
         raw.update(kv_lora_rank=512, qk_rope_head_dim=64)
         if "index_head_dim" in raw:  # the indexer's rope part is the layer's
             raw.update(index_head_dim=64)
+    if name == "deepseek_v4":  # FlashMLA's head size: 448 + 64 rope dims
+        raw.update(head_dim=512, partial_rotary_factor=0.125, index_head_dim=128)
     cfg = dataclasses.replace(fam.adapt(raw), dtype=BF16)
     if name in MLA and hasattr(cfg, "padded_heads"):
         cfg = dataclasses.replace(cfg, padded_heads=64)
     params = fam.load(cfg, random_weights(fam.weight_shapes(cfg), seed=0, dtype=BF16, device="cuda"))
-    return fam, cfg, params, (64 if name in MLA else 16)
+    return fam, cfg, params, (64 if name in MLA or name == "deepseek_v4" else 16)
 
 
 def state(specs, page, ring=4):
