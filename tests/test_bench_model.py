@@ -105,3 +105,10 @@ def test_transformers_peer_runs_our_weights(tied):
     with torch.no_grad():
         theirs = hf(torch.tensor([prompt]), logits_to_keep=1).logits[0, -1]
     torch.testing.assert_close(last[0], theirs.float(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("argv", [["--family", "nope"], ["--batch", "0"], ["--prompt", "-1"], ["--steps", "0"]])
+def test_user_mistakes_exit_2_with_one_line(argv, tmp_path, capsys):
+    assert main(["bench", "model", *argv, "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fnattn bench:")

@@ -89,7 +89,7 @@ def environment() -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
-    for name in ("triton", "flashinfer", "fla"):
+    for name in ("triton", "flashinfer", "fla", "transformers"):
         try:
             env[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - absence is a fact worth recording, not an error
