@@ -6,9 +6,12 @@ kernel; otherwise it runs the unfused torch math of `models.common`, which is
 also what `unfused()` forces for parity checks. The torch bodies are the
 truth; the kernels agree with them to bf16 rounding (tests/gpu/test_fused_gpu.py).
 
-Where fp32 stays, the math needs it: RMSNorm statistics, the rope angles (one
-fp32 table per step, shared by every layer) and GDN's log-decay
-``g = -exp(A_log) * softplus(a + dt_bias)``, which the recurrence takes in fp32.
+Where fp32 stays in a bf16 model, the math needs it: RMSNorm statistics (inside
+the kernels), the rope angles (one fp32 table per step, shared by every layer),
+GDN's log-decay ``g = -exp(A_log) * softplus(a + dt_bias)``, which the
+recurrence takes in fp32, and the logits, which a step returns in fp32 (one
+cast of ``[T, vocab]`` per step). Nothing else is cast: attention inputs and
+outputs, gates and residuals stay in the model's dtype.
 
 Functions whose names end in ``_`` write into their arguments (as torch's
 in-place ops do); a model passes them only tensors the step itself made.
