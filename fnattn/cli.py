@@ -38,7 +38,7 @@ def _runner(step, params, ma, manifest, args, *, max_context: int):
 
     runner = StepRunner(step, params, ma, manifest, max_context=max_context)
     if not runner.capture:
-        why = runner.uncapturable()
+        why = runner.uncapturable("decode")
         print(f"fnattn: CUDA graphs off ({why[0]}{'; ...' if len(why) > 1 else ''})", file=sys.stderr)
         return None
     return runner

@@ -82,24 +82,27 @@ class StepRunner:
         self.buckets, self.max_context, self.host_reads = buckets, max_context, host_reads
         self.hidden = any(lane.name == "hidden" for lane in manifest.role("output"))
         on_cuda = model_attention.device.type == "cuda"
-        refused = self.uncapturable()
+        refused = self.uncapturable("decode")
         if capture and not on_cuda:
             fail("StepRunner", "capture", "False or None on a CPU model (CUDA graphs need a CUDA device)", capture)
         if capture and refused:
-            fail("StepRunner", "capture", "False or None: some backends cannot be captured "
+            fail("StepRunner", "capture", "False or None: some decode backends cannot be captured "
                  f"({'; '.join(refused)})", capture)
         self.capture = on_cuda and not refused if capture is None else capture
+        # Verify is captured where its backends allow it too; otherwise it runs the checked eager step.
+        self.capture_verify = self.capture and not self.uncapturable("verify")
         self._entries: dict[tuple[Bucket, str], _Entry] = {}
         self.last_validation_s = 0.0
         self._pool = None
 
     # ---------------------------------------------------------------- info
-    def uncapturable(self) -> list[str]:
-        """Why this model's decode/verify cannot be captured: one line per (layer, phase) whose backend is not."""
+    def uncapturable(self, phase: str | None = None) -> list[str]:
+        """Why this model's decode and verify (or just ``phase``) cannot be captured: one line per (layer, phase)
+        whose backend is not capturable."""
         out = []
-        for (layer, phase), choice in sorted(self.attn.choices.items()):
-            if phase != "prefill" and choice.backend is not None and not choice.backend.capturable:
-                out.append(f"layer {layer} {phase}: {choice.backend.name!r} is not capturable")
+        for (layer, p), choice in sorted(self.attn.choices.items()):
+            if p != "prefill" and phase in (None, p) and choice.backend is not None and not choice.backend.capturable:
+                out.append(f"layer {layer} {p}: {choice.backend.name!r} is not capturable")
         return out
 
     def bucket_for(self, n: int) -> int:
@@ -209,6 +212,8 @@ class StepRunner:
         if out is not None:
             out.copy_(outputs["logits"][:live])
             outputs = {**outputs, "logits": out}
+        elif entry.graph is not None:  # the graph's buffers are overwritten by the next replay: hand out copies
+            outputs = {name: t[:live].clone() for name, t in outputs.items()}
         else:
             outputs = {name: t[:live] for name, t in outputs.items()}
         return outputs, deltas, replay_outputs
@@ -238,7 +243,8 @@ class StepRunner:
         entry = self._entries.get(key)
         if entry is not None:
             return state, entry
-        if bucket.phase == "verify" and state.has_recurrent and self.capture and \
+        capture = self.capture if bucket.phase == "decode" else self.capture_verify
+        if bucket.phase == "verify" and state.has_recurrent and capture and \
                 1 + bucket.num_draft > state.recurrent_ring - 1:
             fail("StepRunner.verify", "num_draft", f"at most {state.recurrent_ring - 2} for a captured verify: "
                  "its recurrent states go to spare ring rows (State(recurrent_ring >= num_draft + 2))",
@@ -246,7 +252,7 @@ class StepRunner:
         inputs = {lane.name: torch.zeros(self.manifest.shape(lane, bucket), dtype=lane.dtype, device=state.device)
                   for lane in self.manifest.role("input")}
         entry = _Entry(bucket, recovery, inputs)
-        if self.capture:
+        if capture:
             state = self._capture(state, entry)
         self._entries[key] = entry
         return state, entry

@@ -287,7 +287,7 @@ def _graph_runner(model, ma, batch: int, max_context: int):
         return None, f"fnattn.graph.StepRunner is not available ({e})"
     runner = StepRunner(model.step, model.params, ma, model.manifest(), buckets=(batch,), max_context=max_context)
     if not runner.capture:
-        why = "; ".join(runner.uncapturable()) or "not a CUDA model"
+        why = "; ".join(runner.uncapturable("decode")) or "not a CUDA model"
         return None, f"no CUDA-graph capture here ({why})"
     return runner, None
 

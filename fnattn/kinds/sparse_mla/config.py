@@ -74,8 +74,10 @@ class SparseQueryMetadata:
     def build(batch, *, topk: int) -> "SparseQueryMetadata":
         if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
             fail("SparseQueryMetadata", "topk", "a positive int", topk)
-        rows = torch.repeat_interleave(torch.arange(batch.num_requests, device=batch.positions.device),
-                                       torch.tensor(batch.host_new_lens, device=batch.positions.device))
+        # From the device tensors alone (no host-to-device copy), so a captured step can build it:
+        # token t belongs to request b where cu[b] <= t < cu[b + 1].
+        tokens = torch.arange(batch.positions.shape[0], device=batch.positions.device, dtype=batch.cu_seqlens.dtype)
+        rows = torch.searchsorted(batch.cu_seqlens[1:], tokens, right=True)
         return SparseQueryMetadata(topk=topk, request_of_token=rows, visible_keys=batch.positions + 1)
 
 
