@@ -255,15 +255,17 @@ def hf_prefill_and_decode(hf, device, vocab: int, batch: int, prompt: int, steps
             out = hf(ids, use_cache=True, logits_to_keep=1)
             _sync(device)
             prefill_s = time.perf_counter() - t0
-        cache, tok, times = out.cache, out.logits[:, -1].argmax(-1, keepdim=True), []
+        # transformers renamed `past_key_values` to `cache` (5.2x); take whichever this version speaks
+        key = "cache" if hasattr(out, "cache") else "past_key_values"
+        cache, tok, times = getattr(out, key), out.logits[:, -1].argmax(-1, keepdim=True), []
         for i in range(warmup + steps):
             _sync(device)
             t0 = time.perf_counter()
-            out = hf(tok, cache=cache, use_cache=True, logits_to_keep=1)
+            out = hf(tok, **{key: cache}, use_cache=True, logits_to_keep=1)
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-            cache = out.cache
+            cache = getattr(out, key)
     return prefill_s, times
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ...apply import capturing
+from ...lanes import in_static_step
 from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
@@ -54,7 +55,8 @@ def select(spec, views: Views, inputs: SparseMLAInputs) -> torch.Tensor:
     """The step's top-k positions ``[T, topk]`` int64 (-1 padded): the layer's own indexer, or the reused ones."""
     if spec.config.index_source_layer is not None:
         # The check reads device values on the host; a captured step skips it (its eager warm-up ran it).
-        return inputs.topk_indices if capturing() else check_reused(spec, inputs)
+        # (and a static-shape step, captured or not, reads nothing back: both give the same bits)
+        return inputs.topk_indices if capturing() or in_static_step() else check_reused(spec, inputs)
     from ...kernels import indexer_topk
 
     b, ix = inputs.meta.batch, spec.config.indexer
