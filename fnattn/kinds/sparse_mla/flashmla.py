@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ...apply import capturing
-from ...lanes import in_static_step
 from ...deltas import Writes, writes
+from ...lanes import in_static_step
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
