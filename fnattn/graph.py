@@ -186,8 +186,8 @@ class StepRunner:
     def _run(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out: Tensor | None, *, built_here: bool):
         """Validate every lane, copy them into the static buffers, run the step; ``-> (outputs, deltas)``."""
         where = "StepRunner"
-        started = time.perf_counter()
         values = self._lanes_of(batch, self._padded_tokens(batch, tokens))
+        started = time.perf_counter()
         check_lanes(self.manifest, entry.bucket, values, state.device)
         vocab = self.manifest.dims["V"]
         live = sum(n for r, n in zip(batch.request_ids, batch.host_new_lens) if r >= 0)

@@ -116,7 +116,10 @@ class Manifest:
                     _size(d, {"B": 1, "T": 1, "W": 1, "R": 1, **self.dims}, f"Manifest: lane {lane.name!r}")
 
     def role(self, role: str) -> tuple[Lane, ...]:
-        return tuple(lane for lane in self.lanes if lane.role == role)
+        cache = self.__dict__.setdefault("_roles", {})
+        if role not in cache:
+            cache[role] = tuple(lane for lane in self.lanes if lane.role == role)
+        return cache[role]
 
     def shape(self, lane: Lane, bucket: Bucket) -> tuple[int, ...]:
         return self.shapes(bucket)[lane.name]
@@ -157,10 +160,13 @@ def check_lanes(manifest: Manifest, bucket: Bucket, values: Mapping[str, Tensor]
     one storage laid out without gaps or overlap. Raises `LaneError` naming the lane; copies nothing."""
     lanes = manifest.role(role)
     shapes = manifest.shapes(bucket)
-    extra = sorted(set(values) - {lane.name for lane in lanes})
-    if extra:
-        raise LaneError(f"lanes {extra}: not {role} lanes of this manifest (they are "
-                        f"{[lane.name for lane in lanes]}; generated lanes are never copied)")
+    if len(values) != len(lanes) or any(name not in shapes for name in values):
+        extra = sorted(set(values) - {lane.name for lane in lanes})
+        if extra:
+            raise LaneError(f"lanes {extra}: not {role} lanes of this manifest (they are "
+                            f"{[lane.name for lane in lanes]}; generated lanes are never copied)")
+    storages: dict[int, list[tuple[str, Tensor]]] = {}
+    shared = False
     for lane in lanes:
         v = values.get(lane.name)
         if v is None:
@@ -175,15 +181,16 @@ def check_lanes(manifest: Manifest, bucket: Bucket, values: Mapping[str, Tensor]
             raise LaneError(f"lane {lane.name!r}: expected dtype {lane.dtype}, got {v.dtype}")
         if v.device != device:
             raise LaneError(f"lane {lane.name!r}: expected a tensor on {device}, got {v.device}")
-    _check_shared_storage({n: values[n] for n in (lane.name for lane in lanes)})
-
-
-def _check_shared_storage(values: Mapping[str, Tensor]) -> None:
-    """Lanes carved out of one buffer must each be contiguous and must not overlap."""
-    groups: dict[int, list[tuple[str, Tensor]]] = {}
-    for name, v in values.items():
         if v.numel():
-            groups.setdefault(v.untyped_storage().data_ptr(), []).append((name, v))
+            group = storages.setdefault(v.untyped_storage().data_ptr(), [])
+            group.append((lane.name, v))
+            shared = shared or len(group) > 1
+    if shared:
+        _check_shared_storage(storages)
+
+
+def _check_shared_storage(groups: Mapping[int, list[tuple[str, Tensor]]]) -> None:
+    """Lanes carved out of one buffer (grouped by storage) must each be contiguous and must not overlap."""
     for views in groups.values():
         if len(views) < 2:
             continue
