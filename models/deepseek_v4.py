@@ -32,6 +32,7 @@ from .common import check_config_value, check_tokens, experts, grouped_topk
 from .deepseek_v32 import get_field, rope_tables
 from .dsv4_layer import AttnWeights, attention_inputs, output_projection, unweighted_norm
 from .dsv4_layer import rope_tables as cos_sin
+from .mla_layer import unpad_heads
 from .registry import Family, register_family
 
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -72,6 +73,7 @@ class DeepseekV4Config:
     rope_compress: tuple[tuple[str, Any], ...]
     tie_word_embeddings: bool
     dtype: torch.dtype = torch.float32
+    padded_heads: int | None = None  # query heads the kernels see (`DSV4Config.padded_heads`); None: num_heads
 
     def ratio(self, layer_type: str) -> int:
         return dict(self.compress_rates).get(layer_type, 0)
@@ -86,7 +88,8 @@ class DeepseekV4Config:
         return DSV4Config(num_heads=self.num_heads, head_dim=self.head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
                           sliding_window=self.sliding_window, compress_ratio=m, indexer=indexer,
                           compressor={"sliding_attention": None, "compressed_sparse_attention": "csa",
-                                      "heavily_compressed_attention": "hca"}[t], norm_eps=self.rms_norm_eps)
+                                      "heavily_compressed_attention": "hca"}[t], norm_eps=self.rms_norm_eps,
+                          padded_heads=self.padded_heads)
 
     @cached_property
     def specs(self) -> tuple[LayerSpec, ...]:
@@ -104,7 +107,8 @@ def _layer_types(raw: dict, n: int) -> tuple[str, ...]:
             raise ValueError(f"config.json: `compress_ratios` must list 0, 4 or 128 per layer, got {ratios!r}")
         types = [LAYER_TYPES[r] for r in ratios]
     if types is None:
-        inter = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+        inter = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                 for i in range(max(n - 2, 0))]
         types = ["heavily_compressed_attention"] * min(n, 2) + inter
     types = list(types)[:n]
     if len(types) != n or set(types) - set(LAYER_TYPES.values()):
@@ -240,7 +244,7 @@ def _hc_shapes(p: str, cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
 
 def weight_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     """Every float tensor, by the names transformers writes (DeepSeek's own: ``attn.wq_a``, ``ffn.experts.{e}.w1``)."""
-    D, N, E, I = cfg.hidden_size, cfg.hc_mult, cfg.n_routed_experts, cfg.moe_intermediate_size
+    D, N = cfg.hidden_size, cfg.hc_mult
     s = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,),
          "model.hc_head.hc_fn": (N, N * D), "model.hc_head.hc_base": (N,), "model.hc_head.hc_scale": (1,)}
     if not cfg.tie_word_embeddings:
@@ -252,7 +256,7 @@ def weight_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
 
 def layer_shapes(cfg: DeepseekV4Config, p: str, c: DSV4Config, mlp_type: str) -> dict[str, tuple[int, ...]]:
     """One decoder block's float tensors under ``p`` (``model.layers.{i}.``)."""
-    D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    D, E, inner = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     s = AttnWeights.shapes(p + "attn.", c, hidden=D, q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups,
                            o_lora_rank=cfg.o_lora_rank)
     s.update({p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,)})
@@ -263,10 +267,10 @@ def layer_shapes(cfg: DeepseekV4Config, p: str, c: DSV4Config, mlp_type: str) ->
     if mlp_type == "moe":
         s[m + "gate.bias"] = (E,)
     for e in range(E):  # w1: gate, w3: up, w2: down
-        s.update({f"{m}experts.{e}.w1.weight": (I, D), f"{m}experts.{e}.w3.weight": (I, D),
-                  f"{m}experts.{e}.w2.weight": (D, I)})
-    s.update({m + "shared_experts.w1.weight": (I, D), m + "shared_experts.w3.weight": (I, D),
-              m + "shared_experts.w2.weight": (D, I)})
+        s.update({f"{m}experts.{e}.w1.weight": (inner, D), f"{m}experts.{e}.w3.weight": (inner, D),
+                  f"{m}experts.{e}.w2.weight": (D, inner)})
+    s.update({m + "shared_experts.w1.weight": (inner, D), m + "shared_experts.w3.weight": (inner, D),
+              m + "shared_experts.w2.weight": (D, inner)})
     return s
 
 
@@ -402,7 +406,8 @@ def decoder_layer(session, i: int, layer: Layer, c: DSV4Config, cfg: DeepseekV4C
     if out.topk_indices is not None:  # CSA: the indexer's top-k, a generated lane of a captured step
         session.record(f"indexer_topk_{i}", out.topk_indices)
     # the grouped output projection and the MoE are row-parallel under TP (models/tp.py)
-    streams = merge(post, comb, all_reduce(output_projection(layer.attn, out.o, cos, sin, cfg.o_groups)), streams)
+    o = unpad_heads(out.o, c.num_heads)  # drop the kernels' padding heads (`padded_heads`)
+    streams = merge(post, comb, all_reduce(output_projection(layer.attn, o, cos, sin, cfg.o_groups)), streams)
     post, comb, h = hyper(layer.ffn_hc, streams, cfg)
     h = rms_norm_fp32w(h, layer.post_norm, cfg.rms_norm_eps)
     return merge(post, comb, all_reduce(moe(layer.mlp, cfg, h, tokens)), streams), deltas

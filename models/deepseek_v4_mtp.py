@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor

@@ -23,6 +23,7 @@ from torch import Tensor
 from fnattn.kinds.dsv4 import DSV4Config, DSV4Inputs
 from fnattn.kinds.dsv4.math import rms_norm_fp32w, rope_tail
 
+from .mla_layer import pad_heads
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,7 +122,10 @@ def attention_inputs(w: AttnWeights, c: DSV4Config, h: Float[Tensor, "T hidden"]
         iq = rope_tail(F.linear(q_res, w.index_q_b).view(T, ix.num_heads, ix.head_dim), cos, sin)
         iw = F.linear(h, w.index_weights).float() * ix.num_heads ** -0.5
         extra.update(index_q=iq, index_w=iw, index_kv=ikv, index_gate=igate, index_norm=w.indexer.norm)
-    return DSV4Inputs(q=q, kv=kv, sinks=w.sinks if c.sinks else None, **extra)
+    # Heads the kernels need beyond the model's: zero queries, and sinks that take no weight (-inf).
+    q = pad_heads(q, c.heads)
+    sinks = F.pad(w.sinks, (0, c.heads - H), value=float("-inf")) if c.sinks and c.heads > H else w.sinks
+    return DSV4Inputs(q=q, kv=kv, sinks=sinks if c.sinks else None, **extra)
 
 
 def output_projection(w: AttnWeights, o: Float[Tensor, "T H D"], cos: Tensor, sin: Tensor, o_groups: int

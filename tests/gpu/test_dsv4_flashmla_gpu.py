@@ -1,7 +1,8 @@
 """DeepSeek-V4's FlashMLA sparse path against the reference on a GPU (bf16).
 
 Layers with FlashMLA's 512-dim K=V head: sliding, CSA (ratio 4, an indexer) and HCA (ratio 128), with
-4 query heads (padded to 64 by the backend) and V4-Flash's 64, V4-Flash's window of 128. Requests hold
+4 query heads (padded to 64 by the caller, `DSV4Config.padded_heads`) and V4-Flash's 64, V4-Flash's
+window of 128. Requests hold
 0, 1, 130 and 700 cached tokens (so windows and entries come from the pools and from the step), then
 each phase runs once through both paths over the same State: outputs within 2e-2 of the reference's
 scale, the same top-k and bitwise-equal writes. Last, a whole tiny DeepSeek-V4 model with 512-dim heads
@@ -23,7 +24,8 @@ CACHED = [0, 1, 130, 700]
 
 
 def config(kind: str, heads: int) -> DSV4Config:
-    base = dict(num_heads=heads, head_dim=D, qk_rope_head_dim=R, sliding_window=128)
+    base = dict(num_heads=heads, head_dim=D, qk_rope_head_dim=R, sliding_window=128,
+                padded_heads=64 if heads < 64 else None)
     if kind == "sliding":
         return DSV4Config(**base, compress_ratio=0)
     if kind == "csa":
@@ -39,7 +41,10 @@ def inputs(c: DSV4Config, T: int, seed: int) -> DSV4Inputs:
         return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
 
     # q scaled down: logits of O(1), so each query spreads over its window and entries
-    kw = dict(q=r(T, c.num_heads, D, scale=0.05), kv=r(T, D), sinks=r(c.num_heads, dtype=torch.float32))
+    H, Hp = c.num_heads, c.heads  # padding heads: zero queries and sinks that take no weight, as a model pads
+    q = torch.nn.functional.pad(r(T, H, D, scale=0.05), (0, 0, 0, Hp - H))
+    sinks = torch.nn.functional.pad(r(H, dtype=torch.float32), (0, Hp - H), value=float("-inf"))
+    kw = dict(q=q, kv=r(T, D), sinks=sinks)
     if c.compress_ratio:
         ov = c.overlap
         kw.update(comp_kv=r(T, ov * D), comp_gate=r(T, ov * D, dtype=torch.float32),
@@ -89,7 +94,8 @@ def test_flashmla_matches_reference(kind, heads, phase, k, record):
         with ma.session(st, b) as s:
             res[name] = s.forward(0, x)
     (o_r, w_r), (o_f, w_f) = res["reference"], res["flashmla"]
-    err = float((o_f.o.float() - o_r.o.float()).abs().max() / o_r.o.float().abs().max())
+    H = spec.config.num_heads  # the layer's own heads (the padding ones are dropped by a model)
+    err = float((o_f.o[:, :H].float() - o_r.o[:, :H].float()).abs().max() / o_r.o[:, :H].float().abs().max())
     same = all(torch.equal(w_f[n], w_r[n]) for n in w_r.values)
     topk_ok = o_r.topk_indices is None or torch.equal(o_f.topk_indices, o_r.topk_indices)
     ok = bool(torch.isfinite(o_f.o).all()) and err <= TOL and same and topk_ok
@@ -99,12 +105,16 @@ def test_flashmla_matches_reference(kind, heads, phase, k, record):
 
 
 def test_whole_model_decodes_through_flashmla(record):
-    from fnattn.models.registry import family_named, random_model
+    import dataclasses
 
-    raw = {**family_named("deepseek_v4").tiny_config(), "head_dim": D, "partial_rotary_factor": R / D,
+    from fnattn.models.registry import Model, family_named, random_checkpoint
+
+    fam = family_named("deepseek_v4")
+    raw = {**fam.tiny_config(), "head_dim": D, "partial_rotary_factor": R / D,
            "num_attention_heads": 4, "q_lora_rank": 64, "index_head_dim": 128, "sliding_window": 16,
            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}}
-    m = random_model("deepseek_v4", seed=3, dtype=torch.bfloat16, device=DEV, config=raw)
+    cfg = dataclasses.replace(fam.adapt(raw), dtype=torch.bfloat16, padded_heads=64)
+    m = Model(fam, cfg, fam.load(cfg, random_checkpoint(fam, cfg, seed=3, dtype=torch.bfloat16, device=DEV)))
     prompt = list(range(3, 40))
     logits, fed = {}, []  # both paths are fed the reference's greedy tokens
     for name in ("reference", "flashmla"):
@@ -135,14 +145,15 @@ def test_captured_decode_replays_bitwise_like_the_capture_free_step(record):
     FlashMLA decode (compressor, indexer top-k and attention) runs inside the graph."""
     import dataclasses
 
-    from fnattn.graph import StepRunner
     from fnattn.models.registry import family_named, random_weights
+
+    from fnattn.graph import StepRunner
 
     fam = family_named("deepseek_v4")
     raw = {**fam.tiny_config(), "head_dim": D, "partial_rotary_factor": R / D, "q_lora_rank": 64,
            "index_head_dim": 128, "sliding_window": 16,
            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}}
-    cfg = dataclasses.replace(fam.adapt(raw), dtype=torch.bfloat16)
+    cfg = dataclasses.replace(fam.adapt(raw), dtype=torch.bfloat16, padded_heads=64)
     params = fam.load(cfg, {**random_weights(fam.weight_shapes(cfg), seed=0, dtype=torch.bfloat16, device=DEV),
                             **{n: torch.randint(0, b, s, device=DEV) for n, (s, b) in fam.index_shapes(cfg).items()}})
     attn = fa.ModelAttention(cfg.specs, device=DEV)

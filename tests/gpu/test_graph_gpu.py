@@ -34,7 +34,7 @@ def build(name):
     if name == "deepseek_v4":  # FlashMLA's head size: 448 + 64 rope dims
         raw.update(head_dim=512, partial_rotary_factor=0.125, index_head_dim=128)
     cfg = dataclasses.replace(fam.adapt(raw), dtype=BF16)
-    if name in MLA and hasattr(cfg, "padded_heads"):
+    if (name in MLA or name == "deepseek_v4") and hasattr(cfg, "padded_heads"):
         cfg = dataclasses.replace(cfg, padded_heads=64)
     params = fam.load(cfg, random_checkpoint(fam, cfg, seed=0, dtype=BF16, device="cuda"))
     return fam, cfg, params, (64 if name in MLA or name == "deepseek_v4" else 16)

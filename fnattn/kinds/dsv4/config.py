@@ -70,6 +70,9 @@ class DSV4Config:
     scale: float | None = None  # None: head_dim ** -0.5
     compressor: str | None = None  # "csa" | "hca"; None: the default of the ratio (none for ratio 0)
     norm_eps: float = 1e-6  # the compressors' RMSNorm epsilon
+    # Query heads the kernels see (FlashMLA's sparse kernel takes 64 or 128): the model pads its queries and
+    # sinks with heads that attend nothing of its own and drops them from the output; None: num_heads.
+    padded_heads: int | None = None
 
     def __post_init__(self):
         positive(self, "num_heads", "head_dim", "qk_rope_head_dim", "sliding_window")
@@ -103,7 +106,15 @@ class DSV4Config:
                 0 <= self.norm_eps < 1:
             fail("DSV4Config", "norm_eps", "a float in [0, 1)", self.norm_eps)
         object.__setattr__(self, "norm_eps", float(self.norm_eps))
+        if self.padded_heads is not None and (isinstance(self.padded_heads, bool) or not isinstance(
+                self.padded_heads, int) or self.padded_heads < self.num_heads):
+            fail("DSV4Config", "padded_heads", f"None or an int >= num_heads={self.num_heads}", self.padded_heads)
         default_scale(self, self.head_dim)
+
+    @property
+    def heads(self) -> int:
+        """Query heads the inputs and outputs carry (``padded_heads``, else ``num_heads``)."""
+        return self.padded_heads or self.num_heads
 
     @property
     def layer_type(self) -> str:
@@ -152,9 +163,9 @@ class DSV4Inputs:
     grouped output projection stay with the model.
     """
 
-    q: Float[Tensor, "T H D"]  # [T, H, D] queries, normalised, rope on the trailing dims
+    q: Float[Tensor, "T H D"]  # [T, H, D] queries (H = config.heads), normalised, rope on the trailing dims
     kv: Float[Tensor, "T D"]  # [T, D] this step's K=V window rows, normalised, rope applied
-    sinks: Float[Tensor, " H"] | None = None  # [H] fp32 sink logits (config.sinks)
+    sinks: Float[Tensor, " H"] | None = None  # [H] fp32 sink logits (config.sinks; -inf for padding heads)
     comp_kv: Float[Tensor, "T CD"] | None = None  # [T, overlap * D] compressor kv projection
     comp_gate: Float[Tensor, "T CD"] | None = None  # [T, overlap * D] fp32 gate + position bias
     comp_norm: Float[Tensor, " D"] | None = None  # [D] fp32 the compressor's RMSNorm weight
@@ -168,7 +179,7 @@ class DSV4Inputs:
 
     def validate(self, spec, batch, device) -> None:
         c, T, where = spec.config, batch.num_tokens, f"layer {spec.index} inputs"
-        H, D, f32 = c.num_heads, c.head_dim, torch.float32
+        H, D, f32 = c.heads, c.head_dim, torch.float32
         check_tensor(where, "q", self.q, (T, H, D), spec.dtype, device)
         check_tensor(where, "kv", self.kv, (T, D), spec.dtype, device)
         _optional(where, "sinks", self.sinks, c.sinks, (H,), f32, device, "config.sinks")

@@ -13,9 +13,10 @@ token, the rows it may see and splits them by where they live:
 
 One kernel call per part without sinks, then one merge by log-sum-exp in
 which the sink joins the denominator: ``o = sum_i e^lse_i o_i / (sum_i e^lse_i
-+ e^sink)``. The kernel takes 64 or 128 query heads: a layer with fewer is
-padded with zero heads here and sliced back. Lists go to the kernel padded
-with -1 to a multiple of 128.
++ e^sink)``. The kernel takes 64 or 128 query heads: a layer with fewer gets
+them from the model (``DSV4Config.padded_heads``), which pads its queries and
+slices the output back; the backend never knows the model's own head count.
+Lists go to the kernel padded with -1 to a multiple of 128.
 
 Decode advances every request's compressor and runs the indexer at once
 (`.decode`: shapes from the batch only, no host reads), so it is capturable
@@ -51,8 +52,9 @@ def supports(spec, device) -> list[str]:
     reasons = needs_cuda(device) + package_missing("sgl_kernel") + needs_dtype(spec, (torch.bfloat16,))
     if c.head_dim != HEAD_DIM:
         reasons.append(f"FlashMLA's sparse kernel takes a {HEAD_DIM}-dim K=V head, the layer has {c.head_dim}")
-    if c.num_heads > max(PADDED_HEADS):
-        reasons.append(f"FlashMLA's sparse kernel takes at most {max(PADDED_HEADS)} query heads, got {c.num_heads}")
+    if c.heads not in PADDED_HEADS:
+        reasons.append(f"FlashMLA's sparse kernel takes {' or '.join(map(str, PADDED_HEADS))} query heads, the "
+                       f"layer gives {c.heads} (set DSV4Config.padded_heads)")
     return reasons
 
 
@@ -70,10 +72,6 @@ def kernel(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float):
     return out.float(), lse.masked_fill(empty, float("-inf"))
 
 
-def _padded_heads(H: int) -> int:
-    return next(p for p in PADDED_HEADS if p >= H)
-
-
 def _rows(batch, positions, req, valid):
     """Paged slots of ``positions`` [T, K] of each token's request ``req`` [T]; -1 where not ``valid``."""
     S = batch.page_size
@@ -84,7 +82,7 @@ def _rows(batch, positions, req, valid):
 
 def sparse_step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str):
     c, batch = spec.config, inputs.meta.batch
-    device, T, H, W, m = inputs.q.device, batch.num_tokens, c.num_heads, c.sliding_window, c.compress_ratio
+    device, T, W, m = inputs.q.device, batch.num_tokens, c.sliding_window, c.compress_ratio
     if phase == "decode":  # one token per request: no host tensor to build inside a captured step
         req = torch.arange(batch.num_requests, device=device)
     else:
@@ -121,14 +119,12 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str):
         step_rows += new_entries
         step_idx.append(fresh_e)
     parts.append((torch.cat(step_rows), torch.cat(step_idx, dim=1)))
-    Hp = _padded_heads(H)
-    q = F.pad(inputs.q, (0, 0, 0, Hp - H)) if Hp > H else inputs.q  # [T, Hp, 512]
     os, lses = [], []
     for kv, idx in parts:
         if idx.shape[1]:
-            o, lse = kernel(q, kv.reshape(-1, kv.shape[-1]), idx, c.scale)
-            os.append(o[:, :H])
-            lses.append(lse[:, :H])
+            o, lse = kernel(inputs.q, kv.reshape(-1, kv.shape[-1]), idx, c.scale)  # [T, 64 | 128, 512]
+            os.append(o)
+            lses.append(lse)
     o = _merge_with_sink(os, lses, inputs.sinks)
     out = DSV4Output(o=o.to(spec.dtype), topk_indices=picks)
     if phase == "verify" and m:

@@ -4,7 +4,7 @@
 ``flash_mla_sparse_fwd``'s contract (each query attends the rows its list
 names in one flat array; natural-log LSE, -inf and a zero output without
 rows). Everything else (which slots of the kv and comp pools, which rows of
-the step, the head padding to 64, the merge with the sink) runs as on the
+the step, the merge with the sink) runs as on the
 GPU and must give the reference's outputs and writes; decode (every request at
 once, `fnattn.kinds.dsv4.decode`) also under the host-read guard, pad lanes included. The kernel itself is
 compared on the H200 by tests/gpu/test_dsv4_flashmla_gpu.py.
@@ -12,13 +12,15 @@ compared on the H200 by tests/gpu/test_dsv4_flashmla_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import registry_scope, same_bits
-from kinds.dsv4.test_reference import CONFIGS, Stream, new_state
 
 import fnattn as fa
 from fnattn.kinds.dsv4 import flashmla
+from kinds.dsv4.test_reference import CONFIGS, Stream, new_state
 
 
 def emulated_kernel(q, kv, idx, scale):
@@ -68,7 +70,8 @@ def test_emulated_flashmla_equals_reference(emulated, name, phase):
         elif phase == "decode":
             batch = fa.Batch.decode(st, [0, 1])
         else:
-            batch = fa.Batch.verify(st, [0, 1], num_draft=3, recovery="replay" if phase == "verify_replay" else "native")
+            batch = fa.Batch.verify(st, [0, 1], num_draft=3,
+                                    recovery="replay" if phase == "verify_replay" else "native")
         rows = [(streams[r], st.request(r).length, n) for r in batch.request_ids]
         m2 = fa.ModelAttention((fa.LayerSpec(0, c, torch.float32),), prefer=[prefer])
         with m2.session(st, batch) as s:
@@ -86,11 +89,34 @@ def test_emulated_flashmla_equals_reference(emulated, name, phase):
     assert (o_fast.replay is None) == (o_ref.replay is None)
 
 
-def test_heads_pad_to_the_kernel_sizes():
-    assert [flashmla._padded_heads(h) for h in (1, 2, 64, 65, 128)] == [64, 64, 64, 128, 128]
+def test_the_kernel_head_count_comes_from_the_config():
     spec = fa.LayerSpec(0, CONFIGS["csa"], torch.float32)
     reasons = flashmla.supports(spec, torch.device("cpu"))
     assert any("CUDA" in r for r in reasons) and any("512" in r for r in reasons)
+    assert any("padded_heads" in r for r in reasons)  # 4 heads: the model must pad them
+    padded = dataclasses.replace(CONFIGS["csa"], padded_heads=64)
+    assert padded.heads == 64 and not any("padded_heads" in r for r in flashmla.supports(
+        fa.LayerSpec(0, padded, torch.float32), torch.device("cpu")))
+    with pytest.raises(ValueError, match="`padded_heads`"):
+        dataclasses.replace(CONFIGS["csa"], padded_heads=CONFIGS["csa"].num_heads - 1)
+
+
+def test_a_model_with_padded_heads_gives_the_same_logits():
+    """The model pads queries (zeros) and sinks (-inf) to ``padded_heads`` and drops them from the output."""
+    from fnattn.models.registry import family_named, random_checkpoint
+
+    fam = family_named("deepseek_v4")
+    cfg = fam.adapt(fam.tiny_config())
+    logits = []
+    for c in (cfg, dataclasses.replace(cfg, padded_heads=64)):
+        params = fam.load(c, random_checkpoint(fam, c, seed=3))
+        st = fa.State(c.specs, num_pages=16, page_size=8, max_requests=2).admit(0).reserve({0: 11})
+        b = fa.Batch.prefill(st, {0: 11})
+        with fa.ModelAttention(c.specs).session(st, b) as s:
+            out, _ = fam.step(params, s, torch.arange(11) % c.vocab_size)
+        logits.append(out)
+    assert c.specs[1].config.heads == 64
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
