@@ -30,6 +30,8 @@ _EXPORTS = {
     "causal_conv1d": "gated_delta",
     "causal_conv1d_ref": "gated_delta",
     "chunk_indices": "gated_delta",
+    "gdn_decode_fused": "gdn_decode_fused",
+    "gdn_decode_fused_ref": "gdn_decode_fused",
     "indexer_scores_paged": "indexer",
     "indexer_scores_paged_ref": "indexer",
     "indexer_topk": "indexer",

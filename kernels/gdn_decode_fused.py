@@ -1,0 +1,242 @@
+"""One-launch GDN / KDA decode: the conv step, the q/k/v split, the q/k l2 norm and the gated delta rule.
+
+The unfused decode is two launches (`gdn_conv.causal_conv1d`, then
+`gdn_recurrent.gated_delta_recurrent`) with the conv output [T, C] going through
+memory between them. Here one program per (request, value head, V tile) convolves
+the channels it needs straight from the request's conv window and its new token,
+and runs the one-token update of its state tile:
+
+    z[c]   = [window[c, 0..W-2], x[c]]                  (window: conv_state_pool[slot])
+    y[c]   = act(bias[c] + sum_w weight[c, w] z[c][w])  rounded to x.dtype, like the conv output
+    q, k   = y[q | k channels of key head hv // (HV // Hk)], l2-normalised
+    v      = y[v channels of value head hv]
+    S      = decay S + k^T (beta (v - k S));  o = scale q S
+
+with the decay exp(g) a scalar per head (GDN, g [T, HV]) or a vector over the key
+dim (KDA, g [T, HV, K]). Each request has exactly one new token (T == B). The new
+window z[c][1..W-1] is written once per channel: q/k channels by the first value head
+of their key head's group at V tile 0, v channels by the program that convolves them.
+slots < 0 read zeros for both the window and the state. The pools are only read; the
+new states go to a fresh tensor, or with `out_rows` to rows of a caller's pool (spare
+ring rows, never ones `slots` reads).
+"""
+
+import torch
+
+from ._triton import require_triton, tl, triton
+from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, inner_contiguous, pow2
+from .gdn_conv import causal_conv1d_ref
+from .gdn_recurrent import _store_state, gated_delta_recurrent_ref
+
+
+@triton.jit
+def _conv_channels(
+    x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, rc, mc, store,
+    sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
+    W: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):
+    """Conv output of channels rc for token t (fp32, rounded to x's dtype first, as the two-launch path
+    stores it); with `store` (a [BC] mask) the new window of those channels goes to win[b]."""
+    live = mc & ((rc * 0 + slot) >= 0)  # tensor-shaped: TRITON_INTERPRET mishandles bool tensor & bool scalar
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for w in tl.static_range(W):
+        if w < W - 1:
+            val = tl.load(cpool_ptr + slot * sc_n + rc * sc_c + w * sc_w, mask=live, other=0.0).to(tl.float32)
+        else:
+            val = tl.load(x_ptr + t * sx_t + rc, mask=mc, other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
+        acc += val * wt
+        if w > 0:
+            tl.store(win_ptr + b * sn_n + rc * sn_c + (w - 1) * sn_w, val.to(win_ptr.dtype.element_ty), mask=store)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _fused_decode_kernel(
+    x_ptr, w_ptr, bias_ptr, cpool_ptr, g_ptr, beta_ptr,
+    pool_ptr, slots_ptr, cu_ptr, o_ptr, out_ptr, out_rows_ptr, win_ptr,
+    scale,
+    sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sg_t, sg_h, sb_t, sb_h,
+    sp_n, sp_h, sp_k, sp_v,
+    so_t, so_h,
+    sx_n, sx_h, sx_k, sx_v,
+    sn_n, sn_c, sn_w,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_KDA: tl.constexpr, L2NORM: tl.constexpr,
+    OUT_ROWS: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = hv // (HV // HK)
+    t = tl.load(cu_ptr + b).to(tl.int64)  # the request's one new token
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    mkv = mk[:, None] & mv[None, :]
+
+    # q/k channels are convolved by every program of their key head; one of them writes their window
+    first = (rk * 0 + (hv % (HV // HK)) + vb) == 0
+    b_q = _conv_channels(x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, hk * K + rk, mk, mk & first,
+                         sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
+                         W=W, BC=BK, HAS_BIAS=HAS_BIAS, SILU=SILU)
+    b_k = _conv_channels(x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, (HK + hk) * K + rk, mk,
+                         mk & first, sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
+                         W=W, BC=BK, HAS_BIAS=HAS_BIAS, SILU=SILU)
+    b_v = _conv_channels(x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, 2 * HK * K + hv * V + rv, mv,
+                         mv, sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
+                         W=W, BC=BV, HAS_BIAS=HAS_BIAS, SILU=SILU)
+
+    # the same recurrence, op for op, as gdn_recurrent._recurrent_kernel on one token
+    p_s = pool_ptr + slot * sp_n + hv * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
+    live = (rk[:, None] * 0 + slot) >= 0
+    S = tl.load(p_s, mask=mkv & live, other=0.0).to(tl.float32)  # [BK, BV]
+    b_beta = tl.load(beta_ptr + t * sb_t + hv * sb_h).to(tl.float32)
+    if L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+    if IS_KDA:
+        b_g = tl.load(g_ptr + t * sg_t + hv * sg_h + rk, mask=mk, other=0.0).to(tl.float32)
+        S = S * tl.exp(b_g)[:, None]
+    else:
+        b_g = tl.load(g_ptr + t * sg_t + hv * sg_h).to(tl.float32)
+        S = S * tl.exp(b_g)
+    pred = tl.sum(S * b_k[:, None], axis=0)  # [BV] = k S
+    u = (b_v - pred) * b_beta
+    S = S + b_k[:, None] * u[None, :]
+    b_o = tl.sum(S * b_q[:, None], axis=0) * scale
+    tl.store(o_ptr + t * so_t + hv * so_h + rv, b_o.to(o_ptr.dtype.element_ty), mask=mv)
+    _store_state(out_ptr, out_rows_ptr, b, S, hv, rk, rv, mkv, sx_n, sx_h, sx_k, sx_v, OUT_ROWS)
+
+
+def _check_fused_args(x, conv_weight, conv_bias, conv_state_pool, g, beta, state_pool, slots, cu_seqlens,
+                      num_k_heads, head_k_dim, activation):
+    """-> (T, Hk, HV, K, V, W, is_kda); the shapes of gated_delta_recurrent's q/k/v are derived from x."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [T, C], got shape {tuple(x.shape)}")
+    T, C = x.shape
+    if beta.dim() != 2 or beta.shape[0] != T or beta.shape[1] < 1:
+        raise ValueError(f"beta: expected [T={T}, HV], got shape {tuple(beta.shape)}")
+    Hk, K, HV = int(num_k_heads), int(head_k_dim), beta.shape[1]
+    if Hk < 1 or K < 1 or HV % Hk:
+        raise ValueError(f"num_k_heads / head_k_dim: expected >= 1 with HV={HV} a multiple of num_k_heads, "
+                         f"got num_k_heads={Hk}, head_k_dim={K}")
+    rest = C - 2 * Hk * K
+    if rest <= 0 or rest % HV:
+        raise ValueError(f"x: expected C = 2 * num_k_heads * head_k_dim + HV * V = {2 * Hk * K} + {HV} * V "
+                         f"channels (q | k | v), got C={C}")
+    V = rest // HV
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != C or conv_weight.shape[1] < 2:
+        raise ValueError(f"conv_weight: expected [C={C}, W] with W >= 2, got shape {tuple(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    if conv_bias is not None and tuple(conv_bias.shape) != (C,):
+        raise ValueError(f"conv_bias: expected [C={C}] or None, got shape {tuple(conv_bias.shape)}")
+    if conv_state_pool.dim() != 3 or tuple(conv_state_pool.shape[1:]) != (C, W - 1):
+        raise ValueError(f"conv_state_pool: expected [N, C, W-1] = [N, {C}, {W - 1}], "
+                         f"got shape {tuple(conv_state_pool.shape)}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation: expected 'silu', 'swish' or None, got {activation!r}")
+    for name, t in (("conv_weight", conv_weight), ("conv_bias", conv_bias), ("conv_state_pool", conv_state_pool)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: expected device {x.device}, got {t.device}")
+    B = check_varlen(slots, cu_seqlens, T, x.device)
+    if B != T:
+        raise ValueError(f"cu_seqlens: expected one new token per request (decode: T == B), got T={T} tokens "
+                         f"for B={B} requests")
+    # the recurrence's own checks, on shapes only (q/k/v as views of x)
+    q = x[:, : Hk * K].unflatten(1, (Hk, K))
+    v = x[:, 2 * Hk * K :].unflatten(1, (HV, V))
+    is_kda = check_gated_delta_args(q, q, v, g, beta, state_pool, slots, cu_seqlens)[-1]
+    return T, Hk, HV, K, V, W, is_kda
+
+
+def gdn_decode_fused(
+    x, conv_weight, conv_bias, conv_state_pool, g, beta, state_pool, slots, cu_seqlens, *,
+    num_k_heads, head_k_dim, scale, activation="silu", use_qk_l2norm=True,
+    out_states=None, out_rows=None, out_windows=None, block_v=None, num_warps=None,
+):
+    """Decode step of GDN / KDA in one launch: conv + act, q/k/v split, q/k l2 norm, gated delta rule.
+
+    x [T, C] conv input (q | k | v channels, C = 2 * Hk * K + HV * V, Hk = num_k_heads, K = head_k_dim);
+    conv_weight [C, W]; conv_bias [C] or None; conv_state_pool [N, C, W-1]; g [T, HV] (GDN) or
+    [T, HV, K] (KDA), log decay; beta [T, HV]; state_pool [N', HV, K, V]; slots [B] (< 0: zero window
+    and state); cu_seqlens [B+1] int32 with one token per request (T == B).
+
+    Returns (o [T, HV, V] in x.dtype, states, windows). states is [B, HV, K, V] in state_pool.dtype,
+    or `out_states` when given; with `out_rows` [B] int64 `out_states` is a pool and state b goes to
+    row out_rows[b] (none when < 0), rows `slots` must not read. windows [B, C, W-1] (the new conv
+    windows) is in conv_state_pool.dtype, or `out_windows`. block_v / num_warps override the tile.
+    """
+    require_triton()
+    T, Hk, HV, K, V, W, is_kda = _check_fused_args(x, conv_weight, conv_bias, conv_state_pool, g, beta,
+                                                    state_pool, slots, cu_seqlens, num_k_heads, head_k_dim,
+                                                    activation)
+    B, C = T, x.shape[1]
+    if out_rows is not None:
+        if out_states is None:
+            raise ValueError("out_rows: given without out_states (the pool its rows index)")
+        if out_rows.dim() != 1 or out_rows.shape[0] != B or out_rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"out_rows: expected [{B}] int64 (one row per request), "
+                             f"got shape {tuple(out_rows.shape)} dtype {out_rows.dtype}")
+        if out_rows.device != x.device:
+            raise ValueError(f"out_rows: expected device {x.device}, got {out_rows.device}")
+        check_out("out_states", out_states, (out_states.shape[0], HV, K, V), x.device)
+    elif out_states is None:
+        out_states = torch.empty(B, HV, K, V, dtype=state_pool.dtype, device=x.device)
+    else:
+        check_out("out_states", out_states, (B, HV, K, V), x.device)
+    if out_windows is None:
+        out_windows = torch.empty(B, C, W - 1, dtype=conv_state_pool.dtype, device=x.device)
+    else:
+        check_out("out_windows", out_windows, (B, C, W - 1), x.device)
+    o = torch.empty(T, HV, V, dtype=x.dtype, device=x.device)
+    if B == 0:
+        return o, out_states, out_windows
+
+    x, g = inner_contiguous(x), inner_contiguous(g)
+    BK = pow2(K)
+    BV = block_v or min(pow2(V), 32 if BK >= 256 else 64)  # gated_delta_recurrent's tile (see there)
+    _fused_decode_kernel[(B, HV, cdiv(V, BV))](
+        x, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state_pool, g, beta,
+        state_pool, slots, cu_seqlens, o, out_states, out_rows if out_rows is not None else slots, out_windows,
+        float(scale),
+        x.stride(0), conv_weight.stride(0), conv_weight.stride(1), *conv_state_pool.stride(),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        *state_pool.stride(),
+        o.stride(0), o.stride(1),
+        *out_states.stride(),
+        *out_windows.stride(),
+        HK=Hk, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV,
+        HAS_BIAS=conv_bias is not None, SILU=activation is not None, IS_KDA=is_kda, L2NORM=bool(use_qk_l2norm),
+        OUT_ROWS=out_rows is not None, **({"num_warps": num_warps} if num_warps else {}),
+    )
+    return o, out_states, out_windows
+
+
+def gdn_decode_fused_ref(
+    x, conv_weight, conv_bias, conv_state_pool, g, beta, state_pool, slots, cu_seqlens, *,
+    num_k_heads, head_k_dim, scale, activation="silu", use_qk_l2norm=True,
+):
+    """Same contract as gdn_decode_fused (values, no in-place rows): causal_conv1d_ref, the q/k/v split and
+    gated_delta_recurrent_ref, i.e. gdn_naive's fp32 conv and recurrence request by request."""
+    T, Hk, HV, K, V, W, is_kda = _check_fused_args(x, conv_weight, conv_bias, conv_state_pool, g, beta,
+                                                    state_pool, slots, cu_seqlens, num_k_heads, head_k_dim,
+                                                    activation)
+    if cu_seqlens.tolist() != list(range(T + 1)):
+        raise ValueError(f"cu_seqlens: expected one token per request [0, 1, ..., {T}], got {cu_seqlens.tolist()}")
+    y, windows = causal_conv1d_ref(x, conv_weight, conv_bias, conv_state_pool, slots, cu_seqlens,
+                                   activation=activation)  # [T, C] in x.dtype, [B, C, W-1]
+    q = y[:, : Hk * K].unflatten(1, (Hk, K))
+    k = y[:, Hk * K : 2 * Hk * K].unflatten(1, (Hk, K))
+    v = y[:, 2 * Hk * K :].unflatten(1, (HV, V))
+    o, states = gated_delta_recurrent_ref(q, k, v, g, beta, state_pool, slots, cu_seqlens, scale=scale,
+                                          use_qk_l2norm=use_qk_l2norm)
+    return o, states, windows
