@@ -222,16 +222,21 @@ def check_out(out: Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: t
 
 # ------------------------------------------------------------ static-shape steps
 _static = contextvars.ContextVar("fnattn_static_shapes", default=False)
+_checking = contextvars.ContextVar("fnattn_debug_checks", default=False)
 
 
 @contextlib.contextmanager
-def static_shapes():
-    """Inside: a step must read no device value on the host (models pick their sync-free paths)."""
-    token = _static.set(True)
+def _on(flag: contextvars.ContextVar):
+    token = flag.set(True)
     try:
         yield
     finally:
-        _static.reset(token)
+        flag.reset(token)
+
+
+def static_shapes():
+    """Inside: a step must read no device value on the host (models pick their sync-free paths)."""
+    return _on(_static)
 
 
 def in_static_step() -> bool:
@@ -246,17 +251,9 @@ class HostReadError(RuntimeError):
     """A step read a device value on the host (a sync on a GPU, and a graph that cannot be captured)."""
 
 
-_checking = contextvars.ContextVar("fnattn_debug_checks", default=False)
-
-
-@contextlib.contextmanager
 def debug_check():
     """fnattn's own debug checks (``FNATTN_CHECKS=1``) may read values back: they never run in a capture."""
-    token = _checking.set(True)
-    try:
-        yield
-    finally:
-        _checking.reset(token)
+    return _on(_checking)
 
 
 class _NoHostReads(torch.overrides.TorchFunctionMode):
