@@ -158,7 +158,7 @@ def _check_fused_args(x, conv_weight, conv_bias, conv_state_pool, g, beta, state
     return T, Hk, HV, K, V, W, is_kda
 
 
-def gdn_decode_fused(
+def gated_delta_decode_fused(
     x, conv_weight, conv_bias, conv_state_pool, g, beta, state_pool, slots, cu_seqlens, *,
     num_k_heads, head_k_dim, scale, activation="silu", use_qk_l2norm=True,
     out_states=None, out_rows=None, out_windows=None, block_v=None, num_warps=None,
@@ -221,11 +221,11 @@ def gdn_decode_fused(
     return o, out_states, out_windows
 
 
-def gdn_decode_fused_ref(
+def gated_delta_decode_fused_ref(
     x, conv_weight, conv_bias, conv_state_pool, g, beta, state_pool, slots, cu_seqlens, *,
     num_k_heads, head_k_dim, scale, activation="silu", use_qk_l2norm=True,
 ):
-    """Same contract as gdn_decode_fused (values, no in-place rows): causal_conv1d_ref, the q/k/v split and
+    """Same contract as gated_delta_decode_fused (values, no in-place rows): causal_conv1d_ref, the q/k/v split and
     gated_delta_recurrent_ref, i.e. gdn_naive's fp32 conv and recurrence request by request."""
     T, Hk, HV, K, V, W, is_kda = _check_fused_args(x, conv_weight, conv_bias, conv_state_pool, g, beta,
                                                     state_pool, slots, cu_seqlens, num_k_heads, head_k_dim,
