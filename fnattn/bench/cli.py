@@ -10,7 +10,7 @@ import sys
 from . import draw_png, print_table, with_ratios, write_json
 
 CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "mla-decode",
-         "mla-sparse", "indexer", "standard", "model")
+         "mla-sparse", "indexer", "standard", "model", "overhead")
 MLA_CASES = ("mla-decode", "mla-sparse", "indexer")
 
 
@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default=None, help="also draw a PNG here")
     m = p.add_argument_group("model", "fnattn bench model: a whole model (fnattn/bench/model.py)")
     m.add_argument("--family", default="qwen3_5", help="model family (default qwen3_5)")
-    m.add_argument("--shape", default="tiny", help="tiny (CPU-sized) or a real shape of the family: 0.8b")
+    m.add_argument("--shape", default=None, help="tiny (CPU-sized) or a real shape of the family: 0.8b (default "
+                                                 "tiny; overhead: tiny on CPU, 0.8b on CUDA)")
     m.add_argument("--prompt", type=int, nargs="+", default=[512], help="prompt / cached tokens per request")
     m.add_argument("--steps", type=int, default=None,
                    help="decode steps timed per case (default 32; 64 for the CPU tiny end-to-end case)")
@@ -47,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_model(args) -> int:
     from .model import draw_model_png, print_model_table, run_model_bench
 
+    args.shape = args.shape or "tiny"
     for name in ("prompt", "batch"):
         if any(v < 1 for v in getattr(args, name)):
             print(f"fnattn bench: --{name} values must be >= 1, got {getattr(args, name)}", file=sys.stderr)
@@ -120,6 +122,10 @@ def run(args) -> int:
 
     if args.case == "model":
         return run_model(args)
+    if args.case == "overhead":  # the framework over the same kernels called directly (fnattn/bench/overhead.py)
+        from .overhead import run_overhead
+
+        return run_overhead(args)
     if not torch.cuda.is_available():
         print("fnattn bench: needs a CUDA device (none found)", file=sys.stderr)
         return 2
