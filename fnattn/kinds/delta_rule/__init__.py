@@ -13,5 +13,6 @@ register_kind("gdn", config=GDNConfig, inputs=RecurrentInputs)
 register_kind("kda", config=KDAConfig, inputs=RecurrentInputs)
 
 from . import reference, triton  # noqa: E402,F401 - registers the backends
+from . import fused  # noqa: E402,F401 - the opt-in one-launch decode ("triton_fused")
 
 __all__ = ["GDNConfig", "KDAConfig", "RecurrentInputs", "RecurrentOutput"]
