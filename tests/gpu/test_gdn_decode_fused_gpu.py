@@ -1,0 +1,153 @@
+"""The opt-in ``triton_fused`` GDN / KDA decode against ``triton`` (two launches) and ``reference``, bf16 on CUDA.
+
+Each case runs reference, triton and triton_fused through sessions on the same state and
+batch (triton_fused last: a session over a ring batch takes its spare rows, so its
+in-place states are the ones read back). Errors are max |err| / max |ref|; whether
+triton_fused gave the same bits as triton is recorded too (it runs the same ops, but
+the compiler may order a reduction differently in the fused program). Decode is also
+captured in a CUDA graph, which fails on any host-device sync.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fnattn as fa
+from fnattn.registry import lookup
+
+pytestmark = pytest.mark.gpu
+TOL = 2e-2  # bf16 activations
+DEV = "cuda"
+FUSED = "triton_fused"
+
+SPECS = {
+    "gdn 16qk/16v d128 (Qwen3.5-0.8B)": fa.GDNConfig(num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128),
+    "gdn 16qk/32v d128": fa.GDNConfig(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128),
+    "gdn 2qk/6v d64": fa.GDNConfig(num_k_heads=2, num_v_heads=6, head_k_dim=64, head_v_dim=64),
+    "gdn 4qk/8v d128 bf16 state": fa.GDNConfig(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128,
+                                               state_dtype=torch.bfloat16),
+    "kda 8h d128": fa.KDAConfig(num_heads=8, head_k_dim=128, head_v_dim=128),
+}
+
+
+def _spec(name):
+    return fa.LayerSpec(index=0, config=SPECS[name], dtype=torch.bfloat16)
+
+
+def _inputs(spec, T, *, seed=0):
+    c, H = spec.config, spec.config.num_state_heads
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+    return fa.RecurrentInputs(
+        x=r(T, c.conv_dim).to(spec.dtype),
+        conv_weight=(0.5 * r(c.conv_dim, c.conv_kernel)).to(spec.dtype),
+        conv_bias=(0.1 * r(c.conv_dim)).to(spec.dtype) if spec.kind == "gdn" else None,
+        g=F.logsigmoid(r(*c.gate_shape(T)) + 3.0),
+        beta=torch.sigmoid(r(T, H)).to(spec.dtype),
+    )
+
+
+def _forward(name, spec, st, batch, inp):
+    ma = fa.ModelAttention([spec], prefer=(name,), device=DEV, phases=(batch.phase,))
+    assert ma.backend(spec.index, batch.phase).name == name, ma.explain()
+    with ma.session(st, batch) as s:
+        return s.forward(spec.index, inp)
+
+
+def _state(spec, cached, *, ring):
+    """Requests with ``cached`` tokens prefilled by the reference; every other slot NaN."""
+    n = len(cached)
+    st = fa.State([spec], num_pages=n * 4, page_size=256, max_requests=n + 2, device=DEV, fill=float("nan"),
+                  recurrent_ring=ring)
+    for r in range(n):
+        st = st.admit(r)
+    st = st.reserve({r: c + 1 for r, c in enumerate(cached)})
+    b = fa.Batch.prefill(st, dict(enumerate(cached)))
+    _, d = _forward("reference", spec, st, b, _inputs(spec, b.num_tokens, seed=1))
+    return st.apply(fa.StepDeltas.collect(b, [d]))
+
+
+def _states(w, st, batch):
+    return st.views(w.layer).ssm.index_select(0, batch.recurrent_write_rows) if w["ssm"] is None else w["ssm"]
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    scale = b.abs().max().item() if b.numel() else 0.0
+    err = (a - b).abs().max().item() if b.numel() else 0.0
+    return err / scale if scale else err
+
+
+def _run(spec, st, batch, inp):
+    got = {}
+    for name in ("reference", "triton", FUSED):
+        out, w = _forward(name, spec, st, batch, inp)
+        got[name] = (out, w, _states(w, st, batch).clone())
+    return got
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("B", [1, 4, 33, 256])
+@pytest.mark.parametrize("ring", [1, 2], ids=["copy", "ring"])
+def test_decode_matches_triton_and_reference(name, B, ring, record):
+    spec = _spec(name)
+    cached = [1 + (37 * i) % 300 for i in range(B)]
+    st = _state(spec, cached, ring=ring)
+    pad = 2 if B < 256 else 0  # pad lanes (empty cache, null slot), as a captured bucket has
+    batch = fa.Batch.decode(st, range(B), pad_to=B + pad if pad else None)
+    got = _run(spec, st, batch, _inputs(spec, batch.num_tokens, seed=2))
+    live = batch.num_requests - batch.num_pad  # pad lanes of a ring batch share one spare row: live states only
+    (r_out, r_w, r_s), (t_out, t_w, t_s), (out, w, s) = (got[n] for n in ("reference", "triton", FUSED))
+    errs = {"o": _rel(out.o, r_out.o), "state": _rel(s[:live], r_s[:live]), "conv": _rel(w["conv"], r_w["conv"]),
+            "o vs triton": _rel(out.o, t_out.o), "state vs triton": _rel(s[:live], t_s[:live]),
+            "conv vs triton": _rel(w["conv"], t_w["conv"])}
+    bitwise = all(torch.equal(a, b) for a, b in ((out.o, t_out.o), (s[:live], t_s[:live]), (w["conv"], t_w["conv"])))
+    finite = bool(torch.isfinite(out.o).all() and torch.isfinite(s).all() and torch.isfinite(w["conv"]).all())
+    contract = ((w["ssm"] is None) == (t_w["ssm"] is None) == bool(batch.ring) and set(w.values) == {"ssm", "conv"}
+                and s.dtype == t_s.dtype and w["conv"].dtype == t_w["conv"].dtype and out.o.dtype == t_out.o.dtype)
+    ok = finite and contract and max(errs.values()) <= TOL
+    record({"case": f"fused decode {name} B{B} pad{pad} {'ring' if batch.ring else 'copy'}", "phase": "decode",
+            "backend": FUSED, **{f"max_rel_{k.replace(' ', '_')}": v for k, v in errs.items()},
+            "max_rel": max(errs.values()), "bitwise_vs_triton": bitwise, "finite": finite, "ok": ok})
+    assert ok, f"{name} B{B}: {errs} finite={finite} contract={contract}"
+
+
+@pytest.mark.parametrize("name", ["gdn 16qk/16v d128 (Qwen3.5-0.8B)", "kda 8h d128"])
+def test_decode_replays_from_a_cuda_graph(name, record):
+    """Captured in an open session, replayed (also after the spare rows were NaN-filled): eager's bits."""
+    spec = _spec(name)
+    st = _state(spec, [4, 90, 17, 1], ring=3)
+    batch = fa.Batch.decode(st, range(4), pad_to=6)
+    inp = _inputs(spec, batch.num_tokens, seed=5)
+    assert lookup(spec.kind, "decode", FUSED).capturable
+    ma = fa.ModelAttention([spec], prefer=(FUSED,), device=DEV, phases=("decode",))
+    with ma.session(st, batch) as s:
+        eager_out, eager_w = s.forward(0, inp)
+    eager_states = _states(eager_w, st, batch).clone()
+    with ma.session(st, batch) as s:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            s.forward(0, inp)  # allocator warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(side)
+    with ma.session(st, batch) as s:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, w = s.forward(0, inp)
+        graph.replay()
+        torch.cuda.synchronize()
+        st.views(0).ssm.index_fill_(0, batch.recurrent_write_rows, float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    ok = w["ssm"] is None and eager_w["ssm"] is None and all(torch.equal(a, b) for a, b in (
+        (out.o, eager_out.o), (_states(w, st, batch), eager_states), (w["conv"], eager_w["conv"])))
+    record({"case": f"cuda graph fused decode {name}", "phase": "decode", "backend": FUSED, "max_rel": 0.0, "ok": ok})
+    assert ok
+
+
+def test_supported_on_cuda_and_chosen_only_when_asked():
+    spec = _spec("gdn 16qk/16v d128 (Qwen3.5-0.8B)")
+    assert lookup("gdn", "decode", FUSED).supports(spec, torch.device(DEV)) == []
+    assert fa.ModelAttention([spec], device=DEV).backend(0, "decode").name == "triton"
+    asked = fa.ModelAttention([spec], prefer=[FUSED, "triton"], device=DEV)
+    assert asked.backend(0, "decode").name == FUSED and asked.backend(0, "prefill").name == "triton"
