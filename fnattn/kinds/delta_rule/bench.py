@@ -22,7 +22,11 @@ DEVICE = "cuda"
 
 
 def recurrent_cases(case: str) -> list[dict]:
-    """Records of the bench CLI cases "gdn-prefill", "gdn-decode", "kda-prefill" ("standard": all three)."""
+    """Records of the bench CLI cases "gdn-prefill", "gdn-decode", "kda-prefill" ("standard": all three).
+
+    "gdn-decode" times the ``triton`` and the opt-in ``triton_fused`` backends next to fla-core, and
+    the decode kernels alone (two launches against `kernels.gated_delta_decode_fused`), also at
+    Qwen3.5-0.8B's 16qk/16v and at batch 1."""
     records = []
     if case in ("gdn-prefill", "standard"):
         for requests, length in ((16, 4096), (1, 65536)):
@@ -30,6 +34,9 @@ def recurrent_cases(case: str) -> list[dict]:
     if case in ("gdn-decode", "standard"):
         for batch in (64, 256):
             records += decode_case(batch=batch, hk=16, hv=32, dim=128)
+        for hk, hv in ((16, 32), (16, 16)):
+            for batch in (1, 64, 256):
+                records += decode_kernels_case(batch=batch, hk=hk, hv=hv, dim=128)
     if case == "gdn-decode-sweep":
         for batch in (64, 256):
             records += decode_tile_sweep(batch=batch, hk=16, hv=32, dim=128)
@@ -171,7 +178,8 @@ def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16)
     peer = "fla-core fused_recurrent_gated_delta_rule"
     case = f"gdn decode B{batch} {hk}qk/{hv}v d{dim} graph"
     shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype), "state_dtype": "torch.float32"}
-    names = ("fnattn triton", "fnattn triton + apply", "fnattn triton + apply, no ring", peer)
+    names = ("fnattn triton", "fnattn triton + apply", "fnattn triton + apply, no ring", "fnattn triton_fused",
+             "fnattn triton_fused + apply", "fnattn triton_fused + apply, no ring", peer)
     try:
         spec = _spec("gdn", hk=hk, hv=hv, dim=dim, dtype=dtype)
         state = cached_state(spec, batch=batch, ctx=16, page_size=16)
@@ -199,6 +207,12 @@ def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16)
         "fnattn triton + apply": lambda: _session_run("triton", spec, state, b, inputs, graph=True, apply=True),
         "fnattn triton + apply, no ring": lambda: _session_run("triton", spec, flat, b_flat, inputs, graph=True,
                                                                apply=True),
+        # the opt-in one-launch decode (conv window update fused into the recurrent kernel)
+        "fnattn triton_fused": lambda: _session_run("triton_fused", spec, state, b, inputs, graph=True),
+        "fnattn triton_fused + apply": lambda: _session_run("triton_fused", spec, state, b, inputs, graph=True,
+                                                            apply=True),
+        "fnattn triton_fused + apply, no ring": lambda: _session_run("triton_fused", spec, flat, b_flat, inputs,
+                                                                     graph=True, apply=True),
         peer: fla_peer,
     }
     return _measure(case, peer, shape, runs, lambda us: {"tb_s": state_bytes / (us * 1e-6) / 1e12})
@@ -227,3 +241,52 @@ def decode_tile_sweep(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfl
                 use_qk_l2norm=True, block_v=bv, num_warps=w), graph=True))
     # the peer is the default tile (BV 32, 4 warps): ratios > 1 beat it
     return _measure(case, "BV32 w4", shape, runs, lambda us: {"tb_s": state_bytes / (us * 1e-6) / 1e12})
+
+
+def decode_kernels_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16, width: int = 4) -> list[dict]:
+    """The decode kernels alone, states into spare pool rows, replayed from a CUDA graph: the conv and the
+    recurrence as two launches (and each alone) against `kernels.gated_delta_decode_fused`."""
+    from ...kernels import causal_conv1d, gated_delta_decode_fused, gated_delta_recurrent
+
+    peer = "conv + recurrent (two launches)"
+    case = f"gdn decode kernels B{batch} {hk}qk/{hv}v d{dim} graph"
+    shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "conv_kernel": width, "dtype": str(dtype),
+             "state_dtype": "torch.float32"}
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    qk, C = hk * dim, 2 * hk * dim + hv * dim
+    x, weight = r(batch, C).to(dtype), (0.5 * r(C, width)).to(dtype)
+    g, beta = F.logsigmoid(r(batch, hv) + 3.0), torch.sigmoid(r(batch, hv)).to(dtype)
+    conv_pool = r(batch, C, width - 1).to(dtype)
+    pool = r(2 * batch, hv, dim, dim)  # rows 0..B-1 read, B..2B-1 written
+    slots = torch.arange(batch, device=DEVICE)
+    rows = slots + batch
+    cu = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
+    scale = dim ** -0.5
+
+    def conv():
+        return causal_conv1d(x, weight, None, conv_pool, slots, cu, activation="silu")
+
+    def recurrent(mixed):
+        q = mixed[:, :qk].unflatten(1, (hk, dim))
+        k = mixed[:, qk : 2 * qk].unflatten(1, (hk, dim))
+        v = mixed[:, 2 * qk :].unflatten(1, (hv, dim))
+        return gated_delta_recurrent(q, k, v, g, beta, pool, slots, cu, scale=scale, out_states=pool, out_rows=rows,
+                                     use_qk_l2norm=True)
+
+    mixed = conv()[0]
+    runs = {
+        "causal_conv1d": lambda: timed(conv, graph=True),
+        "gated_delta_recurrent": lambda: timed(lambda: recurrent(mixed), graph=True),
+        peer: lambda: timed(lambda: recurrent(conv()[0]), graph=True),
+        "gated_delta_decode_fused": lambda: timed(lambda: gated_delta_decode_fused(
+            x, weight, None, conv_pool, g, beta, pool, slots, cu, num_k_heads=hk, head_k_dim=dim, scale=scale,
+            out_states=pool, out_rows=rows), graph=True),
+    }
+    # the state is read and written; x, the windows (read and written) and o are the rest
+    moved = 2 * batch * hv * dim * dim * 4 + batch * C * (1 + 2 * (width - 1)) * 2 + batch * hv * dim * 2
+    records = _measure(case, peer, shape, runs, lambda us: {"tb_s": moved / (us * 1e-6) / 1e12})
+    for rec in records:  # the step's bytes over one of its two kernels' time is no bandwidth of either
+        if rec["backend"] in ("causal_conv1d", "gated_delta_recurrent"):
+            rec.pop("tb_s", None)
+    return records
