@@ -52,6 +52,8 @@ def test_overhead_command_writes_every_record(tmp_path, capsys):
         graph = by[(case, "fnattn graph (no capture)")]
         assert direct["time_us"] > 0 and direct["batch_build_us"] > 0 and direct["steps"] == 2
         assert session["logits_equal"] is True and session["logits_max_diff"] == 0.0
+        assert set(session["breakdown_us"]) == {"batch_build", "session_entry", "step", "session_exit",
+                                                "apply_validation", "apply_write", "advance"}
         assert graph["captured"] is False and graph["logits_max_diff"] == 0.0
         for r in (session, graph):
             assert r["overhead"] == r["time_us"] / direct["time_us"]

@@ -25,6 +25,9 @@ States of the same contents (`bench.setup.cached_state` is deterministic), with 
 - ``graph``: `fnattn.graph.StepRunner.decode` (lane checks and copies, then a CUDA-graph replay; on the
   CPU its capture-free mode: the same checks around the eager step and the full apply).
 
+The session record also has ``breakdown_us``: the medians of run_step's pieces (batch, session entry,
+the step, session exit, the apply's validation, its writes, the cursor move), from a few more steps.
+
 Steps are interleaved (each step runs every way, in a rotating order) so drift on a shared machine
 lands on all of them alike. Each way's record has the median step, and ``overhead`` = its median over
 direct's. The direct and session logits must be equal: bitwise on the CPU in fp32 (the run fails
@@ -148,6 +151,47 @@ def _runner(model, ma, batch: int, max_context: int, graph: bool):
     return runner, None
 
 
+def session_breakdown(model, ma, state, ids, steps: int, seed: int = 500) -> tuple[dict, object]:
+    """Median microseconds of each piece of `fnattn.driver.run_step` (what `State.apply` does, in its
+    parts), over ``steps`` steps; ``-> (breakdown, state after)``. Synchronized after every piece on a GPU,
+    so each piece's device work is counted in it."""
+    from ..apply import validate_step
+
+    dev, parts = ma.device, {k: [] for k in ("batch_build", "session_entry", "step", "session_exit",
+                                             "apply_validation", "apply_write", "advance")}
+    with torch.no_grad():
+        for i in range(steps):
+            tokens = _tokens(len(ids), model.config.vocab_size, dev, seed + i)
+            state = state.reserve({r: 1 for r in ids})
+            _sync(dev)
+            marks = [time.perf_counter()]
+
+            def mark(marks=marks):
+                _sync(dev)
+                marks.append(time.perf_counter())
+
+            batch = Batch.decode(state, ids)
+            mark()
+            s = ma.session(state, batch)
+            s.__enter__()
+            mark()
+            try:
+                _, deltas = model.step(model.params, s, tokens)
+                mark()
+            finally:
+                s.__exit__(None, None, None)
+            mark()
+            targets = validate_step(state, deltas)
+            mark()
+            write_step(state._storage.pools, targets)
+            mark()
+            state = state._advance(deltas.cursor, deltas.step_id, state._storage)
+            mark()
+            for k, a, b in zip(parts, marks, marks[1:]):
+                parts[k].append(b - a)
+    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}, state
+
+
 def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, page_size: int,
                   graph: bool = True, warmup: int = 3, log=print) -> list[dict]:
     """The three ways of one decode case (module docstring): ``-> records``."""
@@ -156,7 +200,8 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
 
     dev = ma.device
     ids = list(range(batch))
-    room = warmup + steps + 1
+    pieces = min(steps, 16)  # steps of the session's breakdown, after the timed ones
+    room = warmup + steps + pieces + 1
     states = {w: decode_state(model, dev, batch, prompt, page_size=page_size, room=room) for w in WAYS}
     runner, why = _runner(model, ma, batch, prompt + room, graph)
     ways = [w for w in WAYS if w != "graph" or runner is not None]
@@ -191,6 +236,7 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
                     diffs[way] = max(diffs[way], diff)
                     if way == "session":
                         equal = equal and torch.equal(logits[way], logits["direct"])
+        breakdown, states["session"] = session_breakdown(model, ma, states["session"], ids, pieces)
     finally:
         direct.close()
     if exact and not equal:
@@ -206,7 +252,7 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
         t = statistics.median(times[way])
         extra = {"overhead": t / base, "logits_max_diff": diffs[way], "target_overhead": TARGET}
         if way == "session":
-            extra["logits_equal"] = equal
+            extra.update(logits_equal=equal, breakdown_us=breakdown)
         else:
             extra.update(captured=bool(runner.capture), validation_us=runner.last_validation_s * 1e6)
         backend = "fnattn session" if way == "session" else ("fnattn graph" if runner.capture else
@@ -256,6 +302,8 @@ def print_overhead_table(records: list[dict]) -> None:
         ratio = f"{r['overhead']:.3f}" if r.get("overhead") else "1"
         diff = f"{r['logits_max_diff']:.2g}" if "logits_max_diff" in r else ""
         print(f"{r['case']:<32}{r['backend']:<28}{r['time_us']:>10.1f}{ratio:>10}{diff:>10}")
+        if r.get("breakdown_us"):
+            print(f"{'':<32}  run_step pieces (us): " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_us"].items()))
     if any(r.get("checks") for r in records):
         print("FNATTN_CHECKS is on: these times include the runtime checks (the target is with checks off)")
 
