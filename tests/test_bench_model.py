@@ -39,6 +39,17 @@ def test_a_wrong_shape_exits_2_with_one_line(tmp_path, capsys):
     assert len(err) == 1 and "--shape" in err[0] and "0.8b" in err[0]
 
 
+def test_prefer_picks_the_backends_and_an_unknown_name_exits_2(tmp_path, capsys):
+    out = tmp_path / "x.json"
+    assert main(["bench", "model", "--shape", "tiny", "--batch", "1", "--prompt", "8", "--steps", "1",
+                 "--no-transformers", "--prefer", "nope", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "`prefer`" in err[0] and "'nope'" in err[0] and not out.exists()
+    assert main(["bench", "model", "--shape", "tiny", "--batch", "1", "--prompt", "8", "--steps", "1",
+                 "--no-transformers", "--prefer", "reference", "--out", str(out)]) == 0
+    assert "--prefer reference" in json.loads(out.read_text())["command"]
+
+
 def test_weight_and_step_bytes():
     fam = family_named("qwen3_5")
     cfg = fam.adapt(config_for("qwen3_5", "tiny"))

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--prefill-tokens", type=int, default=16384, help="time prefill when batch x prompt <= this")
     m.add_argument("--hf-tokens", type=int, default=65536, help="run transformers when batch x prompt <= this")
     m.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
+    m.add_argument("--prefer", nargs="+", default=None, metavar="BACKEND",
+                   help="backend names in order of preference for every layer (default: fnattn's own ranking), "
+                        "e.g. --prefer triton_fused triton fla reference")
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, under torchrun --nproc-per-node N "
                                                      "(default 1; rank 0 writes the results)")
 
@@ -80,7 +83,8 @@ def run_model(args) -> int:
         run_model_bench(family=args.family, shape=args.shape, batches=args.batch, prompts=args.prompt, steps=steps,
                         device=args.device, page_size=args.page_size or 16, prefill_tokens=args.prefill_tokens,
                         hf_tokens=args.hf_tokens, transformers=not args.no_transformers, graph=not args.eager,
-                        records=records, log=lambda line: lead and print(line, file=sys.stderr), tp=group)
+                        records=records, log=lambda line: lead and print(line, file=sys.stderr), tp=group,
+                        prefer=args.prefer)
     except ValueError as e:
         if not records:  # a user mistake (family, shape): one line
             print(f"fnattn bench: {e}", file=sys.stderr)
@@ -112,6 +116,7 @@ def _model_command(args, steps: int) -> str:
     parts += [f"--page-size {args.page_size}"] if args.page_size else []
     parts += ["--eager"] if args.eager else []
     parts += ["--no-transformers"] if args.no_transformers else []
+    parts += ["--prefer " + " ".join(args.prefer)] if args.prefer else []
     parts += [f"--tp {args.tp}"] if args.tp != 1 else []
     parts += [f"--out {shlex.quote(args.out)}"] + ([f"--png {shlex.quote(args.png)}"] if args.png else [])
     return " ".join(parts)

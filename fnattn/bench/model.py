@@ -297,8 +297,10 @@ def _graph_runner(model, ma, batch: int, max_context: int):
 def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, device: str | None = None,
                     page_size: int = 16, prefill_tokens: int = 16384, hf_tokens: int = 65536,
                     transformers: bool = True, graph: bool = True, records: list | None = None,
-                    log=print, tp=None) -> list[dict]:
+                    log=print, tp=None, prefer=None) -> list[dict]:
     """Every measurement of one model (module docstring); appends to ``records`` as it goes.
+
+    ``prefer``: backend names in order of preference (`ModelAttention`'s ``prefer``; None: its default).
 
     ``tp``: a `fnattn.tp.TPGroup` of several ranks: this rank's share of the model (`fnattn.models.tp`),
     timed like a whole one; the transformers peer (a whole model) is skipped."""
@@ -319,7 +321,7 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
         model, transformers = shard_model(fam, cfg, weights, tp), False
     else:
         model = Model(fam, cfg, fam.load(cfg, weights))
-    ma = ModelAttention(model.specs, device=dev)
+    ma = ModelAttention(model.specs, device=dev, prefer=prefer)
     wbytes = weight_bytes(model.params)
     bw = copy_bandwidth(dev)
     name = f"{family} {shape}" + (f" tp{tp.size}" if sharded else "")
