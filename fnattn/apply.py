@@ -114,12 +114,16 @@ def _check_unshared(state, pages, where: str) -> None:
              f"read-only; pages {shared} are held by {[state._shared[p] for p in shared]} requests)", shared)
 
 
-def _expected_names(state, layer: int, replay_mode: bool) -> tuple[set, set]:
+def _expected_names(state, layer: int, replay_mode: bool) -> tuple[frozenset, frozenset]:
     """(names the step's writes must hold, names the replay's must hold) for one layer."""
-    spaces = state.storage_spaces[layer]
-    token = {n for n, s in spaces.items() if s == "token"}
-    request = {n for n, s in spaces.items() if s == "request"}
-    return (token, request) if replay_mode else (token | request, set())
+    cache = state._storage.__dict__.setdefault("_names", {})  # the layers' declarations never change
+    key = (layer, replay_mode)
+    if key not in cache:
+        spaces = state.storage_spaces[layer]
+        token = frozenset(n for n, s in spaces.items() if s == "token")
+        request = frozenset(n for n, s in spaces.items() if s == "request")
+        cache[key] = (token, request) if replay_mode else (token | request, frozenset())
+    return cache[key]
 
 
 def _by_layer(state, writes, step_id: int, where: str) -> dict[int, Writes]:
@@ -195,10 +199,27 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
     return targets
 
 
+class _Where:
+    """``State.apply: layer N``, as text only when an error message needs it."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+    def __str__(self) -> str:
+        return f"State.apply: layer {self.layer}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
 def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_rows) -> list[_Target]:
     storage = state._storage
-    where = f"State.apply: layer {layer}"
-    pool = next(storage.pools[p] for p in storage.layer_pools[layer] if name in storage.pools[p].tensors)
+    where = _Where(layer)  # formatted only when a check fails
+    owners = storage.__dict__.get("_owners")
+    if owners is None:  # (layer, tensor name) -> its pool, fixed for the life of a storage
+        owners = storage._owners = {(lay, t): storage.pools[p] for lay, names in storage.layer_pools.items()
+                                    for p in names for t in storage.pools[p].tensors}
+    pool = owners[(layer, name)]
     live = pool.tensors[name]
     space = pool.index_space
     value = w.values[name]
@@ -218,13 +239,13 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
         return []
     if not isinstance(value, Tensor) or value.layout != torch.strided:
         fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
-    if tuple(value.shape) != (rows, *row):
+    if value.shape != (rows, *row):
         fail(where, name, f"shape {(rows, *row)}", tuple(value.shape))
     if value.dtype != live.dtype:
         fail(where, name, f"dtype {live.dtype} (no silent casts)", value.dtype)
     if value.device != live.device:
         fail(where, name, f"a tensor on {live.device}", value.device)
-    if value.numel() and any(_overlaps(value, t) for p in storage.pools.values() for t in p.tensors.values()):
+    if value.numel() and _overlaps_storage(value, storage):
         fail(where, name, "a tensor that does not share memory with the State's storage (clone it)",
              "memory of the storage")
     every_row = index is batch.slot_mapping or (index is batch.recurrent_write_rows and (
@@ -232,15 +253,23 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
     return [_Target(pool.name, name, pool.position(layer), index, value.detach(), every_row)]
 
 
-def _overlaps(value: Tensor, live: Tensor) -> bool:
-    """Whether the memory behind ``value`` overlaps the storage tensor ``live`` (views, .data, from_numpy)."""
+def _span(t: Tensor):
+    """``(device, first byte, end)`` of the memory behind ``t`` (views, .data, from_numpy); None: it has none."""
     try:
-        v, t = value.untyped_storage(), live.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # a tensor without storage cannot overlap it
-        return False
-    if value.device != live.device:
-        return False
-    return v.data_ptr() < t.data_ptr() + t.nbytes() and t.data_ptr() < v.data_ptr() + v.nbytes()
+        u = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage cannot overlap anything
+        return None
+    return t.device, u.data_ptr(), u.data_ptr() + u.nbytes()
+
+
+def _overlaps_storage(value: Tensor, storage) -> bool:
+    """Whether the memory behind ``value`` overlaps any tensor of the State's storage."""
+    spans = storage.__dict__.get("_spans")
+    if spans is None:  # the pools' tensors are fixed for the life of a storage: their spans once
+        spans = storage._spans = [s for p in storage.pools.values() for t in p.tensors.values()
+                                  if (s := _span(t)) is not None]
+    v = _span(value)
+    return v is not None and any(d == v[0] and lo < v[2] and v[1] < hi for d, lo, hi in spans)
 
 
 def write_step(pools, targets: list[_Target]) -> None:
