@@ -3,6 +3,7 @@
 # under $OUT (or ./gpu-out). From the repository root on the GPU machine:
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh parity
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
+#   ... graphs | model | model-long | fused: captured steps, the whole model, the fused paths
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -26,8 +27,33 @@ case "${1:-}" in
   bench-kda)
     part 90 python -m fnattn bench kda-prefill --out "$out/bench_kda_prefill.json"
     ;;
+  graphs)  # captured steps: graph == capture-free for every family, MTP through the verify graph
+    rec="python benchmarks/gpu_pytest_record.py"
+    part 200 env FNATTN_GPU_RESULTS="$out/graph_cases.json" $rec "$out/graph_gpu.json" -- tests/gpu/test_graph_gpu.py
+    part 60 env FNATTN_GPU_RESULTS="$out/dsv4_flashmla_cases.json" $rec "$out/dsv4_flashmla_gpu.json" -- \
+        tests/gpu/test_dsv4_flashmla_gpu.py
+    ;;
+  model)  # the whole Qwen3.5-0.8B shape, eager and graph, next to transformers; the framework's overhead
+    part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --prompt 512 \
+        --out "$out/bench_model_qwen3_5_0.8b_p512.json" --png "$out/bench_model_qwen3_5_0.8b_p512.png"
+    part 200 python -m fnattn bench overhead --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --prompt 512 \
+        --steps 32 --device cuda --out "$out/bench_overhead_qwen3_5_0.8b.json"
+    ;;
+  model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
+    part 500 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 8 32 --prompt 8192 \
+        --out "$out/bench_model_qwen3_5_0.8b_p8192.json" --png "$out/bench_model_qwen3_5_0.8b_p8192.png"
+    ;;
+  fused)  # the fused pieces: Qwen3.5 fused ops, FlashInfer tensor cores, the fused GDN decode kernel
+    rec="python benchmarks/gpu_pytest_record.py"
+    part 150 env FNATTN_GPU_RESULTS="$out/fused_cases.json" $rec "$out/fused_gpu.json" -- tests/gpu/test_fused_gpu.py
+    part 200 env FNATTN_GPU_RESULTS="$out/flashinfer_tc_cases.json" $rec "$out/flashinfer_tc_gpu.json" -- \
+        tests/gpu/test_flashinfer_tc_gpu.py
+    part 150 env FNATTN_GPU_RESULTS="$out/gdn_decode_fused_cases.json" $rec "$out/gdn_decode_fused_gpu.json" -- \
+        tests/gpu/test_gdn_decode_fused_gpu.py
+    part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
+    ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|model-long|fused" >&2
     exit 2
     ;;
 esac
