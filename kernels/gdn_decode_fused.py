@@ -26,7 +26,7 @@ import torch
 from ._triton import require_triton, tl, triton
 from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, inner_contiguous, pow2
 from .gdn_conv import causal_conv1d_ref
-from .gdn_recurrent import _store_state, gated_delta_recurrent_ref
+from .gdn_recurrent import _delta_token, _store_state, gated_delta_recurrent_ref
 
 
 @triton.jit
@@ -95,24 +95,13 @@ def _fused_decode_kernel(
                          mv, sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
                          W=W, BC=BV, HAS_BIAS=HAS_BIAS, SILU=SILU)
 
-    # the same recurrence, op for op, as gdn_recurrent._recurrent_kernel on one token
+    # the recurrent kernel's own one-token update (`_delta_token`)
     p_s = pool_ptr + slot * sp_n + hv * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
     live = (rk[:, None] * 0 + slot) >= 0
     S = tl.load(p_s, mask=mkv & live, other=0.0).to(tl.float32)  # [BK, BV]
     b_beta = tl.load(beta_ptr + t * sb_t + hv * sb_h).to(tl.float32)
-    if L2NORM:
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-    if IS_KDA:
-        b_g = tl.load(g_ptr + t * sg_t + hv * sg_h + rk, mask=mk, other=0.0).to(tl.float32)
-        S = S * tl.exp(b_g)[:, None]
-    else:
-        b_g = tl.load(g_ptr + t * sg_t + hv * sg_h).to(tl.float32)
-        S = S * tl.exp(b_g)
-    pred = tl.sum(S * b_k[:, None], axis=0)  # [BV] = k S
-    u = (b_v - pred) * b_beta
-    S = S + b_k[:, None] * u[None, :]
-    b_o = tl.sum(S * b_q[:, None], axis=0) * scale
+    S, b_o = _delta_token(S, b_q, b_k, b_v, b_beta, g_ptr + t * sg_t + hv * sg_h, rk, mk, scale,
+                          IS_KDA=IS_KDA, L2NORM=L2NORM)
     tl.store(o_ptr + t * so_t + hv * so_h + rv, b_o.to(o_ptr.dtype.element_ty), mask=mv)
     _store_state(out_ptr, out_rows_ptr, b, S, hv, rk, rv, mkv, sx_n, sx_h, sx_k, sx_v, OUT_ROWS)
 

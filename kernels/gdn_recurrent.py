@@ -56,25 +56,33 @@ def _recurrent_kernel(
         b_k = tl.load(k_ptr + t * sk_t + hk * sk_h + rk, mask=mk, other=0.0).to(tl.float32)
         b_v = tl.load(v_ptr + t * sv_t + hv * sv_h + rv, mask=mv, other=0.0).to(tl.float32)
         b_beta = tl.load(beta_ptr + t * sb_t + hv * sb_h).to(tl.float32)
-        if L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-        if IS_KDA:
-            b_g = tl.load(g_ptr + t * sg_t + hv * sg_h + rk, mask=mk, other=0.0).to(tl.float32)
-            S = S * tl.exp(b_g)[:, None]
-        else:
-            b_g = tl.load(g_ptr + t * sg_t + hv * sg_h).to(tl.float32)
-            S = S * tl.exp(b_g)
-        pred = tl.sum(S * b_k[:, None], axis=0)  # [BV] = k_t S
-        u = (b_v - pred) * b_beta
-        S = S + b_k[:, None] * u[None, :]
-        b_o = tl.sum(S * b_q[:, None], axis=0) * scale
+        S, b_o = _delta_token(S, b_q, b_k, b_v, b_beta, g_ptr + t * sg_t + hv * sg_h, rk, mk, scale,
+                              IS_KDA=IS_KDA, L2NORM=L2NORM)
         tl.store(o_ptr + t * so_t + hv * so_h + rv, b_o.to(o_ptr.dtype.element_ty), mask=mv)
         if PER_POS:
             _store_state(out_ptr, out_rows_ptr, t, S, hv, rk, rv, mkv, sx_n, sx_h, sx_k, sx_v, OUT_ROWS)
 
     if not PER_POS:
         _store_state(out_ptr, out_rows_ptr, b.to(tl.int64), S, hv, rk, rv, mkv, sx_n, sx_h, sx_k, sx_v, OUT_ROWS)
+
+
+@triton.jit
+def _delta_token(S, b_q, b_k, b_v, b_beta, g_row, rk, mk, scale, IS_KDA: tl.constexpr, L2NORM: tl.constexpr):
+    """One token of the gated delta rule on a [BK, BV] fp32 state tile: ``-> (new state, o [BV])``.
+
+    ``g_row`` points at the token's log-decay of this head: one scalar (GDN) or one per key dim (KDA).
+    The one recurrence both the recurrent and the fused decode kernels run."""
+    if L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+    if IS_KDA:
+        S = S * tl.exp(tl.load(g_row + rk, mask=mk, other=0.0).to(tl.float32))[:, None]
+    else:
+        S = S * tl.exp(tl.load(g_row).to(tl.float32))
+    pred = tl.sum(S * b_k[:, None], axis=0)  # [BV] = k_t S
+    u = (b_v - pred) * b_beta
+    S = S + b_k[:, None] * u[None, :]
+    return S, tl.sum(S * b_q[:, None], axis=0) * scale
 
 
 @triton.jit
