@@ -142,11 +142,14 @@ def _by_layer(state, writes, step_id: int, where: str) -> dict[int, Writes]:
     return found
 
 
-def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool = False) -> list[_Target]:
+def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool = False,
+                  main_written: bool = False) -> list[_Target]:
     """Check the whole step; ``-> the resolved targets``. ``layers`` limits it to some layers (probe).
 
-    ``defer_replay``: a replay-mode verify step not yet filtered by acceptance whose recurrent writes come
-    later (a captured verify writes its token rows in the graph; `fnattn.graph` applies the replay after).
+    A captured verify is applied in two halves (`fnattn.graph`): inside the graph, before acceptance, the
+    step's own writes with ``defer_replay`` (a replay-mode step's recurrent writes come later); after it,
+    the acceptance with ``main_written`` (those writes are in the storage already: only the cursor and the
+    replay's writes are checked and resolved).
     """
     where = "State.apply"
     batch = deltas.batch
@@ -177,17 +180,18 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
     for layer in set(main) | set(extra):
         if layer not in owners:
             fail(where, "writes", f"writes only for layers that own storage {owners}", layer)
-    token_rows = batch.token_rows(deltas.accepted)
     # (writes by layer, the batch whose rows they take, its token rows, its state rows); the replay's
     # writes are per-request only, so it has no token rows.
-    parts = [(main, batch, token_rows, batch.state_rows(deltas.accepted))]
+    parts = [None if main_written else
+             (main, batch, batch.token_rows(deltas.accepted), batch.state_rows(deltas.accepted))]
     if replay is not None:
         parts.append((extra, replay.batch, None, replay.batch.state_rows()))
     targets: list[_Target] = []
     for layer in owners:
-        for (writes, wb, tokens, rows), want in zip(parts, _expected_names(state, layer, replay_mode)):
-            if not want:
+        for part, want in zip(parts, _expected_names(state, layer, replay_mode)):
+            if not want or part is None:
                 continue
+            writes, wb, tokens, rows = part
             w = writes.get(layer)
             if w is None:
                 fail(where, "writes", f"a Writes for every layer that owns storage (layer {layer} writes "

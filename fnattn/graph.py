@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from .apply import _expected_names, _target, check_batch, validate_step, write_step
+from .apply import check_batch, validate_step, write_step
 from .batch import Batch
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
@@ -353,23 +353,17 @@ class Verified:
         if entry.graph is None:
             self._done = True
             return state.apply(self._deltas.accept(runner._static_batch(entry, batch), accepted, replay=replay))
-        deltas = StepDeltas.collect(batch, []).accept(batch, accepted, replay=replay)  # checks ``accepted``
-        if replay is not None:
-            check_batch(state, replay.batch, "Verified.accept (replay)")
-            targets = []
-            by_layer = {w.layer: w for w in replay.writes}
-            rows = replay.batch.state_rows()
-            for layer in state.storage_spaces:
-                want = _expected_names(state, layer, True)[1]
-                if want and (layer not in by_layer or set(by_layer[layer].values) != want):
-                    fail("Verified.accept", "replay", f"writes of {sorted(want)} for layer {layer}",
-                         sorted(by_layer[layer].values) if layer in by_layer else None)
-                for name in sorted(want):
-                    targets += _target(state, layer, name, by_layer[layer], replay.batch, None, rows)
-            write_step(state._storage.pools, targets)
         self._done = True
-        return runner._advance(state, batch, deltas.cursor)
+        return accept_written(state, batch, accepted, replay)
 
+
+def accept_written(state, batch: Batch, accepted: Mapping[int, int], replay: StepDeltas | None):
+    """The apply's second half after a captured verify wrote its own rows (``StepRunner._write``): check the
+    acceptance and the cursor, write the replay's recurrent rows (none with native recovery), move the
+    cursors; ``-> the new state``."""
+    deltas = StepDeltas.collect(batch, []).accept(batch, accepted, replay=replay)
+    write_step(state._storage.pools, validate_step(state, deltas, main_written=True))
+    return StepRunner._advance(state, batch, deltas.cursor)
 
 
 __all__ = ["DEFAULT_BUCKETS", "StepRunner", "Verified"]

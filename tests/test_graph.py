@@ -266,3 +266,47 @@ def test_mtp_through_the_verify_runner_equals_eager(recovery):
     assert a == b and len(ta) == len(tb)  # the same tokens, and every target and draft logits in the same order
     for x, y in zip(ta, tb):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recovery", ["native", "replay"])
+def test_a_verify_applied_in_two_halves_equals_one_apply(recovery):
+    """What a captured verify does (its own rows written before acceptance, then the acceptance and the
+    replay's rows) leaves the same cursors and live rows as one `State.apply` of the accepted step."""
+    from fnattn.graph import accept_written
+    from fnattn.speculative import replay_writes
+
+    model = random_model("qwen3_5")
+    attn = fa.ModelAttention(model.specs)
+    runner = StepRunner(model.step, model.params, attn, model.manifest(), max_context=64, buckets=(2,))
+    states = []
+    for halves in (False, True):
+        st, last = _prefill(model.step, model.params, attn, _state(model.specs, recurrent_ring=5),
+                            {0: [1, 2, 3, 4, 5], 1: [7, 8, 9]})
+        st = st.reserve({0: 3, 1: 3})
+        batch = fa.Batch.verify(st, [0, 1], num_draft=2, recovery=recovery)
+        with attn.session(st, batch) as s:
+            _, deltas = model.step(model.params, s, torch.tensor([last[0], 5, 6, last[1], 2, 2]))
+        accepted = {0: 2, 1: 3}
+        replay = replay_writes(attn, st, batch, s.replay_outputs, accepted) if recovery == "replay" else None
+        if halves:
+            runner._write(st, deltas)
+            st = accept_written(st, batch, accepted, replay)
+        else:
+            st = st.apply(deltas.accept(batch, accepted, replay=replay))
+        states.append(st)
+    a, b = states
+    for rid in (0, 1):
+        assert (a.request(rid).length, a.request(rid).ring_pos) == (b.request(rid).length, b.request(rid).ring_pos)
+    for layer, spaces in a.storage_spaces.items():
+        for name, space in spaces.items():
+            ta, tb = a.views(layer)[name], b.views(layer)[name]
+            for rid, req in a.requests.items():
+                if space == "token":
+                    rows = [req.pages[p // a.page_size] * a.page_size + p % a.page_size for p in range(req.length)]
+                    x, y = ta.flatten(0, 1)[rows], tb.flatten(0, 1)[rows]
+                else:
+                    x, y = ta[a.recurrent_row(rid)], tb[b.recurrent_row(rid)]
+                assert torch.equal(x, y), (layer, name, rid)
+    more = b.reserve({0: 3, 1: 3})
+    with pytest.raises(ValueError, match="`accepted\\[0\\]`"):  # the second half still checks the acceptance
+        accept_written(more, fa.Batch.verify(more, [0, 1], num_draft=2), {0: 9, 1: 1}, None)
