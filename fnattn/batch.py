@@ -64,6 +64,11 @@ class Batch:
         return sum(1 for r in self.request_ids if r < 0)
 
     @property
+    def live_tokens(self) -> int:
+        """New tokens of the batch's requests (pad lanes' left out); theirs are the first rows."""
+        return sum(n for r, n in zip(self.request_ids, self.host_new_lens) if r >= 0)
+
+    @property
     def live_ids(self) -> tuple[int, ...]:
         """The admitted requests of the batch (pad lanes left out), in lane order."""
         return tuple(r for r in self.request_ids if r >= 0)

@@ -175,7 +175,7 @@ class StepRunner:
         return {"tokens": tokens, **{name: getattr(batch, name) for name in BATCH_LANES}}
 
     def _padded_tokens(self, batch: Batch, tokens: Tensor) -> Tensor:
-        live = sum(n for r, n in zip(batch.request_ids, batch.host_new_lens) if r >= 0)
+        live = batch.live_tokens
         if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.shape[0] != live:
             fail("StepRunner", "tokens", f"a 1-D tensor of {live} token ids (the requests' new tokens)",
                  getattr(tokens, "shape", type(tokens).__name__))
@@ -189,8 +189,7 @@ class StepRunner:
         values = self._lanes_of(batch, self._padded_tokens(batch, tokens))
         started = time.perf_counter()
         check_lanes(self.manifest, entry.bucket, values, state.device)
-        vocab = self.manifest.dims["V"]
-        live = sum(n for r, n in zip(batch.request_ids, batch.host_new_lens) if r >= 0)
+        vocab, live = self.manifest.dims["V"], batch.live_tokens
         if out is not None:
             check_out(out, (live, vocab), torch.float32, state.device)
         t = values["tokens"]

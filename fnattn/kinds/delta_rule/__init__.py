@@ -12,7 +12,7 @@ from .config import GDNConfig, KDAConfig, RecurrentInputs, RecurrentOutput
 register_kind("gdn", config=GDNConfig, inputs=RecurrentInputs)
 register_kind("kda", config=KDAConfig, inputs=RecurrentInputs)
 
-from . import reference, triton  # noqa: E402,F401 - registers the backends
-from . import fused  # noqa: E402,F401 - the opt-in one-launch decode ("triton_fused")
+# registers the backends; fused is the opt-in one-launch decode ("triton_fused")
+from . import fused, reference, triton  # noqa: E402,F401
 
 __all__ = ["GDNConfig", "KDAConfig", "RecurrentInputs", "RecurrentOutput"]
