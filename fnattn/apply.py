@@ -68,10 +68,8 @@ def check_batch(state, batch, where: str) -> None:
                                                               batch.host_ring_pos[b]) != (0, pad.pages, 0):
                 fail(where, "batch", f"pad lane {rid} (lane {b}) after the requests, with an empty cache on the "
                      "null page and the null slot", (batch.host_cache_lens[b], batch.host_pages[b]))
-            reqs.append((pad, n))
+            reqs.append((pad, n))  # (a request after a pad lane puts that pad before `live`: refused here)
             continue
-        if any(r < 0 for r in batch.request_ids[:b]):
-            fail(where, "batch.request_ids", "admitted requests first, then pad lanes", batch.request_ids)
         req = state._requests.get(rid)
         if req is None:
             fail(where, "batch", f"requests admitted in this State (admitted: {sorted(state._requests)})", rid)

@@ -179,6 +179,9 @@ def test_pad_lanes_use_the_null_page_and_slot_and_move_no_cursor():
     from fnattn.apply import check_batch
     with pytest.raises(ValueError, match="pad lane -1"):
         check_batch(st, bad, "test")
+    with pytest.raises(ValueError, match="pad lane -1 \\(lane 0\\) after the requests"):  # a request after a pad
+        check_batch(st, replace(b, request_ids=(-1, 0, -2), host_new_lens=(1, 1, 1),
+                                host_pages=((0,), b.host_pages[0], (0,))), "test")
     with pytest.raises(ValueError, match="`columns`"):
         fa.Batch.decode(st, [0], pad_to=3, columns=0)
 
