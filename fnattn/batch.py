@@ -182,12 +182,14 @@ class Batch:
 
         Built from the state the verify step read; each request replays its
         ``counts[r]`` accepted tokens, so recurrent layers leave exactly the
-        state a native verify would have kept.
+        state a native verify would have kept. ``pad_to`` / ``columns``: see `decode`; the pad lanes replay
+        ``pad_tokens`` tokens each (a padded verify's pad lanes keep all of theirs).
         """
         if not isinstance(counts, Mapping) or not counts:
             fail("Batch.replay", "counts", "a non-empty mapping request id -> accepted tokens", counts)
-        live = {r: n for r, n in counts.items() if not (isinstance(r, int) and r < 0)}
-        return _build(state, "verify", live, num_draft=max(counts.values()) - 1, recovery="native",
+        if isinstance(pad_tokens, bool) or not isinstance(pad_tokens, int) or pad_tokens < 1:
+            fail("Batch.replay", "pad_tokens", "an int >= 1", pad_tokens)
+        return _build(state, "verify", dict(counts), num_draft=max(counts.values()) - 1, recovery="native",
                       pad_to=pad_to, columns=columns, pad_tokens=pad_tokens)
 
 
@@ -215,7 +217,7 @@ def pad_lane(lane: int, tokens: int, page_size: int) -> PadLane:
 
 def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None,
            recovery: str = "native", pad_to: int | None = None, columns: int | None = None,
-           pad_tokens: int | None = None) -> Batch:
+           pad_tokens: int = 1) -> Batch:
     where = f"Batch.{phase}"
     from .state import State
 
@@ -243,8 +245,7 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
             fail(where, "pad_to", f"None or an int >= {max(1, len(reqs))} (the batch's requests)", pad_to)
         if phase == "prefill":
             fail(where, "pad_to", "None (prefill batches are not padded by lanes)", pad_to)
-        n_pad = pad_tokens or reqs[0][1]
-        reqs += [(pad_lane(i, n_pad, state.page_size), n_pad) for i in range(pad_to - len(reqs))]
+        reqs += [(pad_lane(i, pad_tokens, state.page_size), pad_tokens) for i in range(pad_to - len(reqs))]
     values, ring = expected_tensors(state, phase, reqs, columns=columns, where=where)
     new_lens = tuple(n for _, n in reqs)
     device = state.device
