@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from .apply import check_batch, validate_step, write_step
@@ -116,7 +117,8 @@ class StepRunner:
         return -(-tokens // state.page_size)
 
     # --------------------------------------------------------------- steps
-    def decode(self, state, request_ids: Iterable[int], tokens: Tensor, *, out: Tensor | None = None):
+    def decode(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " n"], *,
+               out: Float[Tensor, "n V"] | None = None):
         """One token per request: ``-> (state, logits [n, V])`` (written into ``out`` when given)."""
         ids = tuple(request_ids)
         if not ids:
@@ -128,7 +130,7 @@ class StepRunner:
         batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns)
         return self._decode(state, entry, batch, tokens, out, built_here=True)
 
-    def run(self, state, batch: Batch, tokens: Tensor, *, out: Tensor | None = None):
+    def run(self, state, batch: Batch, tokens: Int[Tensor, " n"], *, out: Float[Tensor, "n V"] | None = None):
         """One decode step over a batch padded to one of this runner's buckets (``Batch.decode(state, ids,
         pad_to=bucket, columns=runner.columns(state))``); ``tokens`` [n] for its requests.
         ``-> (state, logits [n, V])``. Every lane is checked before any is copied."""
@@ -155,7 +157,7 @@ class StepRunner:
             return state.apply(deltas), outputs["logits"]
         return self._advance(state, batch, batch.cursor_after(batch.host_new_lens)), outputs["logits"]
 
-    def verify(self, state, request_ids: Iterable[int], tokens: Tensor, *, num_draft: int,
+    def verify(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " T"], *, num_draft: int,
                recovery: str = "native") -> "Verified":
         """The last token and ``num_draft`` drafts per request; `Verified.accept` applies the acceptance."""
         ids = tuple(request_ids)
