@@ -497,7 +497,11 @@ def main(argv=None) -> int:
         apply_thread_policy()
     except ValueError as e:
         _user_error("fnattn", e)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:  # the reader went away (`fnattn demo | head`): stop quietly, as shell tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 1
 
 
 if __name__ == "__main__":

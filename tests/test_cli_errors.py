@@ -216,3 +216,12 @@ def test_prompts_sharing_a_prefix_share_pages_and_report_the_hit_rate(ckpt, caps
     assert shared["stats"]["prefix_hit_rate"] > 0.2 and cold["stats"]["prefix_hit_rate"] == 0
     assert main(argv[:-1]) == 0
     assert "prefix hit rate" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_the_command_without_a_traceback():
+    import subprocess
+    import sys
+
+    r = subprocess.run(f"{sys.executable} -m fnattn demo --tokens 2 | head -1", shell=True, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.startswith("fnattn demo:") and "Traceback" not in r.stderr, r.stderr
