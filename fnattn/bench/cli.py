@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. --prefer triton_fused triton fla reference")
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, under torchrun --nproc-per-node N "
                                                      "(default 1; rank 0 writes the results)")
+    m.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS decode steps of each case on CUDA, eager and replayed: kernel time "
+                        "per step by name and kind, in the JSON (fnattn/bench/profile.py; default 0: off)")
 
 
 def run_model(args) -> int:
@@ -56,6 +59,9 @@ def run_model(args) -> int:
         if any(v < 1 for v in getattr(args, name)):
             print(f"fnattn bench: --{name} values must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    if args.profile < 0:
+        print(f"fnattn bench: --profile must be >= 0, got {args.profile}", file=sys.stderr)
+        return 2
     if args.steps is not None and args.steps < 1:
         print(f"fnattn bench: --steps must be >= 1, got {args.steps}", file=sys.stderr)
         return 2
@@ -84,7 +90,7 @@ def run_model(args) -> int:
                         device=args.device, page_size=args.page_size or 16, prefill_tokens=args.prefill_tokens,
                         hf_tokens=args.hf_tokens, transformers=not args.no_transformers, graph=not args.eager,
                         records=records, log=lambda line: lead and print(line, file=sys.stderr), tp=group,
-                        prefer=args.prefer)
+                        prefer=args.prefer, profile=args.profile)
     except ValueError as e:
         if not records:  # a user mistake (family, shape): one line
             print(f"fnattn bench: {e}", file=sys.stderr)
@@ -118,6 +124,7 @@ def _model_command(args, steps: int) -> str:
     parts += ["--no-transformers"] if args.no_transformers else []
     parts += ["--prefer " + " ".join(args.prefer)] if args.prefer else []
     parts += [f"--tp {args.tp}"] if args.tp != 1 else []
+    parts += [f"--profile {args.profile}"] if args.profile else []
     parts += [f"--out {shlex.quote(args.out)}"] + ([f"--png {shlex.quote(args.png)}"] if args.png else [])
     return " ".join(parts)
 

@@ -297,10 +297,13 @@ def _graph_runner(model, ma, batch: int, max_context: int):
 def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, device: str | None = None,
                     page_size: int = 16, prefill_tokens: int = 16384, hf_tokens: int = 65536,
                     transformers: bool = True, graph: bool = True, records: list | None = None,
-                    log=print, tp=None, prefer=None) -> list[dict]:
+                    log=print, tp=None, prefer=None, profile: int = 0) -> list[dict]:
     """Every measurement of one model (module docstring); appends to ``records`` as it goes.
 
     ``prefer``: backend names in order of preference (`ModelAttention`'s ``prefer``; None: its default).
+
+    ``profile``: on CUDA, also profile that many decode steps of each case, eager and replayed
+    (`fnattn.bench.profile`), as records of backend "... profile".
 
     ``tp``: a `fnattn.tp.TPGroup` of several ranks: this rank's share of the model (`fnattn.models.tp`),
     timed like a whole one; the transformers peer (a whole model) is skipped."""
@@ -354,7 +357,7 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
                 t = statistics.median(time_prefill(model, ma, dev, b, prompt, page_size=page_size, reps=3))
                 records.append(_record(f"{name} prefill B{b} P{prompt}", "fnattn eager", "prefill", t, b * prompt,
                                        peer="transformers"))
-            room = 2 * (steps + 8)  # eager then graph steps, each after 3 warm-up steps
+            room = 2 * (steps + 8 + profile)  # eager then graph steps, each after warm-up (and profiled) steps
             st = decode_state(model, dev, b, prompt, page_size=page_size, room=room)
             moved = step_bytes(st, b, prompt)
             per_step = wbytes + sum(moved.values())
@@ -362,6 +365,8 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
                             "bytes": {"weights": wbytes, **moved}, "tok_s": b / (per_step / bw)})
             times, st = time_decode(model, ma, st, b, steps)
             records.append(_record(case, "fnattn eager", "decode", statistics.median(times), b))
+            if profile and dev.type == "cuda":
+                st = _profile_decode(records, case, "fnattn eager", model, ma, st, b, profile, log)
             if graph:
                 runner, why = _graph_runner(model, ma, b, prompt + room)  # the block table's reserved width
                 if runner is None:
@@ -372,6 +377,9 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
                     # host time of the lane checks before each replay (target: <= 30 us a step)
                     records.append(_record(case, "fnattn graph", "decode", statistics.median(times), b,
                                            validation_us=runner.last_validation_s * 1e6))
+                    if profile:
+                        st = _profile_decode(records, case, "fnattn graph", model, ma, st, b, profile, log,
+                                             runner=runner)
             del st
             if hf is not None and b * prompt <= hf_tokens:
                 pre, times = hf_prefill_and_decode(hf, dev, cfg.vocab_size, b, prompt, steps)
@@ -383,6 +391,21 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     return records
+
+
+def _profile_decode(records, case, backend, model, ma, state, batch, steps, log, runner=None):
+    """Profile ``steps`` decode steps (`fnattn.bench.profile`); ``-> the state after``."""
+    from .profile import kernel_profile, print_profile
+
+    holder = [state]
+
+    def one():
+        holder[0] = time_decode(model, ma, holder[0], batch, 1, runner=runner, warmup=0)[1]
+
+    result = kernel_profile(one, steps=steps, device=state.device)
+    records.append({"case": case, "backend": f"{backend} profile", "phase": "decode", "profile": result})
+    print_profile(f"{case} {backend}", result, log=log)
+    return holder[0]
 
 
 def _finish_case(records: list[dict], case: str) -> None:
