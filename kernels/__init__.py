@@ -4,7 +4,8 @@ Importing this package imports neither torch nor triton; names load on first use
 The delta-rule math for one sequence (`gdn_naive`, fp32 torch) is the reference of the
 GDN / KDA kernels and the arithmetic of `fnattn.kinds.delta_rule`. Of the attention
 kernels (paged_attention, lse_merge, scatter), only `scatter_kv` / `scatter_rows`
-write into their arguments.
+write into their arguments. `skinny_linear` is ``x @ w.T`` for decode-sized ``x``
+(at most 64 rows), optionally with SwiGLU's SiLU-and-mul fused into its load.
 """
 
 import importlib
@@ -32,6 +33,10 @@ _EXPORTS = {
     "chunk_indices": "gated_delta",
     "gated_delta_decode_fused": "gdn_decode_fused",
     "gated_delta_decode_fused_ref": "gdn_decode_fused",
+    "skinny_linear": "skinny_linear",
+    "skinny_linear_ref": "skinny_linear",
+    "SkinnyConfig": "skinny_linear",
+    "pick_config": "skinny_linear",
     "indexer_scores_paged": "indexer",
     "indexer_scores_paged_ref": "indexer",
     "indexer_topk": "indexer",

@@ -1,0 +1,229 @@
+"""``y = x @ w.T`` for a few rows of ``x`` (decode-sized GEMMs, M <= 64), streaming ``w`` once (Triton).
+
+At one to a few dozen rows a linear layer is a matrix-vector product: the time
+is the time to read ``w [N, K]`` once. Library GEMMs pick tiles made for large
+M there and reach a fraction of the memory bandwidth. This kernel gives each
+program a ``[BLOCK_N, K]`` slab of ``w`` (or one of ``SPLIT_K`` pieces of it),
+streams it through ``tl.dot`` against all M rows at once (padded to at least 16,
+the smallest dot tile) and accumulates in fp32. With ``SPLIT_K > 1`` the
+programs write fp32 partials ``[SPLIT_K, M, N]`` that a second small kernel
+sums and rounds, in a fixed order (no atomics: the result does not depend on
+scheduling).
+
+``act="silu_mul"`` fuses a SwiGLU MLP's activation into the down projection:
+``x [M, 2K]`` holds ``gate | up`` and the kernel loads ``silu(gate) * up``,
+computed in fp32 and rounded to ``x.dtype`` before the dot, which is what
+``silu_and_mul`` followed by a linear layer computes.
+
+Configs come from `pick_config`, an explicit table (no autotuning: timing
+inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
+``fnattn bench linear`` times the table against a sweep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import next_pow2, num_sms, require_triton, tl, triton
+
+MAX_M = 64
+ACTS = (None, "silu_mul")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch shape of `skinny_linear`: a program owns ``block_n`` output columns and ``1 / split_k`` of K."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"SkinnyConfig.{name}: expected a power of two >= 16, got {v!r}")
+        if not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ValueError(f"SkinnyConfig.split_k: expected an int >= 1, got {self.split_k!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"SkinnyConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"SkinnyConfig.num_stages: expected an int >= 1, got {self.num_stages!r}")
+
+
+# (block_n, programs wanted per SM) by rows: a small ``block_n`` gives many programs, each reading a slab of w
+# long enough along K to keep loads in flight; at M > 32 the accumulator ([BLOCK_M, BLOCK_N] fp32) grows, so
+# the tiles stay narrow there.
+_BLOCK_N = ((16, 64), (32, 32), (64, 32))  # (max M, block_n)
+_PROGRAMS_PER_SM = 2
+_MIN_K_PER_SPLIT = 256  # a split shorter than this spends more on its partial than it saves
+
+
+def pick_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None = None) -> SkinnyConfig:
+    """The table's config for ``[M, K] @ [N, K]^T`` in ``dtype``; ``sms``: SM count (default: the current
+    CUDA device's, 132 without one).
+
+    Column tiles first (64 columns at M <= 16, 32 above); when they make fewer
+    than two programs per SM, K is split (each piece at least 256 long) until
+    they do. K tiles are 128 elements in half precision (256 bytes a row), 64 in fp32.
+    """
+    if sms is None:
+        sms = num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    block_n = next(bn for max_m, bn in _BLOCK_N if M <= max_m)
+    while block_n > 16 and triton_cdiv(N, block_n) < _PROGRAMS_PER_SM * sms:
+        block_n //= 2
+    block_k = 64 if dtype == torch.float32 else 128
+    tiles = triton_cdiv(N, block_n)
+    split = 1
+    max_split = max(1, K // _MIN_K_PER_SPLIT)
+    while tiles * split < _PROGRAMS_PER_SM * sms and split < max_split:
+        split *= 2
+    split = min(split, max_split)
+    # Each stage holds an x tile and a w tile; four stages of 64-row tiles would crowd shared memory.
+    stages = 4 if next_pow2(max(M, 16)) <= 32 else 3
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=stages)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@triton.jit
+def _skinny_gemv_kernel(
+    X, W, Y, M, N, K, k_per_split, sxm, sym,
+    ACT_SILU_MUL: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)``; partials to ``Y[split]`` when
+    ``SPLIT`` (Y is then fp32 ``[SPLIT_K, M, N]``, contiguous)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)  # [BM]
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok = m < M
+    n_ok = n < N
+    x_rows = X + m.to(tl.int64)[:, None] * sxm  # [BM, 1]
+    w_rows = W + n.to(tl.int64)[:, None] * K  # [BN, 1]
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = k < k_hi
+        xm = m_ok[:, None] & k_ok[None, :]
+        if ACT_SILU_MUL:
+            g = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(x_rows + K + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            xt = (g / (1.0 + tl.exp(-g)) * u).to(W.dtype.element_ty)  # [BM, BK], rounded as silu_and_mul's
+        else:
+            xt = tl.load(x_rows + k[None, :], mask=xm, other=0.0)  # [BM, BK]
+        wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        if FP32_DOT:  # fp32 weights: full-precision products, not tf32
+            acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, tl.trans(wt))
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(Y + pid_k.to(tl.int64) * M * N + m[:, None] * N + n[None, :], acc, mask=mask)
+    else:
+        tl.store(Y + m.to(tl.int64)[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _skinny_gemv_splitk_reduce(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """``Y[m] = sum_s P[s, m]`` in fp32, in split order, rounded once."""
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(P + (s * M + row).to(tl.int64) * N + n, mask=ok, other=0.0)
+    tl.store(Y + row.to(tl.int64) * sym + n, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def _check(x, w, out, act, config):
+    if act not in ACTS:
+        raise ValueError(f"act: expected None or 'silu_mul', got {act!r}")
+    if config is not None and not isinstance(config, SkinnyConfig):
+        raise ValueError(f"config: expected a SkinnyConfig or None, got {type(config).__name__}")
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a 2-D tensor, got {shape}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x: expected dtype bfloat16, float16 or float32, got {x.dtype}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"w: expected dtype {x.dtype} (x's), got {w.dtype}")
+    if w.device != x.device:
+        raise ValueError(f"w: expected device {x.device} (x's), got {w.device}")
+    M, N, K = x.shape[0], w.shape[0], w.shape[1]
+    if M > MAX_M:
+        raise ValueError(f"x: expected at most {MAX_M} rows, got {M}")
+    width = 2 * K if act == "silu_mul" else K
+    if x.shape[1] != width:
+        what = f"[M, 2 * {K}] (gate | up for w's K={K})" if act == "silu_mul" else f"[M, {K}] (w's K)"
+        raise ValueError(f"x: expected shape {what}, got {tuple(x.shape)}")
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        raise ValueError(f"x: expected unit stride along its last dim, got strides {x.stride()}")
+    if not w.is_contiguous():
+        raise ValueError(f"w: expected a contiguous tensor, got strides {w.stride()} for shape {tuple(w.shape)}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != (M, N) or out.dtype != x.dtype:
+            got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"out: expected shape {(M, N)} dtype {x.dtype}, got {got}")
+        if out.device != x.device:
+            raise ValueError(f"out: expected device {x.device} (x's), got {out.device}")
+        if out.stride(1) != 1 and N > 1:
+            raise ValueError(f"out: expected unit stride along its last dim, got strides {out.stride()}")
+
+
+def skinny_linear(x, w, *, out=None, act=None, config=None):
+    """``x [M, K] @ w[N, K]^T -> y [M, N]`` in ``x.dtype`` with fp32 accumulation, M <= 64.
+
+    ``act="silu_mul"``: ``x`` is ``[M, 2K]`` (gate | up) and the product is of
+    ``silu(gate) * up`` (rounded to ``x.dtype``). ``x``'s rows may be strided
+    (unit stride within a row); ``w`` is contiguous. ``out``: an ``[M, N]``
+    tensor to write (unit inner stride), returned. ``config``: a `SkinnyConfig`
+    instead of `pick_config`'s.
+    """
+    _check(x, w, out, act, config)
+    M, N, K = x.shape[0], w.shape[0], w.shape[1]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    require_triton()
+    cfg = config or pick_config(M, N, K, x.dtype)
+    BLOCK_M = max(16, next_pow2(M))
+    k_tiles = triton_cdiv(K, cfg.block_k)
+    per_split = triton_cdiv(k_tiles, cfg.split_k)  # K tiles each piece streams; no piece left empty
+    split = triton_cdiv(k_tiles, per_split)
+    k_per_split = per_split * cfg.block_k
+    grid = (triton_cdiv(N, cfg.block_n), split)
+    common = dict(ACT_SILU_MUL=act == "silu_mul", FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split == 1:
+        _skinny_gemv_kernel[grid](x, w, y, M, N, K, k_per_split, x.stride(0), y.stride(0), SPLIT=False, **common)
+        return y
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
+    _skinny_gemv_kernel[grid](x, w, part, M, N, K, k_per_split, x.stride(0), N, SPLIT=True, **common)
+    block = min(1024, next_pow2(N))
+    _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, M, N, y.stride(0), SPLIT_K=split, BLOCK=block,
+                                                           num_warps=4)
+    return y
+
+
+def skinny_linear_ref(x, w, *, act=None):
+    """The truth of `skinny_linear`: fp32 products and sums, rounded once to ``x.dtype``."""
+    if act not in ACTS:
+        raise ValueError(f"act: expected None or 'silu_mul', got {act!r}")
+    if act == "silu_mul":
+        g, u = x.float().chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(g) * u).to(x.dtype)
+    return (x.float() @ w.float().T).to(x.dtype)
