@@ -186,8 +186,10 @@ def apply_rope(
 
 
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
-    """``down(silu(gate(x)) * up(x))`` with [out, in] weights."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    """``down(silu(gate(x)) * up(x))`` with [out, in] weights (`fused.linear`: decode sizes on one kernel each)."""
+    from .fused import linear  # imported here: models.fused imports this module
+
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,10 +1,15 @@
 """Fused model pieces: one kernel where the plain torch form launches several.
 
 Each function has two bodies with one contract: on a CUDA tensor in bf16 / fp16
-(with the kernel's package installed) it calls FlashInfer's or fla-core's
-kernel; otherwise it runs the unfused torch math of `models.common`, which is
-also what `unfused()` forces for parity checks. The torch bodies are the
-truth; the kernels agree with them to bf16 rounding (tests/gpu/test_fused_gpu.py).
+(with the kernel's package installed) it calls FlashInfer's, fla-core's or
+fnattn's own Triton kernel; otherwise it runs the unfused torch math of
+`models.common` (or ``F.linear``), which is also what `unfused()` forces for
+parity checks. The torch bodies are the truth; the kernels agree with them to
+bf16 rounding (tests/gpu/test_fused_gpu.py).
+
+`linear` and `silu_mul_linear` take decode-sized inputs (at most 64 rows) to
+`fnattn.kernels.skinny_linear`, which streams the weight once where cuBLAS's
+GEMM tiles reach a fraction of the bandwidth; larger inputs stay on ``F.linear``.
 
 Where fp32 stays in a bf16 model, the math needs it: RMSNorm statistics (inside
 the kernels), the rope angles (one fp32 table per step, shared by every layer),
@@ -145,3 +150,35 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
 
         return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
     return (rms_norm(x, weight, eps) * F.silu(gate.float())).to(x.dtype)
+
+
+_SKINNY_ROWS = 64  # fnattn.kernels.skinny_linear's bound; above it cuBLAS's GEMM tiles fit
+
+
+def _skinny(x: Tensor, w: Tensor, width: int) -> bool:
+    """Whether `skinny_linear` takes ``x [..., width] @ w.T``: the kernel applies, at most 64 rows, unit stride
+    within a row (also after flattening the leading dims), ``w`` contiguous."""
+    return (_kernel("triton", x, w) and x.dim() >= 2 and x.shape[-1] == width and x.stride(-1) == 1
+            and x.numel() <= _SKINNY_ROWS * max(width, 1) and w.dim() == 2 and w.is_contiguous())
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, w, bias)`` over the last dim, any leading dims; at most 64 rows without a bias run
+    `skinny_linear` (fp32 accumulation, one rounding, as cuBLAS's)."""
+    if bias is None and _skinny(x, w, w.shape[-1]):
+        from fnattn.kernels.skinny_linear import skinny_linear
+
+        return skinny_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, bias)
+
+
+def silu_mul_linear(gate_up: Tensor, w: Tensor) -> Tensor:
+    """``F.linear(silu_and_mul(gate_up), w)``: a SwiGLU MLP's activation and down projection, ``[T, 2I] -> [T, D]``
+    for ``w [D, I]``. At most 64 rows it is one launch: `skinny_linear` computes ``silu(g) * u`` as it loads it
+    (rounded to the model's dtype, as `silu_and_mul`'s output is)."""
+    if _skinny(gate_up, w, 2 * w.shape[-1]):
+        from fnattn.kernels.skinny_linear import skinny_linear
+
+        out = skinny_linear(gate_up.reshape(-1, gate_up.shape[-1]), w, act="silu_mul")
+        return out.view(*gate_up.shape[:-1], w.shape[0])
+    return F.linear(silu_and_mul(gate_up), w)

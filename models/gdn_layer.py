@@ -40,7 +40,7 @@ from fnattn.kinds.delta_rule.math import RecurrentLayerOutput, gated_delta_chunk
 from fnattn.kinds.delta_rule.qkv import gdn_qkv
 
 from .common import rms_norm
-from .fused import gated_rms_norm_silu  # one kernel on CUDA; `gated_rmsnorm_silu`'s math elsewhere
+from .fused import gated_rms_norm_silu, linear  # kernels on CUDA; the torch math elsewhere
 
 __all__ = [
     "GDNWeights",
@@ -277,9 +277,9 @@ def gdn_project(
     expect_shape("x", x, (None, w.hidden_size))
     T, H = x.shape[0], w.num_v_heads
     if w.in_proj is not None:  # one GEMM; the parts are column slices of its output
-        conv_input, z, b, a = F.linear(x, w.in_proj).split([w.conv_dim, w.value_dim, H, H], dim=-1)
+        conv_input, z, b, a = linear(x, w.in_proj).split([w.conv_dim, w.value_dim, H, H], dim=-1)
     else:
-        conv_input, z, b, a = (F.linear(x, p) for p in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
+        conv_input, z, b, a = (linear(x, p) for p in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
     z = z.reshape(T, H, w.head_v_dim)
     beta = torch.sigmoid(b)
     # fp32 where the math needs it: the log-decay feeds an exp inside the recurrence.
@@ -294,7 +294,7 @@ def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V
     expect_shape("o", o, (None, w.num_v_heads, w.head_v_dim))
     expect_shape("z", z, (o.shape[0], w.num_v_heads, w.head_v_dim))
     o = gated_rms_norm_silu(o, z, w.norm_weight, w.eps)
-    return F.linear(o.reshape(o.shape[0], w.value_dim), w.out_proj)
+    return linear(o.reshape(o.shape[0], w.value_dim), w.out_proj)
 
 
 def gdn_layer(

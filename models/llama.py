@@ -37,6 +37,7 @@ from .common import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from .fused import linear
 from .registry import Family, register_family
 
 MODEL_TYPES = ("llama", "qwen3", "qwen2")
@@ -236,15 +237,15 @@ def load(cfg: DenseConfig, weights) -> Params:
 def attention(session, i: int, w: Layer, h: Float[Tensor, "T D"], cos: Tensor, sin: Tensor, cfg: DenseConfig):
     """``-> (output [T, D], layer deltas)``."""
     T, Hq, Hkv, Dh, eps = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
-    q = F.linear(h, *w.q).view(T, Hq, Dh)
-    k = F.linear(h, *w.k).view(T, Hkv, Dh)
-    v = F.linear(h, *w.v).view(T, Hkv, Dh)
+    q = linear(h, *w.q).view(T, Hq, Dh)
+    k = linear(h, *w.k).view(T, Hkv, Dh)
+    v = linear(h, *w.v).view(T, Hkv, Dh)
     if cfg.qk_norm:
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     dt = cfg.dtype  # attention runs in the spec's dtype, which may differ from the weights'
     out, deltas = session.forward(i, FullAttentionInputs(q=q.to(dt), k=k.to(dt), v=v.to(dt)))
-    return F.linear(out.o.to(h.dtype).reshape(T, Hq * Dh), *w.o), deltas
+    return linear(out.o.to(h.dtype).reshape(T, Hq * Dh), *w.o), deltas
 
 
 @checked

@@ -46,7 +46,7 @@ from .common import (
     rope_inv_freq,
     softmax_topk,
 )
-from .fused import add_rms_norm_offset_, rms_norm_offset, rope_, rope_table, silu_and_mul
+from .fused import add_rms_norm_offset_, linear, rms_norm_offset, rope_, rope_table, silu_mul_linear
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
 
@@ -324,7 +324,8 @@ class Attention:
 
 @dataclass(frozen=True, eq=False)
 class DenseMLP:
-    """A SwiGLU MLP with gate and up concatenated at load: one GEMM, then `silu_and_mul`, then down."""
+    """A SwiGLU MLP with gate and up concatenated at load: one GEMM, then `silu_and_mul` and down (one launch at
+    decode sizes: `silu_mul_linear`)."""
 
     gate_up: Tensor  # [2 I, D]: gate_proj rows, then up_proj rows
     down: Tensor  # [D, I]
@@ -335,7 +336,7 @@ class DenseMLP:
         return cls(torch.cat([w.gate, w.up]), w.down)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        return silu_mul_linear(linear(x, self.gate_up), self.down)
 
 
 @dataclass(frozen=True, eq=False)
@@ -398,7 +399,7 @@ def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], 
                     cfg: QwenConfig, table: Tensor | None = None):
     """``-> (output [T, D], layer deltas)``; ``table``: the step's `rope_table` (FlashInfer's rope on CUDA)."""
     T, Dh = h.shape[0], cfg.head_dim
-    qg, k, v = F.linear(h, w.qkv).split([w.qkv.shape[0] - 2 * w.kv_rows, w.kv_rows, w.kv_rows], dim=-1)
+    qg, k, v = linear(h, w.qkv).split([w.qkv.shape[0] - 2 * w.kv_rows, w.kv_rows, w.kv_rows], dim=-1)
     q, gate = qg.view(T, -1, 2 * Dh).chunk(2, dim=-1)  # [T, Hq, Dh] each (Hq of this rank under TP)
     q = rms_norm_offset(q, w.q_norm, cfg.rms_norm_eps)  # a new contiguous tensor, which rope_ may rotate in place
     k = rms_norm_offset(k.view(T, -1, Dh), w.k_norm, cfg.rms_norm_eps)
@@ -409,7 +410,7 @@ def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], 
     dt = cfg.dtype
     out, deltas = session.forward(layer, FullAttentionInputs(q=q.to(dt), k=k.to(dt), v=v.to(dt)))
     o = out.o.to(h.dtype).reshape(T, -1) * torch.sigmoid(gate).reshape(T, -1)
-    return F.linear(o, w.o_proj), deltas
+    return linear(o, w.o_proj), deltas
 
 
 def linear_attention(session, layer: int, w: GDNWeights, h: Float[Tensor, "T D"], cfg: QwenConfig):

@@ -1,4 +1,5 @@
-"""Fused kernels against their unfused torch bodies on a GPU, bf16: each piece of `models.fused`, then whole
+"""Fused kernels against their unfused torch bodies on a GPU, bf16: each piece of `models.fused` (with
+`skinny_linear` on Qwen3.5-0.8B's projection shapes, against its fp32 reference and cuBLAS), then whole
 Qwen3.5 models (the tiny config and a 4-layer slice of the 0.8B shape) fused vs `fused.unfused()` over a
 prefill and decode steps. Set FNATTN_GPU_RESULTS=path.json to record every comparison."""
 
@@ -80,6 +81,61 @@ def test_gated_norm(T, record):
     with fused.unfused():
         want = fused.gated_rms_norm_silu(o, z, w, 1e-6)
     _check(record, f"gated rmsnorm silu T{T}", fused.gated_rms_norm_silu(o, z, w, 1e-6), want, 2e-2)
+
+
+# Qwen3.5-0.8B's per-token projections (K, N): MLP gate_up, MLP down, GDN in_proj, out_proj / o_proj, qkv
+SKINNY_SHAPES = [(1024, 7168), (3584, 1024), (1024, 8224), (2048, 1024), (1024, 5120)]
+
+
+@pytest.mark.parametrize("M", [1, 7, 32, 64])
+@pytest.mark.parametrize("K, N", SKINNY_SHAPES)
+def test_skinny_linear(M, K, N, record):
+    pytest.importorskip("triton")
+    from fnattn.kernels.skinny_linear import pick_config, skinny_linear, skinny_linear_ref
+
+    x, w = _randn(M, K, seed=12), _randn(N, K, seed=13, scale=K ** -0.5)
+    got = skinny_linear(x, w)
+    cfg = pick_config(M, N, K, BF16)
+    _check(record, f"skinny_linear M{M} K{K} N{N} split{cfg.split_k} vs fp32 ref", got, skinny_linear_ref(x, w), 1e-2)
+    _check(record, f"skinny_linear M{M} K{K} N{N} vs F.linear", got, F.linear(x, w), 1e-2)
+    if K == 3584:  # the MLP's down projection, with SiLU-and-mul on load
+        gu = _randn(M, 2 * K, seed=14)
+        got = skinny_linear(gu, w, act="silu_mul")
+        _check(record, f"skinny_linear silu_mul M{M} K{K} N{N} vs fp32 ref", got,
+               skinny_linear_ref(gu, w, act="silu_mul"), 1e-2)
+        with fused.unfused():
+            want = fused.silu_mul_linear(gu, w)
+        _check(record, f"silu_mul_linear M{M} vs unfused", fused.silu_mul_linear(gu, w), want, 2e-2)
+
+
+def test_skinny_linear_replays_in_a_cuda_graph(record):
+    """Captured once, a replay computes the product of whatever the input buffers hold then (split and not)."""
+    pytest.importorskip("triton")
+    from fnattn.kernels.skinny_linear import skinny_linear, skinny_linear_ref
+
+    x, w_up, w_down = _randn(4, 1024, seed=15), _randn(7168, 1024, seed=16, scale=1 / 32), _randn(1024, 3584, seed=17)
+    skinny_linear(skinny_linear(x, w_up), w_down, act="silu_mul")  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = skinny_linear(skinny_linear(x, w_up), w_down, act="silu_mul")
+    x.copy_(_randn(4, 1024, seed=18))
+    g.replay()
+    want = skinny_linear_ref(skinny_linear_ref(x, w_up), w_down, act="silu_mul")
+    _check(record, "skinny_linear up + silu_mul down, graph replay", out, want, 2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 65])
+def test_fused_linear_routes_and_reshapes(rows, record):
+    """3-D inputs, strided rows and the 64-row bound (65 rows: cuBLAS) all give F.linear's answer."""
+    pytest.importorskip("triton")
+    w = _randn(1024, 2048, seed=19, scale=2048 ** -0.5)
+    x3 = _randn(1, rows, 2048, seed=20)
+    got = fused.linear(x3, w)
+    assert got.shape == (1, rows, 1024)
+    _check(record, f"fused.linear [1, {rows}, 2048]", got, F.linear(x3, w), 1e-2)
+    wide = _randn(rows, 3072, seed=21)[:, 512:2560]  # strided rows
+    _check(record, f"fused.linear strided rows {rows}", fused.linear(wide, w), F.linear(wide, w), 1e-2)
 
 
 SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full attention), a smaller vocab
