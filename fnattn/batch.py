@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .checks import fail
 from .deltas import CursorAdvance
+from .staging import Staging
 
 PHASES = ("prefill", "decode", "verify")
 #: Page and recurrent slot of pad lanes (State.NULL_PAGE / NULL_SLOT).
@@ -143,27 +144,29 @@ class Batch:
 
     @staticmethod
     def decode(state, request_ids: Iterable[int], *, pad_to: int | None = None,
-               columns: int | None = None) -> "Batch":
+               columns: int | None = None, staging=None) -> "Batch":
         """One new token per request.
 
         ``pad_to``: lanes in all (the requests, then pad lanes up to it); ``columns``: the block table's width
-        (at least the most pages a request holds). Both fix the shapes of a captured step.
+        (at least the most pages a request holds). Both fix the shapes of a captured step. ``staging``: a
+        `fnattn.staging.Staging` of exactly those shapes; the batch's tensors are then its device views (one
+        copy per dtype; overwritten by the next batch built into it).
         """
         ids = _ids("Batch.decode", request_ids)
         if not ids and not pad_to:
             fail("Batch.decode", "request_ids", "at least one request (or pad lanes only, with pad_to)", ids)
         return _build(state, "decode", {r: 1 for r in ids}, num_draft=0, ids=ids, pad_to=pad_to, columns=columns,
-                      pad_tokens=1)
+                      pad_tokens=1, staging=staging)
 
     @staticmethod
     def verify(state, request_ids: Iterable[int], *, num_draft: int, recovery: str = "native",
-               pad_to: int | None = None, columns: int | None = None) -> "Batch":
+               pad_to: int | None = None, columns: int | None = None, staging=None) -> "Batch":
         """The last accepted token plus ``num_draft`` draft tokens per request.
 
         ``recovery="native"``: recurrent layers return their state after every
         token and `StepDeltas.accept` keeps the accepted one. ``"replay"``: they
         return only their per-token inputs; the accepted tokens are replayed
-        afterwards with `Batch.replay`. ``pad_to`` / ``columns``: see `decode`.
+        afterwards with `Batch.replay`. ``pad_to`` / ``columns`` / ``staging``: see `decode`.
         """
         ids = _ids("Batch.verify", request_ids)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
@@ -173,7 +176,7 @@ class Batch:
         if not ids and not pad_to:
             fail("Batch.verify", "request_ids", "at least one request (or pad lanes only, with pad_to)", ids)
         return _build(state, "verify", {r: 1 + num_draft for r in ids}, num_draft=num_draft, ids=ids,
-                      recovery=recovery, pad_to=pad_to, columns=columns, pad_tokens=1 + num_draft)
+                      recovery=recovery, pad_to=pad_to, columns=columns, pad_tokens=1 + num_draft, staging=staging)
 
     @staticmethod
     def replay(state, counts: Mapping[int, int], *, pad_to: int | None = None, columns: int | None = None,
@@ -217,12 +220,15 @@ def pad_lane(lane: int, tokens: int, page_size: int) -> PadLane:
 
 def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None,
            recovery: str = "native", pad_to: int | None = None, columns: int | None = None,
-           pad_tokens: int = 1) -> Batch:
+           pad_tokens: int = 1, staging=None) -> Batch:
     where = f"Batch.{phase}"
     from .state import State
 
     if not isinstance(state, State):
         fail(where, "state", "a State", type(state).__name__)
+    if staging is not None and (not isinstance(staging, Staging) or staging.device != state.device):
+        fail(where, "staging", f"None or a fnattn.staging.Staging on {state.device}",
+             getattr(staging, "device", type(staging).__name__))
     for rid in counts if ids is None else ids:
         if isinstance(rid, bool) or not isinstance(rid, int):
             fail(where, "request_ids", "int request ids", rid)
@@ -249,11 +255,15 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
     values, ring = expected_tensors(state, phase, reqs, columns=columns, where=where)
     new_lens = tuple(n for _, n in reqs)
     device = state.device
+    if staging is None:
+        tensors = {name: torch.tensor(v, dtype=TENSOR_DTYPES[name], device=device) for name, v in values.items()}
+    else:
+        tensors = staging.write(values)
 
     batch = Batch(
         phase=phase,
         request_ids=tuple(r.id for r, _ in reqs),
-        **{name: torch.tensor(v, dtype=TENSOR_DTYPES[name], device=device) for name, v in values.items()},
+        **tensors,
         page_size=state.page_size,
         num_draft=num_draft,
         recovery=recovery,

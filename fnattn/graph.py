@@ -36,7 +36,9 @@ from .apply import check_batch, validate_step, write_step
 from .batch import Batch
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
+from .batch import TENSOR_DTYPES
 from .lanes import BATCH_LANES, Bucket, LaneError, Manifest, check_lanes, check_out, no_host_reads, static_shapes
+from .staging import Staging
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -46,6 +48,7 @@ class _Entry:
     bucket: Bucket
     recovery: str
     inputs: dict[str, Tensor]  # lane -> static buffer the step reads
+    staging: Staging  # the batch lanes of `inputs` are its device views: the runner builds batches into them
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     outputs: dict[str, Tensor] = field(default_factory=dict)  # captured output lanes
     generated: dict[str, Tensor] = field(default_factory=dict)
@@ -125,9 +128,12 @@ class StepRunner:
             fail("StepRunner.decode", "request_ids", "at least one request", ids)
         bucket = Bucket("decode", self.bucket_for(len(ids)), 0, self.columns(state))
         state, entry = self._ensure(state, bucket, "native")
+        started = time.perf_counter()
+        self._check_tokens(tokens, len(ids), state.device, out)  # before the batch is built into the buffers
+        self.last_validation_s = time.perf_counter() - started
         # Built here from the live handle a moment ago: checking it against that handle again would compare
         # the State with itself (`run` checks a batch it is handed).
-        batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns)
+        batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns, staging=entry.staging)
         return self._decode(state, entry, batch, tokens, out, built_here=True)
 
     def run(self, state, batch: Batch, tokens: Int[Tensor, " n"], *, out: Float[Tensor, "n V"] | None = None):
@@ -167,42 +173,51 @@ class StepRunner:
             fail("StepRunner.verify", "num_draft", "an int >= 1", num_draft)
         bucket = Bucket("verify", self.bucket_for(len(ids)), num_draft, self.columns(state))
         state, entry = self._ensure(state, bucket, recovery)
+        started = time.perf_counter()
+        self._check_tokens(tokens, len(ids) * (1 + num_draft), state.device, None)
+        self.last_validation_s = time.perf_counter() - started
         batch = Batch.verify(state, ids, num_draft=num_draft, recovery=recovery, pad_to=bucket.lanes,
-                             columns=bucket.columns)
+                             columns=bucket.columns, staging=entry.staging)
         outputs, deltas, replay_outputs = self._run(state, entry, batch, tokens, None, built_here=True)
         return Verified(self, state, batch, entry, outputs, deltas, replay_outputs)
 
     # ------------------------------------------------------------- internals
-    def _lanes_of(self, batch: Batch, tokens: Tensor) -> dict[str, Tensor]:
-        return {"tokens": tokens, **{name: getattr(batch, name) for name in BATCH_LANES}}
-
-    def _padded_tokens(self, batch: Batch, tokens: Tensor) -> Tensor:
-        live = batch.live_tokens
+    def _check_tokens(self, tokens, live: int, device: torch.device, out: Tensor | None) -> None:
+        """The requests' new tokens (and an ``out=`` buffer for their logits), before anything is copied."""
         if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.shape[0] != live:
             fail("StepRunner", "tokens", f"a 1-D tensor of {live} token ids (the requests' new tokens)",
                  getattr(tokens, "shape", type(tokens).__name__))
-        if batch.num_tokens == live:
-            return tokens
-        return torch.cat([tokens, tokens.new_zeros(batch.num_tokens - live)])
+        if tokens.dtype != torch.int64:
+            raise LaneError(f"lane 'tokens': expected dtype torch.int64, got {tokens.dtype}")
+        if tokens.device != device:
+            raise LaneError(f"lane 'tokens': expected a tensor on {device}, got {tokens.device}")
+        vocab = self.manifest.dims["V"]
+        if out is not None:
+            check_out(out, (live, vocab), torch.float32, device)
+        if (tokens.device.type == "cpu" or CHECKS_ENABLED) and tokens.numel() and not (
+                0 <= int(tokens.min()) and int(tokens.max()) < vocab):
+            raise LaneError(f"lane 'tokens': expected ids in 0..{vocab - 1}, got {tokens.min()}..{tokens.max()}")
 
     def _run(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out: Tensor | None, *, built_here: bool):
-        """Validate every lane, copy them into the static buffers, run the step; ``-> (outputs, deltas)``."""
-        where = "StepRunner"
-        values = self._lanes_of(batch, self._padded_tokens(batch, tokens))
-        started = time.perf_counter()
-        check_lanes(self.manifest, entry.bucket, values, state.device)
-        vocab, live = self.manifest.dims["V"], batch.live_tokens
-        if out is not None:
-            check_out(out, (live, vocab), torch.float32, state.device)
-        t = values["tokens"]
-        if (t.device.type == "cpu" or CHECKS_ENABLED) and t.numel() and not (
-                0 <= int(t.min()) and int(t.max()) < vocab):
-            raise LaneError(f"lane 'tokens': expected ids in 0..{vocab - 1}, got {t.min()}..{t.max()}")
+        """Validate every lane, copy them into the static buffers, run the step; ``-> (outputs, deltas)``.
+
+        A batch built here went into the entry's staging (its lanes are the buffers; the tokens were checked
+        before it was built); a batch the caller hands over is checked whole, then copied."""
+        live = batch.live_tokens
         if not built_here:
-            check_batch(state, batch, where)
-        self.last_validation_s = time.perf_counter() - started  # host time of the checks, read by the bench
-        for name, value in values.items():  # nothing was copied before every lane passed
-            entry.inputs[name].copy_(value)
+            started = time.perf_counter()
+            self._check_tokens(tokens, live, state.device, out)
+            # The token buffer stands in for the tokens lane: the caller's tokens were just checked, and only
+            # their `live` rows are copied (pad lanes keep earlier, checked ids).
+            lanes = {"tokens": entry.inputs["tokens"], **{name: getattr(batch, name) for name in BATCH_LANES}}
+            check_lanes(self.manifest, entry.bucket, lanes, state.device)
+            check_batch(state, batch, "StepRunner")
+            self.last_validation_s = time.perf_counter() - started  # host time of the checks, read by the bench
+            for name in BATCH_LANES:  # nothing was copied before every lane passed
+                entry.inputs[name].copy_(getattr(batch, name))
+        elif any(getattr(batch, name) is not entry.inputs[name] for name in BATCH_LANES):
+            fail("StepRunner", "batch", "a batch built into this bucket's staging", "another batch")
+        entry.inputs["tokens"][:live].copy_(tokens)
         if entry.graph is not None:
             entry.graph.replay()
             entry.replays += 1
@@ -250,9 +265,12 @@ class StepRunner:
             fail("StepRunner.verify", "num_draft", f"at most {state.recurrent_ring - 2} for a captured verify: "
                  "its recurrent states go to spare ring rows (State(recurrent_ring >= num_draft + 2))",
                  bucket.num_draft)
-        inputs = {lane.name: torch.zeros(self.manifest.shape(lane, bucket), dtype=lane.dtype, device=state.device)
+        shapes = self.manifest.shapes(bucket)
+        staging = Staging({name: shapes[name] for name in BATCH_LANES}, TENSOR_DTYPES, state.device)
+        inputs = {lane.name: staging.views[lane.name] if lane.name in staging.views else
+                  torch.zeros(shapes[lane.name], dtype=lane.dtype, device=state.device)
                   for lane in self.manifest.role("input")}
-        entry = _Entry(bucket, recovery, inputs)
+        entry = _Entry(bucket, recovery, inputs, staging)
         if capture:
             state = self._capture(state, entry)
         self._entries[key] = entry
@@ -262,14 +280,12 @@ class StepRunner:
         """A batch of pad lanes only, in the static buffers: what warm-up and capture run."""
         b = entry.bucket
         if b.phase == "decode":
-            batch = Batch.decode(state, (), pad_to=b.lanes, columns=b.columns)
+            batch = Batch.decode(state, (), pad_to=b.lanes, columns=b.columns, staging=entry.staging)
         else:
             batch = Batch.verify(state, (), num_draft=b.num_draft, recovery=entry.recovery, pad_to=b.lanes,
-                                 columns=b.columns)
-        for name in BATCH_LANES:
-            entry.inputs[name].copy_(getattr(batch, name))
+                                 columns=b.columns, staging=entry.staging)
         entry.inputs["tokens"].zero_()
-        return self._static_batch(entry, batch)
+        return batch
 
     def _write(self, state, deltas: StepDeltas):
         """The device half of the apply (what a captured graph holds)."""

@@ -313,3 +313,48 @@ def test_a_verify_applied_in_two_halves_equals_one_apply(recovery):
     more = b.reserve({0: 3, 1: 3})
     with pytest.raises(ValueError, match="`accepted\\[0\\]`"):  # the second half still checks the acceptance
         accept_written(more, fa.Batch.verify(more, [0, 1], num_draft=2), {0: 9, 1: 1}, None)
+
+
+# ----------------------------------------------------------------------------- staging
+def test_runner_built_batches_land_in_the_buckets_buffers_one_storage_per_dtype():
+    _, runner, st = _tiny()
+    (entry,) = runner._entries.values()
+    lanes = {name: entry.inputs[name] for name in fa.batch.TENSOR_DTYPES}
+    by_dtype = {}
+    for t in lanes.values():
+        by_dtype.setdefault(t.dtype, set()).add(t.untyped_storage().data_ptr())
+    assert {d: len(p) for d, p in by_dtype.items()} == {torch.int32: 1, torch.int64: 1}
+    check_lanes(runner.manifest, entry.bucket, entry.inputs, st.device)  # carved without gaps or overlap
+    plain = fa.Batch.decode(st, [0, 1], pad_to=2, columns=runner.columns(st))
+    staged = fa.Batch.decode(st, [0, 1], pad_to=2, columns=runner.columns(st), staging=entry.staging)
+    for name in fa.batch.TENSOR_DTYPES:
+        assert getattr(staged, name) is entry.inputs[name]
+        assert torch.equal(getattr(staged, name), getattr(plain, name)), name
+
+
+def test_bad_tokens_to_decode_are_refused_before_the_batch_is_built_into_the_buffers():
+    cfg, runner, st = _tiny()
+    before = _buffers(runner)
+    for tokens, match in ((torch.tensor([3]), "`tokens`"), (torch.tensor([3, 4], dtype=torch.int32), "dtype"),
+                          (torch.tensor([3, cfg.vocab_size]), "expected ids in 0..255")):
+        with pytest.raises(ValueError, match=match):
+            runner.decode(st, [0, 1], tokens)
+        assert _unchanged(runner, before) and st.is_live
+    with pytest.raises(LaneError, match="packed rows"):
+        runner.decode(st, [0, 1], torch.tensor([3, 4]), out=torch.empty(2, cfg.vocab_size + 8)[:, :cfg.vocab_size])
+    assert _unchanged(runner, before)
+
+
+def test_staging_refuses_values_that_do_not_fit_its_lanes():
+    from fnattn.staging import Staging
+
+    stage = Staging({"a": (2, 3), "b": (4,)}, {"a": torch.int32, "b": torch.int64}, torch.device("cpu"))
+    with pytest.raises(ValueError, match="`values` must be the lanes \\['a', 'b'\\]"):
+        stage.write({"a": [[0] * 3] * 2})
+    with pytest.raises(ValueError, match="`values\\['b'\\]` must be 4 values"):
+        stage.write({"a": [[0] * 3] * 2, "b": [1, 2]})
+    views = stage.write({"a": [[1, 2, 3], [4, 5, 6]], "b": [7, 8, 9, 10]})
+    assert views["a"].tolist() == [[1, 2, 3], [4, 5, 6]] and views["b"].tolist() == [7, 8, 9, 10]
+    st = fa.State((gdn_spec(),), num_pages=4, page_size=4, max_requests=1)
+    with pytest.raises(ValueError, match="`staging`"):
+        fa.Batch.decode(st, (), pad_to=1, columns=1, staging=object())
