@@ -9,8 +9,9 @@ window and state) and its writes are those of ``triton``: with a ring the new st
 straight into the batch's spare ring rows (``ssm=None``), otherwise they leave as
 values; the new conv windows always leave as a tensor [B, C, W - 1].
 
-It is not in `DEFAULT_PREFER` until it is measured on the GPU: ask for it with
-``ModelAttention(specs, prefer=["triton_fused", "triton", ...])``.
+It comes first in `DEFAULT_PREFER` for decode on CUDA: in a batch-1 Qwen3.5-0.8B step it takes
+5.8 us a layer against 8.7 us for the conv and recurrent launches it replaces (``fnattn bench model
+--profile``). ``ModelAttention(specs, prefer=["triton", ...])`` keeps the two-launch path.
 """
 
 from __future__ import annotations

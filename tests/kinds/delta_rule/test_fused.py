@@ -181,16 +181,17 @@ def test_live_rows_unchanged_and_repeatable():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_registered_opt_in_for_decode_only(kind):
+def test_registered_first_for_decode_only(kind):
     assert fused.NAME in backend_names(kind, "decode")
     assert fused.NAME not in backend_names(kind, "prefill") and fused.NAME not in backend_names(kind, "verify")
     b = lookup(kind, "decode", fused.NAME)
     assert b.capturable and b.plan is triton.plan and b.supports is triton.supports and b.builtin
-    assert fused.NAME not in DEFAULT_PREFER
+    assert DEFAULT_PREFER.index(fused.NAME) < DEFAULT_PREFER.index("triton")
     spec = spec_of(kind)
     assert any("CUDA" in r for r in b.supports(spec, torch.device("cpu")))
     default = fa.ModelAttention([spec])
-    assert fused.NAME not in default.explain()  # not even tried unless asked for
+    assert f"{fused.NAME} (needs a CUDA device" in default.explain()  # tried first, refused on a CPU
+    assert default.backend(0, "decode").name != fused.NAME
     asked = fa.ModelAttention([spec], prefer=[fused.NAME, "triton", "reference"])
     assert asked.backend(0, "decode").name == "reference"  # on a CPU both Triton backends refuse
     assert f"{fused.NAME} (needs a CUDA device" in asked.explain()
