@@ -10,13 +10,16 @@ import sys
 from . import draw_png, print_table, with_ratios, write_json
 
 CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "mla-decode",
-         "mla-sparse", "indexer", "standard", "model", "overhead")
+         "mla-sparse", "indexer", "standard", "model", "overhead", "linear")
 MLA_CASES = ("mla-decode", "mla-sparse", "indexer")
+DEFAULT_BATCH = [1, 8, 64]
+LINEAR_BATCH = [1, 8, 32]  # rows of a decode-sized projection (fnattn bench linear)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("case", choices=CASES, help="what to time; 'standard' runs the reference set of cases")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
+    p.add_argument("--batch", type=int, nargs="+", default=DEFAULT_BATCH,
+                   help="decode batch sizes (default 1 8 64; linear: rows, default 1 8 32)")
     p.add_argument("--ctx", type=int, default=4096, help="cached tokens per request (decode)")
     p.add_argument("--tokens", type=int, nargs="+", default=[16384], help="prefill tokens")
     p.add_argument("--hq", type=int, default=32, help="query heads")
@@ -30,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     p.add_argument("--out", default="bench.json", help="JSON output path")
     p.add_argument("--png", default=None, help="also draw a PNG here")
+    lin = p.add_argument_group("linear", "fnattn bench linear: decode-sized projections, cuBLAS vs skinny_linear "
+                                         "(fnattn/bench/linear.py)")
+    lin.add_argument("--no-sweep", action="store_true", help="time only cuBLAS and the config table, no sweep")
     m = p.add_argument_group("model", "fnattn bench model: a whole model (fnattn/bench/model.py)")
     m.add_argument("--family", default="qwen3_5", help="model family (default qwen3_5)")
     m.add_argument("--shape", default=None, help="tiny (CPU-sized) or a real shape of the family: 0.8b (default "
@@ -138,6 +144,10 @@ def run(args) -> int:
         from .overhead import run_overhead
 
         return run_overhead(args)
+    if args.case == "linear":  # cuBLAS vs skinny_linear on Qwen3.5-0.8B's projections (fnattn/bench/linear.py)
+        from .linear import run_linear
+
+        return run_linear(args, LINEAR_BATCH if args.batch is DEFAULT_BATCH else args.batch)
     if not torch.cuda.is_available():
         print("fnattn bench: needs a CUDA device (none found)", file=sys.stderr)
         return 2

@@ -1,0 +1,155 @@
+"""``fnattn bench linear``: decode-sized projections, cuBLAS (``F.linear``) vs `skinny_linear`.
+
+For each row count M and each of Qwen3.5-0.8B's per-token projections ``[M, K] @ [N, K]^T`` (bf16), one
+case times cuBLAS, `skinny_linear` with `pick_config`'s config, and `skinny_linear` with every config of a
+small sweep grid, keeping the best. A time is one call's share of a CUDA graph of 20 calls, each call
+reading its own copy of the weight (as a decode step's layers each read their own), so the weight comes
+from memory, not L2; ``do_bench`` flushes L2 between replays too. TB/s counts the weight's bytes only
+(the rows of ``x`` and ``y`` are a rounding error at these shapes).
+
+The ``skinny best`` record lists the whole sweep (config and time each): the table in
+`fnattn.kernels.skinny_linear` is tuned from it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+CALLS = 20  # projections per graph (one decode step has a few dozen of each)
+COPY_BYTES = 4 << 30  # weight copies in all, at most (the lm_head's 0.5 GB cycles through 8 copies)
+
+# (name, K, N, act): Qwen3.5-0.8B (hidden 1024, MLP 3584, GDN 16 x 128 heads, vocab 248320)
+SHAPES = (
+    ("mlp gate_up", 1024, 7168, None),
+    ("mlp down", 3584, 1024, None),
+    ("mlp down + silu_mul", 3584, 1024, "silu_mul"),
+    ("gdn in_proj", 1024, 8224, None),
+    ("out_proj / o_proj", 2048, 1024, None),
+    ("attn qkv", 1024, 5120, None),
+    ("lm_head", 1024, 248320, None),
+)
+GRID = dict(block_n=(16, 32, 64), block_k=(128, 256), split_k=(1, 2, 4, 8), num_warps=(4, 8), num_stages=(3, 4))
+
+
+def sweep_configs(K: int) -> list:
+    """The grid's configs for a reduction of length K: a K piece holds at least two K tiles."""
+    from ..kernels.skinny_linear import SkinnyConfig
+
+    out = []
+    for bn, bk, split, warps, stages in itertools.product(*GRID.values()):
+        if split == 1 or K // split >= 2 * bk:
+            out.append(SkinnyConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages))
+    return out
+
+
+def per_call_us(call, copies: int, *, rep_ms: int = 25) -> float:
+    """Median microseconds of one of `CALLS` calls ``call(i)`` (``i``: the weight copy) replayed from a graph."""
+    from triton.testing import do_bench
+
+    def body():
+        for i in range(CALLS):
+            call(i % copies)
+
+    body()  # compiles, and the allocator's warm-up
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    us = do_bench(g.replay, warmup=5, rep=rep_ms, return_mode="median") * 1e3
+    del g
+    return us / CALLS
+
+
+def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, sweep: bool = True,
+                log=lambda line: None) -> list[dict]:
+    from ..kernels.skinny_linear import pick_config, skinny_linear
+    from ..models.fused import silu_and_mul
+
+    dtype = torch.bfloat16
+    wbytes = N * K * dtype.itemsize
+    copies = max(1, min(CALLS, COPY_BYTES // wbytes))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(dtype) for _ in range(copies)]
+    x = torch.randn(rows, 2 * K if act else K, device="cuda", generator=g).to(dtype)
+    case = f"linear {name} M{rows} K{K} N{N}"
+    base = {"case": case, "rows": rows, "K": K, "N": N, "act": act, "weight_bytes": wbytes, "calls": CALLS,
+            "weight_copies": copies, "dtype": "bfloat16"}
+    peer = "silu_and_mul + F.linear" if act else "cublas (F.linear)"
+    if act:
+        cublas = lambda i: F.linear(silu_and_mul(x), ws[i])  # noqa: E731 - the unfused MLP tail
+    else:
+        cublas = lambda i: F.linear(x, ws[i])  # noqa: E731
+
+    def record(backend, us, **extra):
+        return {**base, "backend": backend, "peer": peer, "time_us": us, "tb_s": wbytes / (us * 1e-6) / 1e12,
+                **extra}
+
+    records = [record(peer, per_call_us(cublas, copies))]
+    table = pick_config(rows, N, K, dtype)
+    records.append(record("skinny table", per_call_us(lambda i: skinny_linear(x, ws[i], act=act, config=table),
+                                                      copies), config=asdict(table)))
+    log(f"{case}: {peer} {records[0]['time_us']:.2f} us, table {records[1]['time_us']:.2f} us")
+    if not sweep:
+        return records
+    timings = []
+    for cfg in sweep_configs(K):
+        try:
+            us = per_call_us(lambda i, cfg=cfg: skinny_linear(x, ws[i], act=act, config=cfg), copies, rep_ms=15)
+            timings.append({**asdict(cfg), "time_us": us})
+        except Exception as e:  # noqa: BLE001 - a config the device cannot run (shared memory) is a result
+            timings.append({**asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:120]}"})
+    ok = [t for t in timings if "time_us" in t]
+    if ok:
+        best = min(ok, key=lambda t: t["time_us"])
+        config = {k: v for k, v in best.items() if k != "time_us"}
+        records.append(record("skinny best", best["time_us"], config=config, table_time_us=records[1]["time_us"],
+                              table_vs_best=records[1]["time_us"] / best["time_us"], sweep=timings))
+        log(f"{case}: best {best['time_us']:.2f} us {config}")
+    return records
+
+
+def print_linear_table(records: list[dict]) -> None:
+    print(f"{'case':<46}{'backend':<24}{'µs':>8}{'TB/s':>7}{'vs peer':>9}  config")
+    for r in records:
+        c = r.get("config")
+        cfg = f"n{c['block_n']} k{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}" if c else ""
+        ratio = f"{r['ratio_to_peer']:.2f}x" if r.get("ratio_to_peer") else ""
+        print(f"{r['case']:<46}{r['backend']:<24}{r['time_us']:>8.2f}{r['tb_s']:>7.2f}{ratio:>9}  {cfg}")
+
+
+def run_linear(args, batches: list[int]) -> int:
+    """``fnattn bench linear``: every shape at every row count; JSON at ``args.out``."""
+    import shlex
+
+    from . import with_ratios, write_json
+    from ..kernels.skinny_linear import MAX_M
+
+    bad = [b for b in batches if not 1 <= b <= MAX_M]
+    if bad:
+        print(f"fnattn bench: linear: --batch values must be 1..{MAX_M} rows, got {bad}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("fnattn bench: needs a CUDA device (none found)", file=sys.stderr)
+        return 2
+    records = []
+    try:
+        for rows in batches:
+            for name, K, N, act in SHAPES:
+                records += linear_case(rows=rows, name=name, K=K, N=N, act=act, sweep=not args.no_sweep,
+                                       log=lambda line: print(line, file=sys.stderr))
+    finally:
+        if records:
+            with_ratios(records)
+            print_linear_table(records)
+            write_json(records, args.out, command="fnattn bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+    return 0
