@@ -33,6 +33,7 @@ _EXPORTS = {
     "chunk_indices": "gated_delta",
     "gated_delta_decode_fused": "gdn_decode_fused",
     "gated_delta_decode_fused_ref": "gdn_decode_fused",
+    "gdn_gating": "gdn_gate", "gdn_gating_ref": "gdn_gate",
     "skinny_linear": "skinny_linear",
     "skinny_linear_ref": "skinny_linear",
     "SkinnyConfig": "skinny_linear",
