@@ -3,7 +3,7 @@
 # under $OUT (or ./gpu-out). From the repository root on the GPU machine:
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh parity
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
-#   ... graphs | model | model-long | fused: captured steps, the whole model, the fused paths
+#   ... graphs | model | profile | model-long | fused: captured steps, the whole model, its profile, fused paths
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -39,6 +39,11 @@ case "${1:-}" in
     part 200 python -m fnattn bench overhead --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --prompt 512 \
         --steps 32 --device cuda --out "$out/bench_overhead_qwen3_5_0.8b.json"
     ;;
+  profile)  # where the decode step's time goes: kernels per step (eager and replayed), then eager host time
+    part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 32 --prompt 512 --steps 16 \
+        --no-transformers --profile 4 --out "$out/bench_model_qwen3_5_0.8b_profile.json"
+    part 120 python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 --rows 25
+    ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
     part 500 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 8 32 --prompt 8192 \
         --out "$out/bench_model_qwen3_5_0.8b_p8192.json" --png "$out/bench_model_qwen3_5_0.8b_p8192.png"
@@ -53,7 +58,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|model-long|fused" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|model-long|fused" >&2
     exit 2
     ;;
 esac
