@@ -22,6 +22,7 @@ inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,11 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None =
     """
     if sms is None:
         sms = num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    return _table(M, N, K, dtype, sms)
+
+
+@functools.lru_cache(maxsize=1024)  # one entry per projection shape and row count: the table is consulted per call
+def _table(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> SkinnyConfig:
     block_n = next(bn for max_m, bn in _BLOCK_N if M <= max_m)
     while block_n > 16 and triton_cdiv(N, block_n) < _PROGRAMS_PER_SM * sms:
         block_n //= 2
@@ -213,7 +219,7 @@ def skinny_linear(x, w, *, out=None, act=None, config=None):
         return y
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     _skinny_gemv_kernel[grid](x, w, part, M, N, K, k_per_split, x.stride(0), N, SPLIT=True, **common)
-    block = min(1024, next_pow2(N))
+    block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
     _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, M, N, y.stride(0), SPLIT_K=split, BLOCK=block,
                                                            num_warps=4)
     return y

@@ -131,8 +131,8 @@ def run_linear(args, batches: list[int]) -> int:
     """``fnattn bench linear``: every shape at every row count; JSON at ``args.out``."""
     import shlex
 
-    from . import with_ratios, write_json
     from ..kernels.skinny_linear import MAX_M
+    from . import with_ratios, write_json
 
     bad = [b for b in batches if not 1 <= b <= MAX_M]
     if bad:
