@@ -1,11 +1,21 @@
-"""`fnattn bench linear` on CPU: it refuses cleanly (no CUDA, rows out of the kernel's range) and its sweep grid
-holds only configs the kernel takes. The timings themselves run on a GPU."""
+"""`fnattn bench linear` on CPU: it refuses cleanly (no CUDA, rows out of the kernel's range), its sweep grid
+holds only configs the kernel takes, and a case's records (with a stand-in timer over the interpreted kernel)
+say what they promise. The timings themselves run on a GPU."""
+
+import itertools
+import os
 
 import pytest
 import torch
 
-from fnattn.bench.linear import GRID, SHAPES, sweep_configs
-from fnattn.cli import main
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fnattn.kernels.skinny_linear import pick_config  # noqa: E402
+
+from fnattn.bench import with_ratios  # noqa: E402
+from fnattn.bench.linear import CALLS, GRID, SHAPES, linear_case, sweep_configs  # noqa: E402
+from fnattn.cli import main  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
@@ -33,3 +43,35 @@ def test_sweep_grid_splits_only_where_each_piece_holds_two_tiles(K):
         * len(GRID["num_stages"])
     assert all(K // c.split_k >= 2 * c.block_k for c in configs if c.split_k > 1)
     assert any(c.split_k > 1 for c in configs)
+
+
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+def test_case_records_cublas_table_and_the_best_of_the_sweep(act):
+    pytest.importorskip("triton")
+    times = itertools.cycle([9.0, 4.0, 6.0, 2.5, 8.0, 3.0, 7.0])
+    calls = []
+
+    def timer(call, copies, **options):
+        for i in range(copies):
+            call(i)  # every call runs (the interpreted kernel on CPU)
+        calls.append(copies)
+        if len(calls) == 5:
+            raise RuntimeError("out of resource: shared memory")  # one sweep config the device refuses
+        return next(times)
+
+    K, N, rows = 96, 40, 3
+    records = with_ratios(linear_case(rows=rows, name="tiny", K=K, N=N, act=act, dtype=torch.float32,
+                                      device="cpu", timer=timer))
+    peer, table, best = records
+    assert [r["backend"] for r in records] == [peer["peer"], "skinny table", "skinny best"]
+    assert all(r["weight_bytes"] == N * K * 4 and r["weight_copies"] == CALLS and r["act"] == act for r in records)
+    assert table["config"] == vars(pick_config(rows, N, K, torch.float32))
+    sweep = best["sweep"]
+    assert len(sweep) == len(sweep_configs(K)) and sum("error" in t for t in sweep) == 1
+    fastest = min((t for t in sweep if "time_us" in t), key=lambda t: t["time_us"])
+    assert best["time_us"] == fastest["time_us"] and best["config"] == {k: v for k, v in fastest.items()
+                                                                         if k != "time_us"}
+    assert best["table_vs_best"] == table["time_us"] / best["time_us"]
+    for r in (table, best):
+        assert r["ratio_to_peer"] == peer["time_us"] / r["time_us"]
+        assert r["tb_s"] == N * K * 4 / (r["time_us"] * 1e-6) / 1e12

@@ -71,19 +71,20 @@ def per_call_us(call, copies: int, *, rep_ms: int = 25) -> float:
 
 
 def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, sweep: bool = True,
-                log=lambda line: None) -> list[dict]:
+                log=lambda line: None, dtype=torch.bfloat16, device="cuda", timer=per_call_us) -> list[dict]:
+    """cuBLAS (after `silu_and_mul` with ``act``), the table's config and the sweep's best on one shape.
+    ``timer(call, copies, **options)``: `per_call_us` (another only to check the records without a GPU)."""
     from ..kernels.skinny_linear import pick_config, skinny_linear
     from ..models.fused import silu_and_mul
 
-    dtype = torch.bfloat16
     wbytes = N * K * dtype.itemsize
     copies = max(1, min(CALLS, COPY_BYTES // wbytes))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ws = [(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(dtype) for _ in range(copies)]
-    x = torch.randn(rows, 2 * K if act else K, device="cuda", generator=g).to(dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    ws = [(torch.randn(N, K, device=device, generator=g) * K ** -0.5).to(dtype) for _ in range(copies)]
+    x = torch.randn(rows, 2 * K if act else K, device=device, generator=g).to(dtype)
     case = f"linear {name} M{rows} K{K} N{N}"
     base = {"case": case, "rows": rows, "K": K, "N": N, "act": act, "weight_bytes": wbytes, "calls": CALLS,
-            "weight_copies": copies, "dtype": "bfloat16"}
+            "weight_copies": copies, "dtype": str(dtype).removeprefix("torch.")}
     peer = "silu_and_mul + F.linear" if act else "cublas (F.linear)"
     if act:
         cublas = lambda i: F.linear(silu_and_mul(x), ws[i])  # noqa: E731 - the unfused MLP tail
@@ -94,17 +95,17 @@ def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, sweep:
         return {**base, "backend": backend, "peer": peer, "time_us": us, "tb_s": wbytes / (us * 1e-6) / 1e12,
                 **extra}
 
-    records = [record(peer, per_call_us(cublas, copies))]
+    records = [record(peer, timer(cublas, copies))]
     table = pick_config(rows, N, K, dtype)
-    records.append(record("skinny table", per_call_us(lambda i: skinny_linear(x, ws[i], act=act, config=table),
-                                                      copies), config=asdict(table)))
+    records.append(record("skinny table", timer(lambda i: skinny_linear(x, ws[i], act=act, config=table), copies),
+                          config=asdict(table)))
     log(f"{case}: {peer} {records[0]['time_us']:.2f} us, table {records[1]['time_us']:.2f} us")
     if not sweep:
         return records
     timings = []
     for cfg in sweep_configs(K):
         try:
-            us = per_call_us(lambda i, cfg=cfg: skinny_linear(x, ws[i], act=act, config=cfg), copies, rep_ms=15)
+            us = timer(lambda i, cfg=cfg: skinny_linear(x, ws[i], act=act, config=cfg), copies, rep_ms=15)
             timings.append({**asdict(cfg), "time_us": us})
         except Exception as e:  # noqa: BLE001 - a config the device cannot run (shared memory) is a result
             timings.append({**asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:120]}"})
@@ -130,6 +131,7 @@ def print_linear_table(records: list[dict]) -> None:
 def run_linear(args, batches: list[int]) -> int:
     """``fnattn bench linear``: every shape at every row count; JSON at ``args.out``."""
     import shlex
+    import signal
 
     from ..kernels.skinny_linear import MAX_M
     from . import with_ratios, write_json
@@ -142,6 +144,7 @@ def run_linear(args, batches: list[int]) -> int:
         print("fnattn bench: needs a CUDA device (none found)", file=sys.stderr)
         return 2
     records = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
     try:
         for rows in batches:
             for name, K, N, act in SHAPES:
