@@ -13,7 +13,8 @@ a and b once (column slices of the GEMM output: any row stride) and writes both.
 softplus follows torch's F.softplus: x * beta > threshold gives x, else
 log1p(exp(x * beta)) / beta. exp and log1p are libdevice's (CUDA's expf / log1pf, what
 torch's kernels call) and the divisions are IEEE-rounded (`div_rn`; Triton's plain `/`
-is approximate in fp32), so the fp32 results agree with torch to an ulp or so. Under
+is approximate in fp32), so the fp32 results agree with torch to an ulp or so (Triton
+links libdevice flushing denormals: a |g| below 1.2e-38 may come out 0). Under
 TRITON_INTERPRET=1 (no libdevice) exp is numpy's and log1p is computed from log.
 Nothing is read back to the host and the outputs' sizes depend only on the shapes, so
 the launch can be captured in a CUDA graph.
