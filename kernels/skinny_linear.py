@@ -5,7 +5,8 @@ is the time to read ``w [N, K]`` once. Library GEMMs pick tiles made for large
 M there and reach a fraction of the memory bandwidth. This kernel gives each
 program a ``[BLOCK_N, K]`` slab of ``w`` (or one of ``SPLIT_K`` pieces of it),
 streams it through ``tl.dot`` against all M rows at once (padded to at least 16,
-the smallest dot tile) and accumulates in fp32. With ``SPLIT_K > 1`` the
+the smallest dot tile; or, with ``SkinnyConfig.dot=False``, through FMAs and a
+sum, for a few rows) and accumulates in fp32. With ``SPLIT_K > 1`` the
 programs write fp32 partials ``[SPLIT_K, M, N]`` that a second small kernel
 sums and rounds, in a fixed order (no atomics: the result does not depend on
 scheduling).
@@ -36,13 +37,18 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Launch shape of `skinny_linear`: a program owns ``block_n`` output columns and ``1 / split_k`` of K."""
+    """Launch shape of `skinny_linear`: a program owns ``block_n`` output columns and ``1 / split_k`` of K.
+
+    ``dot``: products by ``tl.dot`` (rows padded to 16); False: by FMAs and a sum over each K tile, which
+    holds ``[M, block_n, block_k]`` products in registers (a form for a few rows only).
+    """
 
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    dot: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -55,6 +61,8 @@ class SkinnyConfig:
             raise ValueError(f"SkinnyConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"SkinnyConfig.num_stages: expected an int >= 1, got {self.num_stages!r}")
+        if not isinstance(self.dot, bool):
+            raise ValueError(f"SkinnyConfig.dot: expected a bool, got {self.dot!r}")
 
 
 # (block_n, programs wanted per SM) by rows: a small ``block_n`` gives many programs, each reading a slab of w
@@ -102,7 +110,7 @@ def triton_cdiv(a: int, b: int) -> int:
 @triton.jit
 def _skinny_gemv_kernel(
     X, W, Y, M, N, K, k_per_split, sxm, sym,
-    ACT_SILU_MUL: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr,
+    ACT_SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)``; partials to ``Y[split]`` when
@@ -129,7 +137,9 @@ def _skinny_gemv_kernel(
         else:
             xt = tl.load(x_rows + k[None, :], mask=xm, other=0.0)  # [BM, BK]
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        if FP32_DOT:  # fp32 weights: full-precision products, not tf32
+        if not USE_DOT:  # FMAs and a sum over K: no padding of the rows to 16, every product in registers
+            acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+        elif FP32_DOT:  # fp32 weights: full-precision products, not tf32
             acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
         else:
             acc += tl.dot(xt, tl.trans(wt))
@@ -206,13 +216,13 @@ def skinny_linear(x, w, *, out=None, act=None, config=None):
         return y.zero_()
     require_triton()
     cfg = config or pick_config(M, N, K, x.dtype)
-    BLOCK_M = max(16, next_pow2(M))
+    BLOCK_M = max(16, next_pow2(M)) if cfg.dot else next_pow2(M)  # a dot tile has at least 16 rows
     k_tiles = triton_cdiv(K, cfg.block_k)
     per_split = triton_cdiv(k_tiles, cfg.split_k)  # K tiles each piece streams; no piece left empty
     split = triton_cdiv(k_tiles, per_split)
     k_per_split = per_split * cfg.block_k
     grid = (triton_cdiv(N, cfg.block_n), split)
-    common = dict(ACT_SILU_MUL=act == "silu_mul", FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
+    common = dict(ACT_SILU_MUL=act == "silu_mul", USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, M, N, K, k_per_split, x.stride(0), y.stride(0), SPLIT=False, **common)

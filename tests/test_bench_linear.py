@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from fnattn.kernels.skinny_linear import pick_config  # noqa: E402
 
 from fnattn.bench import with_ratios  # noqa: E402
-from fnattn.bench.linear import CALLS, GRID, SHAPES, linear_case, sweep_configs  # noqa: E402
+from fnattn.bench.linear import CALLS, FMA_PRODUCTS, FMA_ROWS, GRID, SHAPES, linear_case, sweep_configs  # noqa: E402
 from fnattn.cli import main  # noqa: E402
 
 
@@ -34,15 +34,19 @@ def test_linear_rows_outside_the_kernel_range_exit_2(rows, tmp_path, capsys):
     assert err.count("\n") == 1 and f"--batch values must be 1..64 rows, got [{rows}]" in err
 
 
+@pytest.mark.parametrize("rows", [1, 4, 8])
 @pytest.mark.parametrize("K", sorted({K for _, K, _, _ in SHAPES}))
-def test_sweep_grid_splits_only_where_each_piece_holds_two_tiles(K):
-    configs = sweep_configs(K)
+def test_sweep_grid_splits_only_where_each_piece_holds_two_tiles(K, rows):
+    configs = sweep_configs(K, rows)
     assert len(set(configs)) == len(configs)
-    unsplit = [c for c in configs if c.split_k == 1]
+    unsplit = [c for c in configs if c.split_k == 1 and c.dot]
     assert len(unsplit) == len(GRID["block_n"]) * len(GRID["block_k"]) * len(GRID["num_warps"]) \
         * len(GRID["num_stages"])
     assert all(K // c.split_k >= 2 * c.block_k for c in configs if c.split_k > 1)
     assert any(c.split_k > 1 for c in configs)
+    fma = [c for c in configs if not c.dot]
+    assert bool(fma) == (rows <= FMA_ROWS)
+    assert all(rows * c.block_n * c.block_k <= FMA_PRODUCTS * c.num_warps // 4 for c in fma)
 
 
 @pytest.mark.parametrize("act", [None, "silu_mul"])
@@ -67,7 +71,7 @@ def test_case_records_cublas_table_and_the_best_of_the_sweep(act):
     assert all(r["weight_bytes"] == N * K * 4 and r["weight_copies"] == CALLS and r["act"] == act for r in records)
     assert table["config"] == vars(pick_config(rows, N, K, torch.float32))
     sweep = best["sweep"]
-    assert len(sweep) == len(sweep_configs(K)) and sum("error" in t for t in sweep) == 1
+    assert len(sweep) == len(sweep_configs(K, rows)) and sum("error" in t for t in sweep) == 1
     fastest = min((t for t in sweep if "time_us" in t), key=lambda t: t["time_us"])
     assert best["time_us"] == fastest["time_us"] and best["config"] == {k: v for k, v in fastest.items()
                                                                          if k != "time_us"}

@@ -33,17 +33,27 @@ SHAPES = (
     ("attn qkv", 1024, 5120, None),
     ("lm_head", 1024, 248320, None),
 )
-GRID = dict(block_n=(16, 32, 64), block_k=(128, 256), split_k=(1, 2, 4, 8), num_warps=(4, 8), num_stages=(3, 4))
+# Each config compiles once per row bucket (about a second each): the grid stays a few dozen per shape. With a
+# program's K loop a handful of tiles long, pipeline depth matters little, so it is not swept.
+GRID = dict(block_n=(16, 32, 64), block_k=(128, 256), split_k=(1, 2, 4, 8), num_warps=(4, 8), num_stages=(4,),
+            dot=(True, False))
+FMA_ROWS = 4  # the FMA form (dot=False) is timed up to this many rows
+FMA_PRODUCTS = 128 * 128  # and only while [rows, block_n, block_k] products fit 128 fp32 registers a thread
 
 
-def sweep_configs(K: int) -> list:
-    """The grid's configs for a reduction of length K: a K piece holds at least two K tiles."""
+def sweep_configs(K: int, rows: int) -> list:
+    """The grid's configs for ``rows`` rows and a reduction of length K: a K piece holds at least two K
+    tiles; the FMA form only for a few rows and tiles whose products fit in registers."""
     from ..kernels.skinny_linear import SkinnyConfig
 
     out = []
-    for bn, bk, split, warps, stages in itertools.product(*GRID.values()):
-        if split == 1 or K // split >= 2 * bk:
-            out.append(SkinnyConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages))
+    for bn, bk, split, warps, stages, dot in itertools.product(*GRID.values()):
+        if split > 1 and K // split < 2 * bk:
+            continue
+        padded = 1 << (rows - 1).bit_length()  # the FMA form's rows: the next power of two
+        if not dot and (rows > FMA_ROWS or padded * bn * bk > FMA_PRODUCTS * warps // 4):
+            continue
+        out.append(SkinnyConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, dot=dot))
     return out
 
 
@@ -103,7 +113,7 @@ def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, sweep:
     if not sweep:
         return records
     timings = []
-    for cfg in sweep_configs(K):
+    for cfg in sweep_configs(K, rows):
         try:
             us = timer(lambda i, cfg=cfg: skinny_linear(x, ws[i], act=act, config=cfg), copies, rep_ms=15)
             timings.append({**asdict(cfg), "time_us": us})

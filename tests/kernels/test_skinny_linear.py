@@ -15,7 +15,10 @@ from fnattn.kernels.skinny_linear import SkinnyConfig, pick_config, skinny_linea
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1, num_warps=2, num_stages=2),
-           SkinnyConfig(block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=3)]
+           SkinnyConfig(block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=3),
+           SkinnyConfig(block_n=16, block_k=32, split_k=1, dot=False),
+           SkinnyConfig(block_n=32, block_k=16, split_k=2, dot=False)]
+IDS = ["dot", "dot-split2", "fma", "fma-split2"]
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
@@ -32,7 +35,7 @@ def close(y, ref, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 @pytest.mark.parametrize("M", [1, 3, 16, 33])
-@pytest.mark.parametrize("config", CONFIGS, ids=["split1", "split2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_matches_reference(M, act, dtype, config):
     N, K = 45, 150  # neither a multiple of any block; K = 150 splits into uneven pieces of 64-tiles
     x = randn(M, 2 * K if act else K, dtype=dtype, seed=M)
@@ -51,7 +54,7 @@ def test_table_config_and_strided_rows(act):
     close(skinny_linear(x, w, act=act), skinny_linear_ref(x.contiguous(), w, act=act), torch.float32)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["split1", "split2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_out_is_written_and_returned(config):
     M, N, K = 3, 40, 130
     x, w = randn(M, K, seed=3), randn(N, K, seed=4)
@@ -102,7 +105,8 @@ def test_skinny_config_checks_fields():
     for kwargs, field in [(dict(block_n=24, block_k=32), "block_n"), (dict(block_n=16, block_k=8), "block_k"),
                           (dict(block_n=16, block_k=32, split_k=0), "split_k"),
                           (dict(block_n=16, block_k=32, num_warps=3), "num_warps"),
-                          (dict(block_n=16, block_k=32, num_stages=0), "num_stages")]:
+                          (dict(block_n=16, block_k=32, num_stages=0), "num_stages"),
+                          (dict(block_n=16, block_k=32, dot=1), "dot")]:
         with pytest.raises(ValueError, match=f"SkinnyConfig.{field}: expected"):
             SkinnyConfig(**kwargs)
 
