@@ -91,13 +91,17 @@ SKINNY_SHAPES = [(1024, 7168), (3584, 1024), (1024, 8224), (2048, 1024), (1024, 
 @pytest.mark.parametrize("K, N", SKINNY_SHAPES)
 def test_skinny_linear(M, K, N, record):
     pytest.importorskip("triton")
-    from fnattn.kernels.skinny_linear import pick_config, skinny_linear, skinny_linear_ref
+    from fnattn.kernels.skinny_linear import SkinnyConfig, pick_config, skinny_linear, skinny_linear_ref
 
     x, w = _randn(M, K, seed=12), _randn(N, K, seed=13, scale=K ** -0.5)
     got = skinny_linear(x, w)
     cfg = pick_config(M, N, K, BF16)
     _check(record, f"skinny_linear M{M} K{K} N{N} split{cfg.split_k} vs fp32 ref", got, skinny_linear_ref(x, w), 1e-2)
     _check(record, f"skinny_linear M{M} K{K} N{N} vs F.linear", got, F.linear(x, w), 1e-2)
+    if M == 1:  # the FMA form, which `fnattn bench linear` sweeps at a few rows
+        for cfg in (SkinnyConfig(32, 128, 1, dot=False), SkinnyConfig(16, 256, 2, num_warps=8, dot=False)):
+            _check(record, f"skinny_linear fma M{M} K{K} N{N} split{cfg.split_k}", skinny_linear(x, w, config=cfg),
+                   skinny_linear_ref(x, w), 1e-2)
     if K == 3584:  # the MLP's down projection, with SiLU-and-mul on load
         gu = _randn(M, 2 * K, seed=14)
         got = skinny_linear(gu, w, act="silu_mul")
