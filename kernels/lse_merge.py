@@ -158,11 +158,11 @@ def merge_attention_states_ref(o1, lse1, o2, lse2):
 
 @triton.jit
 def _merge_new_token_kernel(
-    O_C, L_C, Q, K, V, OUT, LSE_OUT,
+    O_C, L_C, Q, K, V, OUT, LSE_OUT, CACHE_LENS,
     sm_scale, softcap, lse_scale,
     soc_b, soc_h, slc_b, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_LENS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -175,6 +175,12 @@ def _merge_new_token_kernel(
     if SOFTCAP:
         s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # tanh
     lc = tl.load(L_C + b * slc_b + h) * lse_scale  # the cached part's LSE, natural log
+    # Kernels mark a query with no cached key by +inf (FlashMLA) or leave it undefined: empty, as is a
+    # request whose cache is empty.
+    empty = (lc != lc) | (lc == float("inf"))
+    if HAS_LENS:
+        empty = empty | (tl.load(CACHE_LENS + b) == 0)
+    lc = tl.where(empty, float("-inf"), lc)
     m = tl.maximum(lc, s)
     wc = tl.exp(lc - m)  # 0 when the cache part attended nothing (lc = -inf)
     wn = tl.exp(s - m)
@@ -186,7 +192,7 @@ def _merge_new_token_kernel(
     tl.store(LSE_OUT + b * tl.num_programs(1) + h, m + tl.log(wc + wn))
 
 
-def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False):
+def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False, cache_lens=None):
     """Fold each request's own new token into the attention over its cache, in one launch.
 
     o_c [B, Hq, Dv] and lse_c [B, Hq] fp32: attention of each decode query over
@@ -194,6 +200,10 @@ def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base
     it); q [B, Hq, D]; k_new [B, Hkv, D]; v_new [B, Hkv, Dv]: the token the query
     is (not in the cache). Returns o [B, Hq, Dv] in o_c's dtype and lse [B, Hq]
     fp32 in natural log, as if the new token had been in the cache.
+
+    A cached part is empty (its o_c ignored) where lse_c is -inf, +inf or NaN (how
+    kernels mark a query without keys), and with ``cache_lens`` [B] int32 where
+    the request's cache length is 0.
     """
     require_triton()
     B, Hq, D = q.shape
@@ -211,28 +221,37 @@ def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base
     for name, t in (("o_c", o_c), ("q", q), ("k_new", k_new), ("v_new", v_new)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a unit stride on the last dim, got strides {t.stride()}")
+    if cache_lens is not None and (tuple(cache_lens.shape) != (B,) or cache_lens.device != q.device
+                                   or cache_lens.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"cache_lens: expected [{B}] int32 on {q.device}, got shape {tuple(cache_lens.shape)} "
+                         f"{cache_lens.dtype} on {cache_lens.device}")
     lse_c = lse_c.contiguous()
     o = torch.empty(B, Hq, Dv, dtype=o_c.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     if B == 0:
         return o, lse
     _merge_new_token_kernel[(B, Hq)](
-        o_c, lse_c, q, k_new, v_new, o, lse,
+        o_c, lse_c, q, k_new, v_new, o, lse, lse if cache_lens is None else cache_lens,
         float(scale), float(softcap), math.log(2.0) if lse_base2 else 1.0,
         o_c.stride(0), o_c.stride(1), lse_c.stride(0), q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), o.stride(0), o.stride(1),
-        G=Hq // Hkv, D=D, D_PAD=next_pow2(D), DV=Dv, DV_PAD=next_pow2(Dv), SOFTCAP=softcap > 0, num_warps=1,
+        G=Hq // Hkv, D=D, D_PAD=next_pow2(D), DV=Dv, DV_PAD=next_pow2(Dv), SOFTCAP=softcap > 0,
+        HAS_LENS=cache_lens is not None, num_warps=1,
     )
     return o, lse
 
 
-def merge_new_token_ref(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False):
+def merge_new_token_ref(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False, cache_lens=None):
     """Reference for `merge_new_token`: the new token's own score and value, merged by LSE."""
     g = q.shape[1] // k_new.shape[1]
     s = torch.einsum("bhd,bhd->bh", q.float(), k_new.float().repeat_interleave(g, dim=1)) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     lse_c = lse_c.float() * (math.log(2.0) if lse_base2 else 1.0)
+    empty = torch.isnan(lse_c) | torch.isposinf(lse_c)
+    if cache_lens is not None:
+        empty = empty | (cache_lens == 0)[:, None]
+    lse_c = lse_c.masked_fill(empty, float("-inf"))
     v = v_new.float().repeat_interleave(g, dim=1)
     o, lse = merge_attention_states_ref(o_c.float(), lse_c, v, s)
     return o.to(o_c.dtype), lse

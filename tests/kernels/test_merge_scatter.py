@@ -187,3 +187,26 @@ def test_merge_new_token_equals_attention_with_the_token_cached(softcap, base2):
     for b in (0, 2):
         torch.testing.assert_close(got[0][b], fulls[b][0][0].to(got[0].dtype), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[0][1], v_new[1].repeat_interleave(Hq // Hkv, dim=0), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mark", ["+inf", "nan", "cache_lens"])
+def test_merge_new_token_reads_a_kernels_no_key_marks_as_an_empty_cached_part(mark):
+    from fnattn.kernels.lse_merge import merge_new_token, merge_new_token_ref
+
+    B, Hq, Hkv, D, Dv = 3, 4, 2, 16, 8
+    q, k_new, v_new = randn(B, Hq, D), randn(B, Hkv, D), randn(B, Hkv, Dv)
+    o_c, lse_c = randn(B, Hq, Dv), randn(B, Hq).float()
+    o_c[2] = float("nan")  # an empty part's output may hold anything
+    lens = torch.tensor([5, 3, 7], dtype=torch.int32, device=DEVICE)
+    if mark == "cache_lens":
+        lens[2] = 0
+    else:
+        lse_c[2] = float(mark)
+    kw = dict(scale=0.25, cache_lens=lens)
+    got, want = merge_new_token(o_c, lse_c, q, k_new, v_new, **kw), merge_new_token_ref(o_c, lse_c, q, k_new, v_new, **kw)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0][2], v_new[2].repeat_interleave(Hq // Hkv, dim=0), atol=1e-6, rtol=1e-6)
+    assert torch.isfinite(got[1]).all()
+    with pytest.raises(ValueError, match="cache_lens: expected \\[3\\] int32"):
+        merge_new_token(o_c, lse_c, q, k_new, v_new, scale=0.25, cache_lens=lens[:2])

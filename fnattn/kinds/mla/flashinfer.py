@@ -20,7 +20,7 @@ from ..full.config import AttentionOutput
 from ..full.flashinfer import cache_layout
 from .config import MLAInputs
 from .flashmla import latent_shape_reasons
-from .latent import absorbed_query, fold_own_rows, no_keys_as_neg_inf, uniform_new, values_out
+from .latent import absorbed_query, fold_own_rows, uniform_new, values_out
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -62,11 +62,10 @@ def _step(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOu
     scales = dict(ckv_scale=m.cache_scale, kpe_scale=m.cache_scale) if m.fp8_cache else {}
     o_c, lse_c = p["wrapper"].run(q[..., :R], q[..., R:], views.latent[..., :R], views.latent[..., R:],
                                   return_lse=True, **scales)  # [T, H, R], [T, H] base 2
-    has_keys = (batch.cache_lens > 0).repeat_interleave(n)[:, None]  # [T, 1]
-    o_c = torch.where(has_keys[..., None], o_c, 0.0)  # an empty cache part: its output is undefined here
-    lse_c = no_keys_as_neg_inf(lse_c, has_keys)
-    # the step's own rows at the cache's precision, as a later step reads them back
-    o_lat, lse = fold_own_rows(q, o_c, lse_c, m.as_cached(inputs.latent), n=n, scale=m.scale, lse_base2=True)
+    # the step's own rows at the cache's precision, as a later step reads them back; an empty cache part's
+    # output is undefined here (cache_lens marks it)
+    o_lat, lse = fold_own_rows(q, o_c, lse_c, m.as_cached(inputs.latent), n=n, scale=m.scale, lse_base2=True,
+                               cache_lens=batch.cache_lens)
     return (AttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse),
             writes(latent=m.encode_latent(inputs.latent)))
 

@@ -21,7 +21,7 @@ from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
 from ..full.config import AttentionOutput
 from .config import MLAInputs
-from .latent import absorbed_query, fold_own_rows, no_keys_as_neg_inf, uniform_new, values_out
+from .latent import absorbed_query, fold_own_rows, uniform_new, values_out
 
 PAGE_SIZE = 64  # FlashMLA's paged-cache block size
 
@@ -55,7 +55,8 @@ def plan(specs, batch, lease):
 
 
 def cached_part(spec, views, inputs, q):
-    """FlashMLA over each request's cached rows: latent output [T, H, R] and natural-log LSE [T, H]."""
+    """FlashMLA over each request's cached rows: latent output [T, H, R] and natural-log LSE [T, H] as it
+    leaves them (+inf for a query without a cached key: `fold_own_rows` reads that mark)."""
     from sgl_kernel.flash_mla import flash_mla_with_kvcache
 
     m, batch, p = spec.config.mla, inputs.meta.batch, inputs.meta.plan
@@ -64,15 +65,15 @@ def cached_part(spec, views, inputs, q):
     out, lse = flash_mla_with_kvcache(q.view(T // n, n, H, D), views.latent.unsqueeze(2), batch.block_table,
                                       batch.cache_lens, m.kv_lora_rank, p["meta"], p["splits"],
                                       softmax_scale=m.scale, causal=False)  # [B, n, H, R], [B, H, n]
-    has_keys = (batch.cache_lens > 0).repeat_interleave(n)[:, None]  # [T, 1]
-    return out.view(T, H, -1), no_keys_as_neg_inf(lse.transpose(1, 2).reshape(T, H), has_keys)
+    return out.view(T, H, -1), lse.transpose(1, 2).reshape(T, H)
 
 
 def _step(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
     m = spec.config.mla
     q = absorbed_query(inputs)  # [T, H, R + Dr]
     o_c, lse_c = cached_part(spec, views, inputs, q)
-    o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=inputs.meta.plan["n"], scale=m.scale)
+    o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=inputs.meta.plan["n"], scale=m.scale,
+                               cache_lens=inputs.meta.batch.cache_lens)
     return AttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse), writes(latent=inputs.latent)
 
 

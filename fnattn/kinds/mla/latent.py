@@ -80,20 +80,30 @@ def no_keys_as_neg_inf(lse: Tensor, has_keys: Tensor | None = None) -> Tensor:
 
 def fold_own_rows(q: Float[Tensor, "T H Dq"], o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"],
                   new: Float[Tensor, "T Dq"], *, n: int, scale: float, lse_base2: bool = False,
-                  allowed: Bool[Tensor, "T n"] | None = None) -> tuple[Float[Tensor, "T H R"], Float[Tensor, "T H"]]:
+                  allowed: Bool[Tensor, "T n"] | None = None,
+                  cache_lens: Tensor | None = None) -> tuple[Float[Tensor, "T H R"], Float[Tensor, "T H"]]:
     """The cached part merged with each token's own new rows (causal; ``allowed`` narrows them, for
     sparse layers): ``(o_lat, natural-log lse)``.
 
-    One decode token per request takes the fused Triton kernel (its own score and the merge in one
-    launch, ``fnattn.kernels.merge_new_token``); 1 + k verify tokens the torch path.
+    With ``cache_lens`` [B] the cached part is as a kernel left it: a request with an empty cache, or an
+    lse of +inf / NaN, attended no cached key (whatever its output holds). One decode token per request
+    takes the fused Triton kernel (its own score, those marks and the merge in one launch,
+    ``fnattn.kernels.merge_new_token``); 1 + k verify tokens the torch path.
     """
     R = o_c.shape[-1]
+    if n == 1 and allowed is None and q.is_cuda and importlib.util.find_spec("triton") is not None:
+        from ...kernels import merge_new_token
+
+        return merge_new_token(o_c, lse_c, q, new[:, None], new[:, None, :R], scale=scale, lse_base2=lse_base2,
+                               cache_lens=cache_lens)
+    if cache_lens is not None:
+        has_keys = (cache_lens > 0).repeat_interleave(n)[:, None]  # [T, 1]
+        o_c = torch.where(has_keys[..., None], o_c, 0.0)
+        lse_c = no_keys_as_neg_inf(lse_c, has_keys)
     if n == 1 and q.is_cuda and importlib.util.find_spec("triton") is not None:
         from ...kernels import merge_new_token
 
         o, lse = merge_new_token(o_c, lse_c, q, new[:, None], new[:, None, :R], scale=scale, lse_base2=lse_base2)
-        if allowed is None:
-            return o, lse
         # a token whose own row is not among its top-k keeps the cached part alone
         lse_c = lse_c * LN2 if lse_base2 else lse_c
         return torch.where(allowed[..., None], o, o_c), torch.where(allowed, lse, lse_c)
