@@ -11,10 +11,10 @@ import cProfile
 import pstats
 
 import torch
+from fnattn.models.registry import Model, _with_dtype, family_named, random_checkpoint
 
 from fnattn.bench.model import config_for, decode_state, time_decode
 from fnattn.model_attention import ModelAttention
-from fnattn.models.registry import Model, _with_dtype, family_named, random_checkpoint
 
 
 def main() -> None:

@@ -33,10 +33,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .apply import check_batch, validate_step, write_step
-from .batch import Batch
+from .batch import TENSOR_DTYPES, Batch
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
-from .batch import TENSOR_DTYPES
 from .lanes import BATCH_LANES, Bucket, LaneError, Manifest, check_lanes, check_out, no_host_reads, static_shapes
 from .staging import Staging
 

@@ -65,11 +65,13 @@ class SkinnyConfig:
             raise ValueError(f"SkinnyConfig.dot: expected a bool, got {self.dot!r}")
 
 
-# (block_n, programs wanted per SM) by rows: a small ``block_n`` gives many programs, each reading a slab of w
-# long enough along K to keep loads in flight; at M > 32 the accumulator ([BLOCK_M, BLOCK_N] fp32) grows, so
-# the tiles stay narrow there.
-_BLOCK_N = ((16, 64), (32, 32), (64, 32))  # (max M, block_n)
-_PROGRAMS_PER_SM = 2
+# Tuned on the H200 at one row (`fnattn bench linear`, benchmarks/results/bench_linear_b1.json): one program
+# per SM is enough to stream the weight, and a tile narrower than 32 columns loses more to its short rows than
+# it gains in programs (7168 x 1024: 32 columns 6.7 us, 16 columns 8.2 us); a projection too narrow for one
+# program per SM (1024 columns) splits K instead (8 pieces: 5.6 us against cuBLAS's 12.9 us at 2048 x 1024).
+# Above 16 rows (no sweep there yet) the accumulator ([BLOCK_M, BLOCK_N] fp32) grows: tiles may narrow to 16.
+_BLOCK_N = ((16, 64, 32), (32, 32, 16), (64, 32, 16))  # (max M, widest block_n, narrowest block_n)
+_PROGRAMS_PER_SM = 1
 _MIN_K_PER_SPLIT = 256  # a split shorter than this spends more on its partial than it saves
 
 
@@ -77,9 +79,10 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None =
     """The table's config for ``[M, K] @ [N, K]^T`` in ``dtype``; ``sms``: SM count (default: the current
     CUDA device's, 132 without one).
 
-    Column tiles first (64 columns at M <= 16, 32 above); when they make fewer
-    than two programs per SM, K is split (each piece at least 256 long) until
-    they do. K tiles are 128 elements in half precision (256 bytes a row), 64 in fp32.
+    Column tiles first (64 columns at M <= 16, 32 above), halved (down to 32 at
+    M <= 32, 16 above) while they make fewer than one program per SM; then K is
+    split (each piece at least 256 long) until they do. K tiles are 128 elements in
+    half precision (256 bytes a row), 64 in fp32.
     """
     if sms is None:
         sms = num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
@@ -88,8 +91,8 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None =
 
 @functools.lru_cache(maxsize=1024)  # one entry per projection shape and row count: the table is consulted per call
 def _table(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> SkinnyConfig:
-    block_n = next(bn for max_m, bn in _BLOCK_N if M <= max_m)
-    while block_n > 16 and triton_cdiv(N, block_n) < _PROGRAMS_PER_SM * sms:
+    block_n, narrowest = next((bn, lo) for max_m, bn, lo in _BLOCK_N if M <= max_m)
+    while block_n > narrowest and triton_cdiv(N, block_n) < _PROGRAMS_PER_SM * sms:
         block_n //= 2
     block_k = 64 if dtype == torch.float32 else 128
     tiles = triton_cdiv(N, block_n)

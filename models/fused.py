@@ -7,9 +7,13 @@ fnattn's own Triton kernel; otherwise it runs the unfused torch math of
 parity checks. The torch bodies are the truth; the kernels agree with them to
 bf16 rounding (tests/gpu/test_fused_gpu.py).
 
-`linear` and `silu_mul_linear` take decode-sized inputs (at most 64 rows) to
-`fnattn.kernels.skinny_linear`, which streams the weight once where cuBLAS's
-GEMM tiles reach a fraction of the bandwidth; larger inputs stay on ``F.linear``.
+`linear` takes decode-sized inputs (at most 16 rows) to `fnattn.kernels.skinny_linear`,
+which streams the weight once; larger inputs stay on ``F.linear``. On the H200 at one
+row it is 1.02-1.05x cuBLAS on the wide projections and the lm_head and 1.3-2.3x on the
+narrow ones cuBLAS runs with split-K (`fnattn bench linear`); at 32 rows cuBLAS's tiles
+win. The kernel's SiLU-and-mul prologue is slower than `silu_and_mul` then the GEMV
+(10.4 us against 7.8 us for the 0.8B MLP's down projection), so the models do not use it.
+`gdn_gating` computes GDN's g and beta in one launch (`fnattn.kernels.gdn_gating`).
 
 Where fp32 stays in a bf16 model, the math needs it: RMSNorm statistics (inside
 the kernels), the rope angles (one fp32 table per step, shared by every layer),
@@ -152,7 +156,7 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
     return (rms_norm(x, weight, eps) * F.silu(gate.float())).to(x.dtype)
 
 
-_SKINNY_ROWS = 64  # fnattn.kernels.skinny_linear's bound; above it cuBLAS's GEMM tiles fit
+_SKINNY_ROWS = 16  # measured: at 32 rows cuBLAS's GEMM tiles beat the kernel (skinny_linear itself takes 64)
 
 
 def _skinny(x: Tensor, w: Tensor, width: int) -> bool:
@@ -163,7 +167,7 @@ def _skinny(x: Tensor, w: Tensor, width: int) -> bool:
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, w, bias)`` over the last dim, any leading dims; at most 64 rows without a bias run
+    """``F.linear(x, w, bias)`` over the last dim, any leading dims; at most 16 rows without a bias run
     `skinny_linear` (fp32 accumulation, one rounding, as cuBLAS's)."""
     if bias is None and _skinny(x, w, w.shape[-1]):
         from fnattn.kernels.skinny_linear import skinny_linear
@@ -172,13 +176,11 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, w, bias)
 
 
-def silu_mul_linear(gate_up: Tensor, w: Tensor) -> Tensor:
-    """``F.linear(silu_and_mul(gate_up), w)``: a SwiGLU MLP's activation and down projection, ``[T, 2I] -> [T, D]``
-    for ``w [D, I]``. At most 64 rows it is one launch: `skinny_linear` computes ``silu(g) * u`` as it loads it
-    (rounded to the model's dtype, as `silu_and_mul`'s output is)."""
-    if _skinny(gate_up, w, 2 * w.shape[-1]):
-        from fnattn.kernels.skinny_linear import skinny_linear
+def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """GDN's log-decay ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)`` (``b.dtype``):
+    one launch on CUDA instead of four; ``a``, ``b`` [T, H] may be column slices of one projection."""
+    if _kernel("triton", a, b):
+        from fnattn.kernels import gdn_gating as kernel
 
-        out = skinny_linear(gate_up.reshape(-1, gate_up.shape[-1]), w, act="silu_mul")
-        return out.view(*gate_up.shape[:-1], w.shape[0])
-    return F.linear(silu_and_mul(gate_up), w)
+        return kernel(a, b, neg_decay, dt_bias)
+    return neg_decay * F.softplus(a + dt_bias), torch.sigmoid(b)

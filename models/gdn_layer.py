@@ -40,7 +40,7 @@ from fnattn.kinds.delta_rule.math import RecurrentLayerOutput, gated_delta_chunk
 from fnattn.kinds.delta_rule.qkv import gdn_qkv
 
 from .common import rms_norm
-from .fused import gated_rms_norm_silu, linear  # kernels on CUDA; the torch math elsewhere
+from .fused import gated_rms_norm_silu, gdn_gating, linear  # kernels on CUDA; the torch math elsewhere
 
 __all__ = [
     "GDNWeights",
@@ -281,11 +281,10 @@ def gdn_project(
     else:
         conv_input, z, b, a = (linear(x, p) for p in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
     z = z.reshape(T, H, w.head_v_dim)
-    beta = torch.sigmoid(b)
     # fp32 where the math needs it: the log-decay feeds an exp inside the recurrence.
     neg_decay = -w.A_log.float().exp() if w.neg_decay is None else w.neg_decay
     dt_bias = w.dt_bias.float() if w.dt_bias_f32 is None else w.dt_bias_f32
-    g = neg_decay * F.softplus(a + dt_bias)  # a (bf16 / fp32) is promoted to fp32 inside the add: one launch
+    g, beta = gdn_gating(a, b, neg_decay, dt_bias)  # one launch on CUDA; a is promoted to fp32 in the add
     return conv_input, z, g, beta
 
 

@@ -46,7 +46,7 @@ from .common import (
     rope_inv_freq,
     softmax_topk,
 )
-from .fused import add_rms_norm_offset_, linear, rms_norm_offset, rope_, rope_table, silu_mul_linear
+from .fused import add_rms_norm_offset_, linear, rms_norm_offset, rope_, rope_table, silu_and_mul
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
 
@@ -324,8 +324,7 @@ class Attention:
 
 @dataclass(frozen=True, eq=False)
 class DenseMLP:
-    """A SwiGLU MLP with gate and up concatenated at load: one GEMM, then `silu_and_mul` and down (one launch at
-    decode sizes: `silu_mul_linear`)."""
+    """A SwiGLU MLP with gate and up concatenated at load: one GEMM, then `silu_and_mul`, then down."""
 
     gate_up: Tensor  # [2 I, D]: gate_proj rows, then up_proj rows
     down: Tensor  # [D, I]
@@ -336,7 +335,7 @@ class DenseMLP:
         return cls(torch.cat([w.gate, w.up]), w.down)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return silu_mul_linear(linear(x, self.gate_up), self.down)
+        return linear(silu_and_mul(linear(x, self.gate_up)), self.down)
 
 
 @dataclass(frozen=True, eq=False)
@@ -483,7 +482,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
         layer_deltas.append(deltas)
     x, hidden = add_rms_norm_offset_(y, x, params.norm, eps)  # [T, D]
     # The cursor advances once, after every layer has read the state.
-    return F.linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    return linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked

@@ -207,8 +207,10 @@ def test_native_and_replay_recovery_leave_bitwise_equal_state(case):
         va, vb = a.views(spec.index), b.views(spec.index)
         for name in va:
             if a.storage_spaces[spec.index][name] == "request":
-                ra = va[name].index_select(0, torch.tensor([a.request(0).ring_pos * a.slots_per_ring + a.request(0).slot]))
-                rb = vb[name].index_select(0, torch.tensor([b.request(0).ring_pos * b.slots_per_ring + b.request(0).slot]))
+                row_a = a.request(0).ring_pos * a.slots_per_ring + a.request(0).slot
+                row_b = b.request(0).ring_pos * b.slots_per_ring + b.request(0).slot
+                ra = va[name].index_select(0, torch.tensor([row_a]))
+                rb = vb[name].index_select(0, torch.tensor([row_b]))
                 assert same_bits(ra, rb), (spec.index, name)
 
 
@@ -234,9 +236,9 @@ def test_bad_config_fields_are_named(field, value):
 
 
 def test_routing_table_out_of_range_is_refused(case, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     for f in case.dir.iterdir():
         shutil.copy(f, tmp_path / f.name)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fnattn.models.registry import family_named, random_model
-from test_speculative import K, PROMPTS, STEPS, family_models, greedy_reference, run
+from test_speculative import PROMPTS, STEPS, K, family_models, greedy_reference, run
 
 import fnattn as fa
 from fnattn.driver import run_step

@@ -107,9 +107,6 @@ def test_skinny_linear(M, K, N, record):
         got = skinny_linear(gu, w, act="silu_mul")
         _check(record, f"skinny_linear silu_mul M{M} K{K} N{N} vs fp32 ref", got,
                skinny_linear_ref(gu, w, act="silu_mul"), 1e-2)
-        with fused.unfused():
-            want = fused.silu_mul_linear(gu, w)
-        _check(record, f"silu_mul_linear M{M} vs unfused", fused.silu_mul_linear(gu, w), want, 2e-2)
 
 
 def test_skinny_linear_replays_in_a_cuda_graph(record):
@@ -129,9 +126,9 @@ def test_skinny_linear_replays_in_a_cuda_graph(record):
     _check(record, "skinny_linear up + silu_mul down, graph replay", out, want, 2e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 64, 65])
+@pytest.mark.parametrize("rows", [1, 16, 17])
 def test_fused_linear_routes_and_reshapes(rows, record):
-    """3-D inputs, strided rows and the 64-row bound (65 rows: cuBLAS) all give F.linear's answer."""
+    """3-D inputs, strided rows and the 16-row bound (17 rows: cuBLAS) all give F.linear's answer."""
     pytest.importorskip("triton")
     w = _randn(1024, 2048, seed=19, scale=2048 ** -0.5)
     x3 = _randn(1, rows, 2048, seed=20)

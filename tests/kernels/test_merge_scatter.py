@@ -203,7 +203,8 @@ def test_merge_new_token_reads_a_kernels_no_key_marks_as_an_empty_cached_part(ma
     else:
         lse_c[2] = float(mark)
     kw = dict(scale=0.25, cache_lens=lens)
-    got, want = merge_new_token(o_c, lse_c, q, k_new, v_new, **kw), merge_new_token_ref(o_c, lse_c, q, k_new, v_new, **kw)
+    got = merge_new_token(o_c, lse_c, q, k_new, v_new, **kw)
+    want = merge_new_token_ref(o_c, lse_c, q, k_new, v_new, **kw)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[0][2], v_new[2].repeat_interleave(Hq // Hkv, dim=0), atol=1e-6, rtol=1e-6)
