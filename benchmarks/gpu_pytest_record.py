@@ -25,12 +25,14 @@ def main(argv: list[str]) -> int:
         rc = pytest.main([*args, f"--junitxml={xml}", "-q", "-p", "no:warnings"])
         cases = []
         for case in ET.parse(xml).getroot().iter("testcase"):
-            status = "passed"
+            status, why = "passed", None
             for tag in ("failure", "error", "skipped"):
-                if case.find(tag) is not None:
+                found = case.find(tag)
+                if found is not None:
                     status = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                    why = (found.get("message") or found.text or "")[:1500]
             cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "status": status,
-                          "seconds": float(case.get("time", 0))})
+                          "seconds": float(case.get("time", 0)), **({"why": why} if why else {})})
     import torch
 
     from fnattn.bench import commit

@@ -139,15 +139,17 @@ def test_decode_replays_from_a_cuda_graph(name, record):
         st.views(0).ssm.index_fill_(0, batch.recurrent_write_rows, float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-    ok = w["ssm"] is None and eager_w["ssm"] is None and all(torch.equal(a, b) for a, b in (
+    live = len(batch.live_ids)  # pad lanes read the NaN null slot: their rows are NaN in both runs
+    ok = w["ssm"] is None and eager_w["ssm"] is None and all(torch.equal(a[:live], b[:live]) for a, b in (
         (out.o, eager_out.o), (_states(w, st, batch), eager_states), (w["conv"], eager_w["conv"])))
     record({"case": f"cuda graph fused decode {name}", "phase": "decode", "backend": FUSED, "max_rel": 0.0, "ok": ok})
     assert ok
 
 
-def test_supported_on_cuda_and_chosen_only_when_asked():
+def test_supported_on_cuda_and_chosen_first_for_decode():
     spec = _spec("gdn 16qk/16v d128 (Qwen3.5-0.8B)")
     assert lookup("gdn", "decode", FUSED).supports(spec, torch.device(DEV)) == []
-    assert fa.ModelAttention([spec], device=DEV).backend(0, "decode").name == "triton"
-    asked = fa.ModelAttention([spec], prefer=[FUSED, "triton"], device=DEV)
-    assert asked.backend(0, "decode").name == FUSED and asked.backend(0, "prefill").name == "triton"
+    default = fa.ModelAttention([spec], device=DEV)
+    assert default.backend(0, "decode").name == FUSED and default.backend(0, "prefill").name == "triton"
+    two_launches = fa.ModelAttention([spec], prefer=["triton"], device=DEV)
+    assert two_launches.backend(0, "decode").name == "triton"
