@@ -3,7 +3,8 @@
 # under $OUT (or ./gpu-out). From the repository root on the GPU machine:
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh parity
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
-#   ... graphs | model | profile | model-long | fused: captured steps, the whole model, its profile, fused paths
+#   ... graphs | model | profile | model-long | fused | mla: captured steps, the whole model, its profile,
+#   the fused paths, the MLA fast paths
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -34,7 +35,7 @@ case "${1:-}" in
         tests/gpu/test_dsv4_flashmla_gpu.py
     ;;
   model)  # the whole Qwen3.5-0.8B shape, eager and graph, next to transformers; the framework's overhead
-    part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --prompt 512 \
+    part 400 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --prompt 512 --profile 4 \
         --out "$out/bench_model_qwen3_5_0.8b_p512.json" --png "$out/bench_model_qwen3_5_0.8b_p512.png"
     part 200 python -m fnattn bench overhead --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --prompt 512 \
         --steps 32 --device cuda --out "$out/bench_overhead_qwen3_5_0.8b.json"
@@ -48,9 +49,15 @@ case "${1:-}" in
     part 500 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 8 32 --prompt 8192 \
         --out "$out/bench_model_qwen3_5_0.8b_p8192.json" --png "$out/bench_model_qwen3_5_0.8b_p8192.png"
     ;;
-  fused)  # the fused pieces: Qwen3.5 fused ops, FlashInfer tensor cores, the fused GDN decode kernel
+  mla)  # MLA / sparse MLA fast paths against the references
+    part 200 env FNATTN_GPU_RESULTS="$out/mla_parity_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/mla_parity.json" -- tests/gpu/test_mla_backends_gpu.py
+    ;;
+  fused)  # the fused pieces: Qwen3.5 fused ops, the skinny GEMV, GDN gating, FlashInfer tensor cores, fused decode
     rec="python benchmarks/gpu_pytest_record.py"
     part 150 env FNATTN_GPU_RESULTS="$out/fused_cases.json" $rec "$out/fused_gpu.json" -- tests/gpu/test_fused_gpu.py
+    part 60 env FNATTN_GPU_RESULTS="$out/gdn_gating_cases.json" $rec "$out/gdn_gating_gpu.json" -- \
+        tests/gpu/test_gdn_gating_gpu.py
     part 200 env FNATTN_GPU_RESULTS="$out/flashinfer_tc_cases.json" $rec "$out/flashinfer_tc_gpu.json" -- \
         tests/gpu/test_flashinfer_tc_gpu.py
     part 150 env FNATTN_GPU_RESULTS="$out/gdn_decode_fused_cases.json" $rec "$out/gdn_decode_fused_gpu.json" -- \
@@ -58,7 +65,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|model-long|fused" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|model-long|fused|mla" >&2
     exit 2
     ;;
 esac
