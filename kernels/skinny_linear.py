@@ -16,6 +16,15 @@ scheduling).
 computed in fp32 and rounded to ``x.dtype`` before the dot, which is what
 ``silu_and_mul`` followed by a linear layer computes.
 
+Two more folds remove the residual-add + RMSNorm launch between a block's
+output projection and the next input projection. ``residual=`` (epilogue):
+``y = residual + x @ w.T``, the fp32 accumulator plus the residual in fp32,
+rounded once to ``x.dtype`` (with split-K, in the reduce kernel, after the
+fixed-order sum). ``norm=(weight, eps, offset)`` (prologue): the rows of ``x``
+are RMS-normalized on load with `models.common.rms_norm`'s roundings; every
+program (each split-K piece too) sums the squares of its rows over all of K
+itself, a second read of ``x`` that comes from L2.
+
 Configs come from `pick_config`, an explicit table (no autotuning: timing
 inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
 ``fnattn bench linear`` times the table against a sweep.
@@ -112,12 +121,14 @@ def triton_cdiv(a: int, b: int) -> int:
 
 @triton.jit
 def _skinny_gemv_kernel(
-    X, W, Y, M, N, K, k_per_split, sxm, sym,
-    ACT_SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr,
+    X, W, Y, R, NW, M, N, K, k_per_split, sxm, sym, srm, eps, offset,
+    ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
+    USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)``; partials to ``Y[split]`` when
-    ``SPLIT`` (Y is then fp32 ``[SPLIT_K, M, N]``, contiguous)."""
+    ``SPLIT`` (Y is then fp32 ``[SPLIT_K, M, N]``, contiguous). ``NORM``: rows of ``x`` RMS-normalized on load
+    (weight ``NW [K]``); ``HAS_RESIDUAL`` (unsplit only): ``R [M, N]`` added to the fp32 tile before rounding."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -126,6 +137,13 @@ def _skinny_gemv_kernel(
     n_ok = n < N
     x_rows = X + m.to(tl.int64)[:, None] * sxm  # [BM, 1]
     w_rows = W + n.to(tl.int64)[:, None] * K  # [BN, 1]
+    if NORM:  # the whole row's statistics, also in a split-K piece that reads only part of it below
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            xs = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            sq += tl.sum(xs * xs, axis=1)
+        rstd = 1.0 / tl.sqrt_rn(sq / K + eps)  # [BM]; padded rows: x = 0, rstd finite
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -139,6 +157,13 @@ def _skinny_gemv_kernel(
             xt = (g / (1.0 + tl.exp(-g)) * u).to(W.dtype.element_ty)  # [BM, BK], rounded as silu_and_mul's
         else:
             xt = tl.load(x_rows + k[None, :], mask=xm, other=0.0)  # [BM, BK]
+        if NORM:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after it
+            h = xt.to(tl.float32) * rstd[:, None]
+            nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+            if NORM_OFFSET:
+                xt = (h * (offset + nw)[None, :]).to(W.dtype.element_ty)
+            else:
+                xt = (h.to(W.dtype.element_ty).to(tl.float32) * nw[None, :]).to(W.dtype.element_ty)
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         if not USE_DOT:  # FMAs and a sum over K: no padding of the rows to 16, every product in registers
             acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
@@ -150,24 +175,54 @@ def _skinny_gemv_kernel(
     if SPLIT:
         tl.store(Y + pid_k.to(tl.int64) * M * N + m[:, None] * N + n[None, :], acc, mask=mask)
     else:
+        if HAS_RESIDUAL:
+            acc += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(Y + m.to(tl.int64)[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _skinny_gemv_splitk_reduce(P, Y, M, N, sym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """``Y[m] = sum_s P[s, m]`` in fp32, in split order, rounded once."""
+def _skinny_gemv_splitk_reduce(P, Y, R, M, N, sym, srm, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                               BLOCK: tl.constexpr):
+    """``Y[m] = sum_s P[s, m] (+ R[m])`` in fp32, in split order, the residual last, rounded once."""
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(SPLIT_K):
         acc += tl.load(P + (s * M + row).to(tl.int64) * N + n, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        acc += tl.load(R + row.to(tl.int64) * srm + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(Y + row.to(tl.int64) * sym + n, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-def _check(x, w, out, act, config):
+def _check_act_norm(act, norm):
     if act not in ACTS:
         raise ValueError(f"act: expected None or 'silu_mul', got {act!r}")
+    if norm is None:
+        return None
+    if not isinstance(norm, (tuple, list)) or len(norm) != 3:
+        got = f"{type(norm).__name__} of {len(norm)}" if isinstance(norm, (tuple, list)) else type(norm).__name__
+        raise ValueError(f"norm: expected a (weight, eps, offset) triple, got {got}")
+    if act is not None:
+        raise ValueError(f"norm and act: expected at most one of them (the norm is of x's rows, act {act!r} "
+                         f"reads gate | up), got both")
+    weight, eps, offset = norm
+    for name, v in (("eps", eps), ("offset", offset)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
+            raise ValueError(f"norm {name}: expected a finite Python float, got {v!r}")
+    if eps < 0:
+        raise ValueError(f"norm eps: expected >= 0, got {eps!r}")
+    return weight, float(eps), float(offset)
+
+
+def _shares_storage(a, b) -> bool:
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _check(x, w, out, act, config, residual=None, norm=None):
+    norm = _check_act_norm(act, norm)
     if config is not None and not isinstance(config, SkinnyConfig):
         raise ValueError(f"config: expected a SkinnyConfig or None, got {type(config).__name__}")
     for name, t in (("x", x), ("w", w)):
@@ -191,6 +246,9 @@ def _check(x, w, out, act, config):
         raise ValueError(f"x: expected unit stride along its last dim, got strides {x.stride()}")
     if not w.is_contiguous():
         raise ValueError(f"w: expected a contiguous tensor, got strides {w.stride()} for shape {tuple(w.shape)}")
+    _check_operand("residual", residual, (M, N), x, row_strided=True)
+    if norm is not None:
+        _check_operand("norm weight", norm[0], (K,), x, row_strided=False)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != (M, N) or out.dtype != x.dtype:
             got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -199,24 +257,49 @@ def _check(x, w, out, act, config):
             raise ValueError(f"out: expected device {x.device} (x's), got {out.device}")
         if out.stride(1) != 1 and N > 1:
             raise ValueError(f"out: expected unit stride along its last dim, got strides {out.stride()}")
+        # Programs read x (and the residual) while others write out: a shared buffer would be read half-written.
+        for name, t in (("x", x), ("residual", residual)):
+            if t is not None and _shares_storage(out, t):
+                raise ValueError(f"out: expected a buffer apart from {name}'s, got one sharing {name}'s storage")
+    return norm
 
 
-def skinny_linear(x, w, *, out=None, act=None, config=None):
+def _check_operand(name, t, shape, x, *, row_strided):
+    """``residual`` ([M, N], rows may be strided) or the norm's ``weight`` ([K], contiguous): x's dtype, device."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected shape {shape}, got {got}")
+    if t.dtype != x.dtype:
+        raise ValueError(f"{name}: expected dtype {x.dtype} (x's), got {t.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{name}: expected device {x.device} (x's), got {t.device}")
+    if shape[-1] > 1 and t.stride(-1) != 1:
+        what = "unit stride along its last dim" if row_strided else "a contiguous tensor"
+        raise ValueError(f"{name}: expected {what}, got strides {t.stride()}")
+
+
+def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, config=None):
     """``x [M, K] @ w[N, K]^T -> y [M, N]`` in ``x.dtype`` with fp32 accumulation, M <= 64.
 
     ``act="silu_mul"``: ``x`` is ``[M, 2K]`` (gate | up) and the product is of
-    ``silu(gate) * up`` (rounded to ``x.dtype``). ``x``'s rows may be strided
-    (unit stride within a row); ``w`` is contiguous. ``out``: an ``[M, N]``
-    tensor to write (unit inner stride), returned. ``config``: a `SkinnyConfig`
-    instead of `pick_config`'s.
+    ``silu(gate) * up`` (rounded to ``x.dtype``). ``residual``: an ``[M, N]``
+    tensor in ``x.dtype`` (unit inner stride) added to the fp32 product, the sum
+    rounded once. ``norm=(weight [K], eps, offset)``: the product is of
+    ``rms_norm(x, weight, eps, offset=offset)`` (`models.common`'s roundings;
+    not with ``act``). ``x``'s rows may be strided (unit stride within a row);
+    ``w`` is contiguous. ``out``: an ``[M, N]`` tensor to write (unit inner
+    stride, sharing no storage with ``x`` or ``residual``), returned.
+    ``config``: a `SkinnyConfig` instead of `pick_config`'s.
     """
-    _check(x, w, out, act, config)
+    norm = _check(x, w, out, act, config, residual, norm)
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     if M == 0 or N == 0:
         return y
-    if K == 0:
-        return y.zero_()
+    if K == 0:  # an empty product; the norm of an empty row scales nothing
+        return y.zero_() if residual is None else y.copy_(residual)
     require_triton()
     cfg = config or pick_config(M, N, K, x.dtype)
     BLOCK_M = max(16, next_pow2(M)) if cfg.dot else next_pow2(M)  # a dot tile has at least 16 rows
@@ -225,24 +308,48 @@ def skinny_linear(x, w, *, out=None, act=None, config=None):
     split = triton_cdiv(k_tiles, per_split)
     k_per_split = per_split * cfg.block_k
     grid = (triton_cdiv(N, cfg.block_n), split)
-    common = dict(ACT_SILU_MUL=act == "silu_mul", USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
+    # Absent operands: x stands in for the pointers, which the constexpr flags keep the kernel from reading.
+    r = x if residual is None else residual
+    srm = 0 if residual is None else residual.stride(0)
+    nw, eps, offset = (x, 0.0, 0.0) if norm is None else norm
+    common = dict(ACT_SILU_MUL=act == "silu_mul", NORM=norm is not None, NORM_OFFSET=offset != 0.0,
+                  USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split == 1:
-        _skinny_gemv_kernel[grid](x, w, y, M, N, K, k_per_split, x.stride(0), y.stride(0), SPLIT=False, **common)
+        _skinny_gemv_kernel[grid](x, w, y, r, nw, M, N, K, k_per_split, x.stride(0), y.stride(0), srm, eps, offset,
+                                  HAS_RESIDUAL=residual is not None, SPLIT=False, **common)
         return y
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
-    _skinny_gemv_kernel[grid](x, w, part, M, N, K, k_per_split, x.stride(0), N, SPLIT=True, **common)
+    _skinny_gemv_kernel[grid](x, w, part, r, nw, M, N, K, k_per_split, x.stride(0), N, srm, eps, offset,
+                              HAS_RESIDUAL=False, SPLIT=True, **common)
     block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
-    _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, M, N, y.stride(0), SPLIT_K=split, BLOCK=block,
+    _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
+                                                           HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                            num_warps=4)
     return y
 
 
-def skinny_linear_ref(x, w, *, act=None):
-    """The truth of `skinny_linear`: fp32 products and sums, rounded once to ``x.dtype``."""
-    if act not in ACTS:
-        raise ValueError(f"act: expected None or 'silu_mul', got {act!r}")
+def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):
+    """`models.common.rms_norm` (this package imports nothing from fnattn; a test holds the two equal): fp32
+    statistics, ``x * rstd`` rounded once after ``* (offset + weight)`` with an offset, before ``* weight``
+    (and after) without one."""
+    xf = x.float()
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (offset + weight.float())).to(x.dtype)
+    return h.to(x.dtype) * weight
+
+
+def skinny_linear_ref(x, w, *, act=None, residual=None, norm=None):
+    """The truth of `skinny_linear`: fp32 products and sums (the residual added to the fp32 product), rounded
+    once to ``x.dtype``; ``act`` and ``norm`` round their operand to ``x.dtype`` first, as the unfused ops do."""
+    norm = _check_act_norm(act, norm)
     if act == "silu_mul":
         g, u = x.float().chunk(2, dim=-1)
         x = (torch.nn.functional.silu(g) * u).to(x.dtype)
-    return (x.float() @ w.float().T).to(x.dtype)
+    if norm is not None:
+        x = rms_norm_ref(x, *norm)
+    y = x.float() @ w.float().T
+    if residual is not None:
+        y = residual.float() + y
+    return y.to(x.dtype)
