@@ -1,4 +1,5 @@
-"""skinny_linear (decode-sized x @ w.T, optionally with SiLU-and-mul on load) against its reference."""
+"""skinny_linear (decode-sized x @ w.T, optionally with SiLU-and-mul or RMSNorm on load and a residual added
+before the rounding) against its reference."""
 
 import os
 
@@ -10,7 +11,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from fnattn.kernels.skinny_linear import SkinnyConfig, pick_config, skinny_linear, skinny_linear_ref  # noqa: E402
+from fnattn.kernels.skinny_linear import (  # noqa: E402
+    SkinnyConfig, pick_config, rms_norm_ref, skinny_linear, skinny_linear_ref)
+from fnattn.models.common import rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -136,3 +139,130 @@ def test_bad_arguments_name_themselves():
             skinny_linear(kwargs.pop("x"), kwargs.pop("w"), **kwargs)
     with pytest.raises(ValueError, match="act: expected None or 'silu_mul'"):
         skinny_linear_ref(x, w, act="relu")
+
+
+# The residual epilogue and the RMSNorm prologue (K = 150: no multiple of any block_k; split 8 of 16-wide tiles
+# leaves pieces of unequal length).
+FOLD_CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1), SkinnyConfig(block_n=32, block_k=32, split_k=2),
+                SkinnyConfig(block_n=16, block_k=16, split_k=8), SkinnyConfig(block_n=16, block_k=32, split_k=2,
+                                                                              dot=False)]
+FOLD_IDS = ["split1", "split2", "split8", "fma-split2"]
+
+
+def lopsided(M, K, dtype, seed):
+    """Rows whose first 40 columns are ten times the rest: statistics over a split-K piece alone would be far
+    from the whole row's."""
+    x = randn(M, K, seed=seed)
+    x[:, :40] *= 10
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("config", FOLD_CONFIGS, ids=FOLD_IDS)
+def test_residual_matches_reference(M, dtype, config):
+    N, K = 45, 150
+    x, w = randn(M, K, dtype=dtype, seed=M), randn(N, K, dtype=dtype, seed=50 + M) / K ** 0.5
+    res = randn(M, N, dtype=dtype, seed=60 + M) * 4
+    y = skinny_linear(x, w, residual=res, config=config)
+    close(y, skinny_linear_ref(x, w, residual=res), dtype)
+    close(y, (res.float() + x.float() @ w.float().T).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("config", FOLD_CONFIGS[:2] + FOLD_CONFIGS[3:], ids=FOLD_IDS[:2] + FOLD_IDS[3:])
+def test_norm_matches_reference(M, offset, dtype, config):
+    N, K = 45, 150
+    x, w = lopsided(M, K, dtype, seed=M), randn(N, K, dtype=dtype, seed=70 + M) / K ** 0.5
+    nw = randn(K, dtype=dtype, seed=80) * 0.2 + (0.0 if offset else 1.0)
+    norm = (nw, 1e-6, offset)
+    y = skinny_linear(x, w, norm=norm, config=config)
+    close(y, skinny_linear_ref(x, w, norm=norm), dtype)
+    close(y, skinny_linear_ref(rms_norm(x, nw, 1e-6, offset=offset), w), dtype)
+    if config.split_k > 1:  # each piece normalized by its own columns' statistics would be far off
+        half = K // 2
+        wrong = torch.cat([rms_norm(x[:, :half], nw[:half], 1e-6, offset=offset),
+                           rms_norm(x[:, half:], nw[half:], 1e-6, offset=offset)], dim=1)
+        assert (y.float() - skinny_linear_ref(wrong, w).float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", FOLD_CONFIGS, ids=FOLD_IDS)
+def test_norm_and_residual_together_strided_rows_and_out(dtype, config):
+    M, N, K = 3, 40, 150
+    big = lopsided(M, K + 30, dtype, seed=9)
+    x = big[:, 10:10 + K]  # rows strided by K + 30
+    res_big = randn(M, N + 8, dtype=dtype, seed=10)
+    res = res_big[:, 3:3 + N]  # strided residual rows
+    w, nw = randn(N, K, dtype=dtype, seed=11) / K ** 0.5, randn(K, dtype=dtype, seed=12) * 0.1
+    norm = (nw, 1e-5, 1.0)
+    want = skinny_linear_ref(x.contiguous(), w, residual=res.contiguous(), norm=norm)
+    close(skinny_linear(x, w, residual=res, norm=norm, config=config), want, dtype)
+    holder = torch.full((M, N + 6), 7.0, device=DEVICE, dtype=dtype)
+    out = holder[:, 2:2 + N]
+    y = skinny_linear(x, w, residual=res, norm=norm, out=out, config=config)
+    assert y.data_ptr() == out.data_ptr()
+    close(out, want, dtype)
+    assert (holder[:, :2] == 7).all() and (holder[:, 2 + N:] == 7).all()
+    assert torch.equal(res, res_big[:, 3:3 + N]) and torch.equal(x, big[:, 10:10 + K])  # operands untouched
+
+
+def test_table_config_with_both_folds():
+    M, N, K = 2, 70, 96
+    x, w, res = randn(M, K, seed=13), randn(N, K, seed=14), randn(M, N, seed=15)
+    nw = randn(K, seed=16)
+    close(skinny_linear(x, w, residual=res, norm=(nw, 1e-6, 0.0)),
+          skinny_linear_ref(x, w, residual=res, norm=(nw, 1e-6, 0.0)), torch.float32)
+
+
+def test_empty_k_with_residual_is_the_residual():
+    res = randn(3, 8, seed=17)
+    assert torch.equal(skinny_linear(randn(3, 0), randn(8, 0), residual=res), res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_reference_norm_is_models_rms_norm_then_linear(dtype, offset):
+    """The kernel package imports nothing from fnattn: its copy of `rms_norm` must round exactly as the model's."""
+    x, w = lopsided(4, 64, dtype, seed=18), randn(9, 64, dtype=dtype, seed=19)
+    nw, res = randn(64, dtype=dtype, seed=20) * 0.3, randn(4, 9, dtype=dtype, seed=21)
+    assert torch.equal(rms_norm_ref(x, nw, 1e-6, offset), rms_norm(x, nw, 1e-6, offset=offset))
+    h = rms_norm(x, nw, 1e-6, offset=offset)
+    want = (res.float() + h.float() @ w.float().T).to(dtype)
+    torch.testing.assert_close(skinny_linear_ref(x, w, residual=res, norm=(nw, 1e-6, offset)), want, rtol=0, atol=0)
+
+
+def test_fold_arguments_name_themselves():
+    M, N, K = 2, 8, 16
+    x, w, res, nw = randn(M, K), randn(N, K), randn(M, N), randn(K)
+    buf = randn(M, K + N)
+    gu = randn(M, 2 * K)
+    cases = [
+        (dict(x=buf[:, :K], w=w, out=buf[:, K:]), "out: expected a buffer apart from x's"),
+        (dict(x=x, w=w, residual=res, out=res), "out: expected a buffer apart from residual's"),
+        (dict(x=x, w=w, residual=res, out=res[:, :N]), "out: expected a buffer apart from residual's"),
+        (dict(x=x, w=w, residual=randn(M, N + 1)), r"residual: expected shape \(2, 8\), got \(2, 9\)"),
+        (dict(x=x, w=w, residual=randn(N)), r"residual: expected shape \(2, 8\), got \(8,\)"),
+        (dict(x=x, w=w, residual=[1.0]), r"residual: expected shape \(2, 8\), got list"),
+        (dict(x=x, w=w, residual=res.half()), "residual: expected dtype torch.float32 .x's., got torch.float16"),
+        (dict(x=x, w=w, residual=randn(N, M).T), "residual: expected unit stride along its last dim"),
+        (dict(x=x, w=w, norm=(randn(K + 1), 1e-6, 1.0)), r"norm weight: expected shape \(16,\), got \(17,\)"),
+        (dict(x=x, w=w, norm=(nw.half(), 1e-6, 1.0)), "norm weight: expected dtype torch.float32"),
+        (dict(x=x, w=w, norm=(randn(K, 2)[:, 0], 1e-6, 1.0)), "norm weight: expected a contiguous tensor"),
+        (dict(x=x, w=w, norm=(nw, 1e-6)), "norm: expected a .weight, eps, offset. triple, got tuple of 2"),
+        (dict(x=x, w=w, norm=nw), "norm: expected a .weight, eps, offset. triple, got Tensor"),
+        (dict(x=x, w=w, norm=(nw, torch.tensor(1e-6), 1.0)), "norm eps: expected a finite Python float"),
+        (dict(x=x, w=w, norm=(nw, -1.0, 1.0)), "norm eps: expected >= 0, got -1.0"),
+        (dict(x=x, w=w, norm=(nw, 1e-6, float("nan"))), "norm offset: expected a finite Python float, got nan"),
+        (dict(x=gu, w=w, act="silu_mul", norm=(nw, 1e-6, 1.0)), "norm and act: expected at most one of them"),
+    ]
+    if DEVICE == "cpu":
+        cases += [(dict(x=x, w=w, residual=torch.randn(M, N, device="meta")), "residual: expected device cpu"),
+                  (dict(x=x, w=w, norm=(torch.randn(K, device="meta"), 1e-6, 1.0)), "norm weight: expected device")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            skinny_linear(kwargs.pop("x"), kwargs.pop("w"), **kwargs)
+    with pytest.raises(ValueError, match="norm and act: expected at most one of them"):
+        skinny_linear_ref(gu, w, act="silu_mul", norm=(nw, 1e-6, 1.0))
