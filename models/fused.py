@@ -11,7 +11,8 @@ bf16 rounding (tests/gpu/test_fused_gpu.py).
 which streams the weight once; larger inputs stay on ``F.linear``. On the H200 at one
 row it is 1.02-1.05x cuBLAS on the wide projections and the lm_head and 1.3-2.3x on the
 narrow ones cuBLAS runs with split-K (`fnattn bench linear`); at 32 rows cuBLAS's tiles
-win. The kernel's SiLU-and-mul prologue is slower than `silu_and_mul` then the GEMV
+win. Its ``residual=`` (added to the fp32 product) and ``norm=`` (RMSNorm of the input on
+load) let the kernel take a residual-add + RMSNorm between two projections into them. The kernel's SiLU-and-mul prologue is slower than `silu_and_mul` then the GEMV
 (10.4 us against 7.8 us for the 0.8B MLP's down projection), so the models do not use it.
 `gdn_gating` computes GDN's g and beta in one launch (`fnattn.kernels.gdn_gating`).
 
@@ -159,21 +160,42 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
 _SKINNY_ROWS = 16  # measured: at 32 rows cuBLAS's GEMM tiles beat the kernel (skinny_linear itself takes 64)
 
 
-def _skinny(x: Tensor, w: Tensor, width: int) -> bool:
+def _skinny(x: Tensor, w: Tensor, width: int, residual: Tensor | None = None,
+            norm: tuple[Tensor, float, float] | None = None) -> bool:
     """Whether `skinny_linear` takes ``x [..., width] @ w.T``: the kernel applies, at most 64 rows, unit stride
-    within a row (also after flattening the leading dims), ``w`` contiguous."""
-    return (_kernel("triton", x, w) and x.dim() >= 2 and x.shape[-1] == width and x.stride(-1) == 1
-            and x.numel() <= _SKINNY_ROWS * max(width, 1) and w.dim() == 2 and w.is_contiguous())
+    within a row (also after flattening the leading dims), ``w`` contiguous; a ``residual`` of the output's
+    shape with unit inner stride and a contiguous norm weight of ``[width]``, both in x's dtype and device."""
+    if not (_kernel("triton", x, w) and x.dim() >= 2 and x.shape[-1] == width and x.stride(-1) == 1
+            and x.numel() <= _SKINNY_ROWS * max(width, 1) and w.dim() == 2 and w.is_contiguous()):
+        return False
+    if residual is not None and not (residual.shape == (*x.shape[:-1], w.shape[0]) and residual.dtype == x.dtype
+                                     and residual.device == x.device and residual.stride(-1) == 1):
+        return False
+    if norm is not None:
+        nw = norm[0]
+        if not (nw.shape == (width,) and nw.dtype == x.dtype and nw.device == x.device and nw.is_contiguous()):
+            return False
+    return True
 
 
-def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
+           norm: tuple[Tensor, float, float] | None = None) -> Tensor:
     """``F.linear(x, w, bias)`` over the last dim, any leading dims; at most 16 rows without a bias run
-    `skinny_linear` (fp32 accumulation, one rounding, as cuBLAS's)."""
-    if bias is None and _skinny(x, w, w.shape[-1]):
+    `skinny_linear` (fp32 accumulation, one rounding, as cuBLAS's).
+
+    ``norm=(weight, eps, offset)``: the product is of ``rms_norm(x, weight, eps, offset=offset)``;
+    ``residual`` (the output's shape): added to the product. The kernel folds both (the norm on load, the
+    residual into the fp32 accumulator, the sum rounded once); the torch body rounds the product, then the
+    sum, as ``F.linear`` then ``+`` do, so the two agree to bf16 rounding.
+    """
+    if bias is None and _skinny(x, w, w.shape[-1], residual, norm):
         from fnattn.kernels.skinny_linear import skinny_linear
 
-        return skinny_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w, bias)
+        r = None if residual is None else residual.reshape(-1, w.shape[0])  # read only: a copy would do too
+        y = skinny_linear(x.reshape(-1, x.shape[-1]), w, residual=r, norm=norm)
+        return y.view(*x.shape[:-1], w.shape[0])
+    y = F.linear(x if norm is None else rms_norm(x, norm[0], norm[1], offset=norm[2]), w, bias)
+    return y if residual is None else y + residual
 
 
 def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:

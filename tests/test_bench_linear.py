@@ -1,5 +1,5 @@
 """`fnattn bench linear` on CPU: it refuses cleanly (no CUDA, rows out of the kernel's range), its sweep grid
-holds only configs the kernel takes, and a case's records (with a stand-in timer over the interpreted kernel)
+holds only configs the kernel takes, and a case's records (and a fold case's) (with a stand-in timer over the interpreted kernel)
 say what they promise. The timings themselves run on a GPU."""
 
 import itertools
@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
 from fnattn.kernels.skinny_linear import pick_config  # noqa: E402
 
 from fnattn.bench import with_ratios  # noqa: E402
-from fnattn.bench.linear import CALLS, FMA_PRODUCTS, FMA_ROWS, GRID, SHAPES, linear_case, sweep_configs  # noqa: E402
+from fnattn.bench.linear import (  # noqa: E402
+    CALLS, FMA_PRODUCTS, FMA_ROWS, FOLD_EPS, GRID, SHAPES, fold_case, linear_case, print_linear_table, sweep_configs)
 from fnattn.cli import main  # noqa: E402
 
 
@@ -79,3 +80,45 @@ def test_case_records_cublas_table_and_the_best_of_the_sweep(act):
     for r in (table, best):
         assert r["ratio_to_peer"] == peer["time_us"] / r["time_us"]
         assert r["tb_s"] == N * K * 4 / (r["time_us"] * 1e-6) / 1e12
+
+
+def test_fold_case_records_the_unfused_and_the_folded_pair(capsys):
+    """Both timed calls compute the pair's answer (the folded one against the unfused torch math), and the
+    records say which is which."""
+    pytest.importorskip("triton")
+    from fnattn.kernels.skinny_linear import skinny_linear_ref
+    from fnattn.models.common import rms_norm
+
+    outputs, times = [], iter([7.0, 5.0])
+
+    def timer(call, copies, **options):
+        outputs.append([call(i) for i in range(copies)])
+        return next(times)
+
+    rows, K, N, hidden = 3, 96, 40, 32
+    records = with_ratios(fold_case(rows=rows, name="tiny", K=K, N=N, hidden=hidden, dtype=torch.float32,
+                                    device="cpu", timer=timer))
+    unfused, folded = records
+    assert [r["backend"] for r in records] == ["down + add_rmsnorm + up", "skinny fold (residual=, norm=)"]
+    assert all(r["peer"] == unfused["backend"] and r["norm_kernel"] == "torch" for r in records)
+    wbytes = (hidden * K + N * hidden) * 4
+    assert all(r["weight_bytes"] == wbytes and r["weight_copies"] == CALLS and r["case"] == unfused["case"]
+               for r in records)
+    assert folded["ratio_to_peer"] == 7.0 / 5.0 and "ratio_to_peer" not in unfused
+    assert folded["tb_s"] == wbytes / (5.0 * 1e-6) / 1e12
+    assert folded["configs"]["down"]["block_n"] >= 16 and folded["configs"]["up"]["block_k"] == 64
+    # Rebuild the case's tensors (same seed and order) to check the folded answers.
+    g = torch.Generator().manual_seed(0)
+    downs = [torch.randn(hidden, K, generator=g) * K ** -0.5 for _ in range(CALLS)]
+    ups = [torch.randn(N, hidden, generator=g) * hidden ** -0.5 for _ in range(CALLS)]
+    x, residual = torch.randn(rows, K, generator=g), torch.randn(rows, hidden, generator=g)
+    weight = torch.randn(hidden, generator=g) * 0.1
+    # Off CUDA `add_rms_norm_offset_` is its torch body, which leaves the residual as it was.
+    for i in range(CALLS):
+        h = skinny_linear_ref(x, downs[i], residual=residual)
+        want = skinny_linear_ref(h, ups[i], norm=(weight, FOLD_EPS, 1.0))
+        torch.testing.assert_close(outputs[1][i], want, rtol=1e-4, atol=1e-4)
+        unfused_want = rms_norm(residual + x @ downs[i].T, weight, FOLD_EPS, offset=1.0) @ ups[i].T
+        torch.testing.assert_close(outputs[0][i], unfused_want, rtol=1e-4, atol=1e-4)
+    print_linear_table(records)
+    assert "skinny fold (residual=, norm=)" in capsys.readouterr().out

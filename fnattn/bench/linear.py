@@ -9,6 +9,11 @@ from memory, not L2; ``do_bench`` flushes L2 between replays too. TB/s counts th
 
 The ``skinny best`` record lists the whole sweep (config and time each): the table in
 `fnattn.kernels.skinny_linear` is tuned from it.
+
+The fold cases time a residual-add + RMSNorm between an output projection and the next input projection:
+unfused, [down GEMV; `add_rms_norm_offset_` (FlashInfer's fused add + RMSNorm); up GEMV], against the
+folded pair [down GEMV with ``residual=``; up GEMV with ``norm=``], both GEMVs `skinny_linear` with the
+table's configs, one call being the whole pair.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ SHAPES = (
     ("attn qkv", 1024, 5120, None),
     ("lm_head", 1024, 248320, None),
 )
+# (name, K of the output projection, N of the input projection after it; the hidden size between is HIDDEN)
+HIDDEN = 1024
+FOLD_PAIRS = (
+    ("o_proj / out_proj + norm + mlp gate_up", 2048, 7168),
+    ("mlp down + norm + gdn in_proj", 3584, 8224),
+    ("mlp down + norm + attn qkv", 3584, 5120),
+)
+FOLD_EPS = 1e-6
 # Each config compiles once per row bucket (about a second each): the grid stays a few dozen per shape. With a
 # program's K loop a handful of tiles long, pipeline depth matters little, so it is not swept.
 GRID = dict(block_n=(16, 32, 64), block_k=(128, 256), split_k=(1, 2, 4, 8), num_warps=(4, 8), num_stages=(4,),
@@ -129,17 +142,61 @@ def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, sweep:
     return records
 
 
+def fold_case(*, rows: int, name: str, K: int, N: int, hidden: int = HIDDEN, log=lambda line: None,
+              dtype=torch.bfloat16, device="cuda", timer=per_call_us) -> list[dict]:
+    """[down; add + RMSNorm(1 + w); up] unfused against the folded [down with residual=; up with norm=] for
+    ``x [rows, K] -> [rows, hidden] -> [rows, N]``. FlashInfer's add writes the running sum into the
+    residual, as in a model (its values grow over replays; the times do not depend on them)."""
+    import importlib.util
+
+    from ..kernels.skinny_linear import pick_config, skinny_linear
+    from ..models.fused import add_rms_norm_offset_
+
+    wbytes = (hidden * K + N * hidden) * dtype.itemsize
+    copies = max(1, min(CALLS, COPY_BYTES // wbytes))
+    g = torch.Generator(device=device).manual_seed(0)
+    downs = [(torch.randn(hidden, K, device=device, generator=g) * K ** -0.5).to(dtype) for _ in range(copies)]
+    ups = [(torch.randn(N, hidden, device=device, generator=g) * hidden ** -0.5).to(dtype) for _ in range(copies)]
+    x = torch.randn(rows, K, device=device, generator=g).to(dtype)
+    residual = torch.randn(rows, hidden, device=device, generator=g).to(dtype)
+    weight = (torch.randn(hidden, device=device, generator=g) * 0.1).to(dtype)
+    case = f"fold {name} M{rows} K{K} H{hidden} N{N}"
+    cuda = torch.device(device).type == "cuda"
+    norm_kernel = "flashinfer" if cuda and importlib.util.find_spec("flashinfer") else "torch"
+    peer = "down + add_rmsnorm + up"
+    base = {"case": case, "rows": rows, "K": K, "N": N, "hidden": hidden, "act": None, "weight_bytes": wbytes,
+            "calls": CALLS, "weight_copies": copies, "dtype": str(dtype).removeprefix("torch."), "peer": peer,
+            "norm_kernel": norm_kernel, "configs": {"down": asdict(pick_config(rows, hidden, K, dtype)),
+                                                    "up": asdict(pick_config(rows, N, hidden, dtype))}}
+
+    def unfused(i):
+        y = skinny_linear(x, downs[i])
+        _, h = add_rms_norm_offset_(y, residual, weight, FOLD_EPS)
+        return skinny_linear(h, ups[i])
+
+    def folded(i):
+        hidden_state = skinny_linear(x, downs[i], residual=residual)
+        return skinny_linear(hidden_state, ups[i], norm=(weight, FOLD_EPS, 1.0))
+
+    records = []
+    for backend, call in ((peer, unfused), ("skinny fold (residual=, norm=)", folded)):
+        us = timer(call, copies)
+        records.append({**base, "backend": backend, "time_us": us, "tb_s": wbytes / (us * 1e-6) / 1e12})
+    log(f"{case}: unfused {records[0]['time_us']:.2f} us, folded {records[1]['time_us']:.2f} us")
+    return records
+
+
 def print_linear_table(records: list[dict]) -> None:
-    print(f"{'case':<46}{'backend':<24}{'µs':>8}{'TB/s':>7}{'vs peer':>9}  config")
+    print(f"{'case':<64}{'backend':<32}{'µs':>8}{'TB/s':>7}{'vs peer':>9}  config")
     for r in records:
         c = r.get("config")
         cfg = f"n{c['block_n']} k{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}" if c else ""
         ratio = f"{r['ratio_to_peer']:.2f}x" if r.get("ratio_to_peer") else ""
-        print(f"{r['case']:<46}{r['backend']:<24}{r['time_us']:>8.2f}{r['tb_s']:>7.2f}{ratio:>9}  {cfg}")
+        print(f"{r['case']:<64}{r['backend']:<32}{r['time_us']:>8.2f}{r['tb_s']:>7.2f}{ratio:>9}  {cfg}")
 
 
 def run_linear(args, batches: list[int]) -> int:
-    """``fnattn bench linear``: every shape at every row count; JSON at ``args.out``."""
+    """``fnattn bench linear``: every shape and fold pair at every row count; JSON at ``args.out``."""
     import shlex
     import signal
 
@@ -160,6 +217,8 @@ def run_linear(args, batches: list[int]) -> int:
             for name, K, N, act in SHAPES:
                 records += linear_case(rows=rows, name=name, K=K, N=N, act=act, sweep=not args.no_sweep,
                                        log=lambda line: print(line, file=sys.stderr))
+            for name, K, N in FOLD_PAIRS:
+                records += fold_case(rows=rows, name=name, K=K, N=N, log=lambda line: print(line, file=sys.stderr))
     finally:
         if records:
             with_ratios(records)

@@ -126,6 +126,77 @@ def test_skinny_linear_replays_in_a_cuda_graph(record):
     _check(record, "skinny_linear up + silu_mul down, graph replay", out, want, 2e-2)
 
 
+# A decode step's residual-add + RMSNorm folded into the projections around it: the output projections
+# (K -> hidden 1024) add the residual, the input projections (hidden 1024 -> N) normalize on load.
+@pytest.mark.parametrize("M", [1, 7, 16])
+@pytest.mark.parametrize("N", [8224, 5120, 7168])
+def test_skinny_linear_norm_prologue(M, N, record):
+    pytest.importorskip("triton")
+    from fnattn.kernels.skinny_linear import SkinnyConfig, pick_config, skinny_linear, skinny_linear_ref
+
+    K = 1024
+    x, w = _randn(M, K, seed=30, scale=4.0), _randn(N, K, seed=31, scale=K ** -0.5)
+    norm = (_randn(K, seed=32, scale=0.1), 1e-6, 1.0)
+    got = skinny_linear(x, w, norm=norm)
+    split = pick_config(M, N, K, BF16).split_k
+    _check(record, f"skinny_linear norm(1+w) M{M} K{K} N{N} split{split} vs fp32 ref", got,
+           skinny_linear_ref(x, w, norm=norm), 1e-2)
+    with fused.unfused():
+        want = fused.linear(x, w, norm=norm)
+    _check(record, f"fused.linear norm(1+w) M{M} K{K} N{N} vs unfused", fused.linear(x, w, norm=norm), want, 1e-2)
+    if M == 1:  # split-K: every piece computes the whole row's statistics
+        cfg = SkinnyConfig(32, 128, split_k=4)
+        _check(record, f"skinny_linear norm(1+w) M{M} K{K} N{N} split4", skinny_linear(x, w, norm=norm, config=cfg),
+               skinny_linear_ref(x, w, norm=norm), 1e-2)
+
+
+@pytest.mark.parametrize("M", [1, 7, 16])
+@pytest.mark.parametrize("K", [2048, 3584])
+def test_skinny_linear_residual_epilogue(M, K, record):
+    pytest.importorskip("triton")
+    from fnattn.kernels.skinny_linear import pick_config, skinny_linear, skinny_linear_ref
+
+    N = 1024
+    x, w, res = _randn(M, K, seed=33), _randn(N, K, seed=34, scale=K ** -0.5), _randn(M, N, seed=35, scale=4.0)
+    got = skinny_linear(x, w, residual=res)
+    split = pick_config(M, N, K, BF16).split_k
+    _check(record, f"skinny_linear residual M{M} K{K} N{N} split{split} vs fp32 ref", got,
+           skinny_linear_ref(x, w, residual=res), 1e-2)
+    with fused.unfused():
+        want = fused.linear(x, w, residual=res)
+    _check(record, f"fused.linear residual M{M} K{K} N{N} vs unfused", fused.linear(x, w, residual=res), want, 1e-2)
+    both = (_randn(K, seed=36, scale=0.1), 1e-6, 0.0)
+    _check(record, f"skinny_linear residual + norm(w) M{M} K{K} N{N} vs fp32 ref",
+           skinny_linear(x, w, residual=res, norm=both), skinny_linear_ref(x, w, residual=res, norm=both), 1e-2)
+
+
+def test_skinny_linear_folds_replay_in_a_cuda_graph(record):
+    """[down-proj + residual; gate_up with the norm on load] captured once, replayed on new buffer contents."""
+    pytest.importorskip("triton")
+    from fnattn.kernels.skinny_linear import skinny_linear, skinny_linear_ref
+
+    act, res = _randn(4, 3584, seed=37), _randn(4, 1024, seed=38, scale=4.0)
+    w_down, w_up = _randn(1024, 3584, seed=39, scale=3584 ** -0.5), _randn(7168, 1024, seed=40, scale=1 / 32)
+    norm = (_randn(1024, seed=41, scale=0.1), 1e-6, 1.0)
+
+    def step():
+        hidden = skinny_linear(act, w_down, residual=res)
+        return hidden, skinny_linear(hidden, w_up, norm=norm)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        hidden, up = step()
+    act.copy_(_randn(4, 3584, seed=42))
+    res.copy_(_randn(4, 1024, seed=43, scale=4.0))
+    g.replay()
+    want_hidden = skinny_linear_ref(act, w_down, residual=res)
+    _check(record, "skinny_linear down + residual, graph replay", hidden, want_hidden, 1e-2)
+    _check(record, "skinny_linear gate_up with norm(1+w), graph replay", up,
+           skinny_linear_ref(want_hidden, w_up, norm=norm), 2e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 17])
 def test_fused_linear_routes_and_reshapes(rows, record):
     """3-D inputs, strided rows and the 16-row bound (17 rows: cuBLAS) all give F.linear's answer."""

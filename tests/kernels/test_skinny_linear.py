@@ -266,3 +266,26 @@ def test_fold_arguments_name_themselves():
             skinny_linear(kwargs.pop("x"), kwargs.pop("w"), **kwargs)
     with pytest.raises(ValueError, match="norm and act: expected at most one of them"):
         skinny_linear_ref(gu, w, act="silu_mul", norm=(nw, 1e-6, 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_fused_linear_torch_body_with_residual_and_norm(dtype, offset):
+    """Off CUDA `fused.linear` is the unfused truth: rms_norm, F.linear (rounded), then the residual added."""
+    from fnattn.models import fused
+
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(22)).to(dtype)
+    w = (torch.randn(24, 64, generator=torch.Generator().manual_seed(23)) / 8).to(dtype)
+    res = torch.randn(2, 3, 24, generator=torch.Generator().manual_seed(24)).to(dtype)
+    nw = (torch.randn(64, generator=torch.Generator().manual_seed(25)) * 0.2).to(dtype)
+    xf = x.float()
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    h = (h * (1.0 + nw.float())).to(dtype) if offset else h.to(dtype) * nw
+    want_lin = F.linear(h, w)
+    assert torch.equal(fused.linear(x, w, norm=(nw, 1e-6, offset)), want_lin)
+    assert torch.equal(fused.linear(x, w, residual=res), F.linear(x, w) + res)
+    got = fused.linear(x, w, residual=res, norm=(nw, 1e-6, offset))
+    assert got.dtype == dtype and got.shape == (2, 3, 24)
+    assert torch.equal(got, want_lin + res)
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(26)).to(dtype)
+    assert torch.equal(fused.linear(x, w, bias, residual=res), F.linear(x, w, bias) + res)
