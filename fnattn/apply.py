@@ -14,6 +14,7 @@ all its layers when their rows line up.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -217,22 +218,22 @@ class _Where:
 def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_rows) -> list[_Target]:
     storage = state._storage
     where = _Where(layer)  # formatted only when a check fails
-    owners = storage.__dict__.get("_owners")
-    if owners is None:  # (layer, tensor name) -> its pool, fixed for the life of a storage
-        owners = storage._owners = {(lay, t): storage.pools[p] for lay, names in storage.layer_pools.items()
-                                    for p in names for t in storage.pools[p].tensors}
-    pool = owners[(layer, name)]
-    live = pool.tensors[name]
-    space = pool.index_space
+    slots = storage.__dict__.get("_slots")
+    if slots is None:  # (layer, tensor name) -> where its rows go, fixed for the life of a storage
+        slots = storage._slots = {
+            (lay, t): (pool, pool.tensors[t], pool.index_space == "token",
+                       pool.tensors[t].shape[3:] if pool.index_space == "token" else pool.tensors[t].shape[2:],
+                       pool.position(lay))
+            for lay, names in storage.layer_pools.items() for p in names
+            for pool in (storage.pools[p],) for t in pool.tensors}
+    pool, live, token_space, row, position = slots[(layer, name)]
     value = w.values[name]
-    if space == "token":
+    if token_space:
         index, rows = token_rows, batch.num_tokens
-        row = live.shape[3:]
     else:
         index, rows = state_rows, batch.recurrent_write_rows.shape[0]
-        row = live.shape[2:]
     if value is None:
-        if space != "request" or not batch.ring:
+        if token_space or not batch.ring:
             fail(where, name, "a tensor (only per-request states of a ring batch may be written in place)", None)
         if storage.ring_lent != (batch.state_version, w.session):
             raise StaleDeltasError(f"{where}: `{name}` was written in place into the spare ring rows of step "
@@ -241,18 +242,19 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
         return []
     if not isinstance(value, Tensor) or value.layout != torch.strided:
         fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
-    if value.shape != (rows, *row):
-        fail(where, name, f"shape {(rows, *row)}", tuple(value.shape))
+    shape = value.shape
+    if shape[1:] != row or shape[0] != rows:
+        fail(where, name, f"shape {(rows, *row)}", tuple(shape))
     if value.dtype != live.dtype:
         fail(where, name, f"dtype {live.dtype} (no silent casts)", value.dtype)
-    if value.device != live.device:
+    if value.get_device() != live.get_device() or value.device.type != live.device.type:
         fail(where, name, f"a tensor on {live.device}", value.device)
     if value.numel() and _overlaps_storage(value, storage):
         fail(where, name, "a tensor that does not share memory with the State's storage (clone it)",
              "memory of the storage")
     every_row = index is batch.slot_mapping or (index is batch.recurrent_write_rows and (
         batch.phase != "verify" or batch.ring > 0))
-    return [_Target(pool.name, name, pool.position(layer), index, value.detach(), every_row)]
+    return [_Target(pool.name, name, position, index, value.detach(), every_row)]
 
 
 def _span(t: Tensor):
@@ -268,10 +270,26 @@ def _overlaps_storage(value: Tensor, storage) -> bool:
     """Whether the memory behind ``value`` overlaps any tensor of the State's storage."""
     spans = storage.__dict__.get("_spans")
     if spans is None:  # the pools' tensors are fixed for the life of a storage: their spans once
-        spans = storage._spans = [s for p in storage.pools.values() for t in p.tensors.values()
-                                  if (s := _span(t)) is not None]
+        spans = storage._spans = _disjoint_spans(storage)
     v = _span(value)
-    return v is not None and any(d == v[0] and lo < v[2] and v[1] < hi for d, lo, hi in spans)
+    if v is None or v[0] not in spans:
+        return False
+    starts, ends = spans[v[0]]
+    i = bisect.bisect_left(starts, v[2])  # spans starting before value's end; the last one ends latest
+    return i > 0 and ends[i - 1] > v[1]
+
+
+def _disjoint_spans(storage) -> dict:
+    """device -> (starts, ends) of the distinct storages behind the pools' tensors, sorted. Distinct storages
+    never share memory, so the spans are disjoint and ends rise with starts."""
+    spans = {s for p in storage.pools.values() for t in p.tensors.values()
+             if (s := _span(t)) is not None and s[2] > s[1]}  # an empty storage holds no memory to overlap
+    out: dict = {}
+    for device, lo, hi in sorted(spans, key=lambda s: (str(s[0]), s[1])):
+        starts, ends = out.setdefault(device, ([], []))
+        starts.append(lo)
+        ends.append(hi)
+    return out
 
 
 def write_step(pools, targets: list[_Target]) -> None:

@@ -64,7 +64,12 @@ class Writes:
         return self.values[name]
 
     def bound(self, *, layer: int, step: int, session: int) -> "Writes":
-        return replace(self, layer=layer, step=step, session=session)
+        # The values were checked when this Writes was made: a bound copy needs no second pass (a session
+        # binds every layer's writes every step).
+        out = object.__new__(Writes)
+        for name, value in (("values", self.values), ("layer", layer), ("step", step), ("session", session)):
+            object.__setattr__(out, name, value)
+        return out
 
 
 def writes(**values: Tensor | None) -> Writes:

@@ -371,13 +371,18 @@ class State:
         if isinstance(layer, bool) or not isinstance(layer, int):
             fail("State.views", "layer", "an int layer index", layer)
         self.spec(layer)
-        parts = {}
-        for name in self._storage.layer_pools[layer]:
-            pool = self._storage.pools[name]
-            pos = pool.position(layer)
-            for t, tensor in pool.tensors.items():
-                parts[t] = tensor[pos]
-        return Views(parts)
+        # The pools' tensors are fixed for the life of a storage, so are a layer's views of them: built once.
+        cache = self._storage.__dict__.setdefault("_views", {})
+        views = cache.get(layer)
+        if views is None:
+            parts = {}
+            for name in self._storage.layer_pools[layer]:
+                pool = self._storage.pools[name]
+                pos = pool.position(layer)
+                for t, tensor in pool.tensors.items():
+                    parts[t] = tensor[pos]
+            views = cache[layer] = Views(parts)
+        return views
 
     @property
     def lineage(self) -> int:
