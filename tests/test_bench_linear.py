@@ -1,6 +1,6 @@
 """`fnattn bench linear` on CPU: it refuses cleanly (no CUDA, rows out of the kernel's range), its sweep grid
-holds only configs the kernel takes, and a case's records (and a fold case's) (with a stand-in timer over the interpreted kernel)
-say what they promise. The timings themselves run on a GPU."""
+holds only configs the kernel takes, and a case's records and a fold case's (with a stand-in timer over the
+interpreted kernel) say what they promise. The timings themselves run on a GPU."""
 
 import itertools
 import os
@@ -15,7 +15,17 @@ from fnattn.kernels.skinny_linear import pick_config  # noqa: E402
 
 from fnattn.bench import with_ratios  # noqa: E402
 from fnattn.bench.linear import (  # noqa: E402
-    CALLS, FMA_PRODUCTS, FMA_ROWS, FOLD_EPS, GRID, SHAPES, fold_case, linear_case, print_linear_table, sweep_configs)
+    CALLS,
+    FMA_PRODUCTS,
+    FMA_ROWS,
+    FOLD_EPS,
+    GRID,
+    SHAPES,
+    fold_case,
+    linear_case,
+    print_linear_table,
+    sweep_configs,
+)
 from fnattn.cli import main  # noqa: E402
 
 

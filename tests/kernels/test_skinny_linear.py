@@ -11,8 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from fnattn.kernels.skinny_linear import (  # noqa: E402
-    SkinnyConfig, pick_config, rms_norm_ref, skinny_linear, skinny_linear_ref)
+from fnattn.kernels.skinny_linear import SkinnyConfig, pick_config, rms_norm_ref, skinny_linear, skinny_linear_ref  # noqa: E402
 from fnattn.models.common import rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
