@@ -26,6 +26,7 @@ from .deltas import CursorAdvance
 from .staging import Staging
 
 PHASES = ("prefill", "decode", "verify")
+LOGITS_FOR = ("all", "last")
 #: Page and recurrent slot of pad lanes (State.NULL_PAGE / NULL_SLOT).
 _NULL = 0
 RECOVERY = ("native", "replay")
@@ -54,6 +55,7 @@ class Batch:
     host_ring_pos: tuple[int, ...] = ()  # [B] current ring position of each request's recurrent state
     ring: int = 0  # ring rows per slot when new states go to spare ring rows; 0: they overwrite the current row
     ring_size: int = 1  # the State's recurrent_ring, whether or not this batch writes into the ring
+    logits_for: str = "all"  # "all": a step returns logits for every new token; "last": each request's last only
 
     @property
     def num_requests(self) -> int:
@@ -136,11 +138,17 @@ class Batch:
 
     # --------------------------------------------------------------- builders
     @staticmethod
-    def prefill(state, counts: Mapping[int, int]) -> "Batch":
-        """New tokens after each request's cached prefix (fresh, prefixed or chunked)."""
+    def prefill(state, counts: Mapping[int, int], *, logits_for: str = "all") -> "Batch":
+        """New tokens after each request's cached prefix (fresh, prefixed or chunked).
+
+        ``logits_for="last"``: the step returns logits for each request's last new token only ``[B, V]``
+        (what sampling the next token needs), instead of every token's ``[T, V]``.
+        """
         if not isinstance(counts, Mapping) or not counts:
             fail("Batch.prefill", "counts", "a non-empty mapping request id -> new token count", counts)
-        return _build(state, "prefill", dict(counts), num_draft=0)
+        if logits_for not in LOGITS_FOR:
+            fail("Batch.prefill", "logits_for", f"one of {LOGITS_FOR}", logits_for)
+        return _build(state, "prefill", dict(counts), num_draft=0, logits_for=logits_for)
 
     @staticmethod
     def decode(state, request_ids: Iterable[int], *, pad_to: int | None = None,
@@ -220,7 +228,7 @@ def pad_lane(lane: int, tokens: int, page_size: int) -> PadLane:
 
 def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None,
            recovery: str = "native", pad_to: int | None = None, columns: int | None = None,
-           pad_tokens: int = 1, staging=None) -> Batch:
+           pad_tokens: int = 1, staging=None, logits_for: str = "all") -> Batch:
     where = f"Batch.{phase}"
     from .state import State
 
@@ -275,6 +283,7 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         host_ring_pos=tuple(r.ring_pos for r, _ in reqs),
         ring=ring,
         ring_size=state.recurrent_ring,
+        logits_for=logits_for,
     )
     return batch
 
@@ -343,7 +352,7 @@ def _recurrent_rows(state, phase: str, reqs) -> tuple[list[int], list[int], int]
 
 _TENSORS = ("cu_seqlens", "cache_lens", "positions", "block_table", "slot_mapping", "recurrent_slots",
             "recurrent_write_rows")
-_STATIC = ("phase", "request_ids", "page_size", "num_draft", "recovery", "state_version", "step_id",
+_STATIC = ("phase", "request_ids", "page_size", "num_draft", "recovery", "state_version", "step_id", "logits_for",
            "host_new_lens", "host_cache_lens", "host_pages", "host_ring_pos", "ring", "ring_size")
 optree.register_pytree_node(
     Batch,

@@ -11,6 +11,7 @@ Dimension glossary
 ------------------
 =========  ==============================================================
 ``T``      new tokens in this step, all requests packed together
+``Tl``     rows a step returns logits for: ``T``, or ``B`` when ``batch.logits_for == "last"``
 ``B``      requests in this step
 ``B1``     ``B + 1`` (cumulative offsets)
 ``Hq``     query heads

@@ -39,8 +39,14 @@ def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence
             align: int | None = None):
     """Feed each prompt after its request's cursor; ``-> (state, {rid: last logits})``.
 
+    Each step's batch asks for the last token's logits only (``Batch.prefill(..., logits_for="last")``); a
+    step that returns every token's logits anyway is read at each request's last row.
+
     ``align`` (with a ``chunk`` that is a multiple of it): every chunk but a prompt's last ends at a cache
-    position that is a multiple of ``align`` (a page boundary, where ``prefix_checkpoints`` keeps copies)."""
+    position that is a multiple of ``align`` (a page boundary, where ``prefix_checkpoints`` keeps copies).
+
+    An error from a step leaves the given handle stale (room was reserved first): the exception's ``state``
+    is the live State, with the chunks fed before it applied and nothing of the failed one."""
     if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
         fail("prefill", "chunk", "a positive int or None", chunk)
     if align is not None and (chunk is None or chunk % align):
@@ -49,20 +55,41 @@ def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence
     for r, p in pending.items():
         if not p:
             fail("prefill", f"prompts[{r}]", "at least one token", p)
-    last = {}
+    last: dict = {}
     while pending:
         counts = {r: len(p) if chunk is None else min(chunk - (state.request(r).length % align if align else 0),
                                                        len(p)) for r, p in pending.items()}
         state = state.reserve(counts)
-        batch = Batch.prefill(state, counts)
-        tokens = torch.tensor([t for r in batch.request_ids for t in pending[r][: counts[r]]],
-                              dtype=torch.long, device=state.device)
-        state, logits = run_step(step, params, model_attention, state, batch, tokens)
-        ends = batch.host_cu_seqlens[1:]
-        for b, r in enumerate(batch.request_ids):
-            last[r] = logits[ends[b] - 1]
-            pending[r] = pending[r][counts[r]:]
+        try:
+            state = _prefill_step(step, params, model_attention, state, counts, pending, last)
+        except Exception as e:
+            # The caller's handle went stale with the reserve: hand back the live one (the prompts fed so far
+            # applied, nothing of the step that failed).
+            e.state = state
+            raise
         pending = {r: p for r, p in pending.items() if p}
+    return state, last
+
+
+def _prefill_step(step, params, model_attention, state, counts, pending, last):
+    """One chunk of every pending prompt; fills ``last`` and trims ``pending``; ``-> the state after``."""
+    batch = Batch.prefill(state, counts, logits_for="last")
+    tokens = torch.tensor([t for r in batch.request_ids for t in pending[r][: counts[r]]],
+                          dtype=torch.long, device=state.device)
+    with model_attention.session(state, batch) as session:
+        logits, deltas = step(params, session, tokens)
+    if logits.shape[0] == batch.num_requests:  # one row per request, as the batch asked
+        rows = range(batch.num_requests)
+    elif logits.shape[0] == batch.num_tokens:
+        rows = [end - 1 for end in batch.host_cu_seqlens[1:]]
+    else:  # refused before the apply
+        fail("prefill", "step", f"logits of {batch.num_requests} rows (each request's last token) or "
+             f"{batch.num_tokens} (every token)", tuple(logits.shape))
+    state = state.apply(deltas)
+    for b, r in zip(rows, batch.request_ids):
+        last[r] = logits[b]
+        pending[r] = pending[r][counts[r]:]
+    return state
     return state, last
 
 

@@ -32,7 +32,7 @@ from fnattn import SparseQueryMetadata, StepDeltas
 from fnattn.checks import checked
 
 from . import deepseek_v32 as ds
-from .common import check_tokens, rms_norm, rope_cos_sin
+from .common import check_tokens, logit_rows, rms_norm, rope_cos_sin
 from .mtp import DraftModel, check_step_inputs, draft_weights
 
 
@@ -97,7 +97,7 @@ def draft(cfg: ds.DeepseekConfig, target_params: ds.Params, weights: Mapping | N
 
 @checked
 def step(params: NextNParams, session, tokens: Int[Tensor, " T"], hidden: Float[Tensor, "T D"]
-         ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
+         ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """One draft step: ``tokens[i]`` follows the position whose target hidden state is ``hidden[i]``."""
     cfg, batch = params.config, session.batch
     check_step_inputs(f"{cfg.model_type} nextn step", batch, tokens, hidden, cfg.hidden_size)
@@ -111,4 +111,4 @@ def step(params: NextNParams, session, tokens: Int[Tensor, " T"], hidden: Float[
     sparse = SparseQueryMetadata.build(batch, topk=cfg.indexer.topk) if cfg.indexer is not None else None
     x, deltas = ds.decoder_layer(session, params.layer_index, params.layer, cfg, x, cos, sin, sparse, {})
     out = rms_norm(x, params.norm, eps)  # [T, D]
-    return F.linear(out, params.head).float(), out, StepDeltas.collect(batch, [deltas])
+    return F.linear(logit_rows(batch, out), params.head).float(), out, StepDeltas.collect(batch, [deltas])

@@ -44,6 +44,7 @@ from .common import (
     check_config_value,
     check_tokens,
     grouped_topk,
+    logit_rows,
     moe_sum,
     rms_norm,
     rope_cos_sin,
@@ -459,7 +460,7 @@ def decoder_layer(session, i: int, layer: Layer, cfg: DeepseekConfig, x: Float[T
 
 @checked
 def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
-                ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
+                ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """`step` that also returns the final norm's output (lm_head's input), which MTP drafts read."""
     cfg, batch = params.config, session.batch
     if tokens.shape[0] != batch.num_tokens:
@@ -477,11 +478,11 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
         layer_deltas.append(deltas)
     hidden = rms_norm(x, params.norm, cfg.rms_norm_eps)  # [T, D]
     # The cursor advances once, after every layer has read the state.
-    return F.linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    return F.linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked
-def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
+def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "Tl vocab"], StepDeltas]:
     """One step of any phase: ``(params, session, tokens) -> (logits [T, vocab] fp32, deltas)``."""
     logits, _, deltas = step_hidden(params, session, tokens)
     return logits, deltas

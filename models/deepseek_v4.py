@@ -28,7 +28,7 @@ from fnattn.kinds.dsv4 import DSV4Config
 from fnattn.kinds.dsv4.math import rms_norm_fp32w
 from fnattn.tp import all_reduce
 
-from .common import check_config_value, check_tokens, experts, grouped_topk
+from .common import check_config_value, check_tokens, experts, grouped_topk, logit_rows
 from .deepseek_v32 import get_field, rope_tables
 from .dsv4_layer import AttnWeights, attention_inputs, output_projection, unweighted_norm
 from .dsv4_layer import rope_tables as cos_sin
@@ -424,7 +424,7 @@ def collapse(head_hc: tuple[Tensor, Tensor, Tensor], norm: Tensor, streams: Floa
 
 @checked
 def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
-                ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
+                ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """`step` that also returns the final norm's output."""
     cfg, batch = params.config, session.batch
     if tokens.shape[0] != batch.num_tokens:
@@ -441,11 +441,11 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                                         params.inv_freq_compress, tokens)
         layer_deltas.append(deltas)
     hidden = collapse(params.head_hc, params.norm, streams, cfg)
-    return F.linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    return F.linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked
-def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
+def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "Tl vocab"], StepDeltas]:
     """One step of any phase: ``(params, session, tokens) -> (logits [T, vocab] fp32, deltas)``."""
     logits, _, deltas = step_hidden(params, session, tokens)
     return logits, deltas

@@ -32,7 +32,7 @@ from fnattn.kinds.dsv4 import DSV4Config
 from fnattn.kinds.dsv4.math import rms_norm_fp32w
 
 from . import deepseek_v4 as v4
-from .common import check_tokens
+from .common import check_tokens, logit_rows
 from .dsv4_layer import rope_tables as cos_sin
 from .mtp import DraftModel, check_step_inputs, draft_weights
 
@@ -89,7 +89,7 @@ def draft(cfg: v4.DeepseekV4Config, target_params: v4.Params, weights: Mapping |
 
 @checked
 def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Tensor, "T D"]
-         ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
+         ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """One draft step: ``tokens[i]`` follows the position whose target hidden state is ``hidden[i]``."""
     cfg, batch = params.config, session.batch
     check_step_inputs("deepseek_v4 mtp step", batch, tokens, hidden, cfg.hidden_size)
@@ -105,7 +105,7 @@ def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Te
     streams, deltas = v4.decoder_layer(session, params.layer_index, params.layer, params.spec_config, cfg, streams,
                                        ropes, params.inv_freq_compress, tokens)
     out = v4.collapse(params.head_hc, params.norm, streams, cfg)
-    return F.linear(out, params.head).float(), out, StepDeltas.collect(batch, [deltas])
+    return F.linear(logit_rows(batch, out), params.head).float(), out, StepDeltas.collect(batch, [deltas])
 
 
 __all__ = ["draft", "mtp_weight_shapes", "step"]

@@ -39,7 +39,17 @@ from fnattn import Batch, KDAConfig, LayerSpec, MLAConfig, MLAInputs, RecurrentI
 from fnattn.checks import checked, fail
 from fnattn.tp import all_reduce
 
-from .common import SwiGLU, check_config_value, check_tokens, config_field, grouped_topk, moe_sum, rms_norm, swiglu
+from .common import (
+    SwiGLU,
+    check_config_value,
+    check_tokens,
+    config_field,
+    grouped_topk,
+    logit_rows,
+    moe_sum,
+    rms_norm,
+    swiglu,
+)
 from .kda_layer import KDAWeights, kda_finish, kda_project
 from .mla_layer import mla_shapes
 from .registry import Family, register_family
@@ -408,7 +418,7 @@ def _mla_inputs(a: MLAParams, h: Float[Tensor, "T D"], cfg: KimiLinearConfig) ->
 
 
 @checked
-def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
+def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "Tl vocab"], StepDeltas]:
     """One step of any phase: ``(params, session, tokens) -> (logits, deltas)``.
 
     No layer reads positions: KDA is recurrent and the MLA has no rope.
@@ -438,7 +448,7 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
         x = x + all_reduce(attn)  # o_proj and the MLPs' down projections are row-parallel under TP
         h = rms_norm(x, layer.post_norm, cfg.rms_eps)
         x = x + all_reduce(_moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoEParams) else swiglu(h, *layer.mlp))
-    logits = F.linear(rms_norm(x, params.norm, cfg.rms_eps), params.lm_head)
+    logits = F.linear(rms_norm(logit_rows(batch, x), params.norm, cfg.rms_eps), params.lm_head)
     # The cursor advances once, after every layer has read the state.
     return logits.float(), StepDeltas.collect(batch, layer_deltas)
 

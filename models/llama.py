@@ -33,6 +33,7 @@ from .common import (
     check_tokens,
     config_field,
     llama3_inv_freq,
+    logit_rows,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
@@ -250,7 +251,7 @@ def attention(session, i: int, w: Layer, h: Float[Tensor, "T D"], cos: Tensor, s
 
 @checked
 def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
-                ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
+                ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """`step` that also returns the final norm's output (lm_head's input)."""
     cfg, batch = params.config, session.batch
     if tokens.shape[0] != batch.num_tokens:
@@ -266,11 +267,11 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
         x = x + all_reduce(layer.mlp(rms_norm(x, layer.post_norm, cfg.rms_norm_eps)))
     hidden = rms_norm(x, params.norm, cfg.rms_norm_eps)
     # The cursor advances once, after every layer has read the state.
-    return F.linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    return F.linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked
-def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
+def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "Tl vocab"], StepDeltas]:
     """One step of any phase: ``(params, session, tokens) -> (logits, deltas)``."""
     logits, _, deltas = step_hidden(params, session, tokens)
     return logits, deltas

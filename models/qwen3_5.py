@@ -41,6 +41,7 @@ from .common import (
     SwiGLU,
     check_tokens,
     config_field,
+    logit_rows,
     moe_sum,
     rope_cos_sin,
     rope_inv_freq,
@@ -459,7 +460,7 @@ def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: T
 
 @checked
 def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
-                ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
+                ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """`step` that also returns the final norm's output (lm_head's input), which MTP drafts read.
 
     Each layer's MLP output is added to the residual stream by the next norm (one fused add + RMSNorm),
@@ -482,11 +483,11 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
         layer_deltas.append(deltas)
     x, hidden = add_rms_norm_offset_(y, x, params.norm, eps)  # [T, D]
     # The cursor advances once, after every layer has read the state.
-    return linear(hidden, params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    return linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked
-def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
+def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "Tl vocab"], StepDeltas]:
     """One step of any phase: ``(params, session, tokens) -> (logits, deltas)``."""
     logits, _, deltas = step_hidden(params, session, tokens)
     return logits, deltas

@@ -30,7 +30,7 @@ from fnattn import StepDeltas
 from fnattn.checks import checked
 
 from . import qwen3_5 as q
-from .common import check_tokens, rms_norm, rope_cos_sin
+from .common import check_tokens, logit_rows, rms_norm, rope_cos_sin
 from .mtp import DraftModel, check_step_inputs, draft_weights
 
 MARKER = "mtp.fc.weight"
@@ -91,7 +91,7 @@ def draft(cfg: q.QwenConfig, target_params: q.Params, weights: Mapping | None = 
 
 @checked
 def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Tensor, "T D"]
-         ) -> tuple[Float[Tensor, "T vocab"], Float[Tensor, "T D"], StepDeltas]:
+         ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """One draft step: ``tokens[i]`` follows the position whose target hidden state is ``hidden[i]``."""
     cfg, batch = params.config, session.batch
     check_step_inputs(f"{cfg.model_type} mtp step", batch, tokens, hidden, cfg.hidden_size)
@@ -106,4 +106,4 @@ def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Te
         x, deltas = q.decoder_layer(session, params.first_layer + j, layer, x, cos, sin, cfg)
         layer_deltas.append(deltas)
     out = rms_norm(x, params.norm, eps, offset=1.0)  # [T, D]
-    return F.linear(out, params.lm_head).float(), out, StepDeltas.collect(batch, layer_deltas)
+    return F.linear(logit_rows(batch, out), params.lm_head).float(), out, StepDeltas.collect(batch, layer_deltas)

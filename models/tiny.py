@@ -16,7 +16,7 @@ from torch import Tensor
 from fnattn import Batch, FullAttentionConfig, FullAttentionInputs, LayerSpec, StepDeltas
 from fnattn.checks import checked, fail
 
-from .common import apply_rope, check_tokens, rms_norm, rope_cos_sin, rope_inv_freq
+from .common import apply_rope, check_tokens, logit_rows, rms_norm, rope_cos_sin, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _rope(cfg: TinyConfig, batch: Batch) -> tuple[Float[Tensor, "T D"], Float[Te
 
 
 @checked
-def step(params: dict, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "T vocab"], StepDeltas]:
+def step(params: dict, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tensor, "Tl vocab"], StepDeltas]:
     """One step of any phase: ``(params, session, tokens) -> (logits, deltas)``."""
     logits, _, deltas = step_hidden(params, session, tokens)
     return logits, deltas
@@ -106,7 +106,7 @@ def step_hidden(params: dict, session, tokens: Int[Tensor, " T"]):
         h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
         x = x + (torch.nn.functional.silu(h @ p["gate"].T) * (h @ p["up"].T)) @ p["down"].T
     hidden = rms_norm(x, params["norm"], cfg.rms_eps)
-    logits = hidden @ params["lm_head"].T
+    logits = logit_rows(batch, hidden) @ params["lm_head"].T
     # The cursor advances once, after every layer has read the state.
     return logits.float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
@@ -156,4 +156,5 @@ def draft_step(params: dict, session, tokens: Int[Tensor, " T"], hidden: Float[T
     h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
     x = x + (torch.nn.functional.silu(h @ p["gate"].T) * (h @ p["up"].T)) @ p["down"].T
     hidden_out = rms_norm(x, target["norm"], cfg.rms_eps)
-    return (hidden_out @ target["lm_head"].T).float(), hidden_out, StepDeltas.collect(batch, [deltas])
+    logits = (logit_rows(batch, hidden_out) @ target["lm_head"].T).float()
+    return logits, hidden_out, StepDeltas.collect(batch, [deltas])

@@ -5,7 +5,7 @@ Weights are random (`models.registry.random_checkpoint` of the family's config d
 bf16 on CUDA and fp32 on CPU. For each prompt length P and batch B:
 
 - prefill: one step of B prompts of P tokens through the driver (the session, every layer, the apply),
-  when B * P fits ``--prefill-tokens``; tok/s = B * P / time;
+  when B * P fits ``--prefill-tokens``, with logits for each prompt's last token only; tok/s = B * P / time;
 - decode: ``--steps`` steps over B requests holding P cached tokens (random K/V and recurrent rows, as
   `bench.setup.cached_state` fills them), eager (`driver.run_step`: session, step, apply) and, where
   `fnattn.graph.StepRunner` captures, replayed from CUDA graphs; the median step and B / step tok/s;
@@ -142,7 +142,8 @@ def time_prefill(model, ma, device, batch: int, prompt: int, *, page_size: int, 
         for r in range(batch):
             st = st.admit(r)
         st = st.reserve({r: prompt for r in range(batch)})
-        b = Batch.prefill(st, {r: prompt for r in range(batch)})
+        # logits for each prompt's last token only, as a server samples (and as transformers' logits_to_keep=1)
+        b = Batch.prefill(st, {r: prompt for r in range(batch)}, logits_for="last")
         tokens = _tokens(b.num_tokens, model.config.vocab_size, device, i)
         _sync(device)
         t0 = time.perf_counter()
