@@ -5,7 +5,8 @@ The delta-rule math for one sequence (`gdn_naive`, fp32 torch) is the reference 
 GDN / KDA kernels and the arithmetic of `fnattn.kinds.delta_rule`. Of the attention
 kernels (paged_attention, lse_merge, scatter), only `scatter_kv` / `scatter_rows`
 write into their arguments. `skinny_linear` is ``x @ w.T`` for decode-sized ``x``
-(at most 64 rows), optionally with SwiGLU's SiLU-and-mul fused into its load.
+(at most 64 rows), optionally with SwiGLU's SiLU-and-mul or an RMSNorm folded into its load and a
+residual added to its result (``norm=``, ``residual=``), and `gdn_gating` is GDN's g and beta in one launch.
 """
 
 import importlib
