@@ -4,7 +4,7 @@
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh parity
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
 #   ... graphs | model | profile | model-long | fused | mla: captured steps, the whole model, its profile,
-#   the fused paths, the MLA fast paths
+#   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -49,6 +49,10 @@ case "${1:-}" in
     part 500 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 8 32 --prompt 8192 \
         --out "$out/bench_model_qwen3_5_0.8b_p8192.json" --png "$out/bench_model_qwen3_5_0.8b_p8192.png"
     ;;
+  linear)  # the skinny GEMV against cuBLAS, its folds (residual add, RMSNorm) against FlashInfer's add + RMSNorm
+    part 300 python -m fnattn bench linear --batch 1 --out "$out/bench_linear_b1.json"
+    part 200 python -m fnattn bench linear --batch 8 16 --no-sweep --out "$out/bench_linear_b8_16.json"
+    ;;
   mla)  # MLA / sparse MLA fast paths against the references
     part 200 env FNATTN_GPU_RESULTS="$out/mla_parity_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/mla_parity.json" -- tests/gpu/test_mla_backends_gpu.py
@@ -65,7 +69,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|model-long|fused|mla" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|model-long|fused|mla|linear" >&2
     exit 2
     ;;
 esac
