@@ -358,3 +358,20 @@ def test_staging_refuses_values_that_do_not_fit_its_lanes():
     st = fa.State((gdn_spec(),), num_pages=4, page_size=4, max_requests=1)
     with pytest.raises(ValueError, match="`staging`"):
         fa.Batch.decode(st, (), pad_to=1, columns=1, staging=object())
+
+
+def test_a_gpu_batch_is_packed_one_buffer_per_dtype_with_the_plain_values():
+    from fnattn.batch import TENSOR_DTYPES, _packed, expected_tensors
+
+    _, runner, st = _tiny()
+    reqs = [(st.request(0), 1), (st.request(1), 1)]
+    values, _ = expected_tensors(st, "decode", reqs, columns=runner.columns(st))
+    packed = _packed(values, st.device, pin=False)  # the CUDA layout, built on the CPU without pinning
+    storages = {}
+    for name, v in values.items():
+        plain = torch.tensor(v, dtype=TENSOR_DTYPES[name])
+        assert packed[name].dtype == plain.dtype and torch.equal(packed[name], plain), name
+        storages.setdefault(plain.dtype, set()).add(packed[name].untyped_storage().data_ptr())
+    assert all(len(p) == 1 for p in storages.values())
+    manifest, bucket = runner.manifest, Bucket("decode", 2, 0, runner.columns(st))
+    check_lanes(manifest, bucket, {"tokens": torch.zeros(2, dtype=torch.int64), **packed}, st.device)
