@@ -16,7 +16,8 @@ from .workspace import Workspace
 
 #: How the built-in backends rank when ``prefer`` is not given; backends a user
 #: registered come first (newest first): registering one is asking for it.
-DEFAULT_PREFER = ("triton_fused", "triton", "flashmla", "flashinfer", "sgl_kernel", "fla", "sdpa", "reference")
+DEFAULT_PREFER = ("triton_fused", "triton", "flashmla", "flashinfer", "sgl_kernel", "fla", "sdpa", "torch",
+                  "reference")
 
 
 @dataclass(frozen=True)
