@@ -15,6 +15,11 @@ arithmetic (fp32, the same op order) and its reads and writes:
 A request with nothing cached starts from zeros (its slot may hold a released
 request's rows; pad lanes read the null slot). The new states and windows leave
 as the layer's writes, one row per request, as the reference's do.
+
+Verify stays the reference's: a native verify and the replay of its accepted
+tokens must leave the same bits, and batched CPU kernels round a row by the
+shape of the batch around it (one ulp, measured on KDA), which a replay's
+per-request counts change.
 """
 
 from __future__ import annotations
