@@ -118,7 +118,22 @@ def test_transformers_peer_runs_our_weights(tied):
     torch.testing.assert_close(last[0], theirs.float(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("argv", [["--family", "nope"], ["--batch", "0"], ["--prompt", "-1"], ["--steps", "0"]])
+def test_profile_on_a_cpu_splits_a_step_into_torch_ops(tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["bench", "model", "--shape", "tiny", "--batch", "2", "--prompt", "16", "--steps", "2",
+                 "--no-transformers", "--profile", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "--profile 2" in doc["command"]
+    (rec,) = [r for r in doc["records"] if r["backend"] == "fnattn eager profile"]
+    p = rec["profile"]
+    assert p["device"] == "cpu" and p["steps"] == 2 and 0 < p["busy_us"] <= p["span_us"] and p["kernels"] > 0
+    names = {t["name"] for t in p["top"]}
+    assert any(n in names for n in ("aten::mm", "aten::addmm", "aten::bmm")) and p["by_kind"]["gemm"] > 0
+    assert all(t["us_per_step"] >= 0 and t["per_step"] > 0 for t in p["top"])
+
+
+@pytest.mark.parametrize("argv", [["--family", "nope"], ["--batch", "0"], ["--prompt", "-1"], ["--steps", "0"],
+                                  ["--profile", "-1"]])
 def test_user_mistakes_exit_2_with_one_line(argv, tmp_path, capsys):
     assert main(["bench", "model", *argv, "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

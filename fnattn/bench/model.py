@@ -303,8 +303,8 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
 
     ``prefer``: backend names in order of preference (`ModelAttention`'s ``prefer``; None: its default).
 
-    ``profile``: on CUDA, also profile that many decode steps of each case, eager and replayed
-    (`fnattn.bench.profile`), as records of backend "... profile".
+    ``profile``: also profile that many decode steps of each case, eager and replayed (`fnattn.bench.profile`:
+    kernels on CUDA, leaf torch ops on a CPU), as records of backend "... profile".
 
     ``tp``: a `fnattn.tp.TPGroup` of several ranks: this rank's share of the model (`fnattn.models.tp`),
     timed like a whole one; the transformers peer (a whole model) is skipped."""
@@ -366,7 +366,7 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
                             "bytes": {"weights": wbytes, **moved}, "tok_s": b / (per_step / bw)})
             times, st = time_decode(model, ma, st, b, steps)
             records.append(_record(case, "fnattn eager", "decode", statistics.median(times), b))
-            if profile and dev.type == "cuda":
+            if profile:
                 st = _profile_decode(records, case, "fnattn eager", model, ma, st, b, profile, log)
             if graph:
                 runner, why = _graph_runner(model, ma, b, prompt + room)  # the block table's reserved width

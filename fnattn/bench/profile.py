@@ -1,11 +1,13 @@
-"""Where a step's device time goes: the kernels of a few steps, grouped by name, per step.
+"""Where a step's time goes: the kernels of a few steps (the torch ops on a CPU), grouped by name, per step.
 
 ``fnattn bench model --profile N`` profiles N decode steps of each case, eager and replayed, with
-`torch.profiler` (CUPTI records the kernels a graph replay launches, one by one). Each record says:
+`torch.profiler` (CUPTI records the kernels a graph replay launches, one by one; on a CPU each
+``aten::`` op's own time stands in for kernel time, and the outermost ops for launches). Each record says:
 
 - ``busy_us``: the summed kernel (and device copy) time a step, i.e. what the device is busy with;
-- ``span_us``: first kernel start to last kernel end, over the steps: busy plus the device's idle gaps;
-- ``kernels``: launches a step;
+- ``span_us``: first kernel start to last kernel end, over the steps: busy plus the device's idle gaps
+  (on a CPU: the steps' wall time, the host's Python between the ops included);
+- ``kernels``: launches a step (CPU: the torch calls the step makes, not the ops inside them);
 - ``by_kind``: busy time split into GEMMs, attention / recurrent kernels (Triton and library), element-wise
   and reduction ops, copies (a coarse, name-based split: what to fuse next);
 - ``top``: the kernels taking the most time a step, with their launch counts.
@@ -18,11 +20,14 @@ from collections import defaultdict
 
 import torch
 
-_KINDS = (  # first match wins; names as CUPTI reports them
-    ("copy", re.compile(r"memcpy|memset|copy_kernel|CatArrayBatched|direct_copy", re.I)),
-    ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|sm90_xmma|nvjet|splitKreduce|dot_kernel", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|index_|scatter|gather", re.I)),
-    ("reduce", re.compile(r"reduce|softmax|norm|argmax|topk|sort", re.I)),
+_KINDS = (  # first match wins; names as CUPTI reports them, then torch's op names (a CPU profile)
+    ("copy", re.compile(r"memcpy|memset|copy_kernel|CatArrayBatched|direct_copy|aten::(copy_|cat|clone)$", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|sm90_xmma|nvjet|splitKreduce|dot_kernel"
+                        r"|aten::(mm|addmm|bmm|baddbmm)$", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|index_|scatter|gather"
+                               r"|aten::(add|mul|sub|div|exp|neg|silu|sigmoid|softplus|where|masked_fill|pow"
+                               r"|rsqrt|clamp_min|fill_|zero_)_?$", re.I)),
+    ("reduce", re.compile(r"reduce|softmax|norm|argmax|topk|sort|aten::(sum|mean|amax|max|logsumexp)$", re.I)),
 )
 
 
@@ -35,29 +40,44 @@ def kind_of(name: str) -> str:
 
 def kernel_profile(fn, *, steps: int, device: torch.device, top: int = 25) -> dict:
     """Profile ``steps`` calls of ``fn`` (after one unprofiled call); ``-> the per-step summary`` above."""
+    import time
+
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     fn()
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
         for _ in range(steps):
             fn()
-        torch.cuda.synchronize(device)
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    if not events:
-        return {"steps": steps, "error": "the profiler recorded no device events (CUPTI unavailable?)"}
+        sync()
+        wall = time.perf_counter() - started
     per_name: dict[str, list[float]] = defaultdict(list)
-    for e in events:
-        per_name[e.name].append(e.time_range.end - e.time_range.start)
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        if not events:
+            return {"steps": steps, "error": "the profiler recorded no device events (CUPTI unavailable?)"}
+        for e in events:
+            per_name[e.name].append(e.time_range.end - e.time_range.start)
+        span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+    else:  # every torch op by its own time (its time less the ops inside it); launches: the outermost ops
+        ops = [e for e in prof.events() if e.name.startswith("aten::")]
+        for e in ops:
+            per_name[e.name].append(e.self_cpu_time_total)
+        events = [e for e in ops if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+        span = wall * 1e6
     busy = sum(sum(v) for v in per_name.values())
-    span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
     by_kind: dict[str, float] = defaultdict(float)
     for name, times in per_name.items():
         by_kind[kind_of(name)] += sum(times) / steps
     rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
     return {
         "steps": steps,
+        "device": device.type,
         "busy_us": busy / steps,
         "span_us": span / steps,
         "kernels": len(events) / steps,
@@ -72,7 +92,8 @@ def print_profile(label: str, p: dict, rows: int = 15, log=print) -> None:
         log(f"{label}: {p['error']}")
         return
     kinds = ", ".join(f"{k} {v:.0f}" for k, v in p["by_kind"].items())
+    launches = "torch calls" if p.get("device") == "cpu" else "kernels"
     log(f"{label}: busy {p['busy_us']:.0f} us/step, span {p['span_us']:.0f} us/step, "
-        f"{p['kernels']:.0f} kernels/step ({kinds})")
+        f"{p['kernels']:.0f} {launches}/step ({kinds})")
     for r in p["top"][:rows]:
         log(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:<5.0f} {r['mean_us']:7.2f} us  {r['name'][:100]}")
