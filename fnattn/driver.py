@@ -90,7 +90,6 @@ def _prefill_step(step, params, model_attention, state, counts, pending, last):
         last[r] = logits[b]
         pending[r] = pending[r][counts[r]:]
     return state
-    return state, last
 
 
 def generate(step, params, model_attention, state, prompts: Mapping[int, Sequence[int]], *,

@@ -163,8 +163,8 @@ _SKINNY_ROWS = 16  # measured: at 32 rows cuBLAS's GEMM tiles beat the kernel (s
 
 def _skinny(x: Tensor, w: Tensor, width: int, residual: Tensor | None = None,
             norm: tuple[Tensor, float, float] | None = None) -> bool:
-    """Whether `skinny_linear` takes ``x [..., width] @ w.T``: the kernel applies, at most 64 rows, unit stride
-    within a row (also after flattening the leading dims), ``w`` contiguous; a ``residual`` of the output's
+    """Whether `skinny_linear` takes ``x [..., width] @ w.T``: the kernel applies, at most `_SKINNY_ROWS` rows,
+    unit stride within a row (also after flattening the leading dims), ``w`` contiguous; a ``residual`` of the output's
     shape with unit inner stride and a contiguous norm weight of ``[width]``, both in x's dtype and device."""
     if not (_kernel("triton", x, w) and x.dim() >= 2 and x.shape[-1] == width and x.stride(-1) == 1
             and x.numel() <= _SKINNY_ROWS * max(width, 1) and w.dim() == 2 and w.is_contiguous()):
