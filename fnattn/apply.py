@@ -218,15 +218,15 @@ class _Where:
 def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_rows) -> list[_Target]:
     storage = state._storage
     where = _Where(layer)  # formatted only when a check fails
-    slots = storage.__dict__.get("_slots")
-    if slots is None:  # (layer, tensor name) -> where its rows go, fixed for the life of a storage
-        slots = storage._slots = {
+    layouts = storage.__dict__.get("_layouts")
+    if layouts is None:  # (layer, tensor name) -> where its rows go, fixed for the life of a storage
+        layouts = storage._layouts = {
             (lay, t): (pool, pool.tensors[t], pool.index_space == "token",
                        pool.tensors[t].shape[3:] if pool.index_space == "token" else pool.tensors[t].shape[2:],
                        pool.position(lay))
             for lay, names in storage.layer_pools.items() for p in names
             for pool in (storage.pools[p],) for t in pool.tensors}
-    pool, live, token_space, row, position = slots[(layer, name)]
+    pool, live, token_space, row, position = layouts[(layer, name)]
     value = w.values[name]
     if token_space:
         index, rows = token_rows, batch.num_tokens

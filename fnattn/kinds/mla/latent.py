@@ -91,18 +91,17 @@ def fold_own_rows(q: Float[Tensor, "T H Dq"], o_c: Float[Tensor, "T H R"], lse_c
     ``fnattn.kernels.merge_new_token``); 1 + k verify tokens the torch path.
     """
     R = o_c.shape[-1]
-    if n == 1 and allowed is None and q.is_cuda and importlib.util.find_spec("triton") is not None:
+    fused = n == 1 and q.is_cuda and importlib.util.find_spec("triton") is not None
+    if fused:
         from ...kernels import merge_new_token
-
+    if fused and allowed is None:
         return merge_new_token(o_c, lse_c, q, new[:, None], new[:, None, :R], scale=scale, lse_base2=lse_base2,
                                cache_lens=cache_lens)
     if cache_lens is not None:
         has_keys = (cache_lens > 0).repeat_interleave(n)[:, None]  # [T, 1]
         o_c = torch.where(has_keys[..., None], o_c, 0.0)
         lse_c = no_keys_as_neg_inf(lse_c, has_keys)
-    if n == 1 and q.is_cuda and importlib.util.find_spec("triton") is not None:
-        from ...kernels import merge_new_token
-
+    if fused:
         o, lse = merge_new_token(o_c, lse_c, q, new[:, None], new[:, None, :R], scale=scale, lse_base2=lse_base2)
         # a token whose own row is not among its top-k keeps the cached part alone
         lse_c = lse_c * LN2 if lse_base2 else lse_c
