@@ -80,6 +80,26 @@ def check_out(name, out, shape, device):
         raise ValueError(f"{name}: expected device {device}, got {out.device}")
 
 
+def state_outputs(out_states, out_rows, rows, HV, K, V, state_pool, device, what):
+    """Where a kernel's ``rows`` new states go ``-> out_states``: a fresh [rows, HV, K, V] tensor in the pool's
+    dtype, the caller's ``out_states`` of that shape, or with ``out_rows`` [rows] a caller's pool whose rows
+    ``out_rows`` names (``what``: what one row of out_rows is, for the message)."""
+    if out_rows is not None:
+        if out_states is None:
+            raise ValueError("out_rows: given without out_states (the pool its rows index)")
+        if out_rows.dim() != 1 or out_rows.shape[0] != rows or out_rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"out_rows: expected [{rows}] int64 (one row per {what}), "
+                             f"got shape {tuple(out_rows.shape)} dtype {out_rows.dtype}")
+        if out_rows.device != device:
+            raise ValueError(f"out_rows: expected device {device}, got {out_rows.device}")
+        check_out("out_states", out_states, (out_states.shape[0], HV, K, V), device)
+        return out_states
+    if out_states is None:
+        return torch.empty(rows, HV, K, V, dtype=state_pool.dtype, device=device)
+    check_out("out_states", out_states, (rows, HV, K, V), device)
+    return out_states
+
+
 def inner_contiguous(x):
     """Keep row/head strides (views of a fused projection stay views) but need a unit last stride."""
     return x if x.stride(-1) == 1 else x.contiguous()

@@ -24,7 +24,7 @@ ring rows, never ones `slots` reads).
 import torch
 
 from ._triton import require_triton, tl, triton
-from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, inner_contiguous, pow2
+from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, inner_contiguous, pow2, state_outputs
 from .gdn_conv import causal_conv1d_ref
 from .gdn_recurrent import _delta_token, _store_state, gated_delta_recurrent_ref
 
@@ -169,19 +169,7 @@ def gated_delta_decode_fused(
                                                     state_pool, slots, cu_seqlens, num_k_heads, head_k_dim,
                                                     activation)
     B, C = T, x.shape[1]
-    if out_rows is not None:
-        if out_states is None:
-            raise ValueError("out_rows: given without out_states (the pool its rows index)")
-        if out_rows.dim() != 1 or out_rows.shape[0] != B or out_rows.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"out_rows: expected [{B}] int64 (one row per request), "
-                             f"got shape {tuple(out_rows.shape)} dtype {out_rows.dtype}")
-        if out_rows.device != x.device:
-            raise ValueError(f"out_rows: expected device {x.device}, got {out_rows.device}")
-        check_out("out_states", out_states, (out_states.shape[0], HV, K, V), x.device)
-    elif out_states is None:
-        out_states = torch.empty(B, HV, K, V, dtype=state_pool.dtype, device=x.device)
-    else:
-        check_out("out_states", out_states, (B, HV, K, V), x.device)
+    out_states = state_outputs(out_states, out_rows, B, HV, K, V, state_pool, x.device, "request")
     if out_windows is None:
         out_windows = torch.empty(B, C, W - 1, dtype=conv_state_pool.dtype, device=x.device)
     else:

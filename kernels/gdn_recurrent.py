@@ -13,7 +13,15 @@ spare rows of a ring of state buffers, never the rows being read).
 import torch
 
 from ._triton import require_triton, tl, triton
-from .gdn_common import cdiv, check_gated_delta_args, check_out, inner_contiguous, pow2, start_state, value_heads
+from .gdn_common import (
+    cdiv,
+    check_gated_delta_args,
+    inner_contiguous,
+    pow2,
+    start_state,
+    state_outputs,
+    value_heads,
+)
 from .gdn_naive import gated_delta_recurrent_seq
 
 
@@ -119,19 +127,7 @@ def gated_delta_recurrent(
     require_triton()
     T, Hk, HV, K, V, B, is_kda = check_gated_delta_args(q, k, v, g, beta, state_pool, slots, cu_seqlens)
     rows = T if per_position_states else B
-    if out_rows is not None:
-        if out_states is None:
-            raise ValueError("out_rows: given without out_states (the pool its rows index)")
-        if out_rows.dim() != 1 or out_rows.shape[0] != rows or out_rows.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"out_rows: expected [{rows}] int64 (one row per state), "
-                             f"got shape {tuple(out_rows.shape)} dtype {out_rows.dtype}")
-        if out_rows.device != q.device:
-            raise ValueError(f"out_rows: expected device {q.device}, got {out_rows.device}")
-        check_out("out_states", out_states, (out_states.shape[0], HV, K, V), q.device)
-    elif out_states is None:
-        out_states = torch.empty(rows, HV, K, V, dtype=state_pool.dtype, device=q.device)
-    else:
-        check_out("out_states", out_states, (rows, HV, K, V), q.device)
+    out_states = state_outputs(out_states, out_rows, rows, HV, K, V, state_pool, q.device, "state")
     o = torch.empty(T, HV, V, dtype=v.dtype, device=q.device)
     if B == 0:
         return o, out_states
