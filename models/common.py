@@ -43,6 +43,13 @@ def check_tokens(owner: str, tokens: Int[Tensor, " T"], vocab_size: int) -> None
         fail(owner, "tokens", f"ids in 0..{vocab_size - 1}", lo if lo < 0 else hi)
 
 
+def check_step_tokens(owner: str, batch, tokens: Int[Tensor, " T"], vocab_size: int) -> None:
+    """A step's tokens: one per new token of its batch, each id in the vocabulary (`check_tokens`)."""
+    if tokens.shape[0] != batch.num_tokens:
+        fail(owner, "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
+    check_tokens(owner, tokens, vocab_size)
+
+
 REQUIRED = object()  # `config_field`'s default: the field must be present
 
 

@@ -35,14 +35,14 @@ from fnattn import (
     SparseQueryMetadata,
     StepDeltas,
 )
-from fnattn.checks import checked, fail
+from fnattn.checks import checked
 from fnattn.lanes import Lane
 from fnattn.tp import all_reduce
 
 from .common import (
     SwiGLU,
     check_config_value,
-    check_tokens,
+    check_step_tokens,
     grouped_topk,
     logit_rows,
     moe_sum,
@@ -463,9 +463,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                 ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """`step` that also returns the final norm's output (lm_head's input), which MTP drafts read."""
     cfg, batch = params.config, session.batch
-    if tokens.shape[0] != batch.num_tokens:
-        fail(f"{cfg.model_type}.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
-    check_tokens(f"{cfg.model_type}.step", tokens, cfg.vocab_size)
+    check_step_tokens(f"{cfg.model_type}.step", batch, tokens, cfg.vocab_size)
     x = params.embed[tokens]  # [T, D]
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq, attention_scaling=params.attention_scaling,
                             dtype=x.dtype)  # [T, Dr]

@@ -23,12 +23,12 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from fnattn import IndexerConfig, LayerSpec, StepDeltas
-from fnattn.checks import checked, fail
+from fnattn.checks import checked
 from fnattn.kinds.dsv4 import DSV4Config
 from fnattn.kinds.dsv4.math import rms_norm_fp32w
 from fnattn.tp import all_reduce
 
-from .common import check_config_value, check_tokens, experts, grouped_topk, logit_rows
+from .common import check_config_value, check_step_tokens, experts, grouped_topk, logit_rows
 from .deepseek_v32 import get_field, rope_tables
 from .dsv4_layer import AttnWeights, attention_inputs, output_projection, unweighted_norm
 from .dsv4_layer import rope_tables as cos_sin
@@ -427,9 +427,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                 ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """`step` that also returns the final norm's output."""
     cfg, batch = params.config, session.batch
-    if tokens.shape[0] != batch.num_tokens:
-        fail("deepseek_v4.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
-    check_tokens("deepseek_v4.step", tokens, cfg.vocab_size)
+    check_step_tokens("deepseek_v4.step", batch, tokens, cfg.vocab_size)
     x = params.embed[tokens]  # [T, D]
     pos = batch.positions
     ropes = {"main": cos_sin(pos, params.inv_freq_main, x.dtype), "compress": cos_sin(pos, params.inv_freq_compress,

@@ -42,7 +42,7 @@ from fnattn.tp import all_reduce
 from .common import (
     SwiGLU,
     check_config_value,
-    check_tokens,
+    check_step_tokens,
     config_field,
     grouped_topk,
     logit_rows,
@@ -425,9 +425,7 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
     """
     cfg = params.config
     batch: Batch = session.batch
-    if tokens.shape[0] != batch.num_tokens:
-        fail("kimi_linear.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
-    check_tokens("kimi_linear.step", tokens, cfg.vocab_size)
+    check_step_tokens("kimi_linear.step", batch, tokens, cfg.vocab_size)
     T, dt = tokens.shape[0], cfg.dtype  # attention runs in the spec dtype, maybe not the weights'
     x = params.embed[tokens]  # [T, D]
     layer_deltas = []

@@ -30,7 +30,7 @@ from fnattn.tp import all_reduce
 from .common import (
     SwiGLU,
     apply_rope,
-    check_tokens,
+    check_step_tokens,
     config_field,
     llama3_inv_freq,
     logit_rows,
@@ -254,9 +254,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                 ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """`step` that also returns the final norm's output (lm_head's input)."""
     cfg, batch = params.config, session.batch
-    if tokens.shape[0] != batch.num_tokens:
-        fail(f"{cfg.model_type}.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
-    check_tokens(f"{cfg.model_type}.step", tokens, cfg.vocab_size)
+    check_step_tokens(f"{cfg.model_type}.step", batch, tokens, cfg.vocab_size)
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, head_dim] fp32
     x = F.embedding(tokens, params.embed)  # [T, D]
     layer_deltas = []

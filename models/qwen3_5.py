@@ -39,7 +39,7 @@ from fnattn.tp import all_reduce
 from .common import (
     REQUIRED,
     SwiGLU,
-    check_tokens,
+    check_step_tokens,
     config_field,
     logit_rows,
     moe_sum,
@@ -467,9 +467,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     the last one by the final norm.
     """
     cfg, batch = params.config, session.batch
-    if tokens.shape[0] != batch.num_tokens:
-        fail(f"{cfg.model_type}.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
-    check_tokens(f"{cfg.model_type}.step", tokens, cfg.vocab_size)
+    check_step_tokens(f"{cfg.model_type}.step", batch, tokens, cfg.vocab_size)
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim] fp32, once per step
     table = rope_table(cos, sin) if cos.is_cuda else None
     x = F.embedding(tokens, params.embed)  # [T, D]; the residual stream, this step's own tensor

@@ -16,7 +16,7 @@ from torch import Tensor
 from fnattn import Batch, FullAttentionConfig, FullAttentionInputs, LayerSpec, StepDeltas
 from fnattn.checks import checked, fail
 
-from .common import apply_rope, check_tokens, logit_rows, rms_norm, rope_cos_sin, rope_inv_freq
+from .common import apply_rope, check_step_tokens, check_tokens, logit_rows, rms_norm, rope_cos_sin, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,7 @@ def step_hidden(params: dict, session, tokens: Int[Tensor, " T"]):
     """`step` that also returns the final-norm hidden states ``[T, hidden]`` (what a draft model reads)."""
     cfg: TinyConfig = params["config"]
     batch: Batch = session.batch
-    if tokens.shape[0] != batch.num_tokens:
-        fail("tiny.step", "tokens", f"{batch.num_tokens} tokens (the batch's)", tokens.shape[0])
-    check_tokens("tiny.step", tokens, cfg.vocab_size)
+    check_step_tokens("tiny.step", batch, tokens, cfg.vocab_size)
     T, hq, hkv, d = tokens.shape[0], cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin = _rope(cfg, batch)  # [T, head_dim]
     x = params["embed"][tokens]  # [T, hidden]
