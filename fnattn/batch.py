@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .checks import fail
 from .deltas import CursorAdvance
-from .staging import Staging
+from .staging import Staging, packed
 
 PHASES = ("prefill", "decode", "verify")
 LOGITS_FOR = ("all", "last")
@@ -266,7 +266,7 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
     if staging is not None:
         tensors = staging.write(values)
     elif device.type == "cuda":
-        tensors = _packed(values, device)
+        tensors = packed(values, TENSOR_DTYPES, device)
     else:
         tensors = {name: torch.tensor(v, dtype=TENSOR_DTYPES[name], device=device) for name, v in values.items()}
 
@@ -294,26 +294,6 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
 TENSOR_DTYPES = {"cu_seqlens": torch.int32, "cache_lens": torch.int32, "positions": torch.int64,
                  "block_table": torch.int32, "slot_mapping": torch.int64, "recurrent_slots": torch.int64,
                  "recurrent_write_rows": torch.int64}
-
-
-def _packed(values: Mapping[str, list], device: torch.device, *, pin: bool = True) -> dict[str, Tensor]:
-    """A batch's tensors on a GPU as views of one fresh device buffer per dtype, each filled by one
-    non-blocking copy from pinned memory: two copies the host does not wait on instead of seven it does.
-    (The pinned block is not reused before its copy has run: torch's host allocator tracks it.)"""
-    out: dict[str, Tensor] = {}
-    for dtype in (torch.int32, torch.int64):
-        names = [n for n in values if TENSOR_DTYPES[n] == dtype]
-        rows = [values[n] if n != "block_table" else list(itertools.chain.from_iterable(values[n])) for n in names]
-        host = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype, pin_memory=pin)
-        flat = host.to(device, non_blocking=True)
-        start = 0
-        for name, row in zip(names, rows):
-            view = flat[start:start + len(row)]
-            if name == "block_table":
-                view = view.view(len(values[name]), -1)
-            out[name] = view
-            start += len(row)
-    return out
 
 
 def expected_tensors(state, phase: str, reqs, *, columns: int | None = None,

@@ -1,13 +1,16 @@
-"""Staging: a captured step's batch lanes built straight into the graph's buffers, one host copy per dtype.
+"""Staging: a batch's lanes reach the GPU as one buffer per dtype, filled by one non-blocking copy each.
 
-Building a `Batch` the plain way makes one device tensor per field: seven small
-host-to-device copies from pageable memory, each of which the host waits on,
-before a replay can even be launched. A `Staging` holds, for one bucket, one
-pinned host buffer per dtype (int32: ``cu_seqlens``, ``cache_lens``,
-``block_table``; int64: the rest) and its device twin, carved into the batch's
-lanes. The builder writes a batch's values into the pinned buffers and starts
-one non-blocking copy per dtype; the batch's tensors are views of the device
-buffers, which are the graph's own input buffers, so nothing is copied again.
+One device tensor per field would be seven small host-to-device copies from
+pageable memory, each of which the host waits on. `packed` builds a one-off
+batch's lanes as views of a fresh device buffer per dtype (int32: ``cu_seqlens``,
+``cache_lens``, ``block_table``; int64: the rest), copied from pinned memory.
+
+For a captured step the graph's own buffers receive them. A `Staging` holds,
+for one bucket, one pinned host buffer per dtype and its device twin, carved
+into the batch's lanes. The builder writes a batch's values into the pinned
+buffers and starts one non-blocking copy per dtype; the batch's tensors are
+views of the device buffers, which are the graph's own input buffers, so
+nothing is copied again.
 
 A staged batch lives until the next batch is built into the same staging (the
 views are overwritten then): `fnattn.graph.StepRunner` builds one per step and
@@ -61,7 +64,7 @@ class Staging:
             fail("Staging.write", "values", f"the lanes {sorted(self._slices)}", sorted(values))
         flat = {}
         for name, v in values.items():
-            v = list(itertools.chain.from_iterable(v)) if v and isinstance(v[0], (list, tuple)) else v
+            v = _flat(v)
             if len(v) != self._slices[name][2]:
                 fail("Staging.write", f"values[{name!r}]", f"{self._slices[name][2]} values (its staged shape "
                      f"{tuple(self.views[name].shape)})", len(v))
@@ -80,6 +83,31 @@ class Staging:
         return self.views
 
 
+def packed(values: Mapping[str, list], dtypes: Mapping[str, torch.dtype], device: torch.device, *,
+           pin: bool = True) -> dict[str, Tensor]:
+    """A one-off batch's lanes (host values: flat, or rows of a 2-D lane) as views of one fresh device buffer
+    per dtype, each filled by one non-blocking copy from pinned memory (``pin``). The pinned block is not
+    reused before its copy has run: torch's host allocator tracks it."""
+    out: dict[str, Tensor] = {}
+    for dtype in dict.fromkeys(dtypes[n] for n in values):
+        names = [n for n in values if dtypes[n] == dtype]
+        rows = [_flat(values[n]) for n in names]
+        host = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype, pin_memory=pin)
+        flat = host.to(device, non_blocking=True)
+        start = 0
+        for name, row in zip(names, rows):
+            view = flat[start:start + len(row)]
+            two_d = values[name] and isinstance(values[name][0], (list, tuple))
+            out[name] = view.view(len(values[name]), -1) if two_d else view
+            start += len(row)
+    return out
+
+
+def _flat(values: list) -> list:
+    """A lane's host values as one flat list (a 2-D lane's rows joined)."""
+    return list(itertools.chain.from_iterable(values)) if values and isinstance(values[0], (list, tuple)) else values
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -87,4 +115,4 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["Staging"]
+__all__ = ["Staging", "packed"]

@@ -361,17 +361,18 @@ def test_staging_refuses_values_that_do_not_fit_its_lanes():
 
 
 def test_a_gpu_batch_is_packed_one_buffer_per_dtype_with_the_plain_values():
-    from fnattn.batch import TENSOR_DTYPES, _packed, expected_tensors
+    from fnattn.batch import TENSOR_DTYPES, expected_tensors
+    from fnattn.staging import packed
 
     _, runner, st = _tiny()
     reqs = [(st.request(0), 1), (st.request(1), 1)]
     values, _ = expected_tensors(st, "decode", reqs, columns=runner.columns(st))
-    packed = _packed(values, st.device, pin=False)  # the CUDA layout, built on the CPU without pinning
+    lanes = packed(values, TENSOR_DTYPES, st.device, pin=False)  # the CUDA layout, on the CPU without pinning
     storages = {}
     for name, v in values.items():
         plain = torch.tensor(v, dtype=TENSOR_DTYPES[name])
-        assert packed[name].dtype == plain.dtype and torch.equal(packed[name], plain), name
-        storages.setdefault(plain.dtype, set()).add(packed[name].untyped_storage().data_ptr())
+        assert lanes[name].dtype == plain.dtype and torch.equal(lanes[name], plain), name
+        storages.setdefault(plain.dtype, set()).add(lanes[name].untyped_storage().data_ptr())
     assert all(len(p) == 1 for p in storages.values())
     manifest, bucket = runner.manifest, Bucket("decode", 2, 0, runner.columns(st))
-    check_lanes(manifest, bucket, {"tokens": torch.zeros(2, dtype=torch.int64), **packed}, st.device)
+    check_lanes(manifest, bucket, {"tokens": torch.zeros(2, dtype=torch.int64), **lanes}, st.device)
