@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 
-def timed(fn, *, graph: bool = True, warmup: int = 3) -> float:
-    """Median microseconds of ``fn()``; replayed from a CUDA graph when ``graph``."""
+def timed(fn, *, graph: bool = True, warmup: int = 3, bench_warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median microseconds of ``fn()``; replayed from a CUDA graph when ``graph`` (``bench_warmup_ms`` and
+    ``rep_ms``: ``do_bench``'s warm-up and measuring time)."""
     import torch
     from triton.testing import do_bench
 
@@ -37,7 +38,7 @@ def timed(fn, *, graph: bool = True, warmup: int = 3) -> float:
         run = g.replay
     else:
         run = fn
-    return do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
+    return do_bench(run, warmup=bench_warmup_ms, rep=rep_ms, return_mode="median") * 1e3
 
 
 def timed_session(model_attention, state, batch, body, *, graph: bool = True, warmup: int = 3) -> float:

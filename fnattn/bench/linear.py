@@ -72,25 +72,13 @@ def sweep_configs(K: int, rows: int) -> list:
 
 def per_call_us(call, copies: int, *, rep_ms: int = 25) -> float:
     """Median microseconds of one of `CALLS` calls ``call(i)`` (``i``: the weight copy) replayed from a graph."""
-    from triton.testing import do_bench
+    from . import timed
 
     def body():
         for i in range(CALLS):
             call(i % copies)
 
-    body()  # compiles, and the allocator's warm-up
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    us = do_bench(g.replay, warmup=5, rep=rep_ms, return_mode="median") * 1e3
-    del g
-    return us / CALLS
+    return timed(body, warmup=1, bench_warmup_ms=5, rep_ms=rep_ms) / CALLS
 
 
 def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, sweep: bool = True,
