@@ -7,6 +7,7 @@ out; nothing here checks shapes (the callers do) and no input is modified or
 returned as an alias. Heads are already matched: q, k [T, H, K], v [T, H, V].
 
     causal_conv1d_seq         depthwise causal conv continuing from a window [C, W-1]
+    delta_token               one token of the gated delta rule, any leading dims (one request or many)
     gated_delta_recurrent_seq the gated delta rule token by token (decode / verify)
     gated_delta_chunked_seq   the same recurrence chunk by chunk (prefill, WY / UT form)
 
@@ -58,6 +59,16 @@ def _decay_of(g):
     return decay[..., None] if g.dim() == 3 else decay[..., None, None]
 
 
+def delta_token(q, k, v, beta, decay, S):
+    """One token of the gated delta rule on states ``S [..., H, K, V]`` (fp32; ``q`` already scaled, ``decay``
+    exp(g) shaped to broadcast over S): ``-> (o [..., H, V], S after)``. Leading dims are requests or none."""
+    S = S * decay
+    predicted = torch.einsum("...hk,...hkv->...hv", k, S)
+    correction = beta[..., None] * (v - predicted)
+    S = S + k[..., :, None] * correction[..., None, :]
+    return torch.einsum("...hk,...hkv->...hv", q, S), S
+
+
 def gated_delta_recurrent_seq(q, k, v, g, beta, state, *, scale, per_position_states=True):
     """The gated delta rule, one token after another, on a state S [H, K, V]::
 
@@ -76,11 +87,8 @@ def gated_delta_recurrent_seq(q, k, v, g, beta, state, *, scale, per_position_st
     S = state.float()
     outputs, states = [], []
     for t in range(q.shape[0]):
-        S = S * decay[t]
-        predicted = torch.einsum("hk,hkv->hv", k32[t], S)
-        correction = beta32[t][:, None] * (v32[t] - predicted)
-        S = S + k32[t][:, :, None] * correction[:, None, :]
-        outputs.append(torch.einsum("hk,hkv->hv", q32[t], S))
+        o, S = delta_token(q32[t], k32[t], v32[t], beta32[t], decay[t], S)
+        outputs.append(o)
         if per_position_states:
             states.append(S)
     H, V = v.shape[1], v.shape[2]

@@ -74,15 +74,11 @@ def conv_step(x: Tensor, weight: Tensor, bias: Tensor | None, windows: Tensor) -
 def delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor, *, scale: float):
     """The one-token gated delta rule over rows: q, k [B, H, K], v [B, H, V], g [B, H] or [B, H, K],
     beta [B, H], states [B, H, K, V] -> (o [B, H, V], new states), fp32."""
+    from ...kernels.gdn_naive import delta_token
+
     decay = g.float().exp()
     decay = decay[..., None] if g.dim() == 3 else decay[..., None, None]
-    S = states.float() * decay
-    k32 = k.float()
-    predicted = torch.einsum("bhk,bhkv->bhv", k32, S)
-    correction = beta.float()[..., None] * (v.float() - predicted)
-    S = S + k32[..., None] * correction[:, :, None, :]
-    o = torch.einsum("bhk,bhkv->bhv", q.float() * scale, S)
-    return o, S
+    return delta_token(q.float() * scale, k.float(), v.float(), beta.float(), decay, states.float())
 
 
 def _decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
