@@ -83,7 +83,7 @@ def config_field(d: dict, where: str, name: str, kind: type, default=REQUIRED, *
     return check_config_value(where, name, d[name], kind, minimum=minimum, above=above)
 
 
-def logit_rows(batch, hidden: Float[Tensor, "T D"]) -> Tensor:
+def logit_rows(batch, hidden: Float[Tensor, "T D"]) -> Float[Tensor, "Tl D"]:
     """The rows of ``hidden`` a step computes logits for: every token's, or with ``batch.logits_for ==
     "last"`` each request's last new token's ``[B, D]`` (a device gather: no host read, fixed shape)."""
     if batch.logits_for == "all" or batch.num_tokens == batch.num_requests:

@@ -25,6 +25,7 @@ per-request counts change.
 from __future__ import annotations
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from ...deltas import Writes, writes
@@ -47,7 +48,7 @@ def supports(spec, device) -> list[str]:
     return reasons
 
 
-def start_rows(spec: LayerSpec, views: Views, batch) -> tuple[Tensor, Tensor]:
+def start_rows(spec: LayerSpec, views: Views, batch) -> tuple[Float[Tensor, "B C W1"], Float[Tensor, "B H K V"]]:
     """Every request's conv window ``[B, C, W - 1]`` and state ``[B, H, K, V]``: its rows, or zeros when it
     has nothing cached."""
     c = spec.config
@@ -61,7 +62,8 @@ def start_rows(spec: LayerSpec, views: Views, batch) -> tuple[Tensor, Tensor]:
     return windows.to(spec.dtype), states.to(c.state_dtype)
 
 
-def conv_step(x: Tensor, weight: Tensor, bias: Tensor | None, windows: Tensor) -> tuple[Tensor, Tensor]:
+def conv_step(x: Float[Tensor, "B C"], weight: Float[Tensor, "C W"], bias: Float[Tensor, " C"] | None,
+              windows: Float[Tensor, "B C W1"]) -> tuple[Float[Tensor, "B C"], Float[Tensor, "B C W1"]]:
     """One token per row: ``x [B, C]`` after ``windows [B, C, W - 1]`` -> (silu(conv) [B, C] in x.dtype,
     new windows [B, C, W - 1] in x.dtype)."""
     u = torch.cat([windows.to(x.dtype).float(), x.float()[:, :, None]], dim=2)  # [B, C, W]
@@ -71,7 +73,10 @@ def conv_step(x: Tensor, weight: Tensor, bias: Tensor | None, windows: Tensor) -
     return torch.nn.functional.silu(y).to(x.dtype), u[:, :, 1:].to(x.dtype)
 
 
-def delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor, *, scale: float):
+def delta_step(q: Float[Tensor, "B H K"], k: Float[Tensor, "B H K"], v: Float[Tensor, "B H V"],
+               g: Float[Tensor, "B H"] | Float[Tensor, "B H K"], beta: Float[Tensor, "B H"],
+               states: Float[Tensor, "B H K V"], *, scale: float
+               ) -> tuple[Float[Tensor, "B H V"], Float[Tensor, "B H K V"]]:
     """The one-token gated delta rule over rows: q, k [B, H, K], v [B, H, V], g [B, H] or [B, H, K],
     beta [B, H], states [B, H, K, V] -> (o [B, H, V], new states), fp32."""
     from ...kernels.gdn_naive import delta_token
