@@ -7,9 +7,11 @@ program a ``[BLOCK_N, K]`` slab of ``w`` (or one of ``SPLIT_K`` pieces of it),
 streams it through ``tl.dot`` against all M rows at once (padded to at least 16,
 the smallest dot tile; or, with ``SkinnyConfig.dot=False``, through FMAs and a
 sum, for a few rows) and accumulates in fp32. With ``SPLIT_K > 1`` the
-programs write fp32 partials ``[SPLIT_K, M, N]`` that a second small kernel
-sums and rounds, in a fixed order (no atomics: the result does not depend on
-scheduling).
+programs write fp32 partials ``[SPLIT_K, M, N]``; the last of a column tile's
+pieces to finish (an arrival counter per tile) sums them in split order and
+rounds, in the same launch. Which piece arrives last depends on scheduling; the
+order of the sum does not, so the result is the same bits every time, and the
+same as ``SkinnyConfig(one_launch=False)``'s second reduce kernel gives.
 
 ``act="silu_mul"`` fuses a SwiGLU MLP's activation into the down projection:
 ``x [M, 2K]`` holds ``gate | up`` and the kernel loads ``silu(gate) * up``,
@@ -19,11 +21,15 @@ computed in fp32 and rounded to ``x.dtype`` before the dot, which is what
 Two more folds remove the residual-add + RMSNorm launch between a block's
 output projection and the next input projection. ``residual=`` (epilogue):
 ``y = residual + x @ w.T``, the fp32 accumulator plus the residual in fp32,
-rounded once to ``x.dtype`` (with split-K, in the reduce kernel, after the
-fixed-order sum). ``norm=(weight, eps, offset)`` (prologue): the rows of ``x``
-are RMS-normalized on load with `models.common.rms_norm`'s roundings; every
-program (each split-K piece too) sums the squares of its rows over all of K
-itself, a second read of ``x`` that comes from L2.
+rounded once to ``x.dtype`` (with split-K, after the fixed-order sum of the
+partials). ``norm=(weight, eps, offset)`` (prologue): the rows of ``x`` are
+RMS-normalized. A program that streams all of K (no split) scales each ``x``
+tile by ``offset + weight`` on load, rounds it, sums the squares as it goes and
+multiplies the fp32 product by ``rstd`` at the end: no pass over ``x`` ahead of
+the weight stream, and one rounding fewer than `models.common.rms_norm` then a
+linear (the two agree to the dtype's rounding). A split-K piece, which reads
+only part of each row, first sums the squares over all of K (a second read of
+``x``, from L2) and normalizes on load with ``rms_norm``'s roundings.
 
 Configs come from `pick_config`, an explicit table (no autotuning: timing
 inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
@@ -49,7 +55,8 @@ class SkinnyConfig:
     """Launch shape of `skinny_linear`: a program owns ``block_n`` output columns and ``1 / split_k`` of K.
 
     ``dot``: products by ``tl.dot`` (rows padded to 16); False: by FMAs and a sum over each K tile, which
-    holds ``[M, block_n, block_k]`` products in registers (a form for a few rows only).
+    holds ``[M, block_n, block_k]`` products in registers (a form for a few rows only). ``one_launch``
+    (with ``split_k > 1``): the last piece of each column tile sums the partials; False: a second kernel does.
     """
 
     block_n: int
@@ -58,6 +65,7 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = True
+    one_launch: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -70,8 +78,9 @@ class SkinnyConfig:
             raise ValueError(f"SkinnyConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"SkinnyConfig.num_stages: expected an int >= 1, got {self.num_stages!r}")
-        if not isinstance(self.dot, bool):
-            raise ValueError(f"SkinnyConfig.dot: expected a bool, got {self.dot!r}")
+        for name in ("dot", "one_launch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SkinnyConfig.{name}: expected a bool, got {getattr(self, name)!r}")
 
 
 # Tuned on the H200 at one row (`fnattn bench linear`, benchmarks/results/bench_linear_b1.json): one program
@@ -121,14 +130,17 @@ def triton_cdiv(a: int, b: int) -> int:
 
 @triton.jit
 def _skinny_gemv_kernel(
-    X, W, Y, R, NW, M, N, K, k_per_split, sxm, sym, srm, eps, offset,
+    X, W, Y, P, C, R, NW, M, N, K, k_per_split, n_split, sxm, sym, srm, eps, offset,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
-    USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)``; partials to ``Y[split]`` when
-    ``SPLIT`` (Y is then fp32 ``[SPLIT_K, M, N]``, contiguous). ``NORM``: rows of ``x`` RMS-normalized on load
-    (weight ``NW [K]``); ``HAS_RESIDUAL`` (unsplit only): ``R [M, N]`` added to the fp32 tile before rounding."""
+    """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
+
+    ``SPLIT``: the tile's fp32 partial goes to ``P[pid_k]`` (``P``: ``[n_split, M, N]``, contiguous); with
+    ``ONE_LAUNCH`` the piece that arrives last at ``C[pid_n]`` (an int32 counter, zero between launches)
+    sums the partials and resets the counter, else a second kernel sums them. ``NORM``: rows of ``x``
+    RMS-normalized (weight ``NW [K]``); ``HAS_RESIDUAL``: ``R [M, N]`` added to the fp32 sum before rounding."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -137,13 +149,15 @@ def _skinny_gemv_kernel(
     n_ok = n < N
     x_rows = X + m.to(tl.int64)[:, None] * sxm  # [BM, 1]
     w_rows = W + n.to(tl.int64)[:, None] * K  # [BN, 1]
-    if NORM:  # the whole row's statistics, also in a split-K piece that reads only part of it below
+    if NORM and SPLIT:  # a piece reads part of each row: the whole row's statistics first
         sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)  # [BK]
             xs = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
         rstd = 1.0 / tl.sqrt_rn(sq / K + eps)  # [BM]; padded rows: x = 0, rstd finite
+    elif NORM:
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # summed over the tiles as they stream by
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -157,13 +171,19 @@ def _skinny_gemv_kernel(
             xt = (g / (1.0 + tl.exp(-g)) * u).to(W.dtype.element_ty)  # [BM, BK], rounded as silu_and_mul's
         else:
             xt = tl.load(x_rows + k[None, :], mask=xm, other=0.0)  # [BM, BK]
-        if NORM:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after it
-            h = xt.to(tl.float32) * rstd[:, None]
+        if NORM:
+            xf = xt.to(tl.float32)
             nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-            if NORM_OFFSET:
-                xt = (h * (offset + nw)[None, :]).to(W.dtype.element_ty)
-            else:
-                xt = (h.to(W.dtype.element_ty).to(tl.float32) * nw[None, :]).to(W.dtype.element_ty)
+            scale = (offset + nw) if NORM_OFFSET else nw
+            if SPLIT:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after it
+                h = xf * rstd[:, None]
+                if NORM_OFFSET:
+                    xt = (h * scale[None, :]).to(W.dtype.element_ty)
+                else:
+                    xt = (h.to(W.dtype.element_ty).to(tl.float32) * scale[None, :]).to(W.dtype.element_ty)
+            else:  # rstd scales the accumulator at the end
+                sq += tl.sum(xf * xf, axis=1)
+                xt = (xf * scale[None, :]).to(W.dtype.element_ty)
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         if not USE_DOT:  # FMAs and a sum over K: no padding of the rows to 16, every product in registers
             acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
@@ -172,12 +192,28 @@ def _skinny_gemv_kernel(
         else:
             acc += tl.dot(xt, tl.trans(wt))
     mask = m_ok[:, None] & n_ok[None, :]
+    y_at = Y + m.to(tl.int64)[:, None] * sym + n[None, :]  # [BM, BN]
     if SPLIT:
-        tl.store(Y + pid_k.to(tl.int64) * M * N + m[:, None] * N + n[None, :], acc, mask=mask)
+        tile = m[:, None] * N + n[None, :]  # [BM, BN] within one partial
+        tl.store(P + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
+        if ONE_LAUNCH:
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is counted (released)
+            arrived = tl.atomic_add(C + pid_n, 1, sem="acq_rel")
+            if arrived == n_split - 1:  # the last piece: every partial is visible (acquired); from L2, not L1
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, n_split):
+                    total += tl.load(P + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_RESIDUAL:
+                    total += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask,
+                                     other=0.0).to(tl.float32)
+                tl.store(y_at, total.to(Y.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(C + pid_n, 0)  # zero again for the next launch
     else:
+        if NORM:
+            acc *= (1.0 / tl.sqrt_rn(sq / K + eps))[:, None]  # padded rows: x = 0, rstd finite
         if HAS_RESIDUAL:
             acc += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + m.to(tl.int64)[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_at, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -316,17 +352,44 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, config=
                   USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split == 1:
-        _skinny_gemv_kernel[grid](x, w, y, r, nw, M, N, K, k_per_split, x.stride(0), y.stride(0), srm, eps, offset,
-                                  HAS_RESIDUAL=residual is not None, SPLIT=False, **common)
+        _skinny_gemv_kernel[grid](x, w, y, y, y, r, nw, M, N, K, k_per_split, 1, x.stride(0), y.stride(0), srm,
+                                  eps, offset, HAS_RESIDUAL=residual is not None, SPLIT=False, ONE_LAUNCH=False,
+                                  **common)
         return y
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
-    _skinny_gemv_kernel[grid](x, w, part, r, nw, M, N, K, k_per_split, x.stride(0), N, srm, eps, offset,
-                              HAS_RESIDUAL=False, SPLIT=True, **common)
-    block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
-    _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
-                                                           HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                                           num_warps=4)
+    counters = tile_counters(x.device, grid[0]) if cfg.one_launch else None
+    _skinny_gemv_kernel[grid](x, w, y, part, y if counters is None else counters, r, nw, M, N, K, k_per_split,
+                              split, x.stride(0), y.stride(0), srm, eps, offset, HAS_RESIDUAL=residual is not None,
+                              SPLIT=True, ONE_LAUNCH=counters is not None, **common)
+    if counters is None:
+        block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
+        _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
+                                                               HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                                               num_warps=4)
     return y
+
+
+COUNTERS = 4096  # column tiles a split launch may have (a split projection is narrow: a few hundred at most)
+_counters: dict = {}
+
+
+def tile_counters(device: torch.device, tiles: int):
+    """The int32 arrival counters, zero between launches, that a split launch on the current stream uses
+    (one per column tile); None when ``tiles`` is more than `COUNTERS` (the second reduce kernel then sums).
+
+    One buffer per device and stream: launches on one stream run one after another, so they can share it;
+    launches on two streams at once must not. A graph captured on a stream keeps that stream's buffer (its
+    replays are ordered by the stream they are launched on: replay two graphs captured on one stream on two
+    streams at once and they would share it). Created on first use (a memset, captured if the first use is).
+    """
+    if tiles > COUNTERS:
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    c = _counters.get(key)
+    if c is None:
+        c = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return c
 
 
 def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +111,11 @@ def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, sweep:
     records.append(record("skinny table", timer(lambda i: skinny_linear(x, ws[i], act=act, config=table), copies),
                           config=asdict(table)))
     log(f"{case}: {peer} {records[0]['time_us']:.2f} us, table {records[1]['time_us']:.2f} us")
+    if table.split_k > 1:  # the same config with the partials summed by a second kernel, as before one_launch
+        two = replace(table, one_launch=False)
+        records.append(record("skinny table, reduce kernel",
+                              timer(lambda i: skinny_linear(x, ws[i], act=act, config=two), copies),
+                              config=asdict(two)))
     if not sweep:
         return records
     timings = []

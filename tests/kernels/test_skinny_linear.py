@@ -109,7 +109,8 @@ def test_skinny_config_checks_fields():
                           (dict(block_n=16, block_k=32, split_k=0), "split_k"),
                           (dict(block_n=16, block_k=32, num_warps=3), "num_warps"),
                           (dict(block_n=16, block_k=32, num_stages=0), "num_stages"),
-                          (dict(block_n=16, block_k=32, dot=1), "dot")]:
+                          (dict(block_n=16, block_k=32, dot=1), "dot"),
+                          (dict(block_n=16, block_k=32, one_launch=None), "one_launch")]:
         with pytest.raises(ValueError, match=f"SkinnyConfig.{field}: expected"):
             SkinnyConfig(**kwargs)
 
@@ -288,3 +289,36 @@ def test_fused_linear_torch_body_with_residual_and_norm(dtype, offset):
     assert torch.equal(got, want_lin + res)
     bias = torch.randn(24, generator=torch.Generator().manual_seed(26)).to(dtype)
     assert torch.equal(fused.linear(x, w, bias, residual=res), F.linear(x, w, bias) + res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fold", ["none", "residual", "norm", "both"])
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_one_launch_split_is_the_two_launch_bits(split, fold, dtype):
+    """The last piece of a column tile sums the partials in split order, as the second kernel does: the same
+    bits; and every counter is zero again after the launch (the next launch counts from zero)."""
+    from fnattn.kernels import skinny_linear as module
+
+    M, N, K = 3, 70, 200
+    x, w = lopsided(M, K, dtype, seed=22), randn(N, K, dtype=dtype, seed=23) / K ** 0.5
+    res = randn(M, N, dtype=dtype, seed=24) if fold in ("residual", "both") else None
+    norm = (randn(K, dtype=dtype, seed=25) * 0.2, 1e-6, 1.0) if fold in ("norm", "both") else None
+    one = SkinnyConfig(block_n=16, block_k=16, split_k=split)
+    two = SkinnyConfig(block_n=16, block_k=16, split_k=split, one_launch=False)
+    got = skinny_linear(x, w, residual=res, norm=norm, config=one)
+    for _ in range(2):  # a second launch reuses the counters the first left at zero
+        assert torch.equal(skinny_linear(x, w, residual=res, norm=norm, config=one), got)
+    assert torch.equal(got, skinny_linear(x, w, residual=res, norm=norm, config=two))
+    close(got, skinny_linear_ref(x, w, residual=res, norm=norm), dtype)
+    assert not module.tile_counters(x.device, 1).any()
+
+
+def test_split_launch_beyond_the_counters_uses_the_reduce_kernel(monkeypatch):
+    from fnattn.kernels import skinny_linear as module
+
+    x, w = randn(2, 64, seed=26), randn(80, 64, seed=27)
+    cfg = SkinnyConfig(block_n=16, block_k=16, split_k=2)  # 5 column tiles
+    want = skinny_linear(x, w, config=cfg)
+    monkeypatch.setattr(module, "COUNTERS", 4)
+    assert module.tile_counters(x.device, 5) is None
+    assert torch.equal(skinny_linear(x, w, config=cfg), want)
