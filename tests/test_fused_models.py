@@ -111,3 +111,58 @@ def test_fused_pieces_on_cpu_are_the_unfused_math():
     with fused.unfused():
         assert not fused._ENABLED[-1]
     assert fused._ENABLED[-1]
+
+
+def _logits(fam, cfg, params, folded):
+    """Every logit of a prefill of two requests and four decode steps, with the norms folded into the
+    projections or not (later steps read the state earlier steps wrote: their deltas are compared too)."""
+    ma = fa.ModelAttention(cfg.specs, prefer=("reference",))
+    with fused.folding(folded):
+        st = fa.State(cfg.specs, num_pages=32, page_size=4, max_requests=2).admit(0).admit(1)
+        st, last = prefill(fam.step, params, ma, st, {0: [3, 5, 7, 11, 13, 17], 1: [2, 4, 8]})
+        got = [last[0], last[1]]
+        for t in range(4):
+            st = st.reserve({0: 1, 1: 1})
+            st, lg = run_step(fam.step, params, ma, st, fa.Batch.decode(st, [0, 1]), torch.tensor([t + 1, t + 9]))
+            got.append(lg)
+    return torch.cat([g.reshape(-1) for g in got])
+
+
+def test_folded_norms_are_the_unfolded_bits_on_the_torch_bodies():
+    """`fused.folds`' form (residual added by the output projection, the next norm applied by the input
+    projection) computes the same adds and norms as the fused add + RMSNorm form: the same logits bit for bit."""
+    fam = family_named("qwen3_5")
+    cfg = fam.adapt(fam.tiny_config())
+    params = fam.load(cfg, random_checkpoint(fam, cfg, seed=5))
+    calls = []
+    real = fused.linear
+
+    def spy(x, w, bias=None, *, residual=None, norm=None):
+        calls.append((residual is not None, norm is not None))
+        return real(x, w, bias, residual=residual, norm=norm)
+
+    import fnattn.models.gdn_layer as gdn_layer
+    import fnattn.models.qwen3_5 as qwen
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qwen, "linear", spy)
+        mp.setattr(gdn_layer, "linear", spy)
+        folded = _logits(fam, cfg, params, True)
+        folded_calls, calls[:] = calls[:], []
+        plain = _logits(fam, cfg, params, False)
+    assert torch.equal(folded, plain)
+    # the folded run did fold: each layer's four projections, per step; the plain run never does
+    steps = 1 + 4
+    assert sum(r for r, _ in folded_calls) == sum(n for _, n in folded_calls) == 2 * cfg.num_layers * steps
+    assert not any(r or n for r, n in calls)
+
+
+def test_folds_rule_and_its_override():
+    x = torch.zeros(1, 8)
+    assert not fused.folds(x)  # a CPU tensor: the kernel does not take it
+    with fused.folding(True):
+        assert fused.folds(x)
+        with fused.folding(None):
+            assert not fused.folds(x)
+    with pytest.raises(ValueError, match="folding: expected True, False or None, got 1"):
+        with fused.folding(1):
+            pass
