@@ -12,8 +12,7 @@ which streams the weight once; larger inputs stay on ``F.linear``. On the H200 a
 row it is 1.02-1.05x cuBLAS on the wide projections and the lm_head and 1.3-2.3x on the
 narrow ones cuBLAS runs with split-K (`fnattn bench linear`); at 32 rows cuBLAS's tiles
 win. Its ``residual=`` (added to the fp32 product) and ``norm=`` (RMSNorm of the input on
-load) let the kernel take a residual-add + RMSNorm between two projections into them; a
-model asks `folds` whether to, once per step (decode-sized steps on CUDA).
+load) let the kernel take a residual-add + RMSNorm between two projections into them.
 The kernel's SiLU-and-mul prologue is slower than `silu_and_mul` then the GEMV (10.4 us
 against 7.8 us for the 0.8B MLP's down projection), so the models do not use it.
 `gdn_gating` computes GDN's g and beta in one launch (`fnattn.kernels.gdn_gating`).
@@ -42,7 +41,6 @@ from torch import Tensor
 from .common import apply_rope, rms_norm
 
 _ENABLED = [True]
-_FOLDS: list[bool | None] = [None]  # None: where the kernel takes the rows; True / False: `folding`'s answer
 
 
 @contextlib.contextmanager
@@ -53,31 +51,6 @@ def unfused():
         yield
     finally:
         _ENABLED.pop()
-
-
-@contextlib.contextmanager
-def folding(enabled: bool | None):
-    """Within this block `folds` answers ``enabled`` (None: its own rule). The bench times a model both
-    ways; tests force the folded form on a CPU, where it is the same bits as the unfolded one."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise ValueError(f"folding: expected True, False or None, got {enabled!r}")
-    _FOLDS.append(enabled)
-    try:
-        yield
-    finally:
-        _FOLDS.pop()
-
-
-def folds(x: Tensor) -> bool:
-    """Whether a model step over hidden states ``x [T, D]`` folds each residual-add + RMSNorm into the
-    projections around it (`linear`'s ``residual=`` on the output projection, ``norm=`` on the next input
-    projection) instead of launching `add_rms_norm_offset_` between them: where `skinny_linear` takes
-    ``x``'s rows (CUDA, half precision, at most 16 rows), unless `folding` says otherwise. The torch bodies
-    of the two forms compute the same bits (the same adds, the same `rms_norm`)."""
-    forced = _FOLDS[-1]
-    if forced is not None:
-        return forced
-    return _kernel("triton", x) and x.dim() == 2 and x.shape[0] <= _SKINNY_ROWS
 
 
 @cache

@@ -264,10 +264,9 @@ def gated_rmsnorm_silu(
 
 
 def gdn_project(
-    w: GDNWeights, x: Float[Tensor, "T Dmodel"], norm: tuple[Tensor, float, float] | None = None
+    w: GDNWeights, x: Float[Tensor, "T Dmodel"]
 ) -> tuple[Float[Tensor, "T C"], Float[Tensor, "T H V"], Float[Tensor, "T H"], Float[Tensor, "T H"]]:
-    """The input projections: ``(conv_input, z, g, beta)``; with ``norm=(weight, eps, offset)`` they are of
-    ``rms_norm(x, ...)`` (the model's input norm, folded into the projection by `fused.linear`).
+    """The input projections: ``(conv_input, z, g, beta)``.
 
     ``conv_input`` ``[T, C]`` holds the q | k | v channels before the causal
     conv; ``z`` ``[T, H, V]`` is the output gate; ``g`` ``[T, H]`` is the fp32
@@ -278,10 +277,9 @@ def gdn_project(
     expect_shape("x", x, (None, w.hidden_size))
     T, H = x.shape[0], w.num_v_heads
     if w.in_proj is not None:  # one GEMM; the parts are column slices of its output
-        conv_input, z, b, a = linear(x, w.in_proj, norm=norm).split([w.conv_dim, w.value_dim, H, H], dim=-1)
+        conv_input, z, b, a = linear(x, w.in_proj).split([w.conv_dim, w.value_dim, H, H], dim=-1)
     else:
-        conv_input, z, b, a = (linear(x, p, norm=norm)
-                               for p in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
+        conv_input, z, b, a = (linear(x, p) for p in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
     z = z.reshape(T, H, w.head_v_dim)
     # fp32 where the math needs it: the log-decay feeds an exp inside the recurrence.
     neg_decay = -w.A_log.float().exp() if w.neg_decay is None else w.neg_decay
@@ -290,14 +288,12 @@ def gdn_project(
     return conv_input, z, g, beta
 
 
-def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V"],
-               residual: Float[Tensor, "T Dmodel"] | None = None) -> Float[Tensor, "T Dmodel"]:
-    """The gated RMSNorm and the output projection, in ``z.dtype`` (the activation dtype); ``residual``:
-    added to the projection (the residual stream, folded into it by `fused.linear`)."""
+def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V"]) -> Float[Tensor, "T Dmodel"]:
+    """The gated RMSNorm and the output projection, in ``z.dtype`` (the activation dtype)."""
     expect_shape("o", o, (None, w.num_v_heads, w.head_v_dim))
     expect_shape("z", z, (o.shape[0], w.num_v_heads, w.head_v_dim))
     o = gated_rms_norm_silu(o, z, w.norm_weight, w.eps)
-    return linear(o.reshape(o.shape[0], w.value_dim), w.out_proj, residual=residual)
+    return linear(o.reshape(o.shape[0], w.value_dim), w.out_proj)
 
 
 def gdn_layer(

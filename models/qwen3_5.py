@@ -34,7 +34,7 @@ from torch import Tensor
 
 from fnattn import FullAttentionConfig, FullAttentionInputs, GDNConfig, LayerSpec, RecurrentInputs, StepDeltas
 from fnattn.checks import checked, fail
-from fnattn.tp import all_reduce, current
+from fnattn.tp import all_reduce
 
 from .common import (
     REQUIRED,
@@ -47,7 +47,7 @@ from .common import (
     rope_inv_freq,
     softmax_topk,
 )
-from .fused import add_rms_norm_offset_, folds, linear, rms_norm_offset, rope_, rope_table, silu_and_mul
+from .fused import add_rms_norm_offset_, linear, rms_norm_offset, rope_, rope_table, silu_and_mul
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
 
@@ -335,10 +335,8 @@ class DenseMLP:
         w = SwiGLU.take(weights, prefix)
         return cls(torch.cat([w.gate, w.up]), w.down)
 
-    def __call__(self, x: Tensor, norm: tuple[Tensor, float, float] | None = None,
-                 residual: Tensor | None = None) -> Tensor:
-        """``norm`` / ``residual``: `fused.linear`'s folds on gate_up / down (see `step_hidden`)."""
-        return linear(silu_and_mul(linear(x, self.gate_up, norm=norm)), self.down, residual=residual)
+    def __call__(self, x: Tensor) -> Tensor:
+        return linear(silu_and_mul(linear(x, self.gate_up)), self.down)
 
 
 @dataclass(frozen=True, eq=False)
@@ -398,11 +396,10 @@ def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
 
 
 def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], cos: Tensor, sin: Tensor,
-                    cfg: QwenConfig, table: Tensor | None = None, norm=None, residual: Tensor | None = None):
-    """``-> (output [T, D], layer deltas)``; ``table``: the step's `rope_table` (FlashInfer's rope on CUDA);
-    ``norm`` / ``residual``: `fused.linear`'s folds on qkv / o_proj (see `step_hidden`)."""
+                    cfg: QwenConfig, table: Tensor | None = None):
+    """``-> (output [T, D], layer deltas)``; ``table``: the step's `rope_table` (FlashInfer's rope on CUDA)."""
     T, Dh = h.shape[0], cfg.head_dim
-    qg, k, v = linear(h, w.qkv, norm=norm).split([w.qkv.shape[0] - 2 * w.kv_rows, w.kv_rows, w.kv_rows], dim=-1)
+    qg, k, v = linear(h, w.qkv).split([w.qkv.shape[0] - 2 * w.kv_rows, w.kv_rows, w.kv_rows], dim=-1)
     q, gate = qg.view(T, -1, 2 * Dh).chunk(2, dim=-1)  # [T, Hq, Dh] each (Hq of this rank under TP)
     q = rms_norm_offset(q, w.q_norm, cfg.rms_norm_eps)  # a new contiguous tensor, which rope_ may rotate in place
     k = rms_norm_offset(k.view(T, -1, Dh), w.k_norm, cfg.rms_norm_eps)
@@ -413,18 +410,17 @@ def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], 
     dt = cfg.dtype
     out, deltas = session.forward(layer, FullAttentionInputs(q=q.to(dt), k=k.to(dt), v=v.to(dt)))
     o = out.o.to(h.dtype).reshape(T, -1) * torch.sigmoid(gate).reshape(T, -1)
-    return linear(o, w.o_proj, residual=residual), deltas
+    return linear(o, w.o_proj), deltas
 
 
-def linear_attention(session, layer: int, w: GDNWeights, h: Float[Tensor, "T D"], cfg: QwenConfig, norm=None,
-                     residual: Tensor | None = None):
-    """``-> (output [T, D], layer deltas)``; ``norm`` / ``residual`` as in `gated_attention`."""
-    conv_input, z, g, beta = gdn_project(w, h, norm)  # [T, C], [T, H, V], [T, H] fp32, [T, H]
+def linear_attention(session, layer: int, w: GDNWeights, h: Float[Tensor, "T D"], cfg: QwenConfig):
+    """``-> (output [T, D], layer deltas)``."""
+    conv_input, z, g, beta = gdn_project(w, h)  # [T, C], [T, H, V], [T, H] fp32, [T, H]
     dt = cfg.dtype
     inputs = RecurrentInputs(x=conv_input.to(dt), conv_weight=w.conv_weight.to(dt),
                              conv_bias=None if w.conv_bias is None else w.conv_bias.to(dt), g=g, beta=beta.to(dt))
     out, deltas = session.forward(layer, inputs)
-    return gdn_finish(w, out.o, z, residual), deltas
+    return gdn_finish(w, out.o, z), deltas
 
 
 def moe(h: Float[Tensor, "T D"], m: MoE, cfg: QwenConfig) -> Float[Tensor, "T D"]:
@@ -462,38 +458,13 @@ def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: T
     return x + y, deltas
 
 
-def _folded_layer(session, i: int, layer: Layer, x: Tensor, cos: Tensor, sin: Tensor, cfg: QwenConfig,
-                  table: Tensor | None):
-    """Layer ``i`` with its two norms and residual adds folded into the projections: ``-> (x, layer deltas)``.
-
-    The mixer's input projection normalizes ``x`` on load, its output projection adds ``x``; the MLP's
-    gate_up normalizes that sum, its down projection adds it.
-    """
-    eps = cfg.rms_norm_eps
-    if isinstance(layer.attn, GDNWeights):
-        x, deltas = linear_attention(session, i, layer.attn, x, cfg, (layer.input_norm, eps, 1.0), x)
-    else:
-        x, deltas = gated_attention(session, i, layer.attn, x, cos, sin, cfg, table, (layer.input_norm, eps, 1.0),
-                                    x)
-    return layer.mlp(x, (layer.post_norm, eps, 1.0), x), deltas
-
-
-def _foldable(params: Params, x: Tensor) -> bool:
-    """Whether this step folds its norms (`fused.folds`): also needs dense MLPs, and no TP (a row-parallel
-    projection's output is a partial sum until the all-reduce: the residual cannot join it there)."""
-    group = current()
-    return (group is None or group.size == 1) and all(isinstance(la.mlp, DenseMLP) for la in params.layers) \
-        and folds(x)
-
-
 @checked
 def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                 ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """`step` that also returns the final norm's output (lm_head's input), which MTP drafts read.
 
     Each layer's MLP output is added to the residual stream by the next norm (one fused add + RMSNorm),
-    the last one by the final norm. Decode-sized steps on CUDA fold those adds and norms into the
-    projections instead (`fused.folds`): one launch fewer per norm.
+    the last one by the final norm.
     """
     cfg, batch = params.config, session.batch
     check_step_tokens(f"{cfg.model_type}.step", batch, tokens, cfg.vocab_size)
@@ -501,20 +472,14 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     table = rope_table(cos, sin) if cos.is_cuda else None
     x = F.embedding(tokens, params.embed)  # [T, D]; the residual stream, this step's own tensor
     eps, y, layer_deltas = cfg.rms_norm_eps, None, []
-    if _foldable(params, x):
-        for i, layer in enumerate(params.layers):
-            x, deltas = _folded_layer(session, i, layer, x, cos, sin, cfg, table)
-            layer_deltas.append(deltas)
-        hidden = rms_norm_offset(x, params.norm, eps)  # [T, D]
-    else:
-        for i, layer in enumerate(params.layers):
-            if y is None:
-                h = rms_norm_offset(x, layer.input_norm, eps)
-            else:
-                x, h = add_rms_norm_offset_(y, x, layer.input_norm, eps)
-            y, x, deltas = _mixer_and_mlp(session, i, layer, x, h, cos, sin, cfg, table)
-            layer_deltas.append(deltas)
-        x, hidden = add_rms_norm_offset_(y, x, params.norm, eps)  # [T, D]
+    for i, layer in enumerate(params.layers):
+        if y is None:
+            h = rms_norm_offset(x, layer.input_norm, eps)
+        else:
+            x, h = add_rms_norm_offset_(y, x, layer.input_norm, eps)
+        y, x, deltas = _mixer_and_mlp(session, i, layer, x, h, cos, sin, cfg, table)
+        layer_deltas.append(deltas)
+    x, hidden = add_rms_norm_offset_(y, x, params.norm, eps)  # [T, D]
     # The cursor advances once, after every layer has read the state.
     return linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 

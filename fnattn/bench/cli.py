@@ -56,9 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also profile STEPS decode steps of each case, eager and replayed: time per step by "
                         "kernel (CUDA) or leaf torch op (CPU), name and kind, in the JSON "
                         "(fnattn/bench/profile.py; default 0: off)")
-    m.add_argument("--no-folds", action="store_true",
-                   help="run each residual-add + RMSNorm as its own launch instead of folding it into the "
-                        "projections around it at decode sizes (models.fused.folds), to measure what folding gives")
 
 
 def run_model(args) -> int:
@@ -95,16 +92,12 @@ def run_model(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
     steps = args.steps or (64 if args.shape == "tiny" else 32)
     lead = group is None or group.rank == 0  # every rank times the same steps; rank 0 reports them
-    from ..models.fused import folding
-
     try:
-        with folding(False if args.no_folds else None):
-            run_model_bench(family=args.family, shape=args.shape, batches=args.batch, prompts=args.prompt, steps=steps,
-                            device=args.device, page_size=args.page_size or 16,
-                            prefill_tokens=args.prefill_tokens, hf_tokens=args.hf_tokens,
-                            transformers=not args.no_transformers, graph=not args.eager, records=records,
-                            log=lambda line: lead and print(line, file=sys.stderr), tp=group, prefer=args.prefer,
-                            profile=args.profile)
+        run_model_bench(family=args.family, shape=args.shape, batches=args.batch, prompts=args.prompt, steps=steps,
+                        device=args.device, page_size=args.page_size or 16, prefill_tokens=args.prefill_tokens,
+                        hf_tokens=args.hf_tokens, transformers=not args.no_transformers, graph=not args.eager,
+                        records=records, log=lambda line: lead and print(line, file=sys.stderr), tp=group,
+                        prefer=args.prefer, profile=args.profile)
     except ValueError as e:
         if not records:  # a user mistake (family, shape): one line
             print(f"fnattn bench: {e}", file=sys.stderr)
@@ -112,8 +105,6 @@ def run_model(args) -> int:
         raise
     finally:
         if records and lead:
-            for r in records:
-                r["folds"] = "off" if args.no_folds else "at decode sizes"
             with_ratios(records)
             print_model_table(records)
             write_json(records, args.out, command=_model_command(args, steps))
@@ -141,7 +132,6 @@ def _model_command(args, steps: int) -> str:
     parts += ["--prefer " + " ".join(args.prefer)] if args.prefer else []
     parts += [f"--tp {args.tp}"] if args.tp != 1 else []
     parts += [f"--profile {args.profile}"] if args.profile else []
-    parts += ["--no-folds"] if args.no_folds else []
     parts += [f"--out {shlex.quote(args.out)}"] + ([f"--png {shlex.quote(args.png)}"] if args.png else [])
     return " ".join(parts)
 
