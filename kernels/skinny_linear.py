@@ -23,13 +23,11 @@ output projection and the next input projection. ``residual=`` (epilogue):
 ``y = residual + x @ w.T``, the fp32 accumulator plus the residual in fp32,
 rounded once to ``x.dtype`` (with split-K, after the fixed-order sum of the
 partials). ``norm=(weight, eps, offset)`` (prologue): the rows of ``x`` are
-RMS-normalized. A program that streams all of K (no split) scales each ``x``
-tile by ``offset + weight`` on load, rounds it, sums the squares as it goes and
-multiplies the fp32 product by ``rstd`` at the end: no pass over ``x`` ahead of
-the weight stream, and one rounding fewer than `models.common.rms_norm` then a
-linear (the two agree to the dtype's rounding). A split-K piece, which reads
-only part of each row, first sums the squares over all of K (a second read of
-``x``, from L2) and normalizes on load with ``rms_norm``'s roundings.
+RMS-normalized on load with `models.common.rms_norm`'s roundings; every
+program (each split-K piece too) sums the squares of its rows over all of K
+itself, a second read of ``x`` that comes from L2. Measured on the H200 the
+folds lose to FlashInfer's fused add + RMSNorm launch between two GEMVs (one
+decode pair: 18.0 us folded against 14.1 us), so the models do not use them.
 
 Configs come from `pick_config`, an explicit table (no autotuning: timing
 inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
@@ -140,7 +138,7 @@ def _skinny_gemv_kernel(
     ``SPLIT``: the tile's fp32 partial goes to ``P[pid_k]`` (``P``: ``[n_split, M, N]``, contiguous); with
     ``ONE_LAUNCH`` the piece that arrives last at ``C[pid_n]`` (an int32 counter, zero between launches)
     sums the partials and resets the counter, else a second kernel sums them. ``NORM``: rows of ``x``
-    RMS-normalized (weight ``NW [K]``); ``HAS_RESIDUAL``: ``R [M, N]`` added to the fp32 sum before rounding."""
+    RMS-normalized on load (weight ``NW [K]``); ``HAS_RESIDUAL``: ``R [M, N]`` added to the fp32 sum before rounding."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -149,15 +147,13 @@ def _skinny_gemv_kernel(
     n_ok = n < N
     x_rows = X + m.to(tl.int64)[:, None] * sxm  # [BM, 1]
     w_rows = W + n.to(tl.int64)[:, None] * K  # [BN, 1]
-    if NORM and SPLIT:  # a piece reads part of each row: the whole row's statistics first
+    if NORM:  # the whole row's statistics, also in a split-K piece that reads only part of it below
         sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)  # [BK]
             xs = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
         rstd = 1.0 / tl.sqrt_rn(sq / K + eps)  # [BM]; padded rows: x = 0, rstd finite
-    elif NORM:
-        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # summed over the tiles as they stream by
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -171,19 +167,13 @@ def _skinny_gemv_kernel(
             xt = (g / (1.0 + tl.exp(-g)) * u).to(W.dtype.element_ty)  # [BM, BK], rounded as silu_and_mul's
         else:
             xt = tl.load(x_rows + k[None, :], mask=xm, other=0.0)  # [BM, BK]
-        if NORM:
-            xf = xt.to(tl.float32)
+        if NORM:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after it
+            h = xt.to(tl.float32) * rstd[:, None]
             nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-            scale = (offset + nw) if NORM_OFFSET else nw
-            if SPLIT:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after it
-                h = xf * rstd[:, None]
-                if NORM_OFFSET:
-                    xt = (h * scale[None, :]).to(W.dtype.element_ty)
-                else:
-                    xt = (h.to(W.dtype.element_ty).to(tl.float32) * scale[None, :]).to(W.dtype.element_ty)
-            else:  # rstd scales the accumulator at the end
-                sq += tl.sum(xf * xf, axis=1)
-                xt = (xf * scale[None, :]).to(W.dtype.element_ty)
+            if NORM_OFFSET:
+                xt = (h * (offset + nw)[None, :]).to(W.dtype.element_ty)
+            else:
+                xt = (h.to(W.dtype.element_ty).to(tl.float32) * nw[None, :]).to(W.dtype.element_ty)
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         if not USE_DOT:  # FMAs and a sum over K: no padding of the rows to 16, every product in registers
             acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
@@ -209,8 +199,6 @@ def _skinny_gemv_kernel(
                 tl.store(y_at, total.to(Y.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(C + pid_n, 0)  # zero again for the next launch
     else:
-        if NORM:
-            acc *= (1.0 / tl.sqrt_rn(sq / K + eps))[:, None]  # padded rows: x = 0, rstd finite
         if HAS_RESIDUAL:
             acc += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(y_at, acc.to(Y.dtype.element_ty), mask=mask)
