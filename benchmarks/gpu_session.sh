@@ -44,10 +44,11 @@ case "${1:-}" in
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 32 --prompt 512 --steps 16 \
         --no-transformers --profile 4 --out "$out/bench_model_qwen3_5_0.8b_profile.json"
     part 120 python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 --rows 25
+    part 170 python benchmarks/skinny_reduce_ab.py --batch 1 8 --out "$out/bench_skinny_reduce_ab.json"
     ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
-    part 500 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 8 32 --prompt 8192 \
-        --out "$out/bench_model_qwen3_5_0.8b_p8192.json" --png "$out/bench_model_qwen3_5_0.8b_p8192.png"
+    part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 \
+        --profile 1 --out "$out/bench_model_qwen3_5_0.8b_p8192.json"
     ;;
   linear)  # the skinny GEMV against cuBLAS, its folds (residual add, RMSNorm) against FlashInfer's add + RMSNorm
     part 300 python -m fnattn bench linear --batch 1 --out "$out/bench_linear_b1.json"

@@ -124,12 +124,16 @@ def test_profile_on_a_cpu_splits_a_step_into_torch_ops(tmp_path):
                  "--no-transformers", "--profile", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert "--profile 2" in doc["command"]
-    (rec,) = [r for r in doc["records"] if r["backend"] == "fnattn eager profile"]
-    p = rec["profile"]
-    assert p["device"] == "cpu" and p["steps"] == 2 and 0 < p["busy_us"] <= p["span_us"] and p["kernels"] > 0
-    names = {t["name"] for t in p["top"]}
-    assert any(n in names for n in ("aten::mm", "aten::addmm", "aten::bmm")) and p["by_kind"]["gemm"] > 0
-    assert all(t["us_per_step"] >= 0 and t["per_step"] > 0 for t in p["top"])
+    (rec,) = [r for r in doc["records"] if r["backend"] == "fnattn eager profile" and r["phase"] == "decode"]
+    (pre,) = [r for r in doc["records"] if r["backend"] == "fnattn eager profile" and r["phase"] == "prefill"]
+    assert pre["case"].endswith("prefill B2 P16") and pre["profile"]["steps"] == 1
+    for p, steps in ((rec["profile"], 2), (pre["profile"], 1)):
+        assert p["device"] == "cpu" and p["steps"] == steps and 0 < p["busy_us"] <= p["span_us"] and p["kernels"] > 0
+        names = {t["name"] for t in p["top"]}
+        assert any(n in names for n in ("aten::mm", "aten::addmm", "aten::bmm")) and p["by_kind"]["gemm"] > 0
+        assert all(t["us_per_step"] >= 0 and t["per_step"] > 0 for t in p["top"])
+    # a prefill of 32 tokens does more GEMM work than a decode step of 2
+    assert pre["profile"]["by_kind"]["gemm"] > rec["profile"]["by_kind"]["gemm"]
 
 
 @pytest.mark.parametrize("argv", [["--family", "nope"], ["--batch", "0"], ["--prompt", "-1"], ["--steps", "0"],

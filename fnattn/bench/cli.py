@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, under torchrun --nproc-per-node N "
                                                      "(default 1; rank 0 writes the results)")
     m.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="also profile STEPS decode steps of each case, eager and replayed: time per step by "
+                   help="also profile STEPS decode steps of each case, eager and replayed, and one prefill "
+                        "step: time per step by "
                         "kernel (CUDA) or leaf torch op (CPU), name and kind, in the JSON "
                         "(fnattn/bench/profile.py; default 0: off)")
 

@@ -303,8 +303,8 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
 
     ``prefer``: backend names in order of preference (`ModelAttention`'s ``prefer``; None: its default).
 
-    ``profile``: also profile that many decode steps of each case, eager and replayed (`fnattn.bench.profile`:
-    kernels on CUDA, leaf torch ops on a CPU), as records of backend "... profile".
+    ``profile``: also profile that many decode steps of each case, eager and replayed, and one prefill step
+    (`fnattn.bench.profile`: kernels on CUDA, leaf torch ops on a CPU), as records of backend "... profile".
 
     ``tp``: a `fnattn.tp.TPGroup` of several ranks: this rank's share of the model (`fnattn.models.tp`),
     timed like a whole one; the transformers peer (a whole model) is skipped."""
@@ -358,6 +358,14 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
                 t = statistics.median(time_prefill(model, ma, dev, b, prompt, page_size=page_size, reps=3))
                 records.append(_record(f"{name} prefill B{b} P{prompt}", "fnattn eager", "prefill", t, b * prompt,
                                        peer="transformers"))
+                if profile:  # one prefill step (its State's creation included: a few fills)
+                    from .profile import kernel_profile, print_profile
+
+                    result = kernel_profile(lambda: time_prefill(model, ma, dev, b, prompt, page_size=page_size,
+                                                                 reps=0), steps=1, device=dev)
+                    records.append({"case": f"{name} prefill B{b} P{prompt}", "backend": "fnattn eager profile",
+                                    "phase": "prefill", "profile": result})
+                    print_profile(f"{name} prefill B{b} P{prompt} fnattn eager", result, log=log)
             room = 2 * (steps + 8 + profile)  # eager then graph steps, each after warm-up (and profiled) steps
             st = decode_state(model, dev, b, prompt, page_size=page_size, room=room)
             moved = step_bytes(st, b, prompt)
