@@ -14,10 +14,15 @@ from .registry import Backend, all_backends, backend_names
 from .spec import LayerSpec
 from .workspace import Workspace
 
-#: How the built-in backends rank when ``prefer`` is not given; backends a user
-#: registered come first (newest first): registering one is asking for it.
+#: How the built-in backends rank for decode and verify when ``prefer`` is not given; backends a
+#: user registered come first (newest first): registering one is asking for it.
 DEFAULT_PREFER = ("triton_fused", "triton", "flashmla", "flashinfer", "sgl_kernel", "fla", "sdpa", "torch",
                   "reference")
+#: Prefill's order (the same names): there the peers' kernels beat ours on the H200. fla-core's chunked
+#: GDN / KDA is 2.4-2.7x our Triton chunk (benchmarks/results/bench_gdn_prefill.json); FlashInfer's
+#: prefill attention 1.7x our Triton kernel at 16k tokens (bench_prefill.json).
+DEFAULT_PREFER_PREFILL = ("fla", "flashmla", "flashinfer", "triton_fused", "triton", "sgl_kernel", "sdpa", "torch",
+                          "reference")
 
 
 @dataclass(frozen=True)
@@ -37,9 +42,9 @@ class ModelAttention:
     ones). An entry may also be a `Backend` value (a function not in the
     registry, e.g. a probe's own reference) for its kind and phase. Without
     ``prefer``, backends a user registered rank first (newest first), then
-    the built-in ones by `DEFAULT_PREFER`. Layers of the same config, dtype,
-    phase and backend form one group: a backend's plan is built once per
-    group per step.
+    the built-in ones by `DEFAULT_PREFER` (by `DEFAULT_PREFER_PREFILL` for
+    prefill). Layers of the same config, dtype, phase and backend form one
+    group: a backend's plan is built once per group per step.
     """
 
     def __init__(
@@ -99,8 +104,8 @@ class ModelAttention:
         mine = [b for b in backends if (b.kind, b.phase) == (kind, phase)]
         if self.prefer is None:  # this kind's own registrations first (newest first), then the built-in order
             user = [b for b in reversed(mine) if not b.builtin]
-            shipped = sorted((b for b in mine if b.builtin and b.name in DEFAULT_PREFER),
-                             key=lambda b: DEFAULT_PREFER.index(b.name))
+            order = DEFAULT_PREFER_PREFILL if phase == "prefill" else DEFAULT_PREFER
+            shipped = sorted((b for b in mine if b.builtin and b.name in order), key=lambda b: order.index(b.name))
             return user + shipped
         ranked = []
         for p in self.prefer:

@@ -361,8 +361,8 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
                 if profile:  # one prefill step (its State's creation included: a few fills)
                     from .profile import kernel_profile, print_profile
 
-                    result = kernel_profile(lambda: time_prefill(model, ma, dev, b, prompt, page_size=page_size,
-                                                                 reps=0), steps=1, device=dev)
+                    result = kernel_profile(lambda b=b, prompt=prompt: time_prefill(
+                        model, ma, dev, b, prompt, page_size=page_size, reps=0), steps=1, device=dev)
                     records.append({"case": f"{name} prefill B{b} P{prompt}", "backend": "fnattn eager profile",
                                     "phase": "prefill", "profile": result})
                     print_profile(f"{name} prefill B{b} P{prompt} fnattn eager", result, log=log)

@@ -150,6 +150,6 @@ def test_supported_on_cuda_and_chosen_first_for_decode():
     spec = _spec("gdn 16qk/16v d128 (Qwen3.5-0.8B)")
     assert lookup("gdn", "decode", FUSED).supports(spec, torch.device(DEV)) == []
     default = fa.ModelAttention([spec], device=DEV)
-    assert default.backend(0, "decode").name == FUSED and default.backend(0, "prefill").name == "triton"
+    assert default.backend(0, "decode").name == FUSED and default.backend(0, "prefill").name == "fla"
     two_launches = fa.ModelAttention([spec], prefer=["triton"], device=DEV)
     assert two_launches.backend(0, "decode").name == "triton"

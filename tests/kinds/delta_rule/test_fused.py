@@ -202,3 +202,19 @@ def test_registered_first_for_decode_only(kind):
 def test_guard_refuses_a_call_outside_a_session():
     with pytest.raises(fa.OutsideSessionError, match="runs only inside a session"):
         fused._decode(None, None, None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_ranks_fla_first_and_decode_ranks_the_fused_kernel_first(kind):
+    """Prefill has its own order (fla-core's chunk leads ours there), over the same names as the other
+    phases'; on a CPU both are refused in that order and the CPU backends serve."""
+    from fnattn.model_attention import DEFAULT_PREFER_PREFILL
+
+    assert sorted(DEFAULT_PREFER_PREFILL) == sorted(DEFAULT_PREFER)
+    assert DEFAULT_PREFER_PREFILL.index("fla") < DEFAULT_PREFER_PREFILL.index("triton")
+    default = fa.ModelAttention([spec_of(kind)])
+    prefill = default.choices[(0, "prefill")]
+    decode = default.choices[(0, "decode")]
+    assert [name for name, _ in prefill.refused][:2] == ["fla", "triton"]
+    assert [name for name, _ in decode.refused][:2] == [fused.NAME, "triton"]
+    assert prefill.backend.name == "reference"
