@@ -15,7 +15,7 @@ all its layers when their rows line up.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,8 +25,7 @@ from .deltas import StepDeltas, Writes
 from .errors import StaleDeltasError
 
 
-@dataclass(frozen=True)
-class _Target:
+class _Target(NamedTuple):  # a tuple: one is built per layer and tensor every step
     pool: str
     tensor: str
     layer_pos: int  # position of the layer on the pool's leading axis
@@ -215,23 +214,42 @@ class _Where:
         return format(str(self), spec)
 
 
+def _layouts(storage) -> dict:
+    """(layer, tensor name) -> (pool, its tensor, token space?, row shape, the layer's position, the tensor's
+    device index), fixed for the life of a storage: built once."""
+    layouts = storage.__dict__.get("_layouts")
+    if layouts is None:
+        layouts = storage._layouts = {
+            (lay, t): (pool, live, pool.index_space == "token",
+                       live.shape[3:] if pool.index_space == "token" else live.shape[2:], pool.position(lay),
+                       live.get_device())
+            for lay, names in storage.layer_pools.items() for p in names
+            for pool in (storage.pools[p],) for t, live in pool.tensors.items()}
+    return layouts
+
+
 def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_rows) -> list[_Target]:
     storage = state._storage
-    where = _Where(layer)  # formatted only when a check fails
-    layouts = storage.__dict__.get("_layouts")
-    if layouts is None:  # (layer, tensor name) -> where its rows go, fixed for the life of a storage
-        layouts = storage._layouts = {
-            (lay, t): (pool, pool.tensors[t], pool.index_space == "token",
-                       pool.tensors[t].shape[3:] if pool.index_space == "token" else pool.tensors[t].shape[2:],
-                       pool.position(lay))
-            for lay, names in storage.layer_pools.items() for p in names
-            for pool in (storage.pools[p],) for t in pool.tensors}
-    pool, live, token_space, row, position = layouts[(layer, name)]
+    pool, live, token_space, row, position, device_index = _layouts(storage)[(layer, name)]
     value = w.values[name]
     if token_space:
         index, rows = token_rows, batch.num_tokens
     else:
         index, rows = state_rows, batch.recurrent_write_rows.shape[0]
+    # The usual case in one test (the same checks as below, which name what is wrong when it fails): a CPU or
+    # CUDA tensor, the device by kind and index without building device objects; any other device goes below.
+    if isinstance(value, Tensor) and value.layout is torch.strided and value.dtype is live.dtype \
+            and value.dim() == len(row) + 1 and value.shape[0] == rows and value.shape[1:] == row \
+            and value.get_device() == device_index \
+            and ((value.is_cuda and live.is_cuda) or (value.is_cpu and live.is_cpu)):
+        if value.numel() and _overlaps_storage(value, storage):
+            fail(_Where(layer), name, "a tensor that does not share memory with the State's storage (clone it)",
+                 "memory of the storage")
+        every_row = index is batch.slot_mapping or (index is batch.recurrent_write_rows and (
+            batch.phase != "verify" or batch.ring > 0))
+        return [_Target(pool.name, name, position, index, value.detach() if value.requires_grad else value,
+                        every_row)]
+    where = _Where(layer)  # formatted only when a check fails
     if value is None:
         if token_space or not batch.ring:
             fail(where, name, "a tensor (only per-request states of a ring batch may be written in place)", None)
@@ -243,7 +261,7 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
     if not isinstance(value, Tensor) or value.layout != torch.strided:
         fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
     shape = value.shape
-    if shape[1:] != row or shape[0] != rows:
+    if tuple(shape) != (rows, *row):
         fail(where, name, f"shape {(rows, *row)}", tuple(shape))
     if value.dtype != live.dtype:
         fail(where, name, f"dtype {live.dtype} (no silent casts)", value.dtype)
@@ -254,16 +272,23 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
              "memory of the storage")
     every_row = index is batch.slot_mapping or (index is batch.recurrent_write_rows and (
         batch.phase != "verify" or batch.ring > 0))
-    return [_Target(pool.name, name, position, index, value.detach(), every_row)]
+    return [_Target(pool.name, name, position, index, value.detach() if value.requires_grad else value, every_row)]
+
+
+def _memory_key(t: Tensor):
+    """Which memory ``t`` lives in, as a dict key: the CUDA device index, -1 for host memory, the device's
+    name for any other kind (building a device object per write costs more than the rest of the check)."""
+    return t.get_device() if t.is_cuda else -1 if t.is_cpu else str(t.device)
 
 
 def _span(t: Tensor):
-    """``(device, first byte, end)`` of the memory behind ``t`` (views, .data, from_numpy); None: it has none."""
+    """``(memory key, first byte, end)`` of the memory behind ``t`` (views, .data, from_numpy); None: it has none."""
     try:
         u = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # a tensor without storage cannot overlap anything
         return None
-    return t.device, u.data_ptr(), u.data_ptr() + u.nbytes()
+    start = u.data_ptr()
+    return _memory_key(t), start, start + u.nbytes()
 
 
 def _overlaps_storage(value: Tensor, storage) -> bool:
@@ -280,13 +305,13 @@ def _overlaps_storage(value: Tensor, storage) -> bool:
 
 
 def _disjoint_spans(storage) -> dict:
-    """device -> (starts, ends) of the distinct storages behind the pools' tensors, sorted. Distinct storages
+    """memory key -> (starts, ends) of the distinct storages behind the pools' tensors, sorted. Distinct storages
     never share memory, so the spans are disjoint and ends rise with starts."""
     spans = {s for p in storage.pools.values() for t in p.tensors.values()
              if (s := _span(t)) is not None and s[2] > s[1]}  # an empty storage holds no memory to overlap
     out: dict = {}
-    for device, lo, hi in sorted(spans, key=lambda s: (str(s[0]), s[1])):
-        starts, ends = out.setdefault(device, ([], []))
+    for key, lo, hi in sorted(spans, key=lambda s: (str(s[0]), s[1])):
+        starts, ends = out.setdefault(key, ([], []))
         starts.append(lo)
         ends.append(hi)
     return out
@@ -333,8 +358,7 @@ def write_step(pools, targets: list[_Target]) -> None:
 
 def rest(t: _Target) -> tuple:
     """A target's fields after its value (kept when the value is reinterpreted)."""
-    return tuple(getattr(t, f) for f in t.__dataclass_fields__ if f not in ("pool", "tensor", "layer_pos", "index",
-                                                                           "value"))
+    return tuple(t[_Target._fields.index("value") + 1:])
 
 
 def _stacked(ts: list[_Target]):
