@@ -6,7 +6,8 @@ GDN / KDA kernels and the arithmetic of `fnattn.kinds.delta_rule`. Of the attent
 kernels (paged_attention, lse_merge, scatter), only `scatter_kv` / `scatter_rows`
 write into their arguments. `skinny_linear` is ``x @ w.T`` for decode-sized ``x``
 (at most 64 rows), optionally with SwiGLU's SiLU-and-mul or an RMSNorm folded into its load and a
-residual added to its result (``norm=``, ``residual=``), and `gdn_gating` is GDN's g and beta in one launch.
+residual added to its result (``norm=``, ``residual=``), `gdn_gating` is GDN's g and beta in one launch, and
+`qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one.
 """
 
 import importlib
@@ -35,6 +36,7 @@ _EXPORTS = {
     "gated_delta_decode_fused": "gdn_decode_fused",
     "gated_delta_decode_fused_ref": "gdn_decode_fused",
     "gdn_gating": "gdn_gate", "gdn_gating_ref": "gdn_gate",
+    "qk_norm_rope": "qk_norm_rope", "qk_norm_rope_ref": "qk_norm_rope",
     "skinny_linear": "skinny_linear",
     "skinny_linear_ref": "skinny_linear",
     "SkinnyConfig": "skinny_linear",

@@ -248,3 +248,35 @@ def test_whole_model_fused_matches_unfused(name, config, record):
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     record({"case": f"qwen3_5 {name}: top-1 agreement", "backend": "fused", "agreement": agree, "ok": agree >= 0.75})
     assert agree >= 0.75, f"top-1 agreement {agree:.2f}"
+
+
+@pytest.mark.parametrize("T", [1, 8, 16, 512])
+def test_qk_norm_rope_against_the_unfused_norms_and_rope(T, record):
+    """`fnattn.kernels.qk_norm_rope` on Qwen3.5-0.8B's attention (8 q / 2 kv heads of 256, rope on 64 dims,
+    theta 1e7): q / k / v cut from one qkv GEMM output, as the model cuts them; against the model's
+    rms_norm + apply_rope (the torch bodies), in eager and in a CUDA-graph replay."""
+    from fnattn.kernels import qk_norm_rope
+    from fnattn.models.common import apply_rope, rms_norm
+
+    qkv = _randn(T, 2 * 8 * 256 + 2 * 2 * 256, seed=50, scale=3.0)
+    qg, k, v = qkv.split([4096, 512, 512], dim=-1)
+    q = qg.view(T, 8, 512)[..., :256]
+    k, v = k.view(T, 2, 256), v.view(T, 2, 256)
+    wq, wk = _randn(256, seed=51, scale=0.2), _randn(256, seed=52, scale=0.2)
+    pos = torch.arange(8000 - T, 8000, device="cuda")
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(64, 1e7, device="cuda"))
+    want_q = apply_rope(rms_norm(q, wq, 1e-6, offset=1.0), cos, sin)
+    want_k = apply_rope(rms_norm(k, wk, 1e-6, offset=1.0), cos, sin)
+    qo, ko, vo = qk_norm_rope(q, k, v, wq, wk, cos, sin, eps=1e-6)
+    _check(record, f"qk_norm_rope q T{T}", qo, want_q, 1e-2)
+    _check(record, f"qk_norm_rope k T{T}", ko, want_k, 1e-2)
+    assert torch.equal(vo, v) and vo.is_contiguous()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gq, gk, gv = qk_norm_rope(q, k, v, wq, wk, cos, sin, eps=1e-6)
+    qkv.copy_(_randn(*qkv.shape, seed=53, scale=3.0))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(record, f"qk_norm_rope q T{T}, graph replay on new inputs", gq,
+           apply_rope(rms_norm(q, wq, 1e-6, offset=1.0), cos, sin), 1e-2)
+    assert torch.equal(gv, v)
