@@ -39,6 +39,7 @@ _EXPORTS = {
     "qk_norm_rope": "qk_norm_rope", "qk_norm_rope_ref": "qk_norm_rope",
     "skinny_linear": "skinny_linear",
     "skinny_linear_ref": "skinny_linear",
+    "skinny_linear_add_norm": "skinny_linear",
     "SkinnyConfig": "skinny_linear",
     "pick_config": "skinny_linear",
     "indexer_scores_paged": "indexer",

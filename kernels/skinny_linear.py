@@ -29,6 +29,11 @@ itself, a second read of ``x`` that comes from L2. Measured on the H200 the
 folds lose to FlashInfer's fused add + RMSNorm launch between two GEMVs (one
 decode pair: 18.0 us folded against 14.1 us), so the models do not use them.
 
+`skinny_linear_add_norm` moves the norm to the other side: the output projection adds the residual and
+its last column tile to finish (one more arrival counter) reads the whole rows of the sum back from L2
+and writes their RMSNorm too, so the next input projection streams a plain ``x``. Not yet timed on a GPU
+(``fnattn bench linear``'s ``skinny add + norm epilogue`` rows).
+
 Configs come from `pick_config`, an explicit table (no autotuning: timing
 inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
 ``fnattn bench linear`` times the table against a sweep.
@@ -128,17 +133,21 @@ def triton_cdiv(a: int, b: int) -> int:
 
 @triton.jit
 def _skinny_gemv_kernel(
-    X, W, Y, P, C, R, NW, M, N, K, k_per_split, n_split, sxm, sym, srm, eps, offset,
+    X, W, Y, P, C, R, NW, H, EW, M, N, K, k_per_split, n_split, n_tiles, sxm, sym, srm, shm, eps, offset,
+    e_eps, e_offset,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
 
     ``SPLIT``: the tile's fp32 partial goes to ``P[pid_k]`` (``P``: ``[n_split, M, N]``, contiguous); with
     ``ONE_LAUNCH`` the piece that arrives last at ``C[pid_n]`` (an int32 counter, zero between launches)
     sums the partials and resets the counter, else a second kernel sums them. ``NORM``: rows of ``x``
-    RMS-normalized on load (weight ``NW [K]``); ``HAS_RESIDUAL``: ``R [M, N]`` added to the fp32 sum before rounding."""
+    RMS-normalized on load (weight ``NW [K]``); ``HAS_RESIDUAL``: ``R [M, N]`` added to the fp32 sum before rounding.
+    ``NORM_AFTER``: each tile's finisher counts itself at ``C[n_tiles]``; the last normalizes the whole rows
+    of ``Y`` into ``H`` (weight ``EW [N]``, `_norm_rows_when_last`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -198,10 +207,49 @@ def _skinny_gemv_kernel(
                                      other=0.0).to(tl.float32)
                 tl.store(y_at, total.to(Y.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(C + pid_n, 0)  # zero again for the next launch
+                if NORM_AFTER:
+                    _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
+                                         NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
     else:
         if HAS_RESIDUAL:
             acc += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(y_at, acc.to(Y.dtype.element_ty), mask=mask)
+        if NORM_AFTER:
+            _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
+                                 NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
+
+
+@triton.jit
+def _norm_rows_when_last(Y, H, EW, CG, n_tiles, M, N, sym, shm, eps, offset, OFFSET: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Count this tile at ``CG``; the last of ``n_tiles`` reads the whole rows of ``Y`` back (rounded, from
+    L2) and writes ``H = rms_norm(Y, EW, eps, offset)`` with `rms_norm_ref`'s roundings, then zeroes ``CG``."""
+    tl.debug_barrier()  # this tile's sums are stored before its arrival is counted (released)
+    arrived = tl.atomic_add(CG, 1, sem="acq_rel")
+    if arrived == n_tiles - 1:  # every tile's sums are visible (acquired)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        y_rows = Y + m.to(tl.int64)[:, None] * sym
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_E):
+            e = n0 + tl.arange(0, BLOCK_E)
+            ok = m_ok[:, None] & (e < N)[None, :]
+            y = tl.load(y_rows + e[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            sq += tl.sum(y * y, axis=1)
+        rstd = 1.0 / tl.sqrt_rn(sq / N + eps)  # [BM]; padded rows: y = 0, rstd finite
+        h_rows = H + m.to(tl.int64)[:, None] * shm
+        for n0 in range(0, N, BLOCK_E):
+            e = n0 + tl.arange(0, BLOCK_E)
+            ok = m_ok[:, None] & (e < N)[None, :]
+            y = tl.load(y_rows + e[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(EW + e, mask=e < N, other=0.0).to(tl.float32)[None, :]
+            h = y * rstd[:, None]
+            if OFFSET:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after
+                h = h * (offset + w)
+            else:
+                h = h.to(H.dtype.element_ty).to(tl.float32) * w
+            tl.store(h_rows + e[None, :], h.to(H.dtype.element_ty), mask=ok)
+        tl.atomic_xchg(CG, 0)  # zero again for the next launch
 
 
 @triton.jit
@@ -318,12 +366,39 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, config=
     ``config``: a `SkinnyConfig` instead of `pick_config`'s.
     """
     norm = _check(x, w, out, act, config, residual, norm)
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
+    _launch(x, w, y, act, residual, norm, config)
+    return y
+
+
+def skinny_linear_add_norm(x, w, residual, norm, *, config=None):
+    """``y = residual + x @ w.T`` (as `skinny_linear`'s ``residual=``) and ``h = rms_norm(y, *norm)``
+    (``norm=(weight [N], eps, offset)``, `models.common`'s roundings, of the rounded ``y``): ``-> (y, h)``,
+    both ``[M, N]`` in ``x.dtype``. One launch: the last column tile to finish reads the whole rows of ``y``
+    back from L2 and normalizes them (an output projection, then the next block's input norm).
+    """
+    norm_after = _check_act_norm(None, norm)
+    _check(x, w, None, None, config, residual, None)
+    if residual is None:
+        raise ValueError("residual: expected an [M, N] tensor (the residual stream the sum joins), got None")
+    _check_operand("norm weight", norm_after[0], (w.shape[0],), x, row_strided=False)
+    M, N = x.shape[0], w.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    h = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if not _launch(x, w, y, None, residual, None, config, norm_after=(h, *norm_after)) and M and N:
+        h.copy_(rms_norm_ref(y, *norm_after))  # no counters for this many tiles, or an empty K: the norm apart
+    return y, h
+
+
+def _launch(x, w, y, act, residual, norm, config, norm_after=None) -> bool:
+    """Write ``y`` (checked arguments); ``norm_after=(h, weight, eps, offset)``: also ``h``, when the launch
+    can (``-> whether it did``)."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     if M == 0 or N == 0:
-        return y
+        return False
     if K == 0:  # an empty product; the norm of an empty row scales nothing
-        return y.zero_() if residual is None else y.copy_(residual)
+        y.zero_() if residual is None else y.copy_(residual)
+        return False
     require_triton()
     cfg = config or pick_config(M, N, K, x.dtype)
     BLOCK_M = max(16, next_pow2(M)) if cfg.dot else next_pow2(M)  # a dot tile has at least 16 rows
@@ -336,25 +411,34 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, config=
     r = x if residual is None else residual
     srm = 0 if residual is None else residual.stride(0)
     nw, eps, offset = (x, 0.0, 0.0) if norm is None else norm
+    # Counters: one per column tile (split-K arrivals), one more for the tiles (the norm after).
+    counters = None
+    if norm_after is not None or (split > 1 and cfg.one_launch):
+        counters = tile_counters(x.device, grid[0] + (norm_after is not None))
+    if norm_after is not None and counters is None:
+        norm_after = None
+    h, ew, e_eps, e_offset = (y, y, 0.0, 0.0) if norm_after is None else norm_after
     common = dict(ACT_SILU_MUL=act == "silu_mul", NORM=norm is not None, NORM_OFFSET=offset != 0.0,
-                  USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
-                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, NORM_AFTER=norm_after is not None,
+                  NORM_AFTER_OFFSET=e_offset != 0.0, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    c = y if counters is None else counters
     if split == 1:
-        _skinny_gemv_kernel[grid](x, w, y, y, y, r, nw, M, N, K, k_per_split, 1, x.stride(0), y.stride(0), srm,
-                                  eps, offset, HAS_RESIDUAL=residual is not None, SPLIT=False, ONE_LAUNCH=False,
-                                  **common)
-        return y
+        _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),
+                                  y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset,
+                                  HAS_RESIDUAL=residual is not None, SPLIT=False, ONE_LAUNCH=False, **common)
+        return norm_after is not None
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
-    counters = tile_counters(x.device, grid[0]) if cfg.one_launch else None
-    _skinny_gemv_kernel[grid](x, w, y, part, y if counters is None else counters, r, nw, M, N, K, k_per_split,
-                              split, x.stride(0), y.stride(0), srm, eps, offset, HAS_RESIDUAL=residual is not None,
-                              SPLIT=True, ONE_LAUNCH=counters is not None, **common)
-    if counters is None:
+    one_launch = counters is not None
+    _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, h, ew, M, N, K, k_per_split, split, grid[0], x.stride(0),
+                              y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset,
+                              HAS_RESIDUAL=residual is not None, SPLIT=True, ONE_LAUNCH=one_launch, **common)
+    if not one_launch:
         block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
         _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
                                                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                                num_warps=4)
-    return y
+    return norm_after is not None
 
 
 COUNTERS = 4096  # column tiles a split launch may have (a split projection is narrow: a few hundred at most)

@@ -197,6 +197,32 @@ def test_skinny_linear_folds_replay_in_a_cuda_graph(record):
            skinny_linear_ref(want_hidden, w_up, norm=norm), 2e-2)
 
 
+@pytest.mark.parametrize("M, K", [(1, 3584), (1, 2048), (8, 3584), (16, 2048)])
+def test_skinny_linear_add_norm_epilogue(M, K, record):
+    """An output projection (K -> hidden 1024) whose last column tile adds the residual and RMS-normalizes
+    the rows (the next block's input norm), eager and in a CUDA-graph replay, against skinny_linear with
+    ``residual=`` then the torch norm."""
+    pytest.importorskip("triton")
+    from fnattn.kernels.skinny_linear import rms_norm_ref, skinny_linear, skinny_linear_add_norm
+
+    x, res = _randn(M, K, seed=60), _randn(M, 1024, seed=61, scale=4.0)
+    w = _randn(1024, K, seed=62, scale=K ** -0.5)
+    norm = (_randn(1024, seed=63, scale=0.1), 1e-6, 1.0)
+    y, h = skinny_linear_add_norm(x, w, res, norm)
+    want_y = skinny_linear(x, w, residual=res)
+    _check(record, f"skinny_linear_add_norm sum M{M} K{K}", y, want_y, 1e-2)
+    assert torch.equal(y, want_y)  # the same fixed-order sums
+    _check(record, f"skinny_linear_add_norm norm(1+w) M{M} K{K}", h, rms_norm_ref(want_y, *norm), 2e-2)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gy, gh = skinny_linear_add_norm(x, w, res, norm)
+    x.copy_(_randn(M, K, seed=64))
+    g.replay()
+    torch.cuda.synchronize()
+    want_y = skinny_linear(x, w, residual=res)
+    _check(record, f"skinny_linear_add_norm M{M} K{K}, graph replay", gh, rms_norm_ref(want_y, *norm), 2e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 17])
 def test_fused_linear_routes_and_reshapes(rows, record):
     """3-D inputs, strided rows and the 16-row bound (17 rows: cuBLAS) all give F.linear's answer."""

@@ -11,7 +11,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from fnattn.kernels.skinny_linear import SkinnyConfig, pick_config, rms_norm_ref, skinny_linear, skinny_linear_ref  # noqa: E402
+from fnattn.kernels.skinny_linear import (  # noqa: E402
+    SkinnyConfig,
+    pick_config,
+    rms_norm_ref,
+    skinny_linear,
+    skinny_linear_add_norm,
+    skinny_linear_ref,
+)
 from fnattn.models.common import rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -322,3 +329,57 @@ def test_split_launch_beyond_the_counters_uses_the_reduce_kernel(monkeypatch):
     monkeypatch.setattr(module, "COUNTERS", 4)
     assert module.tile_counters(x.device, 5) is None
     assert torch.equal(skinny_linear(x, w, config=cfg), want)
+
+
+ADD_NORM_CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1), SkinnyConfig(block_n=16, block_k=16, split_k=3),
+                    SkinnyConfig(block_n=32, block_k=16, split_k=8, one_launch=False),
+                    SkinnyConfig(block_n=16, block_k=32, split_k=2, dot=False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("config", ADD_NORM_CONFIGS, ids=["split1", "split3", "split8", "fma-split2"])
+def test_add_norm_is_the_residual_sum_then_its_rms_norm(M, offset, dtype, config):
+    """The last tile to finish normalizes whole rows: the same as skinny_linear(residual=) then rms_norm of
+    its rounded output; every counter is zero again after the launch."""
+    from fnattn.kernels import skinny_linear as module
+
+    N, K = 70, 150  # five column tiles of 16, the last one ragged
+    x, w = randn(M, K, dtype=dtype, seed=30 + M), randn(N, K, dtype=dtype, seed=31) / K ** 0.5
+    res = lopsided(M, N, dtype, seed=32)
+    nw = randn(N, dtype=dtype, seed=33) * 0.2 + (0.0 if offset else 1.0)
+    y, h = skinny_linear_add_norm(x, w, res, (nw, 1e-6, offset), config=config)
+    want_y = skinny_linear(x, w, residual=res, config=config)
+    assert torch.equal(y, want_y)
+    torch.testing.assert_close(h.float(), rms_norm_ref(y, nw, 1e-6, offset).float(), rtol=TOL[dtype],
+                               atol=TOL[dtype] * 4)
+    close(h, rms_norm(skinny_linear_ref(x, w, residual=res), nw, 1e-6, offset=offset), dtype)
+    assert not module.tile_counters(x.device, 1).any()
+    y2, h2 = skinny_linear_add_norm(x, w, res, (nw, 1e-6, offset), config=config)  # counters reused from zero
+    assert torch.equal(y2, y) and torch.equal(h2, h)
+
+
+def test_add_norm_beyond_the_counters_normalizes_apart(monkeypatch):
+    from fnattn.kernels import skinny_linear as module
+
+    x, w, res = randn(2, 64, seed=34), randn(80, 64, seed=35), randn(2, 80, seed=36)
+    nw = randn(80, seed=37)
+    cfg = SkinnyConfig(block_n=16, block_k=16, split_k=2)  # 5 column tiles, 6 counters with the norm's
+    want = skinny_linear_add_norm(x, w, res, (nw, 1e-6, 1.0), config=cfg)
+    monkeypatch.setattr(module, "COUNTERS", 5)
+    got = skinny_linear_add_norm(x, w, res, (nw, 1e-6, 1.0), config=cfg)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_add_norm_arguments_name_themselves():
+    x, w, res, nw = randn(2, 16), randn(8, 16), randn(2, 8), randn(8)
+    with pytest.raises(ValueError, match="residual: expected an \\[M, N\\] tensor"):
+        skinny_linear_add_norm(x, w, None, (nw, 1e-6, 1.0))
+    with pytest.raises(ValueError, match="norm weight: expected shape \\(8,\\), got \\(16,\\)"):
+        skinny_linear_add_norm(x, w, res, (randn(16), 1e-6, 1.0))
+    with pytest.raises(ValueError, match="norm: expected a \\(weight, eps, offset\\) triple"):
+        skinny_linear_add_norm(x, w, res, nw)
+    with pytest.raises(ValueError, match="residual: expected shape \\(2, 8\\), got \\(2, 9\\)"):
+        skinny_linear_add_norm(x, w, randn(2, 9), (nw, 1e-6, 1.0))
