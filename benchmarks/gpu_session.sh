@@ -44,7 +44,8 @@ case "${1:-}" in
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 32 --prompt 512 --steps 16 \
         --no-transformers --profile 4 --out "$out/bench_model_qwen3_5_0.8b_profile.json"
     part 120 python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 --rows 25
-    part 170 python benchmarks/skinny_reduce_ab.py --batch 1 8 --out "$out/bench_skinny_reduce_ab.json"
+    part 170 python benchmarks/model_ab.py --toggle one_launch --batch 1 8 --out "$out/bench_skinny_reduce_ab.json"
+    part 170 python benchmarks/model_ab.py --toggle add_norm_epilogue --batch 1 8 --out "$out/bench_add_norm_ab.json"
     ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 \

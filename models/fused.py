@@ -41,6 +41,7 @@ from torch import Tensor
 from .common import apply_rope, rms_norm
 
 _ENABLED = [True]
+_EPILOGUE = [False]  # off until timed on the H200 (`add_norm_epilogue`)
 
 
 @contextlib.contextmanager
@@ -51,6 +52,20 @@ def unfused():
         yield
     finally:
         _ENABLED.pop()
+
+
+@contextlib.contextmanager
+def add_norm_epilogue(enabled: bool):
+    """Within this block `project_add_norm` takes decode-sized inputs on CUDA to one launch
+    (`skinny_linear_add_norm`) when ``enabled``. Off by default: not yet timed on the H200 in a whole
+    step (``benchmarks/model_ab.py`` times both ways)."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"add_norm_epilogue: expected True or False, got {enabled!r}")
+    _EPILOGUE.append(enabled)
+    try:
+        yield
+    finally:
+        _EPILOGUE.pop()
 
 
 @cache
@@ -207,3 +222,20 @@ def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tupl
 
         return kernel(a, b, neg_decay, dt_bias)
     return neg_decay * F.softplus(a + dt_bias), torch.sigmoid(b)
+
+
+def project_add_norm(x: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """An output projection, the residual add and the next block's input norm (Qwen's ``1 + weight``):
+    ``-> (residual + linear(x, w), rms_norm_offset(that sum, weight, eps))``, ``x [T, K]``, the rest
+    ``[T, D]``.
+
+    Otherwise `linear` then `add_rms_norm_offset_`, which on CUDA writes the sum into ``residual`` (pass
+    the step's own tensor). Under `add_norm_epilogue`, at decode sizes on CUDA, one launch: the GEMV's
+    last tile adds the residual (the sum rounded once) and normalizes the rounded sum.
+    """
+    if _EPILOGUE[-1] and x.dim() == 2 and _skinny(x, w, w.shape[-1], residual) and weight.dtype == x.dtype \
+            and weight.shape == (w.shape[0],) and weight.is_contiguous():
+        from fnattn.kernels.skinny_linear import skinny_linear_add_norm
+
+        return skinny_linear_add_norm(x, w, residual, (weight, eps, 1.0))
+    return add_rms_norm_offset_(linear(x, w), residual, weight, eps)

@@ -288,12 +288,13 @@ def gdn_project(
     return conv_input, z, g, beta
 
 
-def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V"]) -> Float[Tensor, "T Dmodel"]:
-    """The gated RMSNorm and the output projection, in ``z.dtype`` (the activation dtype)."""
+def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V"], project=linear):
+    """The gated RMSNorm and the output projection, in ``z.dtype`` (the activation dtype): ``[T, Dmodel]``.
+    ``project(x, weight)``: the projection (a model may fold the residual add and the next norm into it)."""
     expect_shape("o", o, (None, w.num_v_heads, w.head_v_dim))
     expect_shape("z", z, (o.shape[0], w.num_v_heads, w.head_v_dim))
     o = gated_rms_norm_silu(o, z, w.norm_weight, w.eps)
-    return linear(o.reshape(o.shape[0], w.value_dim), w.out_proj)
+    return project(o.reshape(o.shape[0], w.value_dim), w.out_proj)
 
 
 def gdn_layer(

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from fnattn import FullAttentionConfig, FullAttentionInputs, GDNConfig, LayerSpec, RecurrentInputs, StepDeltas
 from fnattn.checks import checked, fail
-from fnattn.tp import all_reduce
+from fnattn.tp import all_reduce, current
 
 from .common import (
     REQUIRED,
@@ -47,7 +47,7 @@ from .common import (
     rope_inv_freq,
     softmax_topk,
 )
-from .fused import add_rms_norm_offset_, linear, rms_norm_offset, rope_, rope_table, silu_and_mul
+from .fused import add_rms_norm_offset_, linear, project_add_norm, rms_norm_offset, rope_, rope_table, silu_and_mul
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
 
@@ -335,8 +335,10 @@ class DenseMLP:
         w = SwiGLU.take(weights, prefix)
         return cls(torch.cat([w.gate, w.up]), w.down)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return linear(silu_and_mul(linear(x, self.gate_up)), self.down)
+    def __call__(self, x: Tensor, project=linear):
+        """``project(x, weight)``: the down projection (`step_hidden` folds the residual add and the next
+        norm into it)."""
+        return project(silu_and_mul(linear(x, self.gate_up)), self.down)
 
 
 @dataclass(frozen=True, eq=False)
@@ -396,8 +398,9 @@ def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
 
 
 def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], cos: Tensor, sin: Tensor,
-                    cfg: QwenConfig, table: Tensor | None = None):
-    """``-> (output [T, D], layer deltas)``; ``table``: the step's `rope_table` (FlashInfer's rope on CUDA)."""
+                    cfg: QwenConfig, table: Tensor | None = None, project=linear):
+    """``-> (output [T, D], layer deltas)``; ``table``: the step's `rope_table` (FlashInfer's rope on CUDA);
+    ``project(x, weight)``: o_proj (`step_hidden` folds the residual add and the next norm into it)."""
     T, Dh = h.shape[0], cfg.head_dim
     qg, k, v = linear(h, w.qkv).split([w.qkv.shape[0] - 2 * w.kv_rows, w.kv_rows, w.kv_rows], dim=-1)
     q, gate = qg.view(T, -1, 2 * Dh).chunk(2, dim=-1)  # [T, Hq, Dh] each (Hq of this rank under TP)
@@ -410,17 +413,18 @@ def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], 
     dt = cfg.dtype
     out, deltas = session.forward(layer, FullAttentionInputs(q=q.to(dt), k=k.to(dt), v=v.to(dt)))
     o = out.o.to(h.dtype).reshape(T, -1) * torch.sigmoid(gate).reshape(T, -1)
-    return linear(o, w.o_proj), deltas
+    return project(o, w.o_proj), deltas
 
 
-def linear_attention(session, layer: int, w: GDNWeights, h: Float[Tensor, "T D"], cfg: QwenConfig):
-    """``-> (output [T, D], layer deltas)``."""
+def linear_attention(session, layer: int, w: GDNWeights, h: Float[Tensor, "T D"], cfg: QwenConfig,
+                     project=linear):
+    """``-> (output [T, D], layer deltas)``; ``project`` as in `gated_attention` (out_proj)."""
     conv_input, z, g, beta = gdn_project(w, h)  # [T, C], [T, H, V], [T, H] fp32, [T, H]
     dt = cfg.dtype
     inputs = RecurrentInputs(x=conv_input.to(dt), conv_weight=w.conv_weight.to(dt),
                              conv_bias=None if w.conv_bias is None else w.conv_bias.to(dt), g=g, beta=beta.to(dt))
     out, deltas = session.forward(layer, inputs)
-    return gdn_finish(w, out.o, z), deltas
+    return gdn_finish(w, out.o, z, project), deltas
 
 
 def moe(h: Float[Tensor, "T D"], m: MoE, cfg: QwenConfig) -> Float[Tensor, "T D"]:
@@ -458,28 +462,55 @@ def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: T
     return x + y, deltas
 
 
+def _chained_layer(session, i: int, layer: Layer, x: Tensor, h: Tensor, next_norm: Tensor, cos: Tensor,
+                   sin: Tensor, cfg: QwenConfig, table: Tensor | None):
+    """Layer ``i`` from its input norm ``h`` to the next norm's: ``-> (x, next_norm's output, layer deltas)``.
+
+    Each residual add and the norm after it go with the projection before them (`fused.project_add_norm`:
+    on CUDA FlashInfer's fused add + RMSNorm after the GEMV, or one launch for both under
+    `fused.add_norm_epilogue`). Under TP the row-parallel projections' outputs are all-reduced first.
+    """
+    eps = cfg.rms_norm_eps
+    group = current()
+    if group is not None and group.size > 1:
+        y, x, deltas = _mixer_and_mlp(session, i, layer, x, h, cos, sin, cfg, table)
+        x, h = add_rms_norm_offset_(y, x, next_norm, eps)
+        return x, h, deltas
+
+    def then_post_norm(o, w):
+        return project_add_norm(o, w, x, layer.post_norm, eps)
+
+    if isinstance(layer.attn, GDNWeights):
+        (x, h), deltas = linear_attention(session, i, layer.attn, h, cfg, then_post_norm)
+    else:
+        (x, h), deltas = gated_attention(session, i, layer.attn, h, cos, sin, cfg, table, then_post_norm)
+    if isinstance(layer.mlp, MoE):
+        x, h = add_rms_norm_offset_(moe(h, layer.mlp, cfg), x, next_norm, eps)
+    else:
+        x, h = layer.mlp(h, lambda a, w: project_add_norm(a, w, x, next_norm, eps))
+    return x, h, deltas
+
+
 @checked
 def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                 ) -> tuple[Float[Tensor, "Tl vocab"], Float[Tensor, "T D"], StepDeltas]:
     """`step` that also returns the final norm's output (lm_head's input), which MTP drafts read.
 
-    Each layer's MLP output is added to the residual stream by the next norm (one fused add + RMSNorm),
-    the last one by the final norm.
+    Each layer's residual adds and the norms after them go with its output projections
+    (`_chained_layer`); the last layer's MLP output meets the final norm.
     """
     cfg, batch = params.config, session.batch
     check_step_tokens(f"{cfg.model_type}.step", batch, tokens, cfg.vocab_size)
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim] fp32, once per step
     table = rope_table(cos, sin) if cos.is_cuda else None
     x = F.embedding(tokens, params.embed)  # [T, D]; the residual stream, this step's own tensor
-    eps, y, layer_deltas = cfg.rms_norm_eps, None, []
-    for i, layer in enumerate(params.layers):
-        if y is None:
-            h = rms_norm_offset(x, layer.input_norm, eps)
-        else:
-            x, h = add_rms_norm_offset_(y, x, layer.input_norm, eps)
-        y, x, deltas = _mixer_and_mlp(session, i, layer, x, h, cos, sin, cfg, table)
+    eps, layers, layer_deltas = cfg.rms_norm_eps, params.layers, []
+    h = rms_norm_offset(x, layers[0].input_norm, eps)
+    for i, layer in enumerate(layers):
+        next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else params.norm
+        x, h, deltas = _chained_layer(session, i, layer, x, h, next_norm, cos, sin, cfg, table)
         layer_deltas.append(deltas)
-    x, hidden = add_rms_norm_offset_(y, x, params.norm, eps)  # [T, D]
+    hidden = h  # [T, D], the final norm's output
     # The cursor advances once, after every layer has read the state.
     return linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 

@@ -246,8 +246,11 @@ SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full at
 }
 
 
+@pytest.mark.parametrize("epilogue", [False, True], ids=["add-norm-after-gemv", "add-norm-epilogue"])
 @pytest.mark.parametrize("name, config", [("tiny", None), ("0.8b slice", SLICE_0_8B)])
-def test_whole_model_fused_matches_unfused(name, config, record):
+def test_whole_model_fused_matches_unfused(name, config, epilogue, record):
+    """Also with `fused.add_norm_epilogue` (decode steps of two rows: each residual add + norm in the
+    output projection's launch)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
@@ -269,7 +272,9 @@ def test_whole_model_fused_matches_unfused(name, config, record):
 
     with fused.unfused():
         want = run()
-    got = run()
+    with fused.add_norm_epilogue(epilogue):
+        got = run()
+    name += ", add + norm epilogue" if epilogue else ""
     _check(record, f"qwen3_5 {name}: logits, prefill + 8 decode steps", got, want, 3e-2)
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     record({"case": f"qwen3_5 {name}: top-1 agreement", "backend": "fused", "agreement": agree, "ok": agree >= 0.75})

@@ -383,3 +383,31 @@ def test_add_norm_arguments_name_themselves():
         skinny_linear_add_norm(x, w, res, nw)
     with pytest.raises(ValueError, match="residual: expected shape \\(2, 8\\), got \\(2, 9\\)"):
         skinny_linear_add_norm(x, w, randn(2, 9), (nw, 1e-6, 1.0))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 17])
+def test_models_project_add_norm_takes_the_epilogue_only_when_asked(rows, monkeypatch):
+    """`models.fused.project_add_norm`: the projection then the fused add + RMSNorm, or under
+    `add_norm_epilogue` (decode sizes, here with the kernel path allowed on this device) one launch that
+    agrees with it; above 16 rows the unfused form either way."""
+    from fnattn.kernels import skinny_linear as module
+    from fnattn.models import fused
+
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
+    calls = []
+    real = module.skinny_linear_add_norm
+    monkeypatch.setattr(module, "skinny_linear_add_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    D, K = 48, 96
+    x, w = randn(rows, K, seed=40), randn(D, K, seed=41) / K ** 0.5
+    res, nw = randn(rows, D, seed=42), randn(D, seed=43) * 0.2
+    plain = fused.project_add_norm(x, w, res.clone(), nw, 1e-6)
+    assert not calls
+    with fused.add_norm_epilogue(True):
+        got = fused.project_add_norm(x, w, res.clone(), nw, 1e-6)
+    assert len(calls) == (rows <= 16)
+    for a, b in zip(got, plain):
+        close(a, b, torch.float32)
+    torch.testing.assert_close(plain[0], res + x @ w.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="add_norm_epilogue: expected True or False, got 1"):
+        with fused.add_norm_epilogue(1):
+            pass

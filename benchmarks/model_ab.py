@@ -1,0 +1,66 @@
+"""The whole Qwen3.5-0.8B decode step both ways of one switch, in one process: which is faster where it
+counts (a kernel that wins alone can lose in a step, and the other way round). From the repository root
+on a GPU machine:
+
+    python benchmarks/model_ab.py --toggle add_norm_epilogue --out ab.json [--batch 1 8] [--steps 32]
+
+Switches:
+
+- ``one_launch``: skinny_linear's split-K partials summed in the GEMV's own launch (on, the default) or by
+  a second reduce kernel (`SkinnyConfig.one_launch`).
+- ``add_norm_epilogue``: each residual add + RMSNorm in the output projection's launch
+  (`models.fused.add_norm_epilogue`) or FlashInfer's fused add + RMSNorm after it (off, the default).
+"""
+
+import argparse
+import contextlib
+import dataclasses
+
+import fnattn.kernels.skinny_linear as skinny
+from fnattn.models import fused
+
+from fnattn.bench import write_json
+from fnattn.bench.model import run_model_bench
+
+
+@contextlib.contextmanager
+def one_launch(on: bool):
+    table = skinny.pick_config
+    skinny.pick_config = lambda *a, **k: dataclasses.replace(table(*a, **k), one_launch=on)
+    try:
+        yield
+    finally:
+        skinny.pick_config = table
+
+
+TOGGLES = {
+    "one_launch": (one_launch, {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
+    "add_norm_epilogue": (fused.add_norm_epilogue, {True: "add + norm in the projection's launch",
+                                                    False: "FlashInfer's add + norm after the projection"}),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--toggle", choices=sorted(TOGGLES), required=True)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    switch, labels = TOGGLES[args.toggle]
+    out = []
+    for on in (True, False):
+        with switch(on):
+            records = run_model_bench(family="qwen3_5", shape="0.8b", batches=args.batch, prompts=[512],
+                                      steps=args.steps, transformers=False, prefill_tokens=0, log=lambda line: None)
+        for r in records:
+            if r.get("backend") == "fnattn graph":
+                r[args.toggle] = labels[on]
+                print(f"{r['case']:<28}{labels[on]:<48}{r['time_us']:9.1f} us")
+                out.append(r)
+    write_json(out, args.out, command="python benchmarks/model_ab.py " + " ".join(
+        ["--toggle", args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--out", args.out]))
+
+
+if __name__ == "__main__":
+    main()
