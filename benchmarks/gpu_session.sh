@@ -4,7 +4,8 @@
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh parity
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
 #   ... graphs | model | profile | model-long | fused | mla: captured steps, the whole model, its profile,
-#   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds
+#   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds; ab: the whole step both ways
+#   of each switch not yet on by default (benchmarks/model_ab.py)
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -44,8 +45,11 @@ case "${1:-}" in
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 32 --prompt 512 --steps 16 \
         --no-transformers --profile 4 --out "$out/bench_model_qwen3_5_0.8b_profile.json"
     part 120 python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 --rows 25
-    part 170 python benchmarks/model_ab.py --toggle one_launch --batch 1 8 --out "$out/bench_skinny_reduce_ab.json"
+    ;;
+  ab)  # the whole step both ways of each switch, one process per switch
     part 170 python benchmarks/model_ab.py --toggle add_norm_epilogue --batch 1 8 --out "$out/bench_add_norm_ab.json"
+    part 170 python benchmarks/model_ab.py --toggle qk_one_launch --batch 1 8 --out "$out/bench_qk_ab.json"
+    part 170 python benchmarks/model_ab.py --toggle one_launch --batch 1 8 --out "$out/bench_skinny_reduce_ab.json"
     ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 \
@@ -71,7 +75,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|model-long|fused|mla|linear" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|model-long|fused|mla|linear" >&2
     exit 2
     ;;
 esac

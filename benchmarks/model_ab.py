@@ -10,6 +10,8 @@ Switches:
   a second reduce kernel (`SkinnyConfig.one_launch`).
 - ``add_norm_epilogue``: each residual add + RMSNorm in the output projection's launch
   (`models.fused.add_norm_epilogue`) or FlashInfer's fused add + RMSNorm after it (off, the default).
+- ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
+  or FlashInfer's norms and rope (off, the default).
 """
 
 import argparse
@@ -37,6 +39,8 @@ TOGGLES = {
     "one_launch": (one_launch, {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
     "add_norm_epilogue": (fused.add_norm_epilogue, {True: "add + norm in the projection's launch",
                                                     False: "FlashInfer's add + norm after the projection"}),
+    "qk_one_launch": (fused.qk_one_launch, {True: "q/k norms, rope, v copy in one launch",
+                                            False: "q norm, k norm, rope (+ copies above 1 row)"}),
 }
 
 

@@ -42,6 +42,7 @@ from .common import apply_rope, rms_norm
 
 _ENABLED = [True]
 _EPILOGUE = [False]  # off until timed on the H200 (`add_norm_epilogue`)
+_QK_ONE_LAUNCH = [False]  # off until timed on the H200 (`qk_one_launch`)
 
 
 @contextlib.contextmanager
@@ -66,6 +67,19 @@ def add_norm_epilogue(enabled: bool):
         yield
     finally:
         _EPILOGUE.pop()
+
+
+@contextlib.contextmanager
+def qk_one_launch(enabled: bool):
+    """Within this block `qk_norm_rope` runs `fnattn.kernels.qk_norm_rope` on CUDA when ``enabled``. Off by
+    default: not yet timed on the H200 in a whole step (``benchmarks/model_ab.py`` times both ways)."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"qk_one_launch: expected True or False, got {enabled!r}")
+    _QK_ONE_LAUNCH.append(enabled)
+    try:
+        yield
+    finally:
+        _QK_ONE_LAUNCH.pop()
 
 
 @cache
@@ -239,3 +253,22 @@ def project_add_norm(x: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps
 
         return skinny_linear_add_norm(x, w, residual, (weight, eps, 1.0))
     return add_rms_norm_offset_(linear(x, w), residual, weight, eps)
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
+                 sin: Tensor, table: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention's inputs from the qkv GEMM's slices ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]`` (any strides
+    but the last): each q / k head RMS-normalized (Qwen's ``1 + weight``), rope on the first
+    ``cos.shape[-1]`` dims, all three contiguous: ``-> (q, k, v)``.
+
+    Otherwise `rms_norm_offset` of each, `rope_` (``table``: FlashInfer's) and a copy of ``v`` where it is
+    not contiguous. Under `qk_one_launch`, on CUDA, one launch for all of it (`fnattn.kernels.qk_norm_rope`).
+    """
+    if _QK_ONE_LAUNCH[-1] and _kernel("triton", q, k, v, q_weight, k_weight):
+        from fnattn.kernels.qk_norm_rope import qk_norm_rope as kernel
+
+        return kernel(q, k, v, q_weight, k_weight, cos, sin, eps=eps, offset=1.0)
+    q = rms_norm_offset(q, q_weight, eps)  # new contiguous tensors, which rope_ may rotate in place
+    k = rms_norm_offset(k, k_weight, eps)
+    q, k = rope_(q, k, cos, sin, table)
+    return q, k, v.contiguous()  # a no-op at one token

@@ -47,7 +47,15 @@ from .common import (
     rope_inv_freq,
     softmax_topk,
 )
-from .fused import add_rms_norm_offset_, linear, project_add_norm, rms_norm_offset, rope_, rope_table, silu_and_mul
+from .fused import (
+    add_rms_norm_offset_,
+    linear,
+    project_add_norm,
+    qk_norm_rope,
+    rms_norm_offset,
+    rope_table,
+    silu_and_mul,
+)
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
 
@@ -404,10 +412,8 @@ def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], 
     T, Dh = h.shape[0], cfg.head_dim
     qg, k, v = linear(h, w.qkv).split([w.qkv.shape[0] - 2 * w.kv_rows, w.kv_rows, w.kv_rows], dim=-1)
     q, gate = qg.view(T, -1, 2 * Dh).chunk(2, dim=-1)  # [T, Hq, Dh] each (Hq of this rank under TP)
-    q = rms_norm_offset(q, w.q_norm, cfg.rms_norm_eps)  # a new contiguous tensor, which rope_ may rotate in place
-    k = rms_norm_offset(k.view(T, -1, Dh), w.k_norm, cfg.rms_norm_eps)
-    q, k = rope_(q, k, cos, sin, table)
-    v = v.view(T, -1, Dh).contiguous()  # a column slice of the GEMM output; a no-op at one token
+    q, k, v = qk_norm_rope(q, k.view(T, -1, Dh), v.view(T, -1, Dh), w.q_norm, w.k_norm, cfg.rms_norm_eps, cos, sin,
+                           table)  # contiguous [T, H, Dh]: q / k normalized and rotated
     # Attention runs in the spec's dtype, which may differ from the weights' (e.g. bf16 weights, fp32 specs);
     # when they agree (the served case) these casts are no-ops.
     dt = cfg.dtype

@@ -3,6 +3,8 @@
 Qwen3.5 models (the tiny config and a 4-layer slice of the 0.8B shape) fused vs `fused.unfused()` over a
 prefill and decode steps. Set FNATTN_GPU_RESULTS=path.json to record every comparison."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -246,11 +248,15 @@ SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full at
 }
 
 
-@pytest.mark.parametrize("epilogue", [False, True], ids=["add-norm-after-gemv", "add-norm-epilogue"])
+VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue, "qk one launch": fused.qk_one_launch}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("name, config", [("tiny", None), ("0.8b slice", SLICE_0_8B)])
-def test_whole_model_fused_matches_unfused(name, config, epilogue, record):
-    """Also with `fused.add_norm_epilogue` (decode steps of two rows: each residual add + norm in the
-    output projection's launch)."""
+def test_whole_model_fused_matches_unfused(name, config, variant, record):
+    """Also with each switch not yet on by default: `fused.add_norm_epilogue` (decode steps of two rows:
+    each residual add + norm in the output projection's launch), `fused.qk_one_launch` (q / k norms, rope
+    and v's copy in one launch, prefill and decode)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
@@ -272,9 +278,10 @@ def test_whole_model_fused_matches_unfused(name, config, epilogue, record):
 
     with fused.unfused():
         want = run()
-    with fused.add_norm_epilogue(epilogue):
+    switch = VARIANTS[variant]
+    with switch(True) if switch else contextlib.nullcontext():
         got = run()
-    name += ", add + norm epilogue" if epilogue else ""
+    name += "" if switch is None else f", {variant}"
     _check(record, f"qwen3_5 {name}: logits, prefill + 8 decode steps", got, want, 3e-2)
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     record({"case": f"qwen3_5 {name}: top-1 agreement", "backend": "fused", "agreement": agree, "ok": agree >= 0.75})

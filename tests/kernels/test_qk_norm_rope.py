@@ -114,3 +114,29 @@ def test_bad_arguments_name_themselves():
         for fn in (qk_norm_rope, qk_norm_rope_ref):
             with pytest.raises(ValueError, match=re.escape(message)):
                 fn(**{**base, **change})
+
+
+def test_models_qk_norm_rope_takes_the_kernel_only_when_asked(monkeypatch):
+    """`models.fused.qk_norm_rope`: the model's norms, rope and v copy, or under `qk_one_launch` (here with
+    the kernel path allowed on this device) the one launch, which agrees with them."""
+    from fnattn.kernels import qk_norm_rope as module
+    from fnattn.models import fused
+
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
+    calls = []
+    real = module.qk_norm_rope
+    monkeypatch.setattr(module, "qk_norm_rope", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, k, v = gemm_slices(3, 4, 2, 16, torch.float32, seed=9)
+    wq, wk = weights(16, torch.float32, 10), weights(16, torch.float32, 11)
+    cos, sin = tables(3, 8)
+    plain = fused.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
+    assert not calls
+    with fused.qk_one_launch(True):
+        got = fused.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
+    assert calls == [1]
+    for a, b in zip(got, plain):
+        assert a.is_contiguous() and b.is_contiguous()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="qk_one_launch: expected True or False, got None"):
+        with fused.qk_one_launch(None):
+            pass
