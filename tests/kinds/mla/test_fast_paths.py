@@ -15,7 +15,7 @@ import fnattn as fa
 from fnattn.driver import run_step
 from fnattn.kinds.mla import flashinfer as mla_flashinfer
 from fnattn.kinds.mla import flashmla as mla_flashmla
-from fnattn.kinds.mla.latent import merge, own_rows
+from fnattn.kinds.mla.latent import absorbed_query, merge, own_rows
 from fnattn.kinds.mla.math import mla_absorbed
 from fnattn.kinds.sparse_mla import flashmla as sparse_flashmla
 from kinds.mla.fast_cases import compare, filled_state, mla_config, sparse_specs, step_inputs
@@ -126,6 +126,21 @@ def test_own_rows_with_nothing_selected_is_empty_not_nan():
     assert torch.isneginf(lse).all() and (o == 0).all()
     o2, lse2 = merge(o, lse, o, lse)
     assert torch.isneginf(lse2).all() and not torch.isnan(o2).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_absorbed_query_is_the_product_beside_the_rope_part(dtype):
+    """Written in place (the product into its columns, q_pe beside it): the concatenation's values (a BLAS
+    may block a strided output differently: to fp32 rounding), contiguous."""
+    g = torch.Generator().manual_seed(0)
+    T, H, Dn, R, Dr = 5, 4, 16, 32, 8
+    q_nope, q_pe = torch.randn(T, H, Dn, generator=g).to(dtype), torch.randn(T, H, Dr, generator=g).to(dtype)
+    w_uk = torch.randn(H, Dn, R, generator=g).to(dtype)
+    got = absorbed_query(dataclasses.make_dataclass("Q", ["q_nope", "q_pe", "w_uk"])(q_nope, q_pe, w_uk))
+    want = torch.cat((torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.float()).to(dtype), q_pe), dim=-1)
+    assert got.is_contiguous() and got.shape == (T, H, R + Dr) and got.dtype == dtype
+    assert torch.equal(got[..., R:], q_pe)
+    torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
 
 
 def test_sparse_indices_split_into_pool_slots_and_step_rows():
