@@ -2,6 +2,7 @@
 counts its rooflines divide."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -137,8 +138,64 @@ def test_profile_on_a_cpu_splits_a_step_into_torch_ops(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--family", "nope"], ["--batch", "0"], ["--prompt", "-1"], ["--steps", "0"],
-                                  ["--profile", "-1"]])
+                                  ["--profile", "-1"], ["--family", "kimi_linear", "--shape", "0.8b"]])
 def test_user_mistakes_exit_2_with_one_line(argv, tmp_path, capsys):
     assert main(["bench", "model", *argv, "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fnattn bench:")
+
+
+@pytest.mark.parametrize("family, shape, low, high", [("deepseek_v32", "2-layer", 25e9, 30e9),
+                                                      ("kimi_linear", "4-layer", 11e9, 14e9)])
+def test_released_layer_shapes_adapt_and_hold_their_released_widths(family, shape, low, high):
+    """The real-width shapes adapt as the family's config and their weights (counted from the family's
+    shapes, nothing allocated) are what the released layers hold: 2 DeepSeek-V3.2 layers (one of 256 experts
+    of 2048) ~27 GB, 4 Kimi-Linear-48B layers ~12 GB in bf16."""
+    from fnattn.models.registry import family_named
+
+    from fnattn.bench.model import config_for
+
+    fam = family_named(family)
+    cfg = fam.adapt(config_for(family, shape))
+    numel = sum(math.prod(s) for s in fam.weight_shapes(cfg).values())
+    assert low < 2 * numel < high
+    assert len(cfg.specs) == {"deepseek_v32": 2, "kimi_linear": 4}[family]
+
+
+def test_moe_weight_bytes_count_the_experts_a_step_touches():
+    from fnattn.models.registry import family_named, random_checkpoint
+
+    from fnattn.bench.model import experts_per_token, weight_bytes
+
+    fam = family_named("deepseek_v32")
+    cfg = fam.adapt(fam.tiny_config())  # 3 layers, 2 of them MoE over 8 experts, 2 a token
+    params = fam.load(cfg, random_checkpoint(fam, cfg))
+    k, E = experts_per_token(cfg), 8
+    assert k == 2
+    every = weight_bytes(params)
+    moe_layers = [layer.mlp for layer in params.layers if hasattr(layer.mlp, "experts")]
+    assert len(moe_layers) == 2
+    per_expert = sum(t.numel() * t.element_size() for t in vars(moe_layers[0].experts[0]).values()
+                     if isinstance(t, torch.Tensor))
+    one_token = weight_bytes(params, tokens=1, experts_per_token=k)
+    assert one_token == every - 2 * (E - k) * per_expert  # one token reads its k experts of each layer
+    many = weight_bytes(params, tokens=10_000, experts_per_token=k)
+    assert many == every  # enough tokens touch every expert
+    two = weight_bytes(params, tokens=2, experts_per_token=k)
+    assert one_token < two < every  # 8 * (1 - (6/8)^2) = 3.5 experts a layer
+    assert abs(two - (every - 2 * (E - 3.5) * per_expert)) <= 2  # each layer's count rounded to a byte
+    dense = family_named("qwen3_5")
+    dcfg = dense.adapt(dense.tiny_config())
+    dparams = dense.load(dcfg, random_checkpoint(dense, dcfg))
+    assert weight_bytes(dparams, tokens=1, experts_per_token=experts_per_token(dcfg)) == weight_bytes(dparams)
+
+
+def test_a_model_too_big_for_the_device_is_refused_before_allocating(tmp_path, capsys, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1 << 18}[name])  # 1 GiB
+    assert main(["bench", "model", "--family", "kimi_linear", "--shape", "4-layer", "--device", "cpu",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fnattn bench: --family kimi_linear --shape 4-layer: needs 25.7 GB of float32 weights on cpu, "
+                   "this host has 1.1 GB"]

@@ -38,8 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lin.add_argument("--no-sweep", action="store_true", help="time only cuBLAS and the config table, no sweep")
     m = p.add_argument_group("model", "fnattn bench model: a whole model (fnattn/bench/model.py)")
     m.add_argument("--family", default="qwen3_5", help="model family (default qwen3_5)")
-    m.add_argument("--shape", default=None, help="tiny (CPU-sized) or a real shape of the family: 0.8b (default "
-                                                 "tiny; overhead: tiny on CPU, 0.8b on CUDA)")
+    m.add_argument("--shape", default=None,
+                   help="tiny (CPU-sized) or a real shape of the family: qwen3_5 0.8b, deepseek_v32 2-layer, "
+                        "kimi_linear 4-layer (released layer shapes, fewer layers) (default tiny; overhead: tiny "
+                        "on CPU, 0.8b on CUDA)")
     m.add_argument("--prompt", type=int, nargs="+", default=[512], help="prompt / cached tokens per request")
     m.add_argument("--steps", type=int, default=None,
                    help="decode steps timed per case (default 32; 64 for the CPU tiny end-to-end case)")

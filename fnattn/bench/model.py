@@ -38,7 +38,31 @@ QWEN3_5_0_8B = {  # the Qwen3.5-0.8B text decoder's shape
 }
 QWEN3_5_0_8B["layer_types"] = QWEN3_5_0_8B["layer_types"] * 6
 
-SHAPES = {"qwen3_5": {"0.8b": QWEN3_5_0_8B}}
+# Released models' layer shapes with fewer layers: every width, head count, expert count and vocabulary as
+# released, so each layer's kernels and bytes are the real ones, at a size one H200 holds in random bf16.
+DEEPSEEK_V32_2L = {  # DeepSeek-V3.2: 2 of its 61 layers, one dense (as its first three are), one MoE
+    "model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "num_hidden_layers": 2,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 163840,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "hidden_act": "silu",
+    "attention_bias": False, "tie_word_embeddings": False,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+}
+KIMI_LINEAR_4L = {  # Kimi-Linear-48B-A3B: 4 of its 27 layers, KDA x 3 then MLA (its 3:1 schedule)
+    "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "first_k_dense_replace": 1,
+    "linear_attn_config": {"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
+    "num_attention_heads": 32, "num_key_value_heads": 32, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 9216,
+    "moe_intermediate_size": 1024, "num_experts": 256, "num_experts_per_token": 8, "num_expert_group": 1,
+    "topk_group": 1, "moe_renormalize": True, "routed_scaling_factor": 2.446, "num_shared_experts": 1,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+}
+SHAPES = {"qwen3_5": {"0.8b": QWEN3_5_0_8B}, "deepseek_v32": {"2-layer": DEEPSEEK_V32_2L},
+          "kimi_linear": {"4-layer": KIMI_LINEAR_4L}}
 HF_CLASSES = {"qwen3_5": ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
 
 
@@ -58,26 +82,70 @@ def config_for(family: str, shape: str) -> dict:
 # ------------------------------------------------------------------------------------------ bytes
 
 
-def weight_bytes(params) -> int:
-    """Bytes of every distinct tensor storage the params hold (views and tied weights counted once)."""
+def _walk_storages(x, seen: dict, experts: list) -> None:
+    """Every distinct tensor storage under ``x`` into ``seen`` (data_ptr -> bytes), except routed experts:
+    a field named ``experts`` (a tuple, one entry per expert) goes to ``experts`` as each expert's bytes."""
+    if isinstance(x, torch.Tensor):
+        st = x.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            _walk_storages(v, seen, experts)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _walk_storages(v, seen, experts)
+    elif hasattr(x, "__dataclass_fields__"):
+        for name in x.__dataclass_fields__:
+            value = getattr(x, name)
+            if name == "experts" and isinstance(value, tuple) and value:
+                experts.append([_tensor_bytes(expert) for expert in value])
+            else:
+                _walk_storages(value, seen, experts)
+
+
+def _tensor_bytes(x) -> int:
+    """Bytes of the tensors under ``x`` by their own sizes (experts may be views of one stacked storage)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in x)
+    if isinstance(x, dict):
+        return sum(_tensor_bytes(v) for v in x.values())
+    if hasattr(x, "__dataclass_fields__"):
+        return sum(_tensor_bytes(getattr(x, n)) for n in x.__dataclass_fields__)
+    return 0
+
+
+def weight_bytes(params, *, tokens: int | None = None, experts_per_token: int | None = None) -> int:
+    """Bytes of every distinct tensor storage the params hold (views and tied weights counted once).
+
+    With ``tokens`` and ``experts_per_token`` (a MoE model's decode step): each MoE layer's routed experts
+    count as many as ``tokens`` tokens touch on average when each picks ``experts_per_token`` of the ``E``
+    distinct experts uniformly, ``E * (1 - (1 - k / E) ** tokens)``: the experts a step reads, not all.
+    """
     seen: dict[int, int] = {}
+    experts: list[list[int]] = []  # per MoE layer, each routed expert's bytes
+    _walk_storages(params, seen, experts)
+    total = sum(seen.values())
+    for layer in experts:
+        per_expert = sum(layer) / len(layer)
+        E = len(layer)
+        if tokens is None or experts_per_token is None:
+            touched = E
+        else:
+            touched = E * (1 - (1 - min(experts_per_token, E) / E) ** tokens)
+        total += round(touched * per_expert)
+    return total
 
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            st = x.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        elif isinstance(x, (tuple, list)):
-            for v in x:
-                walk(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif hasattr(x, "__dataclass_fields__"):
-            for name in x.__dataclass_fields__:
-                walk(getattr(x, name))
 
-    walk(params)
-    return sum(seen.values())
+def experts_per_token(config) -> int | None:
+    """Routed experts each token picks, from a family's adapted config (None: not a MoE model)."""
+    for owner, name in ((config, "num_experts_per_tok"), (config, "top_k"),
+                        (getattr(config, "moe", None), "num_experts_per_tok")):
+        value = getattr(owner, name, None) if owner is not None else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def step_bytes(state, batch: int, ctx: int) -> dict[str, int]:
@@ -216,6 +284,23 @@ def cpu_end_to_end(model, ma, *, prompt: int, steps: int, page_size: int) -> dic
 # ------------------------------------------------------------------------------------------ transformers
 
 
+def _check_memory(fam, cfg, dtype, device, what: str) -> None:
+    """Refuse, naming the sizes, a model whose weights alone exceed the device's free memory (the host's
+    physical memory on a CPU), before allocating any of it."""
+    import os
+
+    need = sum(math.prod(shape) for shape in fam.weight_shapes(cfg).values()) * dtype.itemsize
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+        where = f"{torch.cuda.get_device_name(device)} (free)"
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = "this host"
+    if need > have:
+        raise ValueError(f"{what}: needs {need / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} weights on "
+                         f"{device.type}, {where} has {have / 1e9:.1f} GB")
+
+
 def transformers_model(family: str, config: dict, weights: dict, device, dtype):
     """transformers' causal LM of ``config`` holding ``weights`` (loaded by name) or None, with the reason."""
     if family not in HF_CLASSES:
@@ -317,6 +402,7 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
     fam = family_named(family)
     config = config_for(family, shape)
     cfg = _with_dtype(fam.adapt(config), dtype)
+    _check_memory(fam, cfg, dtype, dev, f"--family {family} --shape {shape}")
     weights = random_checkpoint(fam, cfg, dtype=dtype, device=dev)
     sharded = tp is not None and tp.size > 1
     if sharded:
@@ -332,7 +418,8 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
     log(f"{name}: {wbytes / 1e9:.3f} GB of weights, copy bandwidth {bw / 1e12:.2f} TB/s on {dev}")
     records.append({"case": name, "backend": "roofline weights", "phase": "decode", "weight_bytes": wbytes,
                     "copy_bandwidth_tb_s": bw / 1e12, "time_us": wbytes / bw * 1e6,
-                    "note": "every weight read once per decode step, over the copy bandwidth measured now"})
+                    "note": "every weight read once per decode step, over the copy bandwidth measured now (a MoE "
+                            "step's own roofline counts the routed experts its tokens touch)"})
     skipped = f"--tp {tp.size} (the peer is the whole model)" if sharded else "--no-transformers"
     hf, hf_why = (None, skipped) if not transformers else (None, None)
     if transformers:
@@ -369,9 +456,10 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
             room = 2 * (steps + 8 + profile)  # eager then graph steps, each after warm-up (and profiled) steps
             st = decode_state(model, dev, b, prompt, page_size=page_size, room=room)
             moved = step_bytes(st, b, prompt)
-            per_step = wbytes + sum(moved.values())
+            read = weight_bytes(model.params, tokens=b, experts_per_token=experts_per_token(model.config))
+            per_step = read + sum(moved.values())
             records.append({"case": case, "backend": "roofline step", "phase": "decode", "time_us": per_step / bw * 1e6,
-                            "bytes": {"weights": wbytes, **moved}, "tok_s": b / (per_step / bw)})
+                            "bytes": {"weights": read, **moved}, "tok_s": b / (per_step / bw)})
             times, st = time_decode(model, ma, st, b, steps)
             records.append(_record(case, "fnattn eager", "decode", statistics.median(times), b))
             if profile:
