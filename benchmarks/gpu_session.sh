@@ -5,7 +5,7 @@
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
 #   ... graphs | model | profile | model-long | fused | mla: captured steps, the whole model, its profile,
 #   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds; ab: the whole step both ways
-#   of each switch not yet on by default (benchmarks/model_ab.py)
+#   of each switch not yet on by default (benchmarks/model_ab.py); model-moe: DeepSeek-V3.2 / Kimi Linear layers
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -55,6 +55,12 @@ case "${1:-}" in
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 \
         --profile 1 --out "$out/bench_model_qwen3_5_0.8b_p8192.json"
     ;;
+  model-moe)  # DeepSeek-V3.2 and Kimi Linear at their released layer shapes (fewer layers), no transformers peer
+    part 280 python -m fnattn bench model --family deepseek_v32 --shape 2-layer --batch 1 8 32 --prompt 2048 \
+        --no-transformers --out "$out/bench_model_deepseek_v32_2-layer.json"
+    part 280 python -m fnattn bench model --family kimi_linear --shape 4-layer --batch 1 8 32 --prompt 2048 \
+        --no-transformers --out "$out/bench_model_kimi_linear_4-layer.json"
+    ;;
   linear)  # the skinny GEMV against cuBLAS, its folds (residual add, RMSNorm) against FlashInfer's add + RMSNorm
     part 300 python -m fnattn bench linear --batch 1 --out "$out/bench_linear_b1.json"
     part 200 python -m fnattn bench linear --batch 8 16 --no-sweep --out "$out/bench_linear_b8_16.json"
@@ -75,7 +81,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|model-long|fused|mla|linear" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|model-long|model-moe|fused|mla|linear" >&2
     exit 2
     ;;
 esac
