@@ -18,6 +18,7 @@ for bit. Nothing is read back to the host: the launch can be captured in a CUDA 
 
 import torch
 
+from ._checks import check_finite_float, check_like
 from ._triton import next_pow2, require_triton, tl, triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,13 +86,7 @@ def _check(q, k, v, q_weight, k_weight, cos, sin, eps, offset):
             raise ValueError(f"v: expected shape [{T}, {k.shape[1]}, Dv] (k's tokens and heads), got {got}")
         operands.append(("v", v, None))
     for name, t, shape in operands:
-        if not isinstance(t, torch.Tensor) or (shape is not None and tuple(t.shape) != shape):
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected shape {shape}, got {got}")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name}: expected dtype {q.dtype} (q's), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+        check_like(name, t, shape, q, "q")
     for name, t in (("q", q), ("k", k), ("v", v), ("q_weight", q_weight), ("k_weight", k_weight)):
         if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected unit stride along its last dim, got strides {t.stride()}")
@@ -109,8 +104,7 @@ def _check(q, k, v, q_weight, k_weight, cos, sin, eps, offset):
     if Dr % 2 or Dr > D:
         raise ValueError(f"cos: expected an even number of rope dims <= the head dim {D}, got {Dr}")
     for name, val in (("eps", eps), ("offset", offset)):
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or val != val or abs(val) == float("inf"):
-            raise ValueError(f"{name}: expected a finite Python float, got {val!r}")
+        check_finite_float(name, val)
     if eps < 0:
         raise ValueError(f"eps: expected >= 0, got {eps!r}")
 

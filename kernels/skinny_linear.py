@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_finite_float, check_like
 from ._triton import next_pow2, num_sms, require_triton, tl, triton
 
 MAX_M = 64
@@ -280,8 +281,7 @@ def _check_act_norm(act, norm):
                          f"reads gate | up), got both")
     weight, eps, offset = norm
     for name, v in (("eps", eps), ("offset", offset)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
-            raise ValueError(f"norm {name}: expected a finite Python float, got {v!r}")
+        check_finite_float(f"norm {name}", v)
     if eps < 0:
         raise ValueError(f"norm eps: expected >= 0, got {eps!r}")
     return weight, float(eps), float(offset)
@@ -340,13 +340,7 @@ def _check_operand(name, t, shape, x, *, row_strided):
     """``residual`` ([M, N], rows may be strided) or the norm's ``weight`` ([K], contiguous): x's dtype, device."""
     if t is None:
         return
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name}: expected shape {shape}, got {got}")
-    if t.dtype != x.dtype:
-        raise ValueError(f"{name}: expected dtype {x.dtype} (x's), got {t.dtype}")
-    if t.device != x.device:
-        raise ValueError(f"{name}: expected device {x.device} (x's), got {t.device}")
+    check_like(name, t, shape, x, "x")
     if shape[-1] > 1 and t.stride(-1) != 1:
         what = "unit stride along its last dim" if row_strided else "a contiguous tensor"
         raise ValueError(f"{name}: expected {what}, got strides {t.stride()}")

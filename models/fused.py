@@ -56,30 +56,27 @@ def unfused():
 
 
 @contextlib.contextmanager
+def _switched(stack: list, name: str, enabled):
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{name}: expected True or False, got {enabled!r}")
+    stack.append(enabled)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
 def add_norm_epilogue(enabled: bool):
     """Within this block `project_add_norm` takes decode-sized inputs on CUDA to one launch
     (`skinny_linear_add_norm`) when ``enabled``. Off by default: not yet timed on the H200 in a whole
     step (``benchmarks/model_ab.py`` times both ways)."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"add_norm_epilogue: expected True or False, got {enabled!r}")
-    _EPILOGUE.append(enabled)
-    try:
-        yield
-    finally:
-        _EPILOGUE.pop()
+    return _switched(_EPILOGUE, "add_norm_epilogue", enabled)
 
 
-@contextlib.contextmanager
 def qk_one_launch(enabled: bool):
     """Within this block `qk_norm_rope` runs `fnattn.kernels.qk_norm_rope` on CUDA when ``enabled``. Off by
     default: not yet timed on the H200 in a whole step (``benchmarks/model_ab.py`` times both ways)."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"qk_one_launch: expected True or False, got {enabled!r}")
-    _QK_ONE_LAUNCH.append(enabled)
-    try:
-        yield
-    finally:
-        _QK_ONE_LAUNCH.pop()
+    return _switched(_QK_ONE_LAUNCH, "qk_one_launch", enabled)
 
 
 @cache
