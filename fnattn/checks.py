@@ -79,7 +79,7 @@ def check_tensor(where: str, name: str, t, shape: tuple, dtype: torch.dtype, dev
         fail(where, name, "a torch.Tensor", type(t).__name__)
     if t.layout != torch.strided:
         fail(where, name, "a dense (strided) tensor", t.layout)
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != tuple(shape):  # torch.Size is a tuple: no copy of it to compare
         fail(where, name, f"shape {tuple(shape)}", tuple(t.shape))
     if t.dtype != dtype:
         fail(where, name, f"dtype {dtype}", t.dtype)

@@ -133,6 +133,18 @@ class ModelAttention:
                 out.setdefault(c.group, []).append(self.spec_by_layer[layer])
         return {g: tuple(s) for g, s in out.items()}
 
+    def dispatch(self, phase: str) -> dict:
+        """layer -> (spec, backend or None, the kind's input types, group) for ``phase``: what a session's
+        `forward` looks up per layer, built once per phase (the choices never change after construction)."""
+        cache = self.__dict__.setdefault("_dispatch", {})
+        if phase not in cache:
+            from .declare import kind_info
+
+            specs = self.spec_by_layer
+            cache[phase] = {layer: (specs[layer], c.backend, kind_info(specs[layer].kind).inputs, c.group)
+                            for (layer, p), c in self.choices.items() if p == phase}
+        return cache[phase]
+
     def session(self, state, batch):
         from .session import AttentionSession
 

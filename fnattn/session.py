@@ -27,7 +27,7 @@ import torch
 from .apply import capturing
 from .batch import PHASES, Batch
 from .checks import CHECKS_ENABLED, fail
-from .declare import StepMeta, kind_info
+from .declare import StepMeta
 from .deltas import Writes
 from .errors import PurityError, SessionClosedError
 from .lanes import debug_check
@@ -44,6 +44,7 @@ class AttentionSession:
         self._open = False
         self._closed = False
         self._plans: dict[int, object] = {}
+        self._dispatch: dict = {}  # layer -> (spec, backend, input types, group), from entry on
         self._lease = None
         self._done: set[int] = set()
         #: layer -> output, for layers that returned replay inputs in a replay-mode verify step
@@ -70,6 +71,7 @@ class AttentionSession:
             fail("AttentionSession", "batch.page_size", f"the state's page size {state.page_size}", batch.page_size)
         if batch.block_table.device != state.device:
             fail("AttentionSession", "batch", f"tensors on {state.device}", batch.block_table.device)
+        self._dispatch = ma.dispatch(batch.phase)
         self._lease = ma.workspace.lease()
         try:
             for group, specs in ma.groups(batch.phase).items():
@@ -98,20 +100,22 @@ class AttentionSession:
                 f"forward(layer={layer!r}) outside an open session: sessions are single-use context managers"
             )
         ma, batch = self.model_attention, self.batch
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer not in ma.spec_by_layer:
+        entry = self._dispatch.get(layer) if type(layer) is int else None
+        if entry is None:
+            if type(layer) is int and layer in ma.spec_by_layer:
+                ma.backend(layer, batch.phase)  # a phase this ModelAttention was not built for: raises, naming it
             fail("AttentionSession.forward", "layer", f"one of {sorted(ma.spec_by_layer)}", layer)
         if layer in self._done:
             fail("AttentionSession.forward", "layer", "a layer not yet run in this step (each layer runs once)",
                  layer)
-        spec = ma.spec_by_layer[layer]
-        backend = ma.backend(layer, batch.phase)
-        expected = kind_info(spec.kind).inputs
+        spec, backend, expected, group = entry
+        if backend is None:
+            ma.backend(layer, batch.phase)  # raises, saying why no backend serves it
         if not isinstance(inputs, expected):
             fail("AttentionSession.forward", "inputs",
                  f"{' or '.join(t.__name__ for t in expected)} (layer {layer} is {spec.kind})",
                  type(inputs).__name__)
         inputs.validate(spec, batch, self.state.device)
-        group = ma.choices[(layer, batch.phase)].group
         meta = StepMeta(batch=batch, plan=self._plans.get(group), workspace=self._lease)
         views = self.state.views(layer)
         if CHECKS_ENABLED and not capturing():
