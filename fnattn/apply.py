@@ -81,7 +81,8 @@ def check_batch(state, batch, where: str) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(req.pages) * S - req.length:
             fail(where, f"batch.host_new_lens[{b}]", f"an int in 1..{len(req.pages) * S - req.length} "
                  f"(request {rid}'s reserved room)", n)
-        _check_unshared(state, req.pages[req.length // S:(req.length + n - 1) // S + 1], where)
+        if state._shared:  # pages more than one request holds (a shared prefix): none is written
+            _check_unshared(state, req.pages[req.length // S:(req.length + n - 1) // S + 1], where)
         reqs.append((req, n))
     if len(set(batch.request_ids)) != len(batch.request_ids) or not reqs:
         fail(where, "batch.request_ids", "unique admitted request ids", batch.request_ids)
