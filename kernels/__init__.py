@@ -6,7 +6,8 @@ GDN / KDA kernels and the arithmetic of `fnattn.kinds.delta_rule`. Of the attent
 kernels (paged_attention, lse_merge, scatter), only `scatter_kv` / `scatter_rows`
 write into their arguments. `skinny_linear` is ``x @ w.T`` for decode-sized ``x``
 (at most 64 rows), optionally with SwiGLU's SiLU-and-mul or an RMSNorm folded into its load and a
-residual added to its result (``norm=``, ``residual=``), `gdn_gating` is GDN's g and beta in one launch, and
+residual added to its result (``norm=``, ``residual=``); `skinny_linear_add_norm` adds the residual and writes
+the rows' RMSNorm in the same launch; `gdn_gating` is GDN's g and beta in one launch, and
 `qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one.
 """
 
