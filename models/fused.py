@@ -36,7 +36,10 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
+from jaxtyping import Float
 from torch import Tensor
+
+from fnattn.tp import all_reduce, current
 
 from .common import apply_rope, rms_norm
 
@@ -235,25 +238,31 @@ def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tupl
     return neg_decay * F.softplus(a + dt_bias), torch.sigmoid(b)
 
 
-def project_add_norm(x: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual: Float[Tensor, "T D"],
+                     weight: Float[Tensor, " D"], eps: float) -> tuple[Float[Tensor, "T D"], Float[Tensor, "T D"]]:
     """An output projection, the residual add and the next block's input norm (Qwen's ``1 + weight``):
-    ``-> (residual + linear(x, w), rms_norm_offset(that sum, weight, eps))``, ``x [T, K]``, the rest
-    ``[T, D]``.
+    ``-> (residual + linear(x, w), rms_norm_offset(that sum, weight, eps))``.
 
-    Otherwise `linear` then `add_rms_norm_offset_`, which on CUDA writes the sum into ``residual`` (pass
-    the step's own tensor). Under `add_norm_epilogue`, at decode sizes on CUDA, one launch: the GEMV's
-    last tile adds the residual (the sum rounded once) and normalizes the rounded sum.
+    The projection is row-parallel under TP: its partial products are all-reduced before the add
+    (`fnattn.tp.all_reduce`). Otherwise `linear` then `add_rms_norm_offset_`, which on CUDA writes the sum
+    into ``residual`` (pass the step's own tensor). Under `add_norm_epilogue`, at decode sizes on CUDA and
+    without TP, one launch: the GEMV's last tile adds the residual (the sum rounded once) and normalizes the
+    rounded sum.
     """
-    if _EPILOGUE[-1] and x.dim() == 2 and _skinny(x, w, w.shape[-1], residual) and weight.dtype == x.dtype \
-            and weight.shape == (w.shape[0],) and weight.is_contiguous():
+    group = current()
+    if (group is None or group.size == 1) and _EPILOGUE[-1] and x.dim() == 2 \
+            and _skinny(x, w, w.shape[-1], residual) and weight.dtype == x.dtype and weight.shape == (w.shape[0],) \
+            and weight.is_contiguous():
         from fnattn.kernels.skinny_linear import skinny_linear_add_norm
 
         return skinny_linear_add_norm(x, w, residual, (weight, eps, 1.0))
-    return add_rms_norm_offset_(linear(x, w), residual, weight, eps)
+    return add_rms_norm_offset_(all_reduce(linear(x, w)), residual, weight, eps)
 
 
-def qk_norm_rope(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
-                 sin: Tensor, table: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def qk_norm_rope(q: Float[Tensor, "T Hq D"], k: Float[Tensor, "T Hkv D"], v: Float[Tensor, "T Hkv Dv"],
+                 q_weight: Float[Tensor, " D"], k_weight: Float[Tensor, " D"], eps: float, cos: Float[Tensor, "T Dr"],
+                 sin: Float[Tensor, "T Dr"], table: Tensor | None = None
+                 ) -> tuple[Float[Tensor, "T Hq D"], Float[Tensor, "T Hkv D"], Float[Tensor, "T Hkv Dv"]]:
     """Attention's inputs from the qkv GEMM's slices ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]`` (any strides
     but the last): each q / k head RMS-normalized (Qwen's ``1 + weight``), rope on the first
     ``cos.shape[-1]`` dims, all three contiguous: ``-> (q, k, v)``.

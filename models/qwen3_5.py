@@ -34,7 +34,7 @@ from torch import Tensor
 
 from fnattn import FullAttentionConfig, FullAttentionInputs, GDNConfig, LayerSpec, RecurrentInputs, StepDeltas
 from fnattn.checks import checked, fail
-from fnattn.tp import all_reduce, current
+from fnattn.tp import all_reduce
 
 from .common import (
     REQUIRED,
@@ -443,19 +443,24 @@ def moe(h: Float[Tensor, "T D"], m: MoE, cfg: QwenConfig) -> Float[Tensor, "T D"
     return out
 
 
-def _mixer_and_mlp(session, i: int, layer: Layer, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor,
-                   cfg: QwenConfig, table: Tensor | None):
-    """Layer ``i`` after its input norm ``h``: ``-> (MLP output, residual stream x + attention, layer deltas)``.
-
-    ``x`` must be the step's own tensor: on CUDA the fused residual add writes the sum into it.
-    """
+def _mixer(session, i: int, layer: Layer, h: Tensor, cos: Tensor, sin: Tensor, cfg: QwenConfig,
+           table: Tensor | None, project):
+    """Layer ``i``'s token mixer from its input norm ``h``, ``project`` its output projection:
+    ``-> (what project returned, layer deltas)``."""
     if isinstance(layer.attn, GDNWeights):
-        y, deltas = linear_attention(session, i, layer.attn, h, cfg)
-    else:
-        y, deltas = gated_attention(session, i, layer.attn, h, cos, sin, cfg, table)
-    # o_proj / out_proj and the MLPs' down projections are row-parallel under TP.
-    x, h = add_rms_norm_offset_(all_reduce(y), x, layer.post_norm, cfg.rms_norm_eps)
-    return all_reduce(moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp(h)), x, deltas
+        return linear_attention(session, i, layer.attn, h, cfg, project)
+    return gated_attention(session, i, layer.attn, h, cos, sin, cfg, table, project)
+
+
+def _mixer_and_post_norm(session, i: int, layer: Layer, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor,
+                         cfg: QwenConfig, table: Tensor | None):
+    """Layer ``i`` up to the MLP: ``-> (x + attention, its post-attention norm, layer deltas)``, the residual
+    add and the norm with the output projection (`fused.project_add_norm`, which all-reduces a row-parallel
+    projection under TP). ``x`` must be the step's own tensor: on CUDA the fused residual add writes into it."""
+    eps = cfg.rms_norm_eps
+    (x, h), deltas = _mixer(session, i, layer, h, cos, sin, cfg, table,
+                            lambda o, w: project_add_norm(o, w, x, layer.post_norm, eps))
+    return x, h, deltas
 
 
 def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: Tensor, sin: Tensor,
@@ -464,7 +469,8 @@ def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: T
 
     Leaves ``x`` as it was (`step_hidden` instead chains the layers through fused residual adds)."""
     h = rms_norm_offset(x, layer.input_norm, cfg.rms_norm_eps)
-    y, x, deltas = _mixer_and_mlp(session, i, layer, x.clone() if x.is_cuda else x, h, cos, sin, cfg, None)
+    x, h, deltas = _mixer_and_post_norm(session, i, layer, x.clone() if x.is_cuda else x, h, cos, sin, cfg, None)
+    y = all_reduce(moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoE) else layer.mlp(h))  # down: row-parallel
     return x + y, deltas
 
 
@@ -474,24 +480,12 @@ def _chained_layer(session, i: int, layer: Layer, x: Tensor, h: Tensor, next_nor
 
     Each residual add and the norm after it go with the projection before them (`fused.project_add_norm`:
     on CUDA FlashInfer's fused add + RMSNorm after the GEMV, or one launch for both under
-    `fused.add_norm_epilogue`). Under TP the row-parallel projections' outputs are all-reduced first.
+    `fused.add_norm_epilogue`; under TP the row-parallel projection's output all-reduced first).
     """
     eps = cfg.rms_norm_eps
-    group = current()
-    if group is not None and group.size > 1:
-        y, x, deltas = _mixer_and_mlp(session, i, layer, x, h, cos, sin, cfg, table)
-        x, h = add_rms_norm_offset_(y, x, next_norm, eps)
-        return x, h, deltas
-
-    def then_post_norm(o, w):
-        return project_add_norm(o, w, x, layer.post_norm, eps)
-
-    if isinstance(layer.attn, GDNWeights):
-        (x, h), deltas = linear_attention(session, i, layer.attn, h, cfg, then_post_norm)
-    else:
-        (x, h), deltas = gated_attention(session, i, layer.attn, h, cos, sin, cfg, table, then_post_norm)
+    x, h, deltas = _mixer_and_post_norm(session, i, layer, x, h, cos, sin, cfg, table)
     if isinstance(layer.mlp, MoE):
-        x, h = add_rms_norm_offset_(moe(h, layer.mlp, cfg), x, next_norm, eps)
+        x, h = add_rms_norm_offset_(all_reduce(moe(h, layer.mlp, cfg)), x, next_norm, eps)
     else:
         x, h = layer.mlp(h, lambda a, w: project_add_norm(a, w, x, next_norm, eps))
     return x, h, deltas
