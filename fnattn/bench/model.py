@@ -82,38 +82,25 @@ def config_for(family: str, shape: str) -> dict:
 # ------------------------------------------------------------------------------------------ bytes
 
 
-def _walk_storages(x, seen: dict, experts: list) -> None:
-    """Every distinct tensor storage under ``x`` into ``seen`` (data_ptr -> bytes), except routed experts:
-    a field named ``experts`` (a tuple, one entry per expert) goes to ``experts`` as each expert's bytes."""
+def _tensors(x, experts: list | None = None):
+    """The tensors under ``x`` (tuples, lists, dicts, dataclass fields). With ``experts`` (a list), a dataclass
+    field named ``experts`` (a tuple, one entry per routed expert) is not walked: each expert's tensors go
+    there, one list per MoE layer."""
     if isinstance(x, torch.Tensor):
-        st = x.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        yield x
     elif isinstance(x, (tuple, list)):
         for v in x:
-            _walk_storages(v, seen, experts)
+            yield from _tensors(v, experts)
     elif isinstance(x, dict):
         for v in x.values():
-            _walk_storages(v, seen, experts)
+            yield from _tensors(v, experts)
     elif hasattr(x, "__dataclass_fields__"):
         for name in x.__dataclass_fields__:
             value = getattr(x, name)
-            if name == "experts" and isinstance(value, tuple) and value:
-                experts.append([_tensor_bytes(expert) for expert in value])
+            if experts is not None and name == "experts" and isinstance(value, tuple) and value:
+                experts.append([list(_tensors(expert)) for expert in value])
             else:
-                _walk_storages(value, seen, experts)
-
-
-def _tensor_bytes(x) -> int:
-    """Bytes of the tensors under ``x`` by their own sizes (experts may be views of one stacked storage)."""
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (tuple, list)):
-        return sum(_tensor_bytes(v) for v in x)
-    if isinstance(x, dict):
-        return sum(_tensor_bytes(v) for v in x.values())
-    if hasattr(x, "__dataclass_fields__"):
-        return sum(_tensor_bytes(getattr(x, n)) for n in x.__dataclass_fields__)
-    return 0
+                yield from _tensors(value, experts)
 
 
 def weight_bytes(params, *, tokens: int | None = None, experts_per_token: int | None = None) -> int:
@@ -123,12 +110,12 @@ def weight_bytes(params, *, tokens: int | None = None, experts_per_token: int | 
     count as many as ``tokens`` tokens touch on average when each picks ``experts_per_token`` of the ``E``
     distinct experts uniformly, ``E * (1 - (1 - k / E) ** tokens)``: the experts a step reads, not all.
     """
-    seen: dict[int, int] = {}
-    experts: list[list[int]] = []  # per MoE layer, each routed expert's bytes
-    _walk_storages(params, seen, experts)
-    total = sum(seen.values())
+    experts: list[list[list[torch.Tensor]]] = []  # per MoE layer, each routed expert's tensors
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(params, experts)}
+    total = sum(storages.values())
     for layer in experts:
-        per_expert = sum(layer) / len(layer)
+        # by the tensors' own sizes: experts may be views of one stacked storage
+        per_expert = sum(t.numel() * t.element_size() for expert in layer for t in expert) / len(layer)
         E = len(layer)
         if tokens is None or experts_per_token is None:
             touched = E
