@@ -239,37 +239,31 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
         index, rows = state_rows, batch.recurrent_write_rows.shape[0]
     # The usual case in one test (the same checks as below, which name what is wrong when it fails): a CPU or
     # CUDA tensor, the device by kind and index without building device objects; any other device goes below.
-    if isinstance(value, Tensor) and value.layout is torch.strided and value.dtype is live.dtype \
-            and value.dim() == len(row) + 1 and value.shape[0] == rows and value.shape[1:] == row \
-            and value.get_device() == device_index \
-            and ((value.is_cuda and live.is_cuda) or (value.is_cpu and live.is_cpu)):
-        if value.numel() and _overlaps_storage(value, storage):
-            fail(_Where(layer), name, "a tensor that does not share memory with the State's storage (clone it)",
-                 "memory of the storage")
-        every_row = index is batch.slot_mapping or (index is batch.recurrent_write_rows and (
-            batch.phase != "verify" or batch.ring > 0))
-        return [_Target(pool.name, name, position, index, value.detach() if value.requires_grad else value,
-                        every_row)]
-    where = _Where(layer)  # formatted only when a check fails
-    if value is None:
-        if token_space or not batch.ring:
-            fail(where, name, "a tensor (only per-request states of a ring batch may be written in place)", None)
-        if storage.ring_lent != (batch.state_version, w.session):
-            raise StaleDeltasError(f"{where}: `{name}` was written in place into the spare ring rows of step "
-                                   f"{batch.step_id}, which were handed to another session since (open one "
-                                   "session per batch and apply it before the next)")
-        return []
-    if not isinstance(value, Tensor) or value.layout != torch.strided:
-        fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
-    shape = value.shape
-    if tuple(shape) != (rows, *row):
-        fail(where, name, f"shape {(rows, *row)}", tuple(shape))
-    if value.dtype != live.dtype:
-        fail(where, name, f"dtype {live.dtype} (no silent casts)", value.dtype)
-    if value.get_device() != live.get_device() or value.device.type != live.device.type:
-        fail(where, name, f"a tensor on {live.device}", value.device)
+    usual = isinstance(value, Tensor) and value.layout is torch.strided and value.dtype is live.dtype \
+        and value.dim() == len(row) + 1 and value.shape[0] == rows and value.shape[1:] == row \
+        and value.get_device() == device_index \
+        and ((value.is_cuda and live.is_cuda) or (value.is_cpu and live.is_cpu))
+    if not usual:
+        where = _Where(layer)  # formatted only when a check fails
+        if value is None:
+            if token_space or not batch.ring:
+                fail(where, name, "a tensor (only per-request states of a ring batch may be written in place)", None)
+            if storage.ring_lent != (batch.state_version, w.session):
+                raise StaleDeltasError(f"{where}: `{name}` was written in place into the spare ring rows of step "
+                                       f"{batch.step_id}, which were handed to another session since (open one "
+                                       "session per batch and apply it before the next)")
+            return []
+        if not isinstance(value, Tensor) or value.layout != torch.strided:
+            fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
+        shape = value.shape
+        if tuple(shape) != (rows, *row):
+            fail(where, name, f"shape {(rows, *row)}", tuple(shape))
+        if value.dtype != live.dtype:
+            fail(where, name, f"dtype {live.dtype} (no silent casts)", value.dtype)
+        if value.get_device() != live.get_device() or value.device.type != live.device.type:
+            fail(where, name, f"a tensor on {live.device}", value.device)
     if value.numel() and _overlaps_storage(value, storage):
-        fail(where, name, "a tensor that does not share memory with the State's storage (clone it)",
+        fail(_Where(layer), name, "a tensor that does not share memory with the State's storage (clone it)",
              "memory of the storage")
     every_row = index is batch.slot_mapping or (index is batch.recurrent_write_rows and (
         batch.phase != "verify" or batch.ring > 0))
