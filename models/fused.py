@@ -49,16 +49,6 @@ _QK_ONE_LAUNCH = [False]  # off until timed on the H200 (`qk_one_launch`)
 
 
 @contextlib.contextmanager
-def unfused():
-    """Within this block every function here runs its torch body (the reference for parity tests)."""
-    _ENABLED.append(False)
-    try:
-        yield
-    finally:
-        _ENABLED.pop()
-
-
-@contextlib.contextmanager
 def _switched(stack: list, name: str, enabled):
     if not isinstance(enabled, bool):
         raise ValueError(f"{name}: expected True or False, got {enabled!r}")
@@ -67,6 +57,11 @@ def _switched(stack: list, name: str, enabled):
         yield
     finally:
         stack.pop()
+
+
+def unfused():
+    """Within this block every function here runs its torch body (the reference for parity tests)."""
+    return _switched(_ENABLED, "unfused", False)
 
 
 def add_norm_epilogue(enabled: bool):
