@@ -8,6 +8,9 @@ Switches:
 
 - ``one_launch``: skinny_linear's split-K partials summed in the GEMV's own launch (on, the default) or by
   a second reduce kernel (`SkinnyConfig.one_launch`).
+- ``pdl``: fnattn's decode kernels launched with programmatic dependent launch (`fnattn.kernels.pdl`): each
+  may start while the launch before it finishes (a GEMV loads its first weight tile), or after it ends (off,
+  the default).
 - ``add_norm_epilogue``: each residual add + RMSNorm in the output projection's launch
   (`models.fused.add_norm_epilogue`) or FlashInfer's fused add + RMSNorm after it (off, the default).
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
@@ -15,28 +18,22 @@ Switches:
 """
 
 import argparse
-import contextlib
-import dataclasses
 
 import fnattn.kernels.skinny_linear as skinny
 from fnattn.models import fused
 
+from fnattn import kernels
 from fnattn.bench import write_json
 from fnattn.bench.model import run_model_bench
 
 
-@contextlib.contextmanager
 def one_launch(on: bool):
-    table = skinny.pick_config
-    skinny.pick_config = lambda *a, **k: dataclasses.replace(table(*a, **k), one_launch=on)
-    try:
-        yield
-    finally:
-        skinny.pick_config = table
+    return skinny.configured(one_launch=on)
 
 
 TOGGLES = {
     "one_launch": (one_launch, {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
+    "pdl": (kernels.pdl, {True: "kernels launched with PDL", False: "each kernel launched after the last ends"}),
     "add_norm_epilogue": (fused.add_norm_epilogue, {True: "add + norm in the projection's launch",
                                                     False: "FlashInfer's add + norm after the projection"}),
     "qk_one_launch": (fused.qk_one_launch, {True: "q/k norms, rope, v copy in one launch",

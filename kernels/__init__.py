@@ -9,6 +9,8 @@ write into their arguments. `skinny_linear` is ``x @ w.T`` for decode-sized ``x`
 residual added to its result (``norm=``, ``residual=``); `skinny_linear_add_norm` adds the residual and writes
 the rows' RMSNorm in the same launch; `gdn_gating` is GDN's g and beta in one launch, and
 `qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one.
+Within `pdl(True)` the decode-step kernels (the GEMV, gating, fused GDN decode, q / k norms and rope,
+paged attention and its merge) launch with programmatic dependent launch on Hopper and later.
 """
 
 import importlib
@@ -43,6 +45,7 @@ _EXPORTS = {
     "skinny_linear_add_norm": "skinny_linear",
     "SkinnyConfig": "skinny_linear",
     "pick_config": "skinny_linear",
+    "pdl": "_triton",
     "indexer_scores_paged": "indexer",
     "indexer_scores_paged_ref": "indexer",
     "indexer_topk": "indexer",

@@ -4,11 +4,13 @@ Kernel modules must import without triton so that their pure-torch references
 stay usable on machines without it; a kernel called there raises ImportError.
 """
 
+import contextlib
 import functools
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only without triton
@@ -37,6 +39,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
     triton = _Anything()
     tl = _Anything()
+    gdc_wait = gdc_launch_dependents = _Anything()
 
 
 def require_triton():
@@ -59,3 +62,48 @@ def num_sms(device_index):
     if device_index is None or not torch.cuda.is_available():
         return 132
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_PDL = [False]  # off until timed on the H200 in a whole step (benchmarks/model_ab.py --toggle pdl)
+
+
+@contextlib.contextmanager
+def pdl(enabled: bool):
+    """Within this block the kernels here launch with programmatic dependent launch where the device has
+    it (`pdl_supported`): a launch may start while the one before it on the stream finishes, load what no
+    launch writes (weights, norm weights), then wait (``gdc_wait``) for its inputs. A graph captured inside
+    keeps the overlap: the capture records the launches' programmatic edges."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"pdl: expected True or False, got {enabled!r}")
+    _PDL.append(enabled)
+    try:
+        yield
+    finally:
+        _PDL.pop()
+
+
+def pdl_launch(device) -> bool:
+    """Whether a kernel launched now on ``device`` launches with PDL (`pdl` on, and `pdl_supported`)."""
+    return _PDL[-1] and pdl_supported(device)
+
+
+def pdl_supported(device) -> bool:
+    """Whether kernels on ``device`` may be launched with programmatic dependent launch (PDL): a CUDA device
+    of compute capability 9.0 or later (Hopper), not the interpreter (which has no grid dependency control).
+
+    A kernel launched so may start while the launch before it is still finishing; it must call ``gdc_wait()``
+    before it reads anything an earlier launch writes, or writes anything at all."""
+    import os
+
+    import torch
+
+    if getattr(device, "type", None) != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@functools.cache
+def _capability(device_index):
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)

@@ -23,7 +23,7 @@ ring rows, never ones `slots` reads).
 
 import torch
 
-from ._triton import require_triton, tl, triton
+from ._triton import gdc_launch_dependents, gdc_wait, pdl_launch, require_triton, tl, triton
 from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, inner_contiguous, pow2, state_outputs
 from .gdn_conv import causal_conv1d_ref
 from .gdn_recurrent import _delta_token, _store_state, gated_delta_recurrent_ref
@@ -68,8 +68,11 @@ def _fused_decode_kernel(
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_KDA: tl.constexpr, L2NORM: tl.constexpr,
-    OUT_ROWS: tl.constexpr,
+    OUT_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # inputs are read only after the launch before this one has finished
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -181,6 +184,7 @@ def gated_delta_decode_fused(
     x, g = inner_contiguous(x), inner_contiguous(g)
     BK = pow2(K)
     BV = block_v or min(pow2(V), 32 if BK >= 256 else 64)  # gated_delta_recurrent's tile (see there)
+    pdl = pdl_launch(x.device)
     _fused_decode_kernel[(B, HV, cdiv(V, BV))](
         x, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state_pool, g, beta,
         state_pool, slots, cu_seqlens, o, out_states, out_rows if out_rows is not None else slots, out_windows,
@@ -193,7 +197,7 @@ def gated_delta_decode_fused(
         *out_windows.stride(),
         HK=Hk, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV,
         HAS_BIAS=conv_bias is not None, SILU=activation is not None, IS_KDA=is_kda, L2NORM=bool(use_qk_l2norm),
-        OUT_ROWS=out_rows is not None, **({"num_warps": num_warps} if num_warps else {}),
+        OUT_ROWS=out_rows is not None, PDL=pdl, launch_pdl=pdl, **({"num_warps": num_warps} if num_warps else {}),
     )
     return o, out_states, out_windows
 

@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 
 try:
     from triton.language.extra import libdevice
@@ -61,7 +61,7 @@ def _gating_kernel(
     a_ptr, b_ptr, nd_ptr, dtb_ptr, g_ptr, beta_ptr,
     T, H, sa_t, sa_h, sb_t, sb_h, s_nd, s_dtb,
     sp_beta, sp_threshold,
-    BT: tl.constexpr, BH: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     rt = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -69,9 +69,12 @@ def _gating_kernel(
     mh = rh < H
     m = mt[:, None] & mh[None, :]
 
-    a = tl.load(a_ptr + rt[:, None] * sa_t + rh[None, :] * sa_h, mask=m, other=0.0).to(tl.float32)  # [BT, BH]
+    if PDL:  # inputs are read only after the launch before this one has finished (dt_bias and the decay too:
+        gdc_wait()  # a model may compute them in the step)
+        gdc_launch_dependents()
     dtb = tl.load(dtb_ptr + rh * s_dtb, mask=mh, other=0.0)
     nd = tl.load(nd_ptr + rh * s_nd, mask=mh, other=0.0)
+    a = tl.load(a_ptr + rt[:, None] * sa_t + rh[None, :] * sa_h, mask=m, other=0.0).to(tl.float32)  # [BT, BH]
     x = a + dtb[None, :]
     xb = x * sp_beta
     one = tl.full([BT, BH], 1.0, tl.float32)  # div_rn takes tensors on both sides (the interpreter needs it)
@@ -145,11 +148,12 @@ def gdn_gating(a, b, neg_decay, dt_bias, *, beta_dtype=None, softplus_beta=1.0, 
         return g, beta
     BH = min(next_pow2(H), 128)
     BT = min(next_pow2(T), max(1, _BLOCK // BH))
+    pdl = pdl_launch(a.device)
     _gating_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
         a, b, neg_decay, dt_bias, g, beta,
         T, H, a.stride(0), a.stride(1), b.stride(0), b.stride(1), neg_decay.stride(0), dt_bias.stride(0),
         sp_beta, sp_threshold,
-        BT=BT, BH=BH, LIBDEVICE=not interpreted, num_warps=1 if BT * BH <= 128 else 4,
+        BT=BT, BH=BH, LIBDEVICE=not interpreted, num_warps=1 if BT * BH <= 128 else 4, PDL=pdl, launch_pdl=pdl,
     )
     return g, beta
 

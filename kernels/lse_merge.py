@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 
 
 @triton.jit
@@ -46,8 +46,11 @@ def _merge_two_kernel(
 def _merge_splits_kernel(
     O_PART, LSE_PART, SINKS, OUT, LSE, num_splits,
     sop_t, sop_h, sop_s, slp_t, slp_h, so_t, so_h, sl_t, sl_h,
-    DV: tl.constexpr, DV_PAD: tl.constexpr, NS_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, NS_PAD: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # inputs are read only after the launch before this one has finished
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, NS_PAD)
@@ -83,13 +86,14 @@ def merge_splits(o_part, lse_part, o, lse, *, sinks=None):
     T, H, NS, Dv = o_part.shape
     if T == 0 or H == 0:
         return o, lse
+    pdl = pdl_launch(o.device)
     _merge_splits_kernel[(T, H)](
         o_part, lse_part, sinks if sinks is not None else lse_part, o, lse, NS,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
         DV=Dv, DV_PAD=next_pow2(Dv), NS_PAD=next_pow2(NS), HAS_SINK=sinks is not None,
-        num_warps=4,
+        num_warps=4, PDL=pdl, launch_pdl=pdl,
     )
     return o, lse
 

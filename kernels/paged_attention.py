@@ -20,7 +20,7 @@ Nothing here writes into its arguments (see `scatter.py` for the writes).
 
 import torch
 
-from ._triton import next_pow2, num_sms, require_triton, tl, triton
+from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
 from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_splits  # noqa: F401
 from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
 
@@ -87,8 +87,11 @@ def _paged_attn_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr, HAS_NEW: tl.constexpr, HAS_SINK: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # inputs are read only after the launch before this one has finished
+        gdc_wait()
+        gdc_launch_dependents()
     TOK: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
     # Last tiles see the most keys under the causal mask: start them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -336,6 +339,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     cu = cu_seqlens if cu_seqlens is not None else cache_lens
 
     grid = (m_tiles, B * Hkv, num_splits)
+    pdl = pdl_launch(q.device)
     _paged_attn_kernel[grid](
         q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu, sinks_f,
         o, lse, o_part, lse_part,
@@ -352,7 +356,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
         DECODE=decode, HAS_NEW=has_new, HAS_SINK=sinks is not None,
         SOFTCAP=softcap > 0, WINDOW=window > 0, SPLIT=split,
         IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl,
     )
     if split:
         merge_splits(o_part, lse_part, o, lse, sinks=sinks_f if sinks is not None else None)

@@ -19,7 +19,7 @@ for bit. Nothing is read back to the host: the launch can be captured in a CUDA 
 import torch
 
 from ._checks import check_finite_float, check_like
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -50,8 +50,11 @@ def _norm_rope_row(src, dst, W, COS, SIN, eps, offset, D: tl.constexpr, DR: tl.c
 def _qk_norm_rope_kernel(Q, K, V, QO, KO, VO, QW, KW, COS, SIN,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_t, ss_t, eps, offset,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                         DR: tl.constexpr, BLOCK: tl.constexpr, BLOCK_V: tl.constexpr):
+                         DR: tl.constexpr, BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """Program (t, r): row r of token t, q heads first, then k heads, then v heads."""
+    if PDL:  # inputs are read only after the launch before this one has finished
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1)
     cos = COS + t * sc_t
@@ -126,11 +129,12 @@ def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, *, eps: float, offset: f
     require_triton()
     Dv = 1 if v is None else v.shape[2]
     vv = q if v is None else v  # stands in for the pointer when there is no v: no program reads it
+    pdl = pdl_launch(q.device)
     _qk_norm_rope_kernel[(T, rows)](
         q, k, vv, qo, ko, qo if vo is None else vo, q_weight, k_weight, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), cos.stride(0),
         sin.stride(0), float(eps), float(offset), HQ=Hq, HKV=Hkv, D=D, DV=Dv, DR=Dr, BLOCK=next_pow2(D),
-        BLOCK_V=next_pow2(Dv), num_warps=4 if D >= 256 else 2)
+        BLOCK_V=next_pow2(Dv), num_warps=4 if D >= 256 else 2, PDL=pdl, launch_pdl=pdl)
     return qo, ko, vo
 
 

@@ -34,6 +34,11 @@ its last column tile to finish (one more arrival counter) reads the whole rows o
 and writes their RMSNorm too, so the next input projection streams a plain ``x``. Not yet timed on a GPU
 (``fnattn bench linear``'s ``skinny add + norm epilogue`` rows).
 
+Within `fnattn.kernels.pdl(True)`, on Hopper, the kernel launches with programmatic dependent launch: each
+program loads its first weight tile while the launch before it on the stream finishes, then waits for it
+before it reads ``x`` or writes anything. ``w`` must then not be an output of that launch (a model's
+weights are not).
+
 Configs come from `pick_config`, an explicit table (no autotuning: timing
 inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
 ``fnattn bench linear`` times the table against a sweep.
@@ -41,13 +46,15 @@ inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 
 from ._checks import check_finite_float, check_like
-from ._triton import next_pow2, num_sms, require_triton, tl, triton
+from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
 
 MAX_M = 64
 ACTS = (None, "silu_mul")
@@ -108,7 +115,26 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None =
     """
     if sms is None:
         sms = num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
-    return _table(M, N, K, dtype, sms)
+    cfg = _table(M, N, K, dtype, sms)
+    return dataclasses.replace(cfg, **_OVERRIDES[-1]) if _OVERRIDES[-1] else cfg
+
+
+_OVERRIDES: list[dict] = [{}]
+
+
+@contextlib.contextmanager
+def configured(**fields):
+    """Within this block `pick_config`'s configs have ``fields`` replaced (``configured(one_launch=False)``):
+    a whole model's GEMVs one way, for A/B timings and parity runs."""
+    bad = sorted(set(fields) - {f.name for f in dataclasses.fields(SkinnyConfig)})
+    if bad:
+        raise ValueError(f"configured: expected SkinnyConfig fields, got {', '.join(bad)}")
+    dataclasses.replace(_table(16, 64, 128, torch.bfloat16, 132), **fields)  # the values checked once, here
+    _OVERRIDES.append({**_OVERRIDES[-1], **fields})
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop()
 
 
 @functools.lru_cache(maxsize=1024)  # one entry per projection shape and row count: the table is consulted per call
@@ -138,7 +164,7 @@ def _skinny_gemv_kernel(
     e_eps, e_offset,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-    NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr,
+    NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
@@ -157,40 +183,32 @@ def _skinny_gemv_kernel(
     n_ok = n < N
     x_rows = X + m.to(tl.int64)[:, None] * sxm  # [BM, 1]
     w_rows = W + n.to(tl.int64)[:, None] * K  # [BN, 1]
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k = k_lo + tl.arange(0, BLOCK_K)  # [BK]; every piece has at least one K tile
+    w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)  # [BN, BK]
+    if PDL:  # the weights are constants of the step: their first tile streams in while the launch before
+        gdc_wait()  # this one finishes; x, the residual and the counters are read only after it has
+        gdc_launch_dependents()
     if NORM:  # the whole row's statistics, also in a split-K piece that reads only part of it below
         sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-            xs = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            xs = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
         rstd = 1.0 / tl.sqrt_rn(sq / K + eps)  # [BM]; padded rows: x = 0, rstd finite
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    else:
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    xt = _x_tile(x_rows, NW, k, m_ok, k < k_hi, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM, NORM_OFFSET)
+    acc = _accumulate(acc, xt, w_first, USE_DOT, FP32_DOT)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = k < k_hi
-        xm = m_ok[:, None] & k_ok[None, :]
-        if ACT_SILU_MUL:
-            g = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + k[None, :], mask=xm, other=0.0).to(tl.float32)
-            xt = (g / (1.0 + tl.exp(-g)) * u).to(W.dtype.element_ty)  # [BM, BK], rounded as silu_and_mul's
-        else:
-            xt = tl.load(x_rows + k[None, :], mask=xm, other=0.0)  # [BM, BK]
-        if NORM:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after it
-            h = xt.to(tl.float32) * rstd[:, None]
-            nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-            if NORM_OFFSET:
-                xt = (h * (offset + nw)[None, :]).to(W.dtype.element_ty)
-            else:
-                xt = (h.to(W.dtype.element_ty).to(tl.float32) * nw[None, :]).to(W.dtype.element_ty)
+        xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM,
+                     NORM_OFFSET)
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        if not USE_DOT:  # FMAs and a sum over K: no padding of the rows to 16, every product in registers
-            acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
-        elif FP32_DOT:  # fp32 weights: full-precision products, not tf32
-            acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
-        else:
-            acc += tl.dot(xt, tl.trans(wt))
+        acc = _accumulate(acc, xt, wt, USE_DOT, FP32_DOT)
     mask = m_ok[:, None] & n_ok[None, :]
     y_at = Y + m.to(tl.int64)[:, None] * sym + n[None, :]  # [BM, BN]
     if SPLIT:
@@ -218,6 +236,37 @@ def _skinny_gemv_kernel(
         if NORM_AFTER:
             _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
                                  NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
+
+
+@triton.jit
+def _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, dtype: tl.constexpr, ACT_SILU_MUL: tl.constexpr,
+            NORM: tl.constexpr, NORM_OFFSET: tl.constexpr):
+    """The ``[BM, BK]`` operand of x at columns ``k``: as stored, ``silu(gate) * up``, or RMS-normalized."""
+    xm = m_ok[:, None] & k_ok[None, :]
+    if ACT_SILU_MUL:
+        g = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + k[None, :], mask=xm, other=0.0).to(tl.float32)
+        xt = (g / (1.0 + tl.exp(-g)) * u).to(dtype)  # rounded as silu_and_mul's
+    else:
+        xt = tl.load(x_rows + k[None, :], mask=xm, other=0.0)
+    if NORM:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after it
+        h = xt.to(tl.float32) * rstd[:, None]
+        nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+        if NORM_OFFSET:
+            xt = (h * (offset + nw)[None, :]).to(dtype)
+        else:
+            xt = (h.to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
+    return xt
+
+
+@triton.jit
+def _accumulate(acc, xt, wt, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
+    if not USE_DOT:  # FMAs and a sum over K: no padding of the rows to 16, every product in registers
+        return acc + tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+    elif FP32_DOT:  # fp32 weights: full-precision products, not tf32
+        return acc + tl.dot(xt, tl.trans(wt), input_precision="ieee")
+    else:
+        return acc + tl.dot(xt, tl.trans(wt))
 
 
 @triton.jit
@@ -412,10 +461,12 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None) -> bool:
     if norm_after is not None and counters is None:
         norm_after = None
     h, ew, e_eps, e_offset = (y, y, 0.0, 0.0) if norm_after is None else norm_after
+    pdl = pdl_launch(x.device)  # the first weight tile loads while the launch before finishes
     common = dict(ACT_SILU_MUL=act == "silu_mul", NORM=norm is not None, NORM_OFFSET=offset != 0.0,
                   USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, NORM_AFTER=norm_after is not None,
                   NORM_AFTER_OFFSET=e_offset != 0.0, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  PDL=pdl, launch_pdl=pdl)
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),

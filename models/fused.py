@@ -45,7 +45,7 @@ from .common import apply_rope, rms_norm
 
 _ENABLED = [True]
 _EPILOGUE = [False]  # off until timed on the H200 (`add_norm_epilogue`)
-_QK_ONE_LAUNCH = [False]  # off until timed on the H200 (`qk_one_launch`)
+_QK_ONE_LAUNCH = [True]  # timed on the H200 (`qk_one_launch`)
 
 
 @contextlib.contextmanager
@@ -72,8 +72,10 @@ def add_norm_epilogue(enabled: bool):
 
 
 def qk_one_launch(enabled: bool):
-    """Within this block `qk_norm_rope` runs `fnattn.kernels.qk_norm_rope` on CUDA when ``enabled``. Off by
-    default: not yet timed on the H200 in a whole step (``benchmarks/model_ab.py`` times both ways)."""
+    """Within this block `qk_norm_rope` runs `fnattn.kernels.qk_norm_rope` on CUDA when ``enabled`` (the
+    default), else FlashInfer's norms and rope. On by default: the whole Qwen3.5-0.8B decode step on the H200
+    took 1369 us against 1500 at batch 1 and 1576 against 1637 at batch 8 (``benchmarks/model_ab.py
+    --toggle qk_one_launch``, benchmarks/results/bench_qk_ab.json)."""
     return _switched(_QK_ONE_LAUNCH, "qk_one_launch", enabled)
 
 

@@ -13,6 +13,7 @@ from fnattn.models.common import rope_cos_sin, rope_inv_freq
 from fnattn.models.registry import random_model
 
 import fnattn as fa
+from fnattn import kernels
 from fnattn.driver import prefill, run_step
 
 pytestmark = pytest.mark.gpu
@@ -109,6 +110,44 @@ def test_skinny_linear(M, K, N, record):
         got = skinny_linear(gu, w, act="silu_mul")
         _check(record, f"skinny_linear silu_mul M{M} K{K} N{N} vs fp32 ref", got,
                skinny_linear_ref(gu, w, act="silu_mul"), 1e-2)
+
+
+def test_skinny_linear_with_pdl_is_the_plain_launch_bits(record):
+    """Under `kernels.pdl(True)` a GEMV loads its first weight tile before the launch before it ends: a chain
+    of them (a split one with its arrival counters, silu_mul, the add + norm epilogue), eager and replayed,
+    gives the bits of the chain launched without PDL."""
+    pytest.importorskip("triton")
+    from fnattn.kernels.skinny_linear import skinny_linear, skinny_linear_add_norm
+
+    x, r = _randn(1, 1024, seed=60), _randn(1, 1024, seed=61)
+    w_up, w_down, w_o = _randn(7168, 1024, seed=62, scale=1 / 32), _randn(1024, 3584, seed=63, scale=1 / 64), \
+        _randn(1024, 2048, seed=64, scale=1 / 48)
+    nw = _randn(1024, seed=65, scale=0.1)
+
+    def chain():
+        h = skinny_linear(skinny_linear(x, w_up), w_down, act="silu_mul")  # 1024 columns: split-K
+        y, normed = skinny_linear_add_norm(torch.cat([h, h], dim=-1), w_o, r, (nw, 1e-6, 1.0))
+        return skinny_linear(normed, w_up), y
+
+    want = chain()
+    with kernels.pdl(True):
+        eager = chain()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            replayed = chain()
+    same = all(torch.equal(a, b) for a, b in zip(eager, want))
+    record({"case": "skinny chain with pdl, eager", "backend": "fused", "bitwise": same, "ok": same})
+    assert same
+    for seed in (66, 67):
+        x.copy_(_randn(1, 1024, seed=seed))
+        want = chain()
+        g.replay()
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for a, b in zip(replayed, want))
+        record({"case": f"skinny chain with pdl, replay on input {seed}", "backend": "fused", "bitwise": same,
+                "ok": same})
+        assert same
 
 
 def test_skinny_linear_replays_in_a_cuda_graph(record):
@@ -248,15 +287,16 @@ SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full at
 }
 
 
-VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue, "qk one launch": fused.qk_one_launch}
+VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
+            "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("name, config", [("tiny", None), ("0.8b slice", SLICE_0_8B)])
 def test_whole_model_fused_matches_unfused(name, config, variant, record):
-    """Also with each switch not yet on by default: `fused.add_norm_epilogue` (decode steps of two rows:
-    each residual add + norm in the output projection's launch), `fused.qk_one_launch` (q / k norms, rope
-    and v's copy in one launch, prefill and decode)."""
+    """Also with each switch the other way: `fused.add_norm_epilogue` on (decode steps of two rows: each
+    residual add + norm in the output projection's launch), `fused.qk_one_launch` off (FlashInfer's q / k
+    norms and rope, v copied apart), `kernels.pdl` on (the kernels launched with PDL)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")

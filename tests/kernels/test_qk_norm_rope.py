@@ -116,9 +116,9 @@ def test_bad_arguments_name_themselves():
                 fn(**{**base, **change})
 
 
-def test_models_qk_norm_rope_takes_the_kernel_only_when_asked(monkeypatch):
-    """`models.fused.qk_norm_rope`: the model's norms, rope and v copy, or under `qk_one_launch` (here with
-    the kernel path allowed on this device) the one launch, which agrees with them."""
+def test_models_qk_norm_rope_takes_the_kernel_unless_switched_off(monkeypatch):
+    """`models.fused.qk_norm_rope`: by default (here with the kernel path allowed on this device) the one
+    launch, or under `qk_one_launch(False)` the model's norms, rope and v copy, which agree with it."""
     from fnattn.kernels import qk_norm_rope as module
     from fnattn.models import fused
 
@@ -129,10 +129,10 @@ def test_models_qk_norm_rope_takes_the_kernel_only_when_asked(monkeypatch):
     q, k, v = gemm_slices(3, 4, 2, 16, torch.float32, seed=9)
     wq, wk = weights(16, torch.float32, 10), weights(16, torch.float32, 11)
     cos, sin = tables(3, 8)
-    plain = fused.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
+    with fused.qk_one_launch(False):
+        plain = fused.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
     assert not calls
-    with fused.qk_one_launch(True):
-        got = fused.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
+    got = fused.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
     assert calls == [1]
     for a, b in zip(got, plain):
         assert a.is_contiguous() and b.is_contiguous()

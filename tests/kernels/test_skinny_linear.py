@@ -122,6 +122,40 @@ def test_skinny_config_checks_fields():
             SkinnyConfig(**kwargs)
 
 
+def test_configured_replaces_fields_of_the_table_within_its_block():
+    from fnattn.kernels import skinny_linear as module
+
+    plain = pick_config(1, 7168, 1024, torch.bfloat16, sms=132)
+    with module.configured(num_warps=8):
+        with module.configured(one_launch=False):
+            inner = pick_config(1, 7168, 1024, torch.bfloat16, sms=132)
+        outer = pick_config(1, 7168, 1024, torch.bfloat16, sms=132)
+    assert (inner.num_warps, inner.one_launch) == (8, False) and (outer.num_warps, outer.one_launch) == (8, True)
+    assert pick_config(1, 7168, 1024, torch.bfloat16, sms=132) == plain
+    with pytest.raises(ValueError, match="configured: expected SkinnyConfig fields, got one_lunch"):
+        module.configured(one_lunch=True).__enter__()
+    with pytest.raises(ValueError, match="SkinnyConfig.one_launch: expected a bool, got 1"):
+        module.configured(one_launch=1).__enter__()
+    assert module._OVERRIDES == [{}]  # a refused block leaves nothing behind
+
+
+def test_pdl_is_asked_for_only_where_the_device_has_it():
+    """The interpreter (and a CPU tensor) has no grid dependency control: under pdl(True) the kernels launch
+    as they do without it."""
+    from fnattn.kernels._triton import pdl_launch, pdl_supported
+
+    from fnattn import kernels
+
+    assert not pdl_supported(torch.device("cpu"))
+    x, w = randn(3, 64), randn(48, 64)
+    with kernels.pdl(True):
+        assert not pdl_launch(x.device)
+        got = skinny_linear(x, w, config=SkinnyConfig(block_n=16, block_k=16, split_k=2))
+    close(got, skinny_linear_ref(x, w), torch.float32)
+    with pytest.raises(ValueError, match="pdl: expected True or False, got 1"):
+        kernels.pdl(1).__enter__()
+
+
 def test_bad_arguments_name_themselves():
     x, w = randn(2, 16), randn(8, 16)
     cases = [
