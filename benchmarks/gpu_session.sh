@@ -4,8 +4,8 @@
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh parity
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
 #   ... graphs | model | profile | model-long | fused | mla: captured steps, the whole model, its profile,
-#   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds; ab: the whole step both ways
-#   of each switch not yet on by default (benchmarks/model_ab.py); model-moe: DeepSeek-V3.2 / Kimi Linear layers
+#   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds; ab: the whole step with each
+#   switch flipped (benchmarks/model_ab.py); model-moe: DeepSeek-V3.2 / Kimi Linear layers
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -46,10 +46,9 @@ case "${1:-}" in
         --no-transformers --profile 4 --out "$out/bench_model_qwen3_5_0.8b_profile.json"
     part 120 python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 --rows 25
     ;;
-  ab)  # the whole step both ways of each switch, one process per switch
-    part 170 python benchmarks/model_ab.py --toggle add_norm_epilogue --batch 1 8 --out "$out/bench_add_norm_ab.json"
-    part 170 python benchmarks/model_ab.py --toggle qk_one_launch --batch 1 8 --out "$out/bench_qk_ab.json"
-    part 170 python benchmarks/model_ab.py --toggle one_launch --batch 1 8 --out "$out/bench_skinny_reduce_ab.json"
+  ab)  # the whole step with each switch flipped, every variant's steps interleaved on one model
+    part 300 python benchmarks/model_ab.py --toggle pdl qk_one_launch add_norm_epilogue one_launch --batch 1 8 \
+        --out "$out/bench_switches_ab.json"
     ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 \

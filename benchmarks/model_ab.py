@@ -1,66 +1,106 @@
-"""The whole Qwen3.5-0.8B decode step both ways of one switch, in one process: which is faster where it
-counts (a kernel that wins alone can lose in a step, and the other way round). From the repository root
-on a GPU machine:
+"""The whole Qwen3.5-0.8B decode step with switches flipped, all on one model in one process, the steps of
+every variant interleaved: which is faster where it counts (a kernel that wins alone can lose in a step,
+and the other way round). From the repository root on a GPU machine:
 
-    python benchmarks/model_ab.py --toggle add_norm_epilogue --out ab.json [--batch 1 8] [--steps 32]
+    python benchmarks/model_ab.py --toggle pdl qk_one_launch --out ab.json [--batch 1 8] [--steps 64]
+
+Each batch captures one CUDA graph per variant (the defaults, then each toggle flipped from its default,
+captured under its switch) over one state, then replays them round-robin, step after step, the order
+rotated each round, so that a drift of the clocks or the memory over the run falls on every variant alike.
+The records carry each variant's median step and its ratio to the defaults' (< 1: faster).
 
 Switches:
 
 - ``one_launch``: skinny_linear's split-K partials summed in the GEMV's own launch (on, the default) or by
   a second reduce kernel (`SkinnyConfig.one_launch`).
 - ``pdl``: fnattn's decode kernels launched with programmatic dependent launch (`fnattn.kernels.pdl`): each
-  may start while the launch before it finishes (a GEMV loads its first weight tile), or after it ends (off,
-  the default).
+  may start while the launch before it finishes (a GEMV loads its first weight tile), or after it ends.
 - ``add_norm_epilogue``: each residual add + RMSNorm in the output projection's launch
-  (`models.fused.add_norm_epilogue`) or FlashInfer's fused add + RMSNorm after it (off, the default).
+  (`models.fused.add_norm_epilogue`) or FlashInfer's fused add + RMSNorm after it.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
-  or FlashInfer's norms and rope (off, the default).
+  or FlashInfer's norms and rope.
 """
 
 import argparse
+import contextlib
+import statistics
 
 import fnattn.kernels.skinny_linear as skinny
+import torch
+from fnattn.kernels import _triton
 from fnattn.models import fused
 
-from fnattn import kernels
 from fnattn.bench import write_json
-from fnattn.bench.model import run_model_bench
+from fnattn.bench.model import _graph_runner, _record, build_model, decode_state, time_decode
 
-
-def one_launch(on: bool):
-    return skinny.configured(one_launch=on)
-
-
-TOGGLES = {
-    "one_launch": (one_launch, {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
-    "pdl": (kernels.pdl, {True: "kernels launched with PDL", False: "each kernel launched after the last ends"}),
-    "add_norm_epilogue": (fused.add_norm_epilogue, {True: "add + norm in the projection's launch",
-                                                    False: "FlashInfer's add + norm after the projection"}),
-    "qk_one_launch": (fused.qk_one_launch, {True: "q/k norms, rope, v copy in one launch",
-                                            False: "q norm, k norm, rope (+ copies above 1 row)"}),
+TOGGLES = {  # name: (switch, its default now, what on / off mean)
+    "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
+                   {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
+    "pdl": (_triton.pdl, lambda: _triton._PDL[-1],
+            {True: "kernels launched with PDL", False: "each kernel launched after the last ends"}),
+    "add_norm_epilogue": (fused.add_norm_epilogue, lambda: fused._EPILOGUE[-1],
+                          {True: "add + norm in the projection's launch",
+                           False: "FlashInfer's add + norm after the projection"}),
+    "qk_one_launch": (fused.qk_one_launch, lambda: fused._QK_ONE_LAUNCH[-1],
+                      {True: "q/k norms, rope, v copy in one launch", False: "q norm, k norm, rope (+ copies)"}),
 }
+
+
+def variants(toggles):
+    """``[(label, {toggle: value})]``: the defaults, then each toggle flipped."""
+    out = [("defaults", {})]
+    for name in toggles:
+        flipped = not TOGGLES[name][1]()
+        out.append((f"{name}={'on' if flipped else 'off'}: {TOGGLES[name][2][flipped]}", {name: flipped}))
+    return out
+
+
+def switched(values: dict):
+    stack = contextlib.ExitStack()
+    for name, on in values.items():
+        stack.enter_context(TOGGLES[name][0](on))
+    return stack
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--toggle", choices=sorted(TOGGLES), required=True)
+    p.add_argument("--toggle", choices=sorted(TOGGLES), nargs="+", required=True)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=64, help="timed steps of each variant")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    switch, labels = TOGGLES[args.toggle]
+    dev = torch.device("cuda")
+    model, ma, _ = build_model("qwen3_5", "0.8b", dev)
+    plan = variants(args.toggle)
     out = []
-    for on in (True, False):
-        with switch(on):
-            records = run_model_bench(family="qwen3_5", shape="0.8b", batches=args.batch, prompts=[512],
-                                      steps=args.steps, transformers=False, prefill_tokens=0, log=lambda line: None)
-        for r in records:
-            if r.get("backend") == "fnattn graph":
-                r[args.toggle] = labels[on]
-                print(f"{r['case']:<28}{labels[on]:<48}{r['time_us']:9.1f} us")
-                out.append(r)
+    for b in args.batch:
+        case = f"qwen3_5 0.8b B{b} ctx512"
+        room = 2 * len(plan) * (args.steps + 4)
+        st = decode_state(model, dev, b, 512, page_size=16, room=room)
+        runners = []
+        for _, values in plan:
+            with switched(values):  # the switches act while the step is traced: at capture
+                runner, why = _graph_runner(model, ma, b, 512 + room)
+                if runner is None:
+                    raise SystemExit(f"{case}: no graph ({why})")
+                _, st = time_decode(model, ma, st, b, 1, runner=runner)  # captures, then one replay
+            runners.append(runner)
+        times = [[] for _ in plan]
+        for i in range(args.steps):
+            for j in range(len(plan)):
+                k = (i + j) % len(plan)
+                step, st = time_decode(model, ma, st, b, 1, runner=runners[k], warmup=0)
+                times[k] += step
+        base = statistics.median(times[0])
+        for (label, values), t in zip(plan, times):
+            r = _record(case, "fnattn graph", "decode", statistics.median(t), b, variant=label,
+                        switches={name: v for name, v in values.items()}, ratio_to_defaults=statistics.median(t) / base)
+            out.append(r)
+            print(f"{case:<26}{label:<70}{r['time_us']:9.1f} us  {r['ratio_to_defaults']:.3f}x")
+        del st, runners
+        torch.cuda.empty_cache()
     write_json(out, args.out, command="python benchmarks/model_ab.py " + " ".join(
-        ["--toggle", args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--out", args.out]))
+        ["--toggle", *args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--out", args.out]))
 
 
 if __name__ == "__main__":

@@ -64,13 +64,16 @@ def num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_PDL = [False]  # off until timed on the H200 in a whole step (benchmarks/model_ab.py --toggle pdl)
+# On: the whole Qwen3.5-0.8B decode step on the H200 took 1367 us against 1464 at batch 1 (1663 against 1660
+# at batch 8; benchmarks/results/bench_pdl_ab.json), and its graph replays are the plain step's bits
+# (tests/gpu_results/graph_pdl_gpu.json).
+_PDL = [True]
 
 
 @contextlib.contextmanager
 def pdl(enabled: bool):
-    """Within this block the kernels here launch with programmatic dependent launch where the device has
-    it (`pdl_supported`): a launch may start while the one before it on the stream finishes, load what no
+    """Within this block the kernels here launch with programmatic dependent launch (on by default) where
+    the device has it (`pdl_supported`): a launch may start while the one before it on the stream finishes, load what no
     launch writes (weights, norm weights), then wait (``gdc_wait``) for its inputs. A graph captured inside
     keeps the overlap: the capture records the launches' programmatic edges."""
     if not isinstance(enabled, bool):

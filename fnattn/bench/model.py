@@ -367,6 +367,28 @@ def _graph_runner(model, ma, batch: int, max_context: int):
     return runner, None
 
 
+def build_model(family: str, shape: str, device, *, tp=None, prefer=None, keep_weights: bool = False):
+    """``-> (model, ModelAttention, weights or None)``: ``--family`` at ``--shape`` with random weights, bf16
+    on CUDA and fp32 on CPU (refused before anything is allocated when it cannot fit); ``tp``: this rank's
+    share (`fnattn.models.tp`). ``keep_weights``: also return the checkpoint (the transformers peer loads it)."""
+    from ..model_attention import ModelAttention
+    from ..models.registry import Model, _with_dtype, family_named, random_checkpoint
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    fam = family_named(family)
+    cfg = _with_dtype(fam.adapt(config_for(family, shape)), dtype)
+    _check_memory(fam, cfg, dtype, dev, f"--family {family} --shape {shape}")
+    weights = random_checkpoint(fam, cfg, dtype=dtype, device=dev)
+    if tp is not None and tp.size > 1:
+        from ..models.tp import shard_model
+
+        model = shard_model(fam, cfg, weights, tp)
+    else:
+        model = Model(fam, cfg, fam.load(cfg, weights))
+    return model, ModelAttention(model.specs, device=dev, prefer=prefer), (weights if keep_weights else None)
+
+
 def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, device: str | None = None,
                     page_size: int = 16, prefill_tokens: int = 16384, hf_tokens: int = 65536,
                     transformers: bool = True, graph: bool = True, records: list | None = None,
@@ -380,25 +402,13 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
 
     ``tp``: a `fnattn.tp.TPGroup` of several ranks: this rank's share of the model (`fnattn.models.tp`),
     timed like a whole one; the transformers peer (a whole model) is skipped."""
-    from ..model_attention import ModelAttention
-    from ..models.registry import Model, _with_dtype, family_named, random_checkpoint
-
     records = [] if records is None else records
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    fam = family_named(family)
     config = config_for(family, shape)
-    cfg = _with_dtype(fam.adapt(config), dtype)
-    _check_memory(fam, cfg, dtype, dev, f"--family {family} --shape {shape}")
-    weights = random_checkpoint(fam, cfg, dtype=dtype, device=dev)
     sharded = tp is not None and tp.size > 1
-    if sharded:
-        from ..models.tp import shard_model
-
-        model, transformers = shard_model(fam, cfg, weights, tp), False
-    else:
-        model = Model(fam, cfg, fam.load(cfg, weights))
-    ma = ModelAttention(model.specs, device=dev, prefer=prefer)
+    model, ma, weights = build_model(family, shape, dev, tp=tp, prefer=prefer, keep_weights=True)
+    transformers = transformers and not sharded
+    cfg, dtype = model.config, model.config.dtype
     wbytes = weight_bytes(model.params)
     bw = copy_bandwidth(dev)
     name = f"{family} {shape}" + (f" tp{tp.size}" if sharded else "")

@@ -333,7 +333,7 @@ def test_qk_norm_rope_against_the_unfused_norms_and_rope(T, record):
     """`fnattn.kernels.qk_norm_rope` on Qwen3.5-0.8B's attention (8 q / 2 kv heads of 256, rope on 64 dims,
     theta 1e7): q / k / v cut from one qkv GEMM output, as the model cuts them; against the model's
     rms_norm + apply_rope (the torch bodies), in eager and in a CUDA-graph replay."""
-    from fnattn.kernels import qk_norm_rope
+    from fnattn.kernels.qk_norm_rope import qk_norm_rope
     from fnattn.models.common import apply_rope, rms_norm
 
     qkv = _randn(T, 2 * 8 * 256 + 2 * 2 * 256, seed=50, scale=3.0)

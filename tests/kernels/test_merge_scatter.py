@@ -211,3 +211,4 @@ def test_merge_new_token_reads_a_kernels_no_key_marks_as_an_empty_cached_part(ma
     assert torch.isfinite(got[1]).all()
     with pytest.raises(ValueError, match="cache_lens: expected \\[3\\] int32"):
         merge_new_token(o_c, lse_c, q, k_new, v_new, scale=0.25, cache_lens=lens[:2])
+

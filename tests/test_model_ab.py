@@ -1,0 +1,27 @@
+"""benchmarks/model_ab.py's plan: the defaults, then each toggle flipped from its default, under its switch."""
+
+import importlib.util
+from pathlib import Path
+
+from fnattn.kernels import _triton
+from fnattn.models import fused
+
+
+def _module():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "model_ab.py"
+    spec = importlib.util.spec_from_file_location("model_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_toggle_is_flipped_from_its_default_and_switched_while_traced():
+    ab = _module()
+    plan = ab.variants(["pdl", "add_norm_epilogue"])
+    assert [values for _, values in plan] == [{}, {"pdl": not _triton._PDL[-1]},
+                                              {"add_norm_epilogue": not fused._EPILOGUE[-1]}]
+    assert plan[0][0] == "defaults" and plan[2][0].startswith("add_norm_epilogue=on")
+    before = (_triton._PDL[-1], fused._EPILOGUE[-1])
+    with ab.switched({"pdl": False, "add_norm_epilogue": True}):
+        assert (_triton._PDL[-1], fused._EPILOGUE[-1]) == (False, True)
+    assert (_triton._PDL[-1], fused._EPILOGUE[-1]) == before
