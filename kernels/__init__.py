@@ -9,8 +9,8 @@ write into their arguments. `skinny_linear` is ``x @ w.T`` for decode-sized ``x`
 residual added to its result (``norm=``, ``residual=``); `skinny_linear_add_norm` adds the residual and writes
 the rows' RMSNorm in the same launch; `gdn_gating` is GDN's g and beta in one launch, and
 `qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one.
-Within `pdl(True)` the decode-step kernels (the GEMV, gating, fused GDN decode, q / k norms and rope,
-paged attention and its merge) launch with programmatic dependent launch on Hopper and later.
+The decode-step kernels (the GEMV, gating, fused GDN decode, q / k norms and rope, paged attention and
+its merge) launch with programmatic dependent launch on Hopper and later, unless within `pdl(False)`.
 """
 
 import importlib

@@ -64,9 +64,9 @@ def num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# On: the whole Qwen3.5-0.8B decode step on the H200 took 1367 us against 1464 at batch 1 (1663 against 1660
-# at batch 8; benchmarks/results/bench_pdl_ab.json), and its graph replays are the plain step's bits
-# (tests/gpu_results/graph_pdl_gpu.json).
+# On: the whole Qwen3.5-0.8B graph step on the H200 took 1285 us against 1437 without at batch 1 and 1521 against
+# 1668 at batch 8, the variants' steps interleaved (benchmarks/results/bench_switches_ab.json); replays under it
+# are the plain step's bits (tests/gpu_results/graph_pdl_gpu.json, graph_pdl_kimi_gpu.json).
 _PDL = [True]
 
 

@@ -44,7 +44,7 @@ from fnattn.tp import all_reduce, current
 from .common import apply_rope, rms_norm
 
 _ENABLED = [True]
-_EPILOGUE = [False]  # off until timed on the H200 (`add_norm_epilogue`)
+_EPILOGUE = [False]  # timed on the H200: no faster at batch 1, slower at 8 (`add_norm_epilogue`)
 _QK_ONE_LAUNCH = [True]  # timed on the H200 (`qk_one_launch`)
 
 
@@ -66,16 +66,17 @@ def unfused():
 
 def add_norm_epilogue(enabled: bool):
     """Within this block `project_add_norm` takes decode-sized inputs on CUDA to one launch
-    (`skinny_linear_add_norm`) when ``enabled``. Off by default: not yet timed on the H200 in a whole
-    step (``benchmarks/model_ab.py`` times both ways)."""
+    (`skinny_linear_add_norm`) when ``enabled``. Off by default: on, the whole Qwen3.5-0.8B graph step on
+    the H200 took 1.00x as long at batch 1 and 1.16x at batch 8 (``benchmarks/model_ab.py``,
+    benchmarks/results/bench_switches_ab.json)."""
     return _switched(_EPILOGUE, "add_norm_epilogue", enabled)
 
 
 def qk_one_launch(enabled: bool):
     """Within this block `qk_norm_rope` runs `fnattn.kernels.qk_norm_rope` on CUDA when ``enabled`` (the
-    default), else FlashInfer's norms and rope. On by default: the whole Qwen3.5-0.8B decode step on the H200
-    took 1369 us against 1500 at batch 1 and 1576 against 1637 at batch 8 (``benchmarks/model_ab.py
-    --toggle qk_one_launch``, benchmarks/results/bench_qk_ab.json)."""
+    default), else FlashInfer's norms and rope. On by default: off, the whole Qwen3.5-0.8B graph step on the
+    H200 took 1.03x as long at batch 1 and 1.06x at batch 8 (``benchmarks/model_ab.py``, the variants' steps
+    interleaved: benchmarks/results/bench_switches_ab.json)."""
     return _switched(_QK_ONE_LAUNCH, "qk_one_launch", enabled)
 
 
