@@ -13,10 +13,15 @@ Switches:
 
 - ``one_launch``: skinny_linear's split-K partials summed in the GEMV's own launch (on, the default) or by
   a second reduce kernel (`SkinnyConfig.one_launch`).
+- ``prefetch``: under PDL each GEMV program asks L2 for its whole weight slab before it waits
+  (`SkinnyConfig.prefetch`), or loads only its first tile then (off, the default).
 - ``pdl``: fnattn's decode kernels launched with programmatic dependent launch (`fnattn.kernels.pdl`): each
   may start while the launch before it finishes (a GEMV loads its first weight tile), or after it ends.
 - ``add_norm_epilogue``: each residual add + RMSNorm in the output projection's launch
   (`models.fused.add_norm_epilogue`) or FlashInfer's fused add + RMSNorm after it.
+- ``output_gates``: GDN's gated output norm and gated attention's sigmoid gate as fnattn's own launches,
+  which read the gate in place and launch with PDL (`models.fused.output_gates`), or fla-core's gated norm and
+  torch's sigmoid and product (off, the default).
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
   or FlashInfer's norms and rope.
 """
@@ -36,11 +41,15 @@ from fnattn.bench.model import _graph_runner, _record, build_model, decode_state
 TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
                    {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
+    "prefetch": (lambda on: skinny.configured(prefetch=on), lambda: False,
+                 {True: "GEMVs ask L2 for their weight slab before they wait", False: "first weight tile only"}),
     "pdl": (_triton.pdl, lambda: _triton._PDL[-1],
             {True: "kernels launched with PDL", False: "each kernel launched after the last ends"}),
     "add_norm_epilogue": (fused.add_norm_epilogue, lambda: fused._EPILOGUE[-1],
                           {True: "add + norm in the projection's launch",
                            False: "FlashInfer's add + norm after the projection"}),
+    "output_gates": (fused.output_gates, lambda: fused._OUTPUT_GATES[-1],
+                     {True: "GDN norm and attention gate, own PDL launches", False: "fla's gated norm, torch gate"}),
     "qk_one_launch": (fused.qk_one_launch, lambda: fused._QK_ONE_LAUNCH[-1],
                       {True: "q/k norms, rope, v copy in one launch", False: "q norm, k norm, rope (+ copies)"}),
 }

@@ -38,7 +38,8 @@ graph step on the H200 it saves nothing at one row and loses at eight (1283 agai
 Under `fnattn.kernels.pdl` (on by default), on Hopper, the kernel launches with programmatic dependent launch: each
 program loads its first weight tile while the launch before it on the stream finishes, then waits for it
 before it reads ``x`` or writes anything. ``w`` must then not be an output of that launch (a model's
-weights are not).
+weights are not). ``SkinnyConfig(prefetch=True)`` also asks L2 for the rest of the program's weight slab
+before the wait (off in the table: not yet timed on the H200; ``benchmarks/model_ab.py --toggle prefetch``).
 
 Configs come from `pick_config`, an explicit table (no autotuning: timing
 inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
@@ -69,6 +70,8 @@ class SkinnyConfig:
     ``dot``: products by ``tl.dot`` (rows padded to 16); False: by FMAs and a sum over each K tile, which
     holds ``[M, block_n, block_k]`` products in registers (a form for a few rows only). ``one_launch``
     (with ``split_k > 1``): the last piece of each column tile sums the partials; False: a second kernel does.
+    ``prefetch`` (launched with PDL only): before it waits for the launch before it, each program asks L2 for
+    the rest of its weight slab, one ``prefetch.global.L2`` a cache line, beside loading its first tile.
     """
 
     block_n: int
@@ -78,6 +81,7 @@ class SkinnyConfig:
     num_stages: int = 3
     dot: bool = True
     one_launch: bool = True
+    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -90,7 +94,7 @@ class SkinnyConfig:
             raise ValueError(f"SkinnyConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"SkinnyConfig.num_stages: expected an int >= 1, got {self.num_stages!r}")
-        for name in ("dot", "one_launch"):
+        for name in ("dot", "one_launch", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SkinnyConfig.{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -165,7 +169,8 @@ def _skinny_gemv_kernel(
     e_eps, e_offset,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-    NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr,
+    NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    LINES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
@@ -189,7 +194,12 @@ def _skinny_gemv_kernel(
     k = k_lo + tl.arange(0, BLOCK_K)  # [BK]; every piece has at least one K tile
     w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)  # [BN, BK]
     if PDL:  # the weights are constants of the step: their first tile streams in while the launch before
-        gdc_wait()  # this one finishes; x, the residual and the counters are read only after it has
+        if PREFETCH:  # this one finishes, and with PREFETCH the rest of the slab is asked of L2 meanwhile;
+            for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # x, the residual and the counters are read
+                line = k0 + tl.arange(0, LINES) * (BLOCK_K // LINES)  # [LINES]: one address per cache line
+                ok = n_ok[:, None] & (line < k_hi)[None, :]
+                _prefetch_l2(tl.where(ok, w_rows + line[None, :], W))  # only after gdc_wait
+        gdc_wait()
         gdc_launch_dependents()
     if NORM:  # the whole row's statistics, also in a split-K piece that reads only part of it below
         sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -237,6 +247,13 @@ def _skinny_gemv_kernel(
         if NORM_AFTER:
             _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
                                  NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the cache line behind each pointer (PTX ``prefetch.global.L2``); nothing is returned."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -467,7 +484,8 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None) -> bool:
                   USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, NORM_AFTER=norm_after is not None,
                   NORM_AFTER_OFFSET=e_offset != 0.0, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  PDL=pdl, launch_pdl=pdl)
+                  PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
+                  LINES=max(1, cfg.block_k * x.element_size() // 128))
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),

@@ -46,6 +46,7 @@ from .common import apply_rope, rms_norm
 _ENABLED = [True]
 _EPILOGUE = [False]  # timed on the H200: no faster at batch 1, slower at 8 (`add_norm_epilogue`)
 _QK_ONE_LAUNCH = [True]  # timed on the H200 (`qk_one_launch`)
+_OUTPUT_GATES = [False]  # off until timed on the H200 (`output_gates`)
 
 
 @contextlib.contextmanager
@@ -78,6 +79,14 @@ def qk_one_launch(enabled: bool):
     H200 took 1.03x as long at batch 1 and 1.06x at batch 8 (``benchmarks/model_ab.py``, the variants' steps
     interleaved: benchmarks/results/bench_switches_ab.json)."""
     return _switched(_QK_ONE_LAUNCH, "qk_one_launch", enabled)
+
+
+def output_gates(enabled: bool):
+    """Within this block `gated_rms_norm_silu` and `sigmoid_gate` run `fnattn.kernels.output_gate` on CUDA
+    when ``enabled``: one launch each, the gate read where the projection left it (no copy to contiguous),
+    launched with PDL, so the output projection after them can start loading its weights. Off by default:
+    not yet timed on the H200 (``benchmarks/model_ab.py --toggle output_gates``)."""
+    return _switched(_OUTPUT_GATES, "output_gates", enabled)
 
 
 @cache
@@ -178,11 +187,25 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
     gate, as transformers' module does.
     """
     x = x.to(gate.dtype)
+    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, weight):
+        from fnattn.kernels.output_gate import gated_rms_norm_silu as kernel
+
+        return kernel(x, gate, weight, eps)
     if _kernel("fla", x, gate, weight):
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
         return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
     return (rms_norm(x, weight, eps) * F.silu(gate.float())).to(x.dtype)
+
+
+def sigmoid_gate(x: Float[Tensor, "T H D"], gate: Float[Tensor, "T H D"]) -> Float[Tensor, "T H D"]:
+    """``x * sigmoid(gate)`` (gated attention's output gate), ``gate`` any strides but the last: two torch
+    launches, or under `output_gates` on CUDA one (`fnattn.kernels.output_gate.sigmoid_gate`)."""
+    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate):
+        from fnattn.kernels.output_gate import sigmoid_gate as kernel
+
+        return kernel(x, gate)
+    return x * torch.sigmoid(gate)
 
 
 _SKINNY_ROWS = 16  # measured: at 32 rows cuBLAS's GEMM tiles beat the kernel (skinny_linear itself takes 64)

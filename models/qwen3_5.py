@@ -54,6 +54,7 @@ from .fused import (
     qk_norm_rope,
     rms_norm_offset,
     rope_table,
+    sigmoid_gate,
     silu_and_mul,
 )
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
@@ -418,7 +419,7 @@ def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], 
     # when they agree (the served case) these casts are no-ops.
     dt = cfg.dtype
     out, deltas = session.forward(layer, FullAttentionInputs(q=q.to(dt), k=k.to(dt), v=v.to(dt)))
-    o = out.o.to(h.dtype).reshape(T, -1) * torch.sigmoid(gate).reshape(T, -1)
+    o = sigmoid_gate(out.o.to(h.dtype), gate).reshape(T, -1)
     return project(o, w.o_proj), deltas
 
 

@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from fnattn.kernels.skinny_linear import configured
 from fnattn.models import fused
 from fnattn.models.common import rope_cos_sin, rope_inv_freq
 from fnattn.models.registry import random_model
@@ -112,11 +113,14 @@ def test_skinny_linear(M, K, N, record):
                skinny_linear_ref(gu, w, act="silu_mul"), 1e-2)
 
 
-def test_skinny_linear_with_pdl_is_the_plain_launch_bits(record):
-    """Under `kernels.pdl(True)` a GEMV loads its first weight tile before the launch before it ends: a chain
-    of them (a split one with its arrival counters, silu_mul, the add + norm epilogue), eager and replayed,
-    gives the bits of the chain launched without PDL."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_skinny_linear_with_pdl_is_the_plain_launch_bits(prefetch, record):
+    """Under `kernels.pdl(True)` a GEMV loads its first weight tile before the launch before it ends (and
+    with ``prefetch`` asks L2 for the rest of its slab): a chain of them (a split one with its arrival
+    counters, silu_mul, the add + norm epilogue), eager and replayed, gives the bits of the chain launched
+    without PDL."""
     pytest.importorskip("triton")
+    from fnattn.kernels import skinny_linear as skinny
     from fnattn.kernels.skinny_linear import skinny_linear, skinny_linear_add_norm
 
     x, r = _randn(1, 1024, seed=60), _randn(1, 1024, seed=61)
@@ -130,14 +134,15 @@ def test_skinny_linear_with_pdl_is_the_plain_launch_bits(record):
         return skinny_linear(normed, w_up), y
 
     want = chain()
-    with kernels.pdl(True):
+    with kernels.pdl(True), skinny.configured(prefetch=prefetch):
         eager = chain()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             replayed = chain()
     same = all(torch.equal(a, b) for a, b in zip(eager, want))
-    record({"case": "skinny chain with pdl, eager", "backend": "fused", "bitwise": same, "ok": same})
+    record({"case": f"skinny chain with pdl, prefetch {prefetch}, eager", "backend": "fused", "bitwise": same,
+            "ok": same})
     assert same
     for seed in (66, 67):
         x.copy_(_randn(1, 1024, seed=seed))
@@ -145,8 +150,8 @@ def test_skinny_linear_with_pdl_is_the_plain_launch_bits(record):
         g.replay()
         torch.cuda.synchronize()
         same = all(torch.equal(a, b) for a, b in zip(replayed, want))
-        record({"case": f"skinny chain with pdl, replay on input {seed}", "backend": "fused", "bitwise": same,
-                "ok": same})
+        record({"case": f"skinny chain with pdl, prefetch {prefetch}, replay on input {seed}", "backend": "fused",
+                "bitwise": same, "ok": same})
         assert same
 
 
@@ -288,7 +293,8 @@ SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full at
 
 
 VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
-            "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl}
+            "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl,
+            "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -296,7 +302,8 @@ VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
 def test_whole_model_fused_matches_unfused(name, config, variant, record):
     """Also with each switch the other way: `fused.add_norm_epilogue` on (decode steps of two rows: each
     residual add + norm in the output projection's launch), `fused.qk_one_launch` off (FlashInfer's q / k
-    norms and rope, v copied apart), `kernels.pdl` on (the kernels launched with PDL)."""
+    norms and rope, v copied apart), `kernels.pdl` on (the kernels launched with PDL), `fused.output_gates`
+    on (GDN's gated norm and the attention gate as fnattn's own launches), the GEMVs' L2 prefetch on."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
@@ -358,3 +365,35 @@ def test_qk_norm_rope_against_the_unfused_norms_and_rope(T, record):
     _check(record, f"qk_norm_rope q T{T}, graph replay on new inputs", gq,
            apply_rope(rms_norm(q, wq, 1e-6, offset=1.0), cos, sin), 1e-2)
     assert torch.equal(gv, v)
+
+
+@pytest.mark.parametrize("T", [1, 8, 512])
+def test_output_gates_against_the_unfused_ops(T, record):
+    """`fnattn.kernels.output_gate` on Qwen3.5-0.8B's shapes, bf16: GDN's gated norm (16 heads of 128, z a
+    column slice of the input projection) and the attention gate (8 heads of 256, the gate a slice of the
+    q GEMM), against the model's torch bodies, eager and in a CUDA-graph replay on new inputs."""
+    from fnattn.kernels.output_gate import gated_rms_norm_silu, sigmoid_gate
+    from fnattn.models.common import rms_norm
+
+    proj = _randn(T, 8224, seed=70, scale=2.0)
+    z = proj[:, 6144:8192].view(T, 16, 128)
+    o = _randn(T, 16, 128, seed=71, scale=2.0)
+    w = _randn(128, seed=72, scale=0.5)
+    qg = _randn(T, 8 * 512, seed=73, scale=2.0).view(T, 8, 512)
+    gate, attn = qg[..., 256:], _randn(T, 8, 256, seed=74)
+
+    def want():
+        return ((rms_norm(o, w, 1e-6) * F.silu(z.float())).to(BF16), attn * torch.sigmoid(gate))
+
+    got = (gated_rms_norm_silu(o, z, w, 1e-6), sigmoid_gate(attn, gate))
+    for name, a, b in zip(("gated norm", "sigmoid gate"), got, want()):
+        _check(record, f"output_gate {name} T{T}", a, b, 1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = (gated_rms_norm_silu(o, z, w, 1e-6), sigmoid_gate(attn, gate))
+    proj.copy_(_randn(T, 8224, seed=75, scale=2.0))
+    qg.copy_(_randn(T, 8, 512, seed=76, scale=2.0))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("gated norm", "sigmoid gate"), replayed, want()):
+        _check(record, f"output_gate {name} T{T}, graph replay on new inputs", a, b, 1e-2)

@@ -117,7 +117,8 @@ def test_skinny_config_checks_fields():
                           (dict(block_n=16, block_k=32, num_warps=3), "num_warps"),
                           (dict(block_n=16, block_k=32, num_stages=0), "num_stages"),
                           (dict(block_n=16, block_k=32, dot=1), "dot"),
-                          (dict(block_n=16, block_k=32, one_launch=None), "one_launch")]:
+                          (dict(block_n=16, block_k=32, one_launch=None), "one_launch"),
+                          (dict(block_n=16, block_k=32, prefetch="yes"), "prefetch")]:
         with pytest.raises(ValueError, match=f"SkinnyConfig.{field}: expected"):
             SkinnyConfig(**kwargs)
 
@@ -150,7 +151,7 @@ def test_pdl_is_asked_for_only_where_the_device_has_it():
     x, w = randn(3, 64), randn(48, 64)
     with kernels.pdl(True):
         assert not pdl_launch(x.device)
-        got = skinny_linear(x, w, config=SkinnyConfig(block_n=16, block_k=16, split_k=2))
+        got = skinny_linear(x, w, config=SkinnyConfig(block_n=16, block_k=16, split_k=2, prefetch=True))
     close(got, skinny_linear_ref(x, w), torch.float32)
     with pytest.raises(ValueError, match="pdl: expected True or False, got 1"):
         kernels.pdl(1).__enter__()

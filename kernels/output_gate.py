@@ -1,0 +1,127 @@
+"""The gates on a token mixer's output, one launch each over strided gates (Triton).
+
+`gated_rms_norm_silu`: ``rms_norm(x) * weight * silu(z)`` per head, Gated DeltaNet's output norm, with
+``z`` read where the input projection left it (a column slice: no copy to contiguous first).
+`sigmoid_gate`: ``x * sigmoid(gate)``, gated attention's output gate, likewise.
+
+Both round as the unfused torch ops do (`models.common.rms_norm` then the gate; ``torch.sigmoid`` then
+the product), so they agree with them to the last bit but for the odd ulp of fp32 ``exp`` / ``sqrt``. Under
+`fnattn.kernels.pdl` they launch with programmatic dependent launch: a launch after them may start as soon
+as theirs has, which lets the output projection after them load its weights while they run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_finite_float, check_like
+from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _gated_norm_kernel(X, Z, W, OUT, sx_t, sx_h, sz_t, sz_h, eps, H, D: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Program (t * H + h): one head's row."""
+    row = tl.program_id(0)
+    t = (row // H).to(tl.int64)
+    h = row % H
+    d = tl.arange(0, BLOCK)
+    ok = d < D
+    if PDL:  # every input only after the launch before this one has finished
+        gdc_wait()
+        gdc_launch_dependents()
+    w = tl.load(W + d, mask=ok, other=0.0)
+    x = tl.load(X + t * sx_t + h * sx_h + d, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(Z + t * sz_t + h * sz_h + d, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+    normed = (x * rstd).to(OUT.dtype.element_ty)  # rms_norm's roundings without an offset: before the weight,
+    normed = (normed.to(tl.float32) * w.to(tl.float32)).to(OUT.dtype.element_ty)  # and after it
+    gate = z / (1.0 + tl.exp(-z))  # silu in fp32
+    tl.store(OUT + (t * H + h) * D + d, (normed.to(tl.float32) * gate).to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(X, G, OUT, sx_t, sx_h, sg_t, sg_h, H, D: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Program (t, h): one head's row of ``x * sigmoid(gate)``."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    ok = d < D
+    if PDL:  # inputs only after the launch before this one has finished
+        gdc_wait()
+        gdc_launch_dependents()
+    x = tl.load(X + t * sx_t + h * sx_h + d, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(G + t * sg_t + h * sg_h + d, mask=ok, other=0.0).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty)  # torch.sigmoid's rounding, then the product's
+    tl.store(OUT + (t * H + h) * D + d, (x * s.to(tl.float32)).to(OUT.dtype.element_ty), mask=ok)
+
+
+def _check_pair(owner: str, x, gate, gate_name: str):
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{owner}: x: expected a [T, H, D] tensor, got {got}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{owner}: x: expected dtype bfloat16, float16 or float32, got {x.dtype}")
+    check_like(f"{owner}: {gate_name}", gate, tuple(x.shape), x, "x")
+    for name, t in (("x", x), (gate_name, gate)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{owner}: {name}: expected unit stride along its last dim, got strides {t.stride()}")
+    if x.device.type != "cuda" and not _interpreted():
+        raise ValueError(f"{owner}: x: expected a CUDA tensor (or TRITON_INTERPRET=1), got device {x.device}")
+
+
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gated_rms_norm_silu(x, z, weight, eps: float):
+    """``x [T, H, D]`` (any strides but the last) -> ``rms_norm(x, weight, eps) * silu(z)`` per head
+    (`models.common.rms_norm`'s roundings, then the gate in fp32, rounded once), a new contiguous
+    ``[T, H, D]`` in ``x.dtype``; ``z`` like ``x`` (a column slice of a projection), ``weight [D]``."""
+    _check_pair("gated_rms_norm_silu", x, z, "z")
+    check_like("gated_rms_norm_silu: weight", weight, (x.shape[2],), x, "x")
+    check_finite_float("gated_rms_norm_silu: eps", eps)
+    if eps < 0:
+        raise ValueError(f"gated_rms_norm_silu: eps: expected >= 0, got {eps!r}")
+    T, H, D = x.shape
+    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    require_triton()
+    pdl = pdl_launch(x.device)
+    _gated_norm_kernel[(T * H,)](x, z, weight.contiguous(), out, x.stride(0), x.stride(1), z.stride(0), z.stride(1),
+                                 float(eps), H, D=D, BLOCK=next_pow2(D), PDL=pdl, launch_pdl=pdl,
+                                 num_warps=1 if D <= 256 else 4)
+    return out
+
+
+def sigmoid_gate(x, gate):
+    """``x [T, H, D]`` (any strides but the last) -> ``x * sigmoid(gate)``, rounded as ``torch.sigmoid``
+    then the product are: a new contiguous ``[T, H, D]`` in ``x.dtype``; ``gate`` like ``x``."""
+    _check_pair("sigmoid_gate", x, gate, "gate")
+    T, H, D = x.shape
+    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    require_triton()
+    pdl = pdl_launch(x.device)
+    _sigmoid_gate_kernel[(T, H)](x, gate, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), H, D=D,
+                                 BLOCK=next_pow2(D), PDL=pdl, launch_pdl=pdl, num_warps=1 if D <= 256 else 4)
+    return out
+
+
+def gated_rms_norm_silu_ref(x, z, weight, eps: float):
+    """The unfused ops: `models.common.rms_norm` (statistics in fp32, rounded before and after the weight),
+    times ``silu(z)`` in fp32, rounded once."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return (normed.float() * torch.nn.functional.silu(z.float())).to(x.dtype)
+
+
+def sigmoid_gate_ref(x, gate):
+    return x * torch.sigmoid(gate)
