@@ -8,9 +8,10 @@ write into their arguments. `skinny_linear` is ``x @ w.T`` for decode-sized ``x`
 (at most 64 rows), optionally with SwiGLU's SiLU-and-mul or an RMSNorm folded into its load and a
 residual added to its result (``norm=``, ``residual=``); `skinny_linear_add_norm` adds the residual and writes
 the rows' RMSNorm in the same launch; `gdn_gating` is GDN's g and beta in one launch, and
-`qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one.
+`qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one;
+`gated_rms_norm_silu` and `sigmoid_gate` are the gates on a mixer's output, reading strided gates in place.
 The decode-step kernels (the GEMV, gating, fused GDN decode, q / k norms and rope, paged attention and
-its merge) launch with programmatic dependent launch on Hopper and later, unless within `pdl(False)`.
+its merge, the output gates) launch with programmatic dependent launch on Hopper and later, unless within `pdl(False)`.
 """
 
 import importlib
@@ -48,6 +49,8 @@ _EXPORTS = {
     "SkinnyConfig": "skinny_linear",
     "pick_config": "skinny_linear",
     "pdl": "_triton",
+    "gated_rms_norm_silu": "output_gate", "gated_rms_norm_silu_ref": "output_gate",
+    "sigmoid_gate": "output_gate", "sigmoid_gate_ref": "output_gate",
     "indexer_scores_paged": "indexer",
     "indexer_scores_paged_ref": "indexer",
     "indexer_topk": "indexer",
