@@ -9,9 +9,11 @@ write into their arguments. `skinny_linear` is ``x @ w.T`` for decode-sized ``x`
 residual added to its result (``norm=``, ``residual=``); `skinny_linear_add_norm` adds the residual and writes
 the rows' RMSNorm in the same launch; `gdn_gating` is GDN's g and beta in one launch, and
 `qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one;
-`gated_rms_norm_silu` and `sigmoid_gate` are the gates on a mixer's output, reading strided gates in place.
+`gated_rms_norm_silu` and `sigmoid_gate` are the gates on a mixer's output, reading strided gates in place;
+`add_rms_norm_` and `silu_and_mul` the residual add + RMSNorm and SwiGLU's activation.
 The decode-step kernels (the GEMV, gating, fused GDN decode, q / k norms and rope, paged attention and
-its merge, the output gates) launch with programmatic dependent launch on Hopper and later, unless within `pdl(False)`.
+its merge, the output gates, the add + norm and activation) launch with programmatic dependent launch on
+Hopper and later, unless within `pdl(False)`.
 """
 
 import importlib
@@ -51,6 +53,8 @@ _EXPORTS = {
     "pdl": "_triton",
     "gated_rms_norm_silu": "output_gate", "gated_rms_norm_silu_ref": "output_gate",
     "sigmoid_gate": "output_gate", "sigmoid_gate_ref": "output_gate",
+    "add_rms_norm_": "norm_act", "add_rms_norm_ref": "norm_act",
+    "silu_and_mul": "norm_act", "silu_and_mul_ref": "norm_act",
     "indexer_scores_paged": "indexer",
     "indexer_scores_paged_ref": "indexer",
     "indexer_topk": "indexer",

@@ -47,6 +47,7 @@ _ENABLED = [True]
 _EPILOGUE = [False]  # timed on the H200: no faster at batch 1, slower at 8 (`add_norm_epilogue`)
 _QK_ONE_LAUNCH = [True]  # timed on the H200 (`qk_one_launch`)
 _OUTPUT_GATES = [False]  # off until timed on the H200 (`output_gates`)
+_OWN_NORM_ACT = [False]  # off until timed on the H200 (`own_norm_act`)
 
 
 @contextlib.contextmanager
@@ -89,6 +90,15 @@ def output_gates(enabled: bool):
     return _switched(_OUTPUT_GATES, "output_gates", enabled)
 
 
+def own_norm_act(enabled: bool):
+    """Within this block `add_rms_norm_offset_` and `silu_and_mul` run `fnattn.kernels.norm_act` on CUDA
+    when ``enabled``, in place of FlashInfer's: kernels that, launched with PDL, hand the stream over right
+    after they start (FlashInfer's do at their end), so the GEMV after each can launch and stream its
+    weights while they run. Off by default: not yet timed on the H200 (``benchmarks/model_ab.py --toggle
+    own_norm_act``)."""
+    return _switched(_OWN_NORM_ACT, "own_norm_act", enabled)
+
+
 @cache
 def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
@@ -123,6 +133,10 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
     normalizes the fp32 sum before rounding it; the torch body normalizes the
     rounded sum).
     """
+    if _OWN_NORM_ACT[-1] and y.dim() == 2 and _kernel("triton", y, residual, weight):
+        from fnattn.kernels.norm_act import add_rms_norm_
+
+        return add_rms_norm_(y, residual, weight, eps, 1.0)  # the torch body's roundings
     if _kernel("flashinfer", y, residual, weight) and y.is_contiguous() and residual.is_contiguous():
         import flashinfer
 
@@ -134,6 +148,10 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     """``silu(g) * u`` for ``gate_up = [g | u]`` along the last dim (``[T, 2I] -> [T, I]``)."""
+    if _OWN_NORM_ACT[-1] and gate_up.dim() == 2 and _kernel("triton", gate_up):
+        from fnattn.kernels.norm_act import silu_and_mul as kernel
+
+        return kernel(gate_up)
     # The kernel loads 16-byte vectors: each row must be a whole number of them.
     if _kernel("flashinfer", gate_up) and gate_up.is_contiguous() and gate_up.shape[-1] * gate_up.element_size() % 16 \
             == 0:

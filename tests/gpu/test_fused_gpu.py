@@ -294,7 +294,8 @@ SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full at
 
 VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
             "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl,
-            "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on)}
+            "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on),
+            "own norm and act": fused.own_norm_act}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -303,7 +304,8 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     """Also with each switch the other way: `fused.add_norm_epilogue` on (decode steps of two rows: each
     residual add + norm in the output projection's launch), `fused.qk_one_launch` off (FlashInfer's q / k
     norms and rope, v copied apart), `kernels.pdl` on (the kernels launched with PDL), `fused.output_gates`
-    on (GDN's gated norm and the attention gate as fnattn's own launches), the GEMVs' L2 prefetch on."""
+    on (GDN's gated norm and the attention gate as fnattn's own launches), the GEMVs' L2 prefetch on,
+    `fused.own_norm_act` on (fnattn's add + RMSNorm and SiLU-and-mul)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
@@ -397,3 +399,36 @@ def test_output_gates_against_the_unfused_ops(T, record):
     torch.cuda.synchronize()
     for name, a, b in zip(("gated norm", "sigmoid gate"), replayed, want()):
         _check(record, f"output_gate {name} T{T}, graph replay on new inputs", a, b, 1e-2)
+
+
+@pytest.mark.parametrize("T", [1, 8, 512])
+def test_own_norm_act_against_the_unfused_ops(T, record):
+    """`fnattn.kernels.norm_act` on Qwen3.5-0.8B's shapes, bf16: the residual add + RMSNorm (1 + weight) in
+    place and SiLU-and-mul (3584 wide), against the model's torch bodies, eager and in a CUDA-graph replay."""
+    from fnattn.kernels.norm_act import add_rms_norm_, silu_and_mul
+    from fnattn.models.common import rms_norm
+
+    y, r = _randn(T, 1024, seed=80, scale=2.0), _randn(T, 1024, seed=81, scale=4.0)
+    w, gu = _randn(1024, seed=82, scale=0.2), _randn(T, 2 * 3584, seed=83, scale=3.0)
+
+    def want(y, r):
+        x = r + y
+        g, u = gu.chunk(2, dim=-1)
+        return x, rms_norm(x, w, 1e-6, offset=1.0), F.silu(g) * u
+
+    expected = want(y, r)
+    got = (*add_rms_norm_(y.clone(), r.clone(), w, 1e-6, 1.0), silu_and_mul(gu))
+    for name, a, b in zip(("residual sum", "add + norm", "silu_and_mul"), got, expected):
+        _check(record, f"norm_act {name} T{T}", a, b, 1e-2)
+    yb, rb = y.clone(), r.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = (*add_rms_norm_(yb, rb, w, 1e-6, 1.0), silu_and_mul(gu))
+    y2, r2 = _randn(T, 1024, seed=84, scale=2.0), _randn(T, 1024, seed=85, scale=4.0)
+    yb.copy_(y2)
+    rb.copy_(r2)
+    gu.copy_(_randn(T, 2 * 3584, seed=86, scale=3.0))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("residual sum", "add + norm", "silu_and_mul"), replayed, want(y2, r2)):
+        _check(record, f"norm_act {name} T{T}, graph replay on new inputs", a, b, 1e-2)
