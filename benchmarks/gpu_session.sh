@@ -47,7 +47,8 @@ case "${1:-}" in
     part 120 python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 --rows 25
     ;;
   ab)  # the whole step with each switch flipped, every variant's steps interleaved on one model
-    part 300 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act pdl --batch 1 8 \
+    part 300 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act \
+        prefetch+output_gates+own_norm_act pdl --batch 1 8 \
         --out "$out/bench_switches_ab.json"
     ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)

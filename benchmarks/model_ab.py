@@ -2,7 +2,7 @@
 every variant interleaved: which is faster where it counts (a kernel that wins alone can lose in a step,
 and the other way round). From the repository root on a GPU machine:
 
-    python benchmarks/model_ab.py --toggle pdl qk_one_launch --out ab.json [--batch 1 8] [--steps 64]
+    python benchmarks/model_ab.py --toggle pdl prefetch+own_norm_act --out ab.json [--batch 1 8] [--steps 64]
 
 Each batch captures one CUDA graph per variant (the defaults, then each toggle flipped from its default,
 captured under its switch) over one state, then replays them round-robin, step after step, the order
@@ -60,11 +60,18 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
 
 
 def variants(toggles):
-    """``[(label, {toggle: value})]``: the defaults, then each toggle flipped."""
+    """``[(label, {toggle: value})]``: the defaults, then each toggle flipped; ``a+b`` flips both together."""
     out = [("defaults", {})]
-    for name in toggles:
-        flipped = not TOGGLES[name][1]()
-        out.append((f"{name}={'on' if flipped else 'off'}: {TOGGLES[name][2][flipped]}", {name: flipped}))
+    for spec in toggles:
+        values, labels = {}, []
+        for name in spec.split("+"):
+            if name not in TOGGLES:
+                raise SystemExit(f"model_ab.py: --toggle: expected names from {sorted(TOGGLES)} joined by '+', "
+                                 f"got {spec!r}")
+            values[name] = flipped = not TOGGLES[name][1]()
+            labels.append(f"{name}={'on' if flipped else 'off'}")
+        detail = TOGGLES[name][2][flipped] if len(values) == 1 else "together"
+        out.append((f"{' + '.join(labels)}: {detail}", values))
     return out
 
 
@@ -77,14 +84,15 @@ def switched(values: dict):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--toggle", choices=sorted(TOGGLES), nargs="+", required=True)
+    p.add_argument("--toggle", nargs="+", required=True, metavar="NAME[+NAME]",
+                   help=f"switches to flip, one variant each ({', '.join(sorted(TOGGLES))}; a+b: both at once)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=64, help="timed steps of each variant")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dev = torch.device("cuda")
-    model, ma, _ = build_model("qwen3_5", "0.8b", dev)
     plan = variants(args.toggle)
+    model, ma, _ = build_model("qwen3_5", "0.8b", dev)
     out = []
     for b in args.batch:
         case = f"qwen3_5 0.8b B{b} ctx512"

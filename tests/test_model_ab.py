@@ -25,3 +25,14 @@ def test_each_toggle_is_flipped_from_its_default_and_switched_while_traced():
     with ab.switched({"pdl": False, "add_norm_epilogue": True}):
         assert (_triton._PDL[-1], fused._EPILOGUE[-1]) == (False, True)
     assert (_triton._PDL[-1], fused._EPILOGUE[-1]) == before
+
+
+def test_joined_toggles_flip_together_and_unknown_names_are_refused():
+    import pytest
+
+    ab = _module()
+    plan = ab.variants(["prefetch+own_norm_act"])
+    assert plan[1][1] == {"prefetch": True, "own_norm_act": not fused._OWN_NORM_ACT[-1]}
+    assert plan[1][0].startswith("prefetch=on + own_norm_act=")
+    with pytest.raises(SystemExit, match="--toggle: expected names from .* got 'prefetch\\+nope'"):
+        ab.variants(["prefetch+nope"])

@@ -1,0 +1,66 @@
+"""A whole tiny Qwen3.5 through every fused kernel path, on the CPU under the Triton interpreter (fp16):
+what `models.fused` routes to each kernel (the GEMV, q / k norms and rope, GDN gating, the output gates, the
+residual add + norm and SiLU-and-mul) must give the unfused model's logits over a prefill and decode steps.
+On a GPU the same comparison runs in bf16 (tests/gpu/test_fused_gpu.py); here it checks the wiring."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # there the kernels run compiled, in bf16: tests/gpu/test_fused_gpu.py
+    pytest.skip("the interpreter's wiring check runs without CUDA", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from fnattn.models import fused  # noqa: E402
+from fnattn.models.registry import random_model  # noqa: E402
+
+import fnattn as fa  # noqa: E402
+from fnattn.driver import prefill, run_step  # noqa: E402
+
+KERNELS = {  # module: the functions models.fused calls
+    "skinny_linear": ["skinny_linear"],
+    "qk_norm_rope": ["qk_norm_rope"],
+    "gdn_gate": ["gdn_gating"],
+    "output_gate": ["gated_rms_norm_silu", "sigmoid_gate"],
+    "norm_act": ["add_rms_norm_", "silu_and_mul"],
+}
+
+
+def _run(model, ma):
+    st = fa.State(model.specs, num_pages=16, page_size=16, max_requests=2, device="cpu").admit(0).admit(1)
+    with torch.no_grad():
+        st, last = prefill(model.step, model.params, ma, st, {0: [1, 2, 3, 4, 5], 1: [7, 8]})
+        out = [torch.stack([last[0], last[1]])]
+        for t in range(2):
+            st = st.reserve({0: 1, 1: 1})
+            st, logits = run_step(model.step, model.params, ma, st, fa.Batch.decode(st, [0, 1]),
+                                  torch.tensor([t + 1, t + 2]))
+            out.append(logits)
+    return torch.cat(out).float()
+
+
+def test_every_kernel_path_gives_the_unfused_logits(monkeypatch):
+    import importlib
+
+    model = random_model("qwen3_5", dtype=torch.float16, device="cpu", seed=2)
+    ma = fa.ModelAttention(model.specs, device="cpu")
+    with fused.unfused():
+        want = _run(model, ma)
+    # the Triton paths allowed on this CPU (the interpreter runs them); FlashInfer's and fla's are not
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton" and fused._ENABLED[-1]
+                        and ts[0].dtype in (torch.float16, torch.bfloat16) and all(t.dtype == ts[0].dtype for t in ts))
+    calls: dict[str, int] = {}
+    for module_name, names in KERNELS.items():
+        module = importlib.import_module(f"fnattn.kernels.{module_name}")
+        for name in names:
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (
+                calls.__setitem__(name, calls.get(name, 0) + 1), real(*a, **k))[1])
+    with fused.own_norm_act(True), fused.output_gates(True):
+        got = _run(model, ma)
+    assert sorted(calls) == sorted(n for names in KERNELS.values() for n in names), calls
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 2e-3 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
