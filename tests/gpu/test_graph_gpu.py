@@ -7,6 +7,7 @@ buckets must be equal bit for bit, and every live logit finite. MTP through the 
 replay recovery, must emit what the eager Speculator emits, with bitwise-equal logits.
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -146,17 +147,34 @@ def test_mtp_through_the_verify_graph_equals_eager(recovery, record):
     assert same and captured
 
 
+def _own_kernels():
+    """Every switch that routes a small op of the step to fnattn's own PDL kernels, and the GEMVs' prefetch."""
+    from fnattn.kernels.skinny_linear import configured
+    from fnattn.models import fused
+
+    stack = contextlib.ExitStack()
+    for switch in (fused.own_norm_act(True), fused.output_gates(True), configured(prefetch=True)):
+        stack.enter_context(switch)
+    return stack
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["", "own kernels"])
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3", "kimi_linear"])
-def test_graph_replay_with_pdl_equals_the_plain_step_bitwise(name, record):
+def test_graph_replay_with_pdl_equals_the_plain_step_bitwise(name, own, record):
     """Under `kernels.pdl(True)` each of fnattn's decode kernels may start while the launch before it
     finishes (the capture keeps the programmatic edges): the replayed logits must be the capture-free step's
-    without PDL, bit for bit, over NaN-filled storage (a read before its gdc_wait would see stale rows)."""
-    with kernels.pdl(True):
-        graph_runner, graph, rows_ok = decode_run(name, True)
-    _, eager, _ = decode_run(name, False)
+    without PDL, bit for bit, over NaN-filled storage (a read before its gdc_wait would see stale rows).
+    ``own``: both with the small ops on fnattn's own kernels, which hand over at their start, and the GEMVs
+    asking L2 for their weights before they wait."""
+    with _own_kernels() if own else contextlib.nullcontext():
+        with kernels.pdl(True):
+            graph_runner, graph, rows_ok = decode_run(name, True)
+        with kernels.pdl(False):
+            _, eager, _ = decode_run(name, False)
     equal = all(torch.equal(a, b) for a, b in zip(graph, eager))
     finite = all(torch.isfinite(a).all() for a in graph) and rows_ok
     replays = sum(e.replays for e in graph_runner._entries.values())
-    record({"case": f"graph with pdl == eager without, {name}", "steps": 32, "replays": replays, "bitwise": equal,
-            "finite": finite, "ok": equal and finite and replays == 32})
+    what = ", own kernels" if own else ""
+    record({"case": f"graph with pdl == eager without, {name}{what}", "steps": 32, "replays": replays,
+            "bitwise": equal, "finite": finite, "ok": equal and finite and replays == 32})
     assert equal and finite and replays == 32
