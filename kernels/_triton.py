@@ -50,6 +50,13 @@ def require_triton():
         )
 
 
+def check_runnable(owner: str, name: str, t, kernel) -> None:
+    """``t`` can go to ``kernel``: a CUDA tensor, or any when the kernel is interpreted (TRITON_INTERPRET=1
+    when it was defined)."""
+    if t.device.type != "cuda" and type(kernel).__name__ != "InterpretedFunction":
+        raise ValueError(f"{owner}: {name}: expected a CUDA tensor (or TRITON_INTERPRET=1), got device {t.device}")
+
+
 def next_pow2(n):
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_finite_float, check_like
-from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
+from ._triton import check_runnable, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _gated_norm_kernel(X, Z, W, OUT, sx_t, sx_h, sz_t, sz_h, eps, H, D: tl.constexpr, BLOCK: tl.constexpr,
+def _gated_norm_kernel(OUT, X, Z, W, sx_t, sx_h, sz_t, sz_h, eps, H, D: tl.constexpr, BLOCK: tl.constexpr,
                        PDL: tl.constexpr):
     """Program (t * H + h): one head's row."""
     row = tl.program_id(0)
@@ -43,7 +43,7 @@ def _gated_norm_kernel(X, Z, W, OUT, sx_t, sx_h, sz_t, sz_h, eps, H, D: tl.const
 
 
 @triton.jit
-def _sigmoid_gate_kernel(X, G, OUT, sx_t, sx_h, sg_t, sg_h, H, D: tl.constexpr, BLOCK: tl.constexpr,
+def _sigmoid_gate_kernel(OUT, X, G, sx_t, sx_h, sg_t, sg_h, H, D: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     """Program (t, h): one head's row of ``x * sigmoid(gate)``."""
     t = tl.program_id(0).to(tl.int64)
@@ -59,7 +59,7 @@ def _sigmoid_gate_kernel(X, G, OUT, sx_t, sx_h, sg_t, sg_h, H, D: tl.constexpr, 
     tl.store(OUT + (t * H + h) * D + d, (x * s.to(tl.float32)).to(OUT.dtype.element_ty), mask=ok)
 
 
-def _check_pair(owner: str, x, gate, gate_name: str):
+def _check_pair(owner: str, x, gate, gate_name: str, kernel):
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{owner}: x: expected a [T, H, D] tensor, got {got}")
@@ -69,50 +69,42 @@ def _check_pair(owner: str, x, gate, gate_name: str):
     for name, t in (("x", x), (gate_name, gate)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{owner}: {name}: expected unit stride along its last dim, got strides {t.stride()}")
-    if x.device.type != "cuda" and not _interpreted():
-        raise ValueError(f"{owner}: x: expected a CUDA tensor (or TRITON_INTERPRET=1), got device {x.device}")
+    check_runnable(owner, "x", x, kernel)
 
 
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def _launch(kernel, grid, x, *args):
+    """A new contiguous ``[T, H, D]`` like ``x``, written by ``kernel[grid](out, *args)`` (not launched when
+    it is empty)."""
+    T, H, D = x.shape
+    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if out.numel():
+        require_triton()
+        pdl = pdl_launch(x.device)
+        kernel[grid](out, *args, D=D, BLOCK=next_pow2(D), PDL=pdl, launch_pdl=pdl, num_warps=1 if D <= 256 else 4)
+    return out
 
 
 def gated_rms_norm_silu(x, z, weight, eps: float):
     """``x [T, H, D]`` (any strides but the last) -> ``rms_norm(x, weight, eps) * silu(z)`` per head
     (`models.common.rms_norm`'s roundings, then the gate in fp32, rounded once), a new contiguous
     ``[T, H, D]`` in ``x.dtype``; ``z`` like ``x`` (a column slice of a projection), ``weight [D]``."""
-    _check_pair("gated_rms_norm_silu", x, z, "z")
+    _check_pair("gated_rms_norm_silu", x, z, "z", _gated_norm_kernel)
     check_like("gated_rms_norm_silu: weight", weight, (x.shape[2],), x, "x")
     check_finite_float("gated_rms_norm_silu: eps", eps)
     if eps < 0:
         raise ValueError(f"gated_rms_norm_silu: eps: expected >= 0, got {eps!r}")
-    T, H, D = x.shape
-    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    require_triton()
-    pdl = pdl_launch(x.device)
-    _gated_norm_kernel[(T * H,)](x, z, weight.contiguous(), out, x.stride(0), x.stride(1), z.stride(0), z.stride(1),
-                                 float(eps), H, D=D, BLOCK=next_pow2(D), PDL=pdl, launch_pdl=pdl,
-                                 num_warps=1 if D <= 256 else 4)
-    return out
+    T, H, _ = x.shape
+    return _launch(_gated_norm_kernel, (T * H,), x, x, z, weight.contiguous(), x.stride(0), x.stride(1),
+                   z.stride(0), z.stride(1), float(eps), H)
 
 
 def sigmoid_gate(x, gate):
     """``x [T, H, D]`` (any strides but the last) -> ``x * sigmoid(gate)``, rounded as ``torch.sigmoid``
     then the product are: a new contiguous ``[T, H, D]`` in ``x.dtype``; ``gate`` like ``x``."""
-    _check_pair("sigmoid_gate", x, gate, "gate")
-    T, H, D = x.shape
-    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    require_triton()
-    pdl = pdl_launch(x.device)
-    _sigmoid_gate_kernel[(T, H)](x, gate, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), H, D=D,
-                                 BLOCK=next_pow2(D), PDL=pdl, launch_pdl=pdl, num_warps=1 if D <= 256 else 4)
-    return out
+    _check_pair("sigmoid_gate", x, gate, "gate", _sigmoid_gate_kernel)
+    T, H, _ = x.shape
+    return _launch(_sigmoid_gate_kernel, (T, H), x, x, gate, x.stride(0), x.stride(1), gate.stride(0),
+                   gate.stride(1), H)
 
 
 def gated_rms_norm_silu_ref(x, z, weight, eps: float):
