@@ -15,6 +15,7 @@ all its layers when their rows line up.
 from __future__ import annotations
 
 import bisect
+import functools
 from typing import NamedTuple
 
 import torch
@@ -125,6 +126,11 @@ def _expected_names(state, layer: int, replay_mode: bool) -> tuple[frozenset, fr
     return cache[key]
 
 
+@functools.cache
+def _sorted(names: frozenset) -> tuple:
+    return tuple(sorted(names))
+
+
 def _by_layer(state, writes, step_id: int, where: str) -> dict[int, Writes]:
     found: dict[int, Writes] = {}
     for i, w in enumerate(writes):
@@ -195,9 +201,9 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
             if w is None:
                 fail(where, "writes", f"a Writes for every layer that owns storage (layer {layer} writes "
                      f"{sorted(want)})", sorted(writes))
-            if set(w.values) != want:
+            if w.values.keys() != want:
                 fail(f"{where}: layer {layer}", "values", f"exactly the tensors {sorted(want)}", sorted(w.values))
-            for name in sorted(want):
+            for name in _sorted(want):
                 targets += _target(state, layer, name, w, wb, tokens, rows)
     return targets
 
@@ -216,14 +222,15 @@ class _Where:
 
 
 def _layouts(storage) -> dict:
-    """(layer, tensor name) -> (pool, its tensor, token space?, row shape, the layer's position, the tensor's
-    device index), fixed for the life of a storage: built once."""
+    """(layer, tensor name) -> (pool, its tensor, token space?, row shape as a tuple, the layer's position, the
+    tensor's device index, its device kind: 1 CUDA, 0 CPU, -1 another), fixed for the life of a storage: built
+    once."""
     layouts = storage.__dict__.get("_layouts")
     if layouts is None:
         layouts = storage._layouts = {
             (lay, t): (pool, live, pool.index_space == "token",
-                       live.shape[3:] if pool.index_space == "token" else live.shape[2:], pool.position(lay),
-                       live.get_device())
+                       tuple(live.shape[3:] if pool.index_space == "token" else live.shape[2:]), pool.position(lay),
+                       live.get_device(), 1 if live.is_cuda else 0 if live.is_cpu else -1)
             for lay, names in storage.layer_pools.items() for p in names
             for pool in (storage.pools[p],) for t, live in pool.tensors.items()}
     return layouts
@@ -231,7 +238,7 @@ def _layouts(storage) -> dict:
 
 def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_rows) -> list[_Target]:
     storage = state._storage
-    pool, live, token_space, row, position, device_index = _layouts(storage)[(layer, name)]
+    pool, live, token_space, row, position, device_index, kind = _layouts(storage)[(layer, name)]
     value = w.values[name]
     if token_space:
         index, rows = token_rows, batch.num_tokens
@@ -239,10 +246,9 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
         index, rows = state_rows, batch.recurrent_write_rows.shape[0]
     # The usual case in one test (the same checks as below, which name what is wrong when it fails): a CPU or
     # CUDA tensor, the device by kind and index without building device objects; any other device goes below.
-    usual = isinstance(value, Tensor) and value.layout is torch.strided and value.dtype is live.dtype \
-        and value.dim() == len(row) + 1 and value.shape[0] == rows and value.shape[1:] == row \
-        and value.get_device() == device_index \
-        and ((value.is_cuda and live.is_cuda) or (value.is_cpu and live.is_cpu))
+    usual = isinstance(value, Tensor) and value.dtype is live.dtype and value.shape == (rows, *row) \
+        and value.layout is torch.strided and value.get_device() == device_index \
+        and (value.is_cuda if kind == 1 else kind == 0 and value.is_cpu)
     if not usual:
         where = _Where(layer)  # formatted only when a check fails
         if value is None:
