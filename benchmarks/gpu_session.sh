@@ -5,7 +5,8 @@
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
 #   ... graphs | model | profile | model-long | fused | mla: captured steps, the whole model, its profile,
 #   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds; ab: the whole step with each
-#   switch flipped (benchmarks/model_ab.py); model-moe: DeepSeek-V3.2 / Kimi Linear layers
+#   switch flipped (benchmarks/model_ab.py); switches: the switches not yet on by default, checked and timed in
+#   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -51,6 +52,15 @@ case "${1:-}" in
         prefetch+output_gates+own_norm_act pdl --batch 1 8 \
         --out "$out/bench_switches_ab.json"
     ;;
+  switches)  # every switch not yet on by default, in one call: parity, graph replays under PDL, the A/B
+    rec="python benchmarks/gpu_pytest_record.py"
+    part 200 env FNATTN_GPU_RESULTS="$out/switches_fused_cases.json" $rec "$out/switches_fused_gpu.json" -- \
+        tests/gpu/test_fused_gpu.py -k "pdl or output_gates or norm_act or whole_model"
+    part 150 env FNATTN_GPU_RESULTS="$out/switches_graph_cases.json" $rec "$out/switches_graph_gpu.json" -- \
+        tests/gpu/test_graph_gpu.py -k pdl
+    part 220 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act \
+        prefetch+output_gates+own_norm_act pdl --batch 1 8 --out "$out/bench_switches_ab.json"
+    ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 \
         --profile 1 --out "$out/bench_model_qwen3_5_0.8b_p8192.json"
@@ -81,7 +91,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|model-long|model-moe|fused|mla|linear" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|model-long|model-moe|fused|mla|linear" >&2
     exit 2
     ;;
 esac
