@@ -99,6 +99,12 @@ def own_norm_act(enabled: bool):
     return _switched(_OWN_NORM_ACT, "own_norm_act", enabled)
 
 
+def switches() -> dict[str, bool]:
+    """Which way each switch here stands now (benchmarks record it beside their timings)."""
+    return {"fused": _ENABLED[-1], "qk_one_launch": _QK_ONE_LAUNCH[-1], "add_norm_epilogue": _EPILOGUE[-1],
+            "output_gates": _OUTPUT_GATES[-1], "own_norm_act": _OWN_NORM_ACT[-1]}
+
+
 @cache
 def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None

@@ -199,3 +199,16 @@ def test_a_model_too_big_for_the_device_is_refused_before_allocating(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["fnattn bench: --family kimi_linear --shape 4-layer: needs 25.7 GB of float32 weights on cpu, "
                    "this host has 1.1 GB"]
+
+
+def test_every_record_names_the_switches_in_force():
+    from fnattn.kernels.skinny_linear import configured
+    from fnattn.models import fused
+
+    from fnattn.bench import environment
+
+    plain = environment()["switches"]
+    assert plain["fused"] is True and plain["gemv_config"] == {} and set(plain) >= {"pdl", "qk_one_launch",
+                                                                                   "own_norm_act", "output_gates"}
+    with fused.output_gates(True), configured(prefetch=True):
+        assert environment()["switches"] == {**plain, "output_gates": True, "gemv_config": {"prefetch": True}}

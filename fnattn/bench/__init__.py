@@ -96,7 +96,18 @@ def environment() -> dict:
         except Exception:  # noqa: BLE001 - absence is a fact worth recording, not an error
             env[name] = None
     env["commit"] = commit()
+    env["switches"] = switches()
     return env
+
+
+def switches() -> dict:
+    """The fast-path switches in force: `fnattn.kernels.pdl`, `fnattn.models.fused`'s, and the fields
+    `skinny_linear.configured` replaces in the GEMV's config table."""
+    from ..kernels import _triton
+    from ..kernels import skinny_linear as skinny
+    from ..models import fused
+
+    return {"pdl": _triton._PDL[-1], **fused.switches(), "gemv_config": dict(skinny._OVERRIDES[-1])}
 
 
 def commit() -> str | None:
