@@ -193,12 +193,15 @@ def _skinny_gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     k = k_lo + tl.arange(0, BLOCK_K)  # [BK]; every piece has at least one K tile
     w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)  # [BN, BK]
-    if PDL:  # the weights are constants of the step: their first tile streams in while the launch before
-        if PREFETCH:  # this one finishes, and with PREFETCH the rest of the slab is asked of L2 meanwhile;
-            for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # x, the residual and the counters are read
+    # The weights are constants of the step: under PDL their first tile streams in (and with PREFETCH the
+    # rest of the slab is asked of L2) while the launch before this one finishes. x, the residual and the
+    # counters are read, and anything written, only after gdc_wait.
+    if PDL:
+        if PREFETCH:
+            for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
                 line = k0 + tl.arange(0, LINES) * (BLOCK_K // LINES)  # [LINES]: one address per cache line
                 ok = n_ok[:, None] & (line < k_hi)[None, :]
-                _prefetch_l2(tl.where(ok, w_rows + line[None, :], W))  # only after gdc_wait
+                _prefetch_l2(tl.where(ok, w_rows + line[None, :], W))
         gdc_wait()
         gdc_launch_dependents()
     if NORM:  # the whole row's statistics, also in a split-K piece that reads only part of it below
