@@ -120,6 +120,17 @@ def _kernel(package: str, *tensors: Tensor) -> bool:
     return all(t.dtype == t0.dtype for t in tensors) and _installed(package)
 
 
+def _rows_alike(x: Tensor, *others: Tensor) -> bool:
+    """``others`` have ``x``'s shape, and all of them a unit stride along the last dim (what the own
+    row kernels take; anything else runs the torch body)."""
+    return all(t.shape == x.shape for t in others) and all(t.stride(-1) == 1 or t.shape[-1] <= 1
+                                                            for t in (x, *others))
+
+
+def _shares_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def rms_norm_offset(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``rms_norm(x, weight, eps, offset=1.0)`` (Qwen's ``1 + weight`` norm) over the last dim; any leading dims."""
     if _kernel("flashinfer", x, weight):
@@ -139,7 +150,8 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
     normalizes the fp32 sum before rounding it; the torch body normalizes the
     rounded sum).
     """
-    if _OWN_NORM_ACT[-1] and y.dim() == 2 and _kernel("triton", y, residual, weight):
+    if _OWN_NORM_ACT[-1] and y.dim() == 2 and _kernel("triton", y, residual, weight) and _rows_alike(y, residual) \
+            and weight.shape == y.shape[-1:] and not _shares_storage(y, residual):
         from fnattn.kernels.norm_act import add_rms_norm_
 
         return add_rms_norm_(y, residual, weight, eps, 1.0)  # the torch body's roundings
@@ -154,7 +166,8 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     """``silu(g) * u`` for ``gate_up = [g | u]`` along the last dim (``[T, 2I] -> [T, I]``)."""
-    if _OWN_NORM_ACT[-1] and gate_up.dim() == 2 and _kernel("triton", gate_up):
+    if _OWN_NORM_ACT[-1] and gate_up.dim() == 2 and gate_up.shape[-1] % 2 == 0 and _kernel("triton", gate_up) \
+            and _rows_alike(gate_up):
         from fnattn.kernels.norm_act import silu_and_mul as kernel
 
         return kernel(gate_up)
@@ -211,7 +224,8 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
     gate, as transformers' module does.
     """
     x = x.to(gate.dtype)
-    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, weight):
+    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, weight) and _rows_alike(x, gate) \
+            and weight.shape == x.shape[-1:]:
         from fnattn.kernels.output_gate import gated_rms_norm_silu as kernel
 
         return kernel(x, gate, weight, eps)
@@ -225,7 +239,7 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
 def sigmoid_gate(x: Float[Tensor, "T H D"], gate: Float[Tensor, "T H D"]) -> Float[Tensor, "T H D"]:
     """``x * sigmoid(gate)`` (gated attention's output gate), ``gate`` any strides but the last: two torch
     launches, or under `output_gates` on CUDA one (`fnattn.kernels.output_gate.sigmoid_gate`)."""
-    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate):
+    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate) and _rows_alike(x, gate):
         from fnattn.kernels.output_gate import sigmoid_gate as kernel
 
         return kernel(x, gate)
