@@ -97,3 +97,26 @@ def test_models_take_the_kernels_only_under_own_norm_act(monkeypatch):
     with pytest.raises(ValueError, match="own_norm_act: expected True or False, got 'yes'"):
         with fused.own_norm_act("yes"):
             pass
+
+
+def test_operands_the_kernels_do_not_take_run_the_torch_bodies(monkeypatch):
+    """Under the switch, rows without a unit inner stride or a residual in y's buffer go to the torch body,
+    not to a refusal."""
+    from fnattn.kernels import norm_act as module
+    from fnattn.models import fused
+
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
+    monkeypatch.setattr(module, "add_rms_norm_", lambda *a, **k: pytest.fail("the kernel was called"))
+    monkeypatch.setattr(module, "silu_and_mul", lambda *a, **k: pytest.fail("the kernel was called"))
+    w = randn(32, seed=3)
+    both = randn(2, 64, seed=4)
+    y, r = both[:, :32], both[:, 32:]  # one buffer
+    strided = randn(32, 2, seed=5).t()  # [2, 32], inner stride 2
+    with fused.own_norm_act(True):
+        for yy, rr in ((y, r), (strided, randn(2, 32, seed=6))):
+            got_sum, got = fused.add_rms_norm_offset_(yy, rr, w, 1e-6)
+            want_sum, want = add_rms_norm_ref(yy, rr, w, 1e-6, 1.0)
+            torch.testing.assert_close(got_sum, want_sum)
+            torch.testing.assert_close(got, want)
+        transposed = randn(2, 2 * 16, seed=7).t()  # [32, 2], inner stride 32
+        torch.testing.assert_close(fused.silu_and_mul(transposed), silu_and_mul_ref(transposed))
