@@ -10,7 +10,8 @@ residual added to its result (``norm=``, ``residual=``); `skinny_linear_add_norm
 the rows' RMSNorm in the same launch; `gdn_gating` is GDN's g and beta in one launch, and
 `qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one;
 `gated_rms_norm_silu` and `sigmoid_gate` are the gates on a mixer's output, reading strided gates in place;
-`add_rms_norm_` and `silu_and_mul` the residual add + RMSNorm and SwiGLU's activation.
+`add_rms_norm_` and `silu_and_mul` the residual add + RMSNorm and SwiGLU's activation; `topk_slots` a
+sparse layer's top-k positions as the pool slots and own-row indices its attention kernel reads.
 The decode-step kernels (the GEMV, gating, fused GDN decode, q / k norms and rope, paged attention and
 its merge, the output gates, the add + norm and activation) launch with programmatic dependent launch on
 Hopper and later, unless within `pdl(False)`.
@@ -54,6 +55,7 @@ _EXPORTS = {
     "gated_rms_norm_silu": "output_gate", "gated_rms_norm_silu_ref": "output_gate",
     "sigmoid_gate": "output_gate", "sigmoid_gate_ref": "output_gate",
     "add_rms_norm_": "norm_act", "add_rms_norm_ref": "norm_act",
+    "topk_slots": "sparse_slots", "topk_slots_ref": "sparse_slots",
     "silu_and_mul": "norm_act", "silu_and_mul_ref": "norm_act",
     "indexer_scores_paged": "indexer",
     "indexer_scores_paged_ref": "indexer",

@@ -105,9 +105,11 @@ def switches() -> dict:
     `skinny_linear.configured` replaces in the GEMV's config table."""
     from ..kernels import _triton
     from ..kernels import skinny_linear as skinny
+    from ..kinds.sparse_mla import flashmla as sparse
     from ..models import fused
 
-    return {"pdl": _triton._PDL[-1], **fused.switches(), "gemv_config": dict(skinny._OVERRIDES[-1])}
+    return {"pdl": _triton._PDL[-1], **fused.switches(), "gemv_config": dict(skinny._OVERRIDES[-1]),
+            "sparse_one_pass_slots": sparse._ONE_PASS[-1]}
 
 
 def commit() -> str | None:

@@ -119,7 +119,16 @@ SPARSE = {  # name -> (layer shape, indexer heads, top-k, cached lengths)
 @pytest.mark.parametrize("shape", ["tiny", "real"])
 @pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 1), ("verify", 2), ("verify", 3),
                                       ("verify", 4)])
-def test_sparse_mla_matches_reference(family, shape, phase, k, record):
+@pytest.mark.parametrize("one_pass", [False, True], ids=["", "one-pass slots"])
+def test_sparse_mla_matches_reference(family, shape, phase, k, one_pass, record):
+    """``one_pass``: the top-k positions translated by `fnattn.kernels.topk_slots` (`one_pass_slots`)."""
+    from fnattn.kinds.sparse_mla.flashmla import one_pass_slots
+
+    with one_pass_slots(one_pass):
+        _sparse_case(family, shape, phase, k, " one-pass" if one_pass else "", record)
+
+
+def _sparse_case(family, shape, phase, k, what, record):
     layer, Hi, topk, cached = SPARSE[shape]
     specs = sparse_specs(topk=topk, Hi=Hi, Di=128, shared=family == "glm5", **layer)
     page = 64 if family == "v32" else 16
@@ -130,7 +139,7 @@ def test_sparse_mla_matches_reference(family, shape, phase, k, record):
         b = fa.Batch.prefill(st, {r: n for r, n in zip(ids, [5, 1, 37, 300, 64][: len(ids)])})
     else:
         b = _batch(st, phase, ids, k)
-    _check(compare(specs, st, b, "flashmla", seed=k), f"sparse {family} {shape} {phase} k{k}", record)
+    _check(compare(specs, st, b, "flashmla", seed=k), f"sparse {family} {shape} {phase} k{k}{what}", record)
 
 
 def test_sparse_pad_lanes_and_multi_step_decode(record):

@@ -16,6 +16,7 @@ row layout with per-tile scales, so a per-tensor FP8 latent cache is refused her
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -36,6 +37,21 @@ from .reference import check_reused
 LN2 = math.log(2.0)
 TOPK_BLOCK = 128  # top-k lists are padded to a multiple of this (the kernel walks them in blocks)
 LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (its docstring; its max_logits are log2e-scaled too)
+_ONE_PASS = [False]  # off until its parity runs on the H200 (tests/gpu/test_mla_backends_gpu.py)
+
+
+@contextlib.contextmanager
+def one_pass_slots(enabled: bool):
+    """Within this block the top-k positions become pool slots, own-row indices and the picked mask in one
+    launch (`fnattn.kernels.topk_slots`, int32 lists padded for the kernel) instead of `split_indices`'
+    torch ops, the pad, the cast and the scatter (the same values)."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"one_pass_slots: expected True or False, got {enabled!r}")
+    _ONE_PASS.append(enabled)
+    try:
+        yield
+    finally:
+        _ONE_PASS.pop()
 
 
 def supports(spec, device) -> list[str]:
@@ -93,17 +109,24 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
     m, batch = spec.config.mla, inputs.meta.batch
     R = m.kv_lora_rank
     selected = select(spec, views, inputs)  # [T, topk]
-    slots, rows, fresh, rel = split_indices(batch, inputs.sparse.request_of_token, selected)
+    n = 0 if phase == "prefill" else uniform_new(batch, "sparse_mla flashmla")
+    if _ONE_PASS[-1]:
+        from ...kernels.sparse_slots import topk_slots
+
+        slots, rows, picked = topk_slots(selected, inputs.sparse.request_of_token, batch.cache_lens,
+                                         batch.cu_seqlens, batch.block_table, page_size=batch.page_size,
+                                         pad_to=TOPK_BLOCK, rows=phase == "prefill", new=n)
+    else:
+        slots, rows, fresh, rel = split_indices(batch, inputs.sparse.request_of_token, selected)
+        if n:  # which of its request's new rows each token selected: a [T, n] mask
+            picked = torch.zeros(selected.shape[0], n + 1, dtype=torch.bool, device=selected.device)
+            picked = picked.scatter(1, torch.where(fresh, rel, n), True)[:, :n]
     q = absorbed_query(inputs)  # [T, H, R + Dr]
     o_c, lse_c = sparse_kernel(q, views.latent, slots, m.scale, R)
     if phase == "prefill":
         o_n, lse_n = sparse_kernel(q, inputs.latent, rows, m.scale, R)
         o_lat, lse = merge(o_c, lse_c, o_n, lse_n)
     else:
-        n = uniform_new(batch, "sparse_mla flashmla")
-        # which of its request's new rows each token selected: a [T, n] mask
-        picked = torch.zeros(q.shape[0], n + 1, dtype=torch.bool, device=q.device)
-        picked = picked.scatter(1, torch.where(fresh, rel, n), True)[:, :n]
         o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=n, scale=m.scale, allowed=picked)
     out = SparseAttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse, topk_indices=selected)
     if spec.config.index_source_layer is None:

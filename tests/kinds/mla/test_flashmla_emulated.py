@@ -111,9 +111,20 @@ def test_dense_flashmla_refuses_other_page_sizes(emulated):
         compare([spec], st, fa.Batch.decode(st, [0]), emulated)
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["", "one-pass slots"])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 2)])
-def test_sparse_flashmla_wiring(emulated, shared, phase, k):
+def test_sparse_flashmla_wiring(emulated, shared, phase, k, one_pass):
+    """``one_pass``: the top-k translated by `fnattn.kernels.topk_slots` (the Triton interpreter here)."""
+    if one_pass:
+        pytest.importorskip("triton")
+    from fnattn.kinds.sparse_mla.flashmla import one_pass_slots
+
+    with one_pass_slots(one_pass):
+        _sparse_wiring(emulated, shared, phase, k)
+
+
+def _sparse_wiring(emulated, shared, phase, k):
     specs = sparse_specs(topk=5, Hi=HI, Di=16, shared=shared, H=2, padded=4, dtype=torch.float32, **SMALL)
     st = filled_state(specs, [0, 1, 9, 17], page_size=4, extra=12)
     ids = list(range(4))
