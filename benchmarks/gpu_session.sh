@@ -48,18 +48,18 @@ case "${1:-}" in
     part 120 python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 --rows 25
     ;;
   ab)  # the whole step with each switch flipped, every variant's steps interleaved on one model
-    part 300 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act \
-        prefetch+output_gates+own_norm_act pdl --batch 1 8 \
+    part 300 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act gating_epilogue \
+        prefetch+output_gates+own_norm_act+gating_epilogue pdl --batch 1 8 \
         --out "$out/bench_switches_ab.json"
     ;;
   switches)  # every switch not yet on by default, in one call: parity, graph replays under PDL, the A/B
     rec="python benchmarks/gpu_pytest_record.py"
     part 200 env FNATTN_GPU_RESULTS="$out/switches_fused_cases.json" $rec "$out/switches_fused_gpu.json" -- \
-        tests/gpu/test_fused_gpu.py -k "pdl or output_gates or norm_act or whole_model"
+        tests/gpu/test_fused_gpu.py -k "pdl or output_gates or norm_act or gating_epilogue or whole_model"
     part 150 env FNATTN_GPU_RESULTS="$out/switches_graph_cases.json" $rec "$out/switches_graph_gpu.json" -- \
         tests/gpu/test_graph_gpu.py -k pdl
-    part 220 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act \
-        prefetch+output_gates+own_norm_act pdl --batch 1 8 --out "$out/bench_switches_ab.json"
+    part 220 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act gating_epilogue \
+        prefetch+output_gates+own_norm_act+gating_epilogue pdl --batch 1 8 --out "$out/bench_switches_ab.json"
     ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 \

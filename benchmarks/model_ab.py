@@ -22,6 +22,8 @@ Switches:
 - ``output_gates``: GDN's gated output norm and gated attention's sigmoid gate as fnattn's own launches,
   which read the gate in place and launch with PDL (`models.fused.output_gates`), or fla-core's gated norm and
   torch's sigmoid and product (off, the default).
+- ``gating_epilogue``: GDN's g and beta written by the input projection's GEMV (`models.fused.gating_epilogue`),
+  or by a launch of their own after it (off, the default).
 - ``own_norm_act``: the residual add + RMSNorm and SiLU-and-mul as fnattn's own kernels, which hand the
   stream over at their start under PDL (`models.fused.own_norm_act`), or FlashInfer's (off, the default).
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
@@ -52,6 +54,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                            False: "FlashInfer's add + norm after the projection"}),
     "output_gates": (fused.output_gates, lambda: fused._OUTPUT_GATES[-1],
                      {True: "GDN norm and attention gate, own PDL launches", False: "fla's gated norm, torch gate"}),
+    "gating_epilogue": (fused.gating_epilogue, lambda: fused._GATING_EPILOGUE[-1],
+                        {True: "GDN gating in the input projection's launch", False: "gating apart"}),
     "own_norm_act": (fused.own_norm_act, lambda: fused._OWN_NORM_ACT[-1],
                      {True: "own add + norm and SiLU-and-mul (early handover)", False: "FlashInfer's"}),
     "qk_one_launch": (fused.qk_one_launch, lambda: fused._QK_ONE_LAUNCH[-1],

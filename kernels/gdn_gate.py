@@ -57,6 +57,41 @@ def _log1p(e, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def log_decay(a, dt_bias, neg_decay, sp_beta, sp_threshold, LIBDEVICE: tl.constexpr):
+    """``neg_decay * softplus(a + dt_bias)`` in fp32 (F.softplus's beta / threshold), elementwise."""
+    x = a.to(tl.float32) + dt_bias
+    xb = x * sp_beta
+    one = tl.full(x.shape, 1.0, tl.float32)  # div_rn takes tensors on both sides (the interpreter needs it)
+    big = xb > sp_threshold  # softplus(x) = x there; exp's argument is capped so that it does not overflow for nothing
+    e = _exp(tl.where(big, sp_threshold, xb), LIBDEVICE)
+    return neg_decay * tl.where(big, x, tl.math.div_rn(_log1p(e, LIBDEVICE), one * sp_beta))
+
+
+@triton.jit
+def write_strength(b, LIBDEVICE: tl.constexpr):
+    """``sigmoid(b)`` in fp32, elementwise (an IEEE division)."""
+    one = tl.full(b.shape, 1.0, tl.float32)
+    return tl.math.div_rn(one, 1.0 + _exp(-b.to(tl.float32), LIBDEVICE))
+
+
+@triton.jit
+def gate_columns(y, m, n, m_ok, G, BETA, ND, DTB, col, H, sp_beta, sp_threshold, LIBDEVICE: tl.constexpr):
+    """A GEMM epilogue: of the rounded output tile ``y [BM, BN]`` (rows ``m``, columns ``n``), columns
+    ``[col, col + H)`` are GDN's b and ``[col + H, col + 2H)`` its a; write ``beta [M, H]`` and ``g [M, H]``
+    from them as `_gating_kernel` does (F.softplus's defaults)."""
+    hb = n - col  # [BN]
+    ha = hb - H
+    is_b = (hb >= 0) & (hb < H)
+    is_a = (ha >= 0) & (ha < H)
+    beta = write_strength(y, LIBDEVICE)
+    tl.store(BETA + m[:, None] * H + hb[None, :], beta.to(BETA.dtype.element_ty), mask=m_ok[:, None] & is_b[None, :])
+    dtb = tl.load(DTB + ha, mask=is_a, other=0.0)
+    nd = tl.load(ND + ha, mask=is_a, other=0.0)
+    g = log_decay(y, dtb[None, :], nd[None, :], sp_beta, sp_threshold, LIBDEVICE)
+    tl.store(G + m[:, None] * H + ha[None, :], g, mask=m_ok[:, None] & is_a[None, :])
+
+
+@triton.jit
 def _gating_kernel(
     a_ptr, b_ptr, nd_ptr, dtb_ptr, g_ptr, beta_ptr,
     T, H, sa_t, sa_h, sb_t, sb_h, s_nd, s_dtb,
@@ -74,17 +109,12 @@ def _gating_kernel(
         gdc_launch_dependents()
     dtb = tl.load(dtb_ptr + rh * s_dtb, mask=mh, other=0.0)
     nd = tl.load(nd_ptr + rh * s_nd, mask=mh, other=0.0)
-    a = tl.load(a_ptr + rt[:, None] * sa_t + rh[None, :] * sa_h, mask=m, other=0.0).to(tl.float32)  # [BT, BH]
-    x = a + dtb[None, :]
-    xb = x * sp_beta
-    one = tl.full([BT, BH], 1.0, tl.float32)  # div_rn takes tensors on both sides (the interpreter needs it)
-    big = xb > sp_threshold  # softplus(x) = x there; exp's argument is capped so that it does not overflow for nothing
-    e = _exp(tl.where(big, sp_threshold, xb), LIBDEVICE)
-    soft = tl.where(big, x, tl.math.div_rn(_log1p(e, LIBDEVICE), one * sp_beta))
-    tl.store(g_ptr + rt[:, None] * H + rh[None, :], nd[None, :] * soft, mask=m)
+    a = tl.load(a_ptr + rt[:, None] * sa_t + rh[None, :] * sa_h, mask=m, other=0.0)  # [BT, BH]
+    g = log_decay(a, dtb[None, :], nd[None, :], sp_beta, sp_threshold, LIBDEVICE)
+    tl.store(g_ptr + rt[:, None] * H + rh[None, :], g, mask=m)
 
-    b = tl.load(b_ptr + rt[:, None] * sb_t + rh[None, :] * sb_h, mask=m, other=0.0).to(tl.float32)
-    beta = tl.math.div_rn(one, 1.0 + _exp(-b, LIBDEVICE))
+    b = tl.load(b_ptr + rt[:, None] * sb_t + rh[None, :] * sb_h, mask=m, other=0.0)
+    beta = write_strength(b, LIBDEVICE)
     tl.store(beta_ptr + rt[:, None] * H + rh[None, :], beta.to(beta_ptr.dtype.element_ty), mask=m)
 
 

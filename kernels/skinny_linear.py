@@ -57,6 +57,7 @@ import torch
 
 from ._checks import check_finite_float, check_like
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
+from .gdn_gate import gate_columns
 
 MAX_M = 64
 ACTS = (None, "silu_mul")
@@ -166,11 +167,11 @@ def triton_cdiv(a: int, b: int) -> int:
 @triton.jit
 def _skinny_gemv_kernel(
     X, W, Y, P, C, R, NW, H, EW, M, N, K, k_per_split, n_split, n_tiles, sxm, sym, srm, shm, eps, offset,
-    e_eps, e_offset,
+    e_eps, e_offset, GG, GB, GND, GDTB, g_col, g_heads,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
     NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    LINES: tl.constexpr,
+    LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
@@ -180,7 +181,8 @@ def _skinny_gemv_kernel(
     sums the partials and resets the counter, else a second kernel sums them. ``NORM``: rows of ``x``
     RMS-normalized on load (weight ``NW [K]``); ``HAS_RESIDUAL``: ``R [M, N]`` added to the fp32 sum before rounding.
     ``NORM_AFTER``: each tile's finisher counts itself at ``C[n_tiles]``; the last normalizes the whole rows
-    of ``Y`` into ``H`` (weight ``EW [N]``, `_norm_rows_when_last`)."""
+    of ``Y`` into ``H`` (weight ``EW [N]``, `_norm_rows_when_last`). ``GATING``: the tile that holds GDN's b
+    and a columns (``g_col`` on) also writes beta and g from them (`gdn_gate.gate_columns`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -240,6 +242,10 @@ def _skinny_gemv_kernel(
                                      other=0.0).to(tl.float32)
                 tl.store(y_at, total.to(Y.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(C + pid_n, 0)  # zero again for the next launch
+                if GATING:
+                    if (pid_n * BLOCK_N < g_col + 2 * g_heads) & (pid_n * BLOCK_N + BLOCK_N > g_col):
+                        gate_columns(total.to(Y.dtype.element_ty), m, n, m_ok, GG, GB, GND, GDTB, g_col, g_heads,
+                                     1.0, 20.0, LIBDEVICE)
                 if NORM_AFTER:
                     _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
                                          NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
@@ -247,6 +253,10 @@ def _skinny_gemv_kernel(
         if HAS_RESIDUAL:
             acc += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(y_at, acc.to(Y.dtype.element_ty), mask=mask)
+        if GATING:
+            if (pid_n * BLOCK_N < g_col + 2 * g_heads) & (pid_n * BLOCK_N + BLOCK_N > g_col):
+                gate_columns(acc.to(Y.dtype.element_ty), m, n, m_ok, GG, GB, GND, GDTB, g_col, g_heads, 1.0,
+                             20.0, LIBDEVICE)
         if NORM_AFTER:
             _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
                                  NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
@@ -454,9 +464,39 @@ def skinny_linear_add_norm(x, w, residual, norm, *, config=None):
     return y, h
 
 
-def _launch(x, w, y, act, residual, norm, config, norm_after=None) -> bool:
-    """Write ``y`` (checked arguments); ``norm_after=(h, weight, eps, offset)``: also ``h``, when the launch
-    can (``-> whether it did``)."""
+def skinny_linear_gating(x, w, col: int, neg_decay, dt_bias, *, config=None):
+    """``y = x @ w.T`` (as `skinny_linear`) and, from its columns ``[col, col + H)`` (GDN's b) and
+    ``[col + H, col + 2H)`` (a), ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``
+    (``x.dtype``) as `gdn_gating` computes them: ``-> (y [M, N], g [M, H], beta [M, H])``. One launch: the
+    tile that holds those columns writes g and beta too (an input projection, then its gating);
+    ``neg_decay``, ``dt_bias``: fp32 ``[H]``."""
+    from .gdn_gate import gdn_gating
+
+    _check(x, w, None, None, config)
+    M, N = x.shape[0], w.shape[0]
+    H = neg_decay.shape[0] if isinstance(neg_decay, torch.Tensor) and neg_decay.dim() == 1 else None
+    if H is None or neg_decay.dtype != torch.float32 or neg_decay.device != x.device or neg_decay.stride(0) != 1:
+        raise ValueError(f"neg_decay: expected a contiguous [H] float32 tensor on {x.device}, got "
+                         f"{getattr(neg_decay, 'shape', type(neg_decay).__name__)}")
+    ref = torch.empty(0, dtype=torch.float32, device=x.device)
+    check_like("dt_bias", dt_bias, (H,), ref, "neg_decay")
+    if dt_bias.stride(0) != 1 and H > 1:
+        raise ValueError(f"dt_bias: expected a contiguous tensor, got strides {dt_bias.stride()}")
+    if isinstance(col, bool) or not isinstance(col, int) or not 0 <= col <= N - 2 * H:
+        raise ValueError(f"col: expected an int in 0..{N - 2 * H} (b and a, {H} columns each, within the "
+                         f"{N} outputs), got {col!r}")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    g = torch.empty((M, H), dtype=torch.float32, device=x.device)
+    beta = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    if not _launch(x, w, y, None, None, None, config, gating=(g, beta, neg_decay, dt_bias, col, H)) and M and H:
+        g, beta = gdn_gating(y[:, col + H:col + 2 * H], y[:, col:col + H], neg_decay, dt_bias)  # the gating apart
+    return y, g, beta
+
+
+def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None) -> bool:
+    """Write ``y`` (checked arguments); ``norm_after=(h, weight, eps, offset)``: also ``h``, or
+    ``gating=(g, beta, neg_decay, dt_bias, col, H)``: also g and beta, when the launch can (``-> whether it
+    did``)."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
     if M == 0 or N == 0:
         return False
@@ -481,6 +521,9 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None) -> bool:
         counters = tile_counters(x.device, grid[0] + (norm_after is not None))
     if norm_after is not None and counters is None:
         norm_after = None
+    if split > 1 and counters is None:  # the reduce kernel has no gating epilogue
+        gating = None
+    gg, gb, gnd, gdtb, g_col, g_heads = (y, y, y, y, 0, 0) if gating is None else gating
     h, ew, e_eps, e_offset = (y, y, 0.0, 0.0) if norm_after is None else norm_after
     pdl = pdl_launch(x.device)  # the first weight tile loads while the launch before finishes
     common = dict(ACT_SILU_MUL=act == "silu_mul", NORM=norm is not None, NORM_OFFSET=offset != 0.0,
@@ -488,24 +531,26 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None) -> bool:
                   NORM_AFTER_OFFSET=e_offset != 0.0, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
-                  LINES=max(1, cfg.block_k * x.element_size() // 128))
+                  LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
+                  LIBDEVICE=type(_skinny_gemv_kernel).__name__ != "InterpretedFunction")
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),
-                                  y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset,
-                                  HAS_RESIDUAL=residual is not None, SPLIT=False, ONE_LAUNCH=False, **common)
-        return norm_after is not None
+                                  y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb,
+                                  g_col, g_heads, HAS_RESIDUAL=residual is not None, SPLIT=False, ONE_LAUNCH=False,
+                                  **common)
+        return norm_after is not None or gating is not None
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     one_launch = counters is not None
     _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, h, ew, M, N, K, k_per_split, split, grid[0], x.stride(0),
-                              y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset,
-                              HAS_RESIDUAL=residual is not None, SPLIT=True, ONE_LAUNCH=one_launch, **common)
+                              y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb, g_col,
+                              g_heads, HAS_RESIDUAL=residual is not None, SPLIT=True, ONE_LAUNCH=one_launch, **common)
     if not one_launch:
         block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
         _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
                                                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                                num_warps=4)
-    return norm_after is not None
+    return norm_after is not None or gating is not None
 
 
 COUNTERS = 4096  # column tiles a split launch may have (a split projection is narrow: a few hundred at most)

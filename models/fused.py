@@ -48,6 +48,7 @@ _EPILOGUE = [False]  # timed on the H200: no faster at batch 1, slower at 8 (`ad
 _QK_ONE_LAUNCH = [True]  # timed on the H200 (`qk_one_launch`)
 _OUTPUT_GATES = [False]  # off until timed on the H200 (`output_gates`)
 _OWN_NORM_ACT = [False]  # off until timed on the H200 (`own_norm_act`)
+_GATING_EPILOGUE = [False]  # off until timed on the H200 (`gating_epilogue`)
 
 
 @contextlib.contextmanager
@@ -99,10 +100,19 @@ def own_norm_act(enabled: bool):
     return _switched(_OWN_NORM_ACT, "own_norm_act", enabled)
 
 
+def gating_epilogue(enabled: bool):
+    """Within this block `project_and_gate` takes decode-sized inputs on CUDA to one launch
+    (`skinny_linear_gating`: GDN's g and beta written by the GEMV tile that holds the b and a columns)
+    when ``enabled``. Off by default: not yet timed on the H200 (``benchmarks/model_ab.py --toggle
+    gating_epilogue``)."""
+    return _switched(_GATING_EPILOGUE, "gating_epilogue", enabled)
+
+
 def switches() -> dict[str, bool]:
     """Which way each switch here stands now (benchmarks record it beside their timings)."""
     return {"fused": _ENABLED[-1], "qk_one_launch": _QK_ONE_LAUNCH[-1], "add_norm_epilogue": _EPILOGUE[-1],
-            "output_gates": _OUTPUT_GATES[-1], "own_norm_act": _OWN_NORM_ACT[-1]}
+            "output_gates": _OUTPUT_GATES[-1], "own_norm_act": _OWN_NORM_ACT[-1],
+            "gating_epilogue": _GATING_EPILOGUE[-1]}
 
 
 @cache
@@ -295,6 +305,22 @@ def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tupl
 
         return kernel(a, b, neg_decay, dt_bias)
     return neg_decay * F.softplus(a + dt_bias), torch.sigmoid(b)
+
+
+def project_and_gate(x: Float[Tensor, "T K"], w: Float[Tensor, "N K"], col: int, neg_decay: Float[Tensor, " H"],
+                     dt_bias: Float[Tensor, " H"]) -> tuple[Float[Tensor, "T N"], Tensor, Tensor]:
+    """GDN's input projection and its gating: ``-> (y = linear(x, w), g, beta)``, ``g`` and ``beta`` from
+    the columns ``[col + H, col + 2H)`` (a) and ``[col, col + H)`` (b) of ``y`` as `gdn_gating` makes them.
+    Under `gating_epilogue`, at decode sizes on CUDA, one launch (`skinny_linear_gating`)."""
+    H = neg_decay.shape[0]
+    if _GATING_EPILOGUE[-1] and x.dim() == 2 and _skinny(x, w, w.shape[-1]) and neg_decay.dtype == torch.float32 \
+            and dt_bias.dtype == torch.float32 and neg_decay.is_contiguous() and dt_bias.is_contiguous() \
+            and dt_bias.shape == (H,) and 0 <= col <= w.shape[0] - 2 * H:
+        from fnattn.kernels.skinny_linear import skinny_linear_gating
+
+        return skinny_linear_gating(x, w, col, neg_decay, dt_bias)
+    y = linear(x, w)
+    return (y, *gdn_gating(y[..., col + H:col + 2 * H], y[..., col:col + H], neg_decay, dt_bias))
 
 
 def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual: Float[Tensor, "T D"],

@@ -40,7 +40,7 @@ from fnattn.kinds.delta_rule.math import RecurrentLayerOutput, gated_delta_chunk
 from fnattn.kinds.delta_rule.qkv import gdn_qkv
 
 from .common import rms_norm
-from .fused import gated_rms_norm_silu, gdn_gating, linear  # kernels on CUDA; the torch math elsewhere
+from .fused import gated_rms_norm_silu, gdn_gating, linear, project_and_gate  # kernels on CUDA; torch elsewhere
 
 __all__ = [
     "GDNWeights",
@@ -276,16 +276,16 @@ def gdn_project(
     expect_float("x", x)
     expect_shape("x", x, (None, w.hidden_size))
     T, H = x.shape[0], w.num_v_heads
-    if w.in_proj is not None:  # one GEMM; the parts are column slices of its output
-        conv_input, z, b, a = linear(x, w.in_proj).split([w.conv_dim, w.value_dim, H, H], dim=-1)
-    else:
-        conv_input, z, b, a = (linear(x, p) for p in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
-    z = z.reshape(T, H, w.head_v_dim)
     # fp32 where the math needs it: the log-decay feeds an exp inside the recurrence.
     neg_decay = -w.A_log.float().exp() if w.neg_decay is None else w.neg_decay
     dt_bias = w.dt_bias.float() if w.dt_bias_f32 is None else w.dt_bias_f32
-    g, beta = gdn_gating(a, b, neg_decay, dt_bias)  # one launch on CUDA; a is promoted to fp32 in the add
-    return conv_input, z, g, beta
+    if w.in_proj is not None:  # one GEMM; the parts are column slices of its output, b and a the last
+        y, g, beta = project_and_gate(x, w.in_proj, w.conv_dim + w.value_dim, neg_decay, dt_bias)
+        conv_input, z = y[..., :w.conv_dim], y[..., w.conv_dim:w.conv_dim + w.value_dim]
+    else:
+        conv_input, z, b, a = (linear(x, p) for p in (w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a))
+        g, beta = gdn_gating(a, b, neg_decay, dt_bias)  # one launch on CUDA; a is promoted to fp32 in the add
+    return conv_input, z.reshape(T, H, w.head_v_dim), g, beta
 
 
 def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V"], project=linear):

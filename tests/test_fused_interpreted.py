@@ -1,7 +1,8 @@
 """A whole tiny Qwen3.5 through every fused kernel path, on the CPU under the Triton interpreter (fp16):
-what `models.fused` routes to each kernel (the GEMV, q / k norms and rope, GDN gating, the output gates, the
-residual add + norm and SiLU-and-mul) must give the unfused model's logits over a prefill and decode steps.
-On a GPU the same comparison runs in bf16 (tests/gpu/test_fused_gpu.py); here it checks the wiring."""
+what `models.fused` routes to each kernel (the GEMV, with GDN's gating in its epilogue at decode sizes; q / k
+norms and rope; GDN gating; the output gates; the residual add + norm and SiLU-and-mul) must give the unfused
+model's logits over a prefill and decode steps. On a GPU the same comparison runs in bf16
+(tests/gpu/test_fused_gpu.py); here it checks the wiring."""
 
 import os
 
@@ -20,7 +21,7 @@ import fnattn as fa  # noqa: E402
 from fnattn.driver import prefill, run_step  # noqa: E402
 
 KERNELS = {  # module: the functions models.fused calls
-    "skinny_linear": ["skinny_linear"],
+    "skinny_linear": ["skinny_linear", "skinny_linear_gating"],
     "qk_norm_rope": ["qk_norm_rope"],
     "gdn_gate": ["gdn_gating"],
     "output_gate": ["gated_rms_norm_silu", "sigmoid_gate"],
@@ -31,7 +32,8 @@ KERNELS = {  # module: the functions models.fused calls
 def _run(model, ma):
     st = fa.State(model.specs, num_pages=16, page_size=16, max_requests=2, device="cpu").admit(0).admit(1)
     with torch.no_grad():
-        st, last = prefill(model.step, model.params, ma, st, {0: [1, 2, 3, 4, 5], 1: [7, 8]})
+        # 21 prompt rows: the prefill's projections stay on F.linear (at most 16 rows take the GEMV)
+        st, last = prefill(model.step, model.params, ma, st, {0: list(range(1, 13)), 1: list(range(7, 16))})
         out = [torch.stack([last[0], last[1]])]
         for t in range(2):
             st = st.reserve({0: 1, 1: 1})
@@ -58,7 +60,7 @@ def test_every_kernel_path_gives_the_unfused_logits(monkeypatch):
             real = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (
                 calls.__setitem__(name, calls.get(name, 0) + 1), real(*a, **k))[1])
-    with fused.own_norm_act(True), fused.output_gates(True):
+    with fused.own_norm_act(True), fused.output_gates(True), fused.gating_epilogue(True):
         got = _run(model, ma)
     assert sorted(calls) == sorted(n for names in KERNELS.values() for n in names), calls
     scale = want.abs().max().item()

@@ -295,7 +295,7 @@ SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full at
 VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
             "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl,
             "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on),
-            "own norm and act": fused.own_norm_act}
+            "own norm and act": fused.own_norm_act, "gating epilogue": fused.gating_epilogue}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -305,7 +305,8 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     residual add + norm in the output projection's launch), `fused.qk_one_launch` off (FlashInfer's q / k
     norms and rope, v copied apart), `kernels.pdl` on (the kernels launched with PDL), `fused.output_gates`
     on (GDN's gated norm and the attention gate as fnattn's own launches), the GEMVs' L2 prefetch on,
-    `fused.own_norm_act` on (fnattn's add + RMSNorm and SiLU-and-mul)."""
+    `fused.own_norm_act` on (fnattn's add + RMSNorm and SiLU-and-mul), `fused.gating_epilogue` on (GDN's
+    gating in its input projection's GEMV)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
@@ -432,3 +433,37 @@ def test_own_norm_act_against_the_unfused_ops(T, record):
     torch.cuda.synchronize()
     for name, a, b in zip(("residual sum", "add + norm", "silu_and_mul"), replayed, want(y2, r2)):
         _check(record, f"norm_act {name} T{T}, graph replay on new inputs", a, b, 1e-2)
+
+
+@pytest.mark.parametrize("M", [1, 8])
+def test_gating_epilogue_is_the_gemv_then_gdn_gating(M, record):
+    """`skinny_linear_gating` on Qwen3.5-0.8B's GDN input projection (1024 -> 8224, b and a the last 32
+    columns), bf16: the product, g and beta bitwise those of `skinny_linear` then `gdn_gating`, eager and in
+    a CUDA-graph replay on new inputs."""
+    from fnattn.kernels.gdn_gate import gdn_gating
+    from fnattn.kernels.skinny_linear import skinny_linear, skinny_linear_gating
+
+    x, w = _randn(M, 1024, seed=90), _randn(8224, 1024, seed=91, scale=1 / 32)
+    nd = -torch.rand(16, device="cuda", generator=torch.Generator(device="cuda").manual_seed(92)).exp() * 4
+    dtb = _randn(16, seed=93).float()
+
+    def want():
+        y = skinny_linear(x, w)
+        return (y, *gdn_gating(y[:, 8208:8224], y[:, 8192:8208], nd, dtb))
+
+    def same(got, expected):
+        return all(torch.equal(a, b) for a, b in zip(got, expected))
+
+    ok = same(skinny_linear_gating(x, w, 8192, nd, dtb), want())
+    record({"case": f"skinny_linear_gating M{M}, eager", "backend": "fused", "bitwise": ok, "ok": ok})
+    assert ok
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = skinny_linear_gating(x, w, 8192, nd, dtb)
+    x.copy_(_randn(M, 1024, seed=94))
+    graph.replay()
+    torch.cuda.synchronize()
+    ok = same(replayed, want())
+    record({"case": f"skinny_linear_gating M{M}, graph replay on new inputs", "backend": "fused", "bitwise": ok,
+            "ok": ok})
+    assert ok

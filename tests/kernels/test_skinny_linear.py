@@ -446,3 +446,41 @@ def test_models_project_add_norm_takes_the_epilogue_only_when_asked(rows, monkey
     with pytest.raises(ValueError, match="add_norm_epilogue: expected True or False, got 1"):
         with fused.add_norm_epilogue(1):
             pass
+
+
+@pytest.mark.parametrize("config", [None, SkinnyConfig(block_n=16, block_k=16, split_k=1),
+                                    SkinnyConfig(block_n=32, block_k=16, split_k=4),
+                                    SkinnyConfig(block_n=16, block_k=16, split_k=2, one_launch=False)],
+                         ids=["table", "tiles across the gate", "split one launch", "split, reduce kernel"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_gating_epilogue_is_the_gemv_then_gdn_gating(M, config):
+    """`skinny_linear_gating`: the projection, and g / beta from its b | a columns as `gdn_gating` makes them
+    (the same bits: one set of jit helpers); b and a may straddle two column tiles."""
+    from fnattn.kernels.gdn_gate import gdn_gating
+    from fnattn.kernels.skinny_linear import skinny_linear_gating
+
+    H, col = 8, 108  # columns 108..115 are b, 116..123 a, of 136: b straddles two 16-column tiles
+    x, w = randn(M, 64, dtype=torch.float16, seed=40), randn(136, 64, dtype=torch.float16, seed=41)
+    nd, dtb = -randn(H, seed=42).exp(), randn(H, seed=43)
+    y, g, beta = skinny_linear_gating(x, w, col, nd, dtb, config=config)
+    want_y = skinny_linear(x, w, config=config)
+    want_g, want_beta = gdn_gating(want_y[:, col + H:col + 2 * H], want_y[:, col:col + H], nd, dtb)
+    assert torch.equal(y, want_y) and torch.equal(g, want_g) and torch.equal(beta, want_beta)
+    assert g.dtype == torch.float32 and beta.dtype == torch.float16 and g.shape == beta.shape == (M, H)
+
+
+def test_gating_epilogue_names_bad_arguments():
+    from fnattn.kernels.skinny_linear import skinny_linear_gating
+
+    x, w = randn(2, 16), randn(40, 16)
+    nd, dtb = randn(4), randn(4)
+    cases = [
+        (dict(col=33), r"col: expected an int in 0..32 \(b and a, 4 columns each, within the 40 outputs\), got 33"),
+        (dict(col=True), r"col: expected an int in 0..32"),
+        (dict(neg_decay=nd.half()), r"neg_decay: expected a contiguous \[H\] float32 tensor"),
+        (dict(dt_bias=dtb[:3]), r"dt_bias: expected shape \(4,\), got \(3,\)"),
+    ]
+    for change, message in cases:
+        args = {**dict(col=8, neg_decay=nd, dt_bias=dtb), **change}
+        with pytest.raises(ValueError, match=message):
+            skinny_linear_gating(x, w, args["col"], args["neg_decay"], args["dt_bias"])
