@@ -91,7 +91,7 @@ def add_rms_norm_(y, residual, weight, eps: float, offset: float = 0.0):
     pdl = pdl_launch(y.device)
     _add_rms_norm_kernel[(T,)](y, residual, weight.contiguous(), y.stride(0), residual.stride(0), float(eps),
                                float(offset), D=D, BLOCK=next_pow2(D), OFFSET=offset != 0.0, PDL=pdl,
-                               launch_pdl=pdl, num_warps=4 if D >= 1024 else 1)
+                               launch_pdl=pdl, num_warps=8 if D >= 4096 else 4 if D >= 1024 else 1)
     return residual, y
 
 
