@@ -8,6 +8,8 @@ Each batch captures one CUDA graph per variant (the defaults, then each toggle f
 captured under its switch) over one state, then replays them round-robin, step after step, the order
 rotated each round, so that a drift of the clocks or the memory over the run falls on every variant alike.
 The records carry each variant's median step and its ratio to the defaults' (< 1: faster).
+``--shape tiny --device cpu`` is a smoke run of the same plan (capture-free, each step eager under its
+switches; tests/test_model_ab.py runs it).
 
 Switches:
 
@@ -40,7 +42,7 @@ from fnattn.kernels import _triton
 from fnattn.models import fused
 
 from fnattn.bench import write_json
-from fnattn.bench.model import _graph_runner, _record, build_model, decode_state, time_decode
+from fnattn.bench.model import _record, build_model, decode_state, time_decode
 
 TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
@@ -86,46 +88,60 @@ def switched(values: dict):
     return stack
 
 
+def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "cuda") -> list[dict]:
+    """The records of every variant at every batch (module docstring). On CUDA the steps are graph replays,
+    each graph captured under its variant's switches; elsewhere (a smoke run) the capture-free runner runs
+    each step eagerly, under the same switches."""
+    from fnattn.bench.overhead import _runner
+
+    plan = variants(toggles)
+    dev = torch.device(device)
+    model, ma, _ = build_model("qwen3_5", shape, dev)
+    out = []
+    for b in batches:
+        case = f"qwen3_5 {shape} B{b} ctx512"
+        room = 2 * len(plan) * (steps + 4)
+        st = decode_state(model, dev, b, 512, page_size=16, room=room)
+        runners = []
+        for _, values in plan:
+            with switched(values):  # the switches act while the step is traced: at capture
+                runner, _ = _runner(model, ma, b, 512 + room, graph=True)
+                _, st = time_decode(model, ma, st, b, 1, runner=runner)  # captures (on CUDA), then one replay
+            runners.append(runner)
+        times = [[] for _ in plan]
+        for i in range(steps):
+            for j in range(len(plan)):
+                k = (i + j) % len(plan)
+                with switched(plan[k][1]):  # what a capture-free runner traces each step
+                    step, st = time_decode(model, ma, st, b, 1, runner=runners[k], warmup=0)
+                times[k] += step
+        base = statistics.median(times[0])
+        for (label, values), t in zip(plan, times):
+            out.append(_record(case, "fnattn graph" if dev.type == "cuda" else "fnattn runner (no capture)", "decode",
+                               statistics.median(t), b, variant=label, switches=dict(values),
+                               ratio_to_defaults=statistics.median(t) / base))
+        del st, runners
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--toggle", nargs="+", required=True, metavar="NAME[+NAME]",
                    help=f"switches to flip, one variant each ({', '.join(sorted(TOGGLES))}; a+b: both at once)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=64, help="timed steps of each variant")
+    p.add_argument("--shape", default="0.8b", help="the Qwen3.5 shape (tiny: a CPU smoke run)")
+    p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    dev = torch.device("cuda")
-    plan = variants(args.toggle)
-    model, ma, _ = build_model("qwen3_5", "0.8b", dev)
-    out = []
-    for b in args.batch:
-        case = f"qwen3_5 0.8b B{b} ctx512"
-        room = 2 * len(plan) * (args.steps + 4)
-        st = decode_state(model, dev, b, 512, page_size=16, room=room)
-        runners = []
-        for _, values in plan:
-            with switched(values):  # the switches act while the step is traced: at capture
-                runner, why = _graph_runner(model, ma, b, 512 + room)
-                if runner is None:
-                    raise SystemExit(f"{case}: no graph ({why})")
-                _, st = time_decode(model, ma, st, b, 1, runner=runner)  # captures, then one replay
-            runners.append(runner)
-        times = [[] for _ in plan]
-        for i in range(args.steps):
-            for j in range(len(plan)):
-                k = (i + j) % len(plan)
-                step, st = time_decode(model, ma, st, b, 1, runner=runners[k], warmup=0)
-                times[k] += step
-        base = statistics.median(times[0])
-        for (label, values), t in zip(plan, times):
-            r = _record(case, "fnattn graph", "decode", statistics.median(t), b, variant=label,
-                        switches={name: v for name, v in values.items()}, ratio_to_defaults=statistics.median(t) / base)
-            out.append(r)
-            print(f"{case:<26}{label:<70}{r['time_us']:9.1f} us  {r['ratio_to_defaults']:.3f}x")
-        del st, runners
-        torch.cuda.empty_cache()
-    write_json(out, args.out, command="python benchmarks/model_ab.py " + " ".join(
-        ["--toggle", *args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--out", args.out]))
+    records = run_ab(args.toggle, batches=args.batch, steps=args.steps, shape=args.shape, device=args.device)
+    for r in records:
+        print(f"{r['case']:<26}{r['variant']:<70}{r['time_us']:9.1f} us  {r['ratio_to_defaults']:.3f}x")
+    write_json(records, args.out, command="python benchmarks/model_ab.py " + " ".join(
+        ["--toggle", *args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--shape",
+         args.shape, "--device", args.device, "--out", args.out]))
 
 
 if __name__ == "__main__":

@@ -36,3 +36,19 @@ def test_joined_toggles_flip_together_and_unknown_names_are_refused():
     assert plan[1][0].startswith("prefetch=on + own_norm_act=")
     with pytest.raises(SystemExit, match="--toggle: expected names from .* got 'prefetch\\+nope'"):
         ab.variants(["prefetch+nope"])
+
+
+def test_a_smoke_run_on_the_cpu_times_every_variant():
+    """The tiny model, capture-free: one record per variant and batch, the defaults at ratio 1, each with
+    the switches it ran under (the kernels of the switched paths need CUDA: here their torch bodies run)."""
+    import torch
+
+    torch.set_num_threads(1)
+    ab = _module()
+    records = ab.run_ab(["pdl", "own_norm_act+output_gates"], batches=[1, 2], steps=2, shape="tiny", device="cpu")
+    assert [(r["case"], r["variant"].split(":")[0]) for r in records] == [
+        (f"qwen3_5 tiny B{b} ctx512", v) for b in (1, 2)
+        for v in ("defaults", "pdl=off", "own_norm_act=on + output_gates=on")]
+    assert all(r["time_us"] > 0 for r in records)
+    assert [r["ratio_to_defaults"] for r in records][::3] == [1.0, 1.0]
+    assert records[2]["switches"] == {"own_norm_act": True, "output_gates": True}
