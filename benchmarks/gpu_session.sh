@@ -3,7 +3,7 @@
 # under $OUT (or ./gpu-out). From the repository root on the GPU machine:
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh parity
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
-#   ... graphs | model | profile | model-long | fused | mla: captured steps, the whole model, its profile,
+#   ... graphs | model | profile | model-long | fused | fused-more | mla: captured steps, the whole model, its profile,
 #   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds; ab: the whole step with each
 #   switch flipped (benchmarks/model_ab.py); switches: the switches not yet on by default, checked and timed in
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers
@@ -54,11 +54,11 @@ case "${1:-}" in
     ;;
   switches)  # every switch not yet on by default, in one call: parity, graph replays under PDL, the A/B
     rec="python benchmarks/gpu_pytest_record.py"
-    part 200 env FNATTN_GPU_RESULTS="$out/switches_fused_cases.json" $rec "$out/switches_fused_gpu.json" -- \
+    part 250 env FNATTN_GPU_RESULTS="$out/switches_fused_cases.json" $rec "$out/switches_fused_gpu.json" -- \
         tests/gpu/test_fused_gpu.py -k "pdl or output_gates or norm_act or gating_epilogue or whole_model"
-    part 150 env FNATTN_GPU_RESULTS="$out/switches_graph_cases.json" $rec "$out/switches_graph_gpu.json" -- \
+    part 130 env FNATTN_GPU_RESULTS="$out/switches_graph_cases.json" $rec "$out/switches_graph_gpu.json" -- \
         tests/gpu/test_graph_gpu.py -k pdl
-    part 220 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act gating_epilogue \
+    part 200 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act gating_epilogue \
         prefetch+output_gates+own_norm_act+gating_epilogue pdl --batch 1 8 --out "$out/bench_switches_ab.json"
     ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
@@ -79,11 +79,14 @@ case "${1:-}" in
     part 200 env FNATTN_GPU_RESULTS="$out/mla_parity_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/mla_parity.json" -- tests/gpu/test_mla_backends_gpu.py
     ;;
-  fused)  # the fused pieces: Qwen3.5 fused ops, the skinny GEMV, GDN gating, FlashInfer tensor cores, fused decode
+  fused)  # the fused pieces: Qwen3.5 fused ops and own kernels, the skinny GEMV, whole models with each switch
     rec="python benchmarks/gpu_pytest_record.py"
-    part 150 env FNATTN_GPU_RESULTS="$out/fused_cases.json" $rec "$out/fused_gpu.json" -- tests/gpu/test_fused_gpu.py
+    part 420 env FNATTN_GPU_RESULTS="$out/fused_cases.json" $rec "$out/fused_gpu.json" -- tests/gpu/test_fused_gpu.py
     part 60 env FNATTN_GPU_RESULTS="$out/gdn_gating_cases.json" $rec "$out/gdn_gating_gpu.json" -- \
         tests/gpu/test_gdn_gating_gpu.py
+    ;;
+  fused-more)  # FlashInfer tensor cores, the fused GDN decode, its bench
+    rec="python benchmarks/gpu_pytest_record.py"
     part 200 env FNATTN_GPU_RESULTS="$out/flashinfer_tc_cases.json" $rec "$out/flashinfer_tc_gpu.json" -- \
         tests/gpu/test_flashinfer_tc_gpu.py
     part 150 env FNATTN_GPU_RESULTS="$out/gdn_decode_fused_cases.json" $rec "$out/gdn_decode_fused_gpu.json" -- \
@@ -91,7 +94,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|model-long|model-moe|fused|mla|linear" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|model-long|model-moe|fused|fused-more|mla|linear" >&2
     exit 2
     ;;
 esac
