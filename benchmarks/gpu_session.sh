@@ -52,14 +52,14 @@ case "${1:-}" in
         prefetch+output_gates+own_norm_act+gating_epilogue pdl --batch 1 8 \
         --out "$out/bench_switches_ab.json"
     ;;
-  switches)  # every switch not yet on by default, in one call: parity, graph replays under PDL, the A/B
+  switches)  # every switch not yet on by default, in one call: the A/B, parity, graph replays under PDL
     rec="python benchmarks/gpu_pytest_record.py"
+    part 200 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act gating_epilogue \
+        prefetch+output_gates+own_norm_act+gating_epilogue pdl --batch 1 8 --out "$out/bench_switches_ab.json"
     part 250 env FNATTN_GPU_RESULTS="$out/switches_fused_cases.json" $rec "$out/switches_fused_gpu.json" -- \
         tests/gpu/test_fused_gpu.py -k "pdl or output_gates or norm_act or gating_epilogue or whole_model"
     part 130 env FNATTN_GPU_RESULTS="$out/switches_graph_cases.json" $rec "$out/switches_graph_gpu.json" -- \
         tests/gpu/test_graph_gpu.py -k pdl
-    part 200 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act gating_epilogue \
-        prefetch+output_gates+own_norm_act+gating_epilogue pdl --batch 1 8 --out "$out/bench_switches_ab.json"
     ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 \
