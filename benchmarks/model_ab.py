@@ -7,7 +7,8 @@ and the other way round). From the repository root on a GPU machine:
 Each batch captures one CUDA graph per variant (the defaults, then each toggle flipped from its default,
 captured under its switch) over one state, then replays them round-robin, step after step, the order
 rotated each round, so that a drift of the clocks or the memory over the run falls on every variant alike.
-The records carry each variant's median step and its ratio to the defaults' (< 1: faster).
+The records carry each variant's median step and its ratio to the defaults' (< 1: faster); a variant that
+fails to capture is recorded with its error and the others still run.
 ``--shape tiny --device cpu`` is a smoke run of the same plan (capture-free, each step eager under its
 switches; tests/test_model_ab.py runs it).
 
@@ -102,24 +103,34 @@ def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "
         case = f"qwen3_5 {shape} B{b} ctx512"
         room = 2 * len(plan) * (steps + 4)
         st = decode_state(model, dev, b, 512, page_size=16, room=room)
-        runners = []
-        for _, values in plan:
-            with switched(values):  # the switches act while the step is traced: at capture
-                runner, _ = _runner(model, ma, b, 512 + room, graph=True)
-                _, st = time_decode(model, ma, st, b, 1, runner=runner)  # captures (on CUDA), then one replay
+        runners, live = [], []
+        for k, (label, values) in enumerate(plan):
+            try:
+                with switched(values):  # the switches act while the step is traced: at capture
+                    runner, _ = _runner(model, ma, b, 512 + room, graph=True)
+                    _, st = time_decode(model, ma, st, b, 1, runner=runner)  # captures (on CUDA), then one replay
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a result; the others still run
+                if k == 0:
+                    raise
+                out.append({"case": case, "backend": "fnattn graph", "phase": "decode", "variant": label,
+                            "switches": dict(values), "error": f"{type(e).__name__}: {e}"[:500]})
+                runner = None
             runners.append(runner)
-        times = [[] for _ in plan]
+            if runner is not None:
+                live.append(k)
+        times = {k: [] for k in live}
         for i in range(steps):
-            for j in range(len(plan)):
-                k = (i + j) % len(plan)
+            for j in range(len(live)):
+                k = live[(i + j) % len(live)]
                 with switched(plan[k][1]):  # what a capture-free runner traces each step
                     step, st = time_decode(model, ma, st, b, 1, runner=runners[k], warmup=0)
                 times[k] += step
         base = statistics.median(times[0])
-        for (label, values), t in zip(plan, times):
+        for k in live:
+            label, values = plan[k]
+            t = statistics.median(times[k])
             out.append(_record(case, "fnattn graph" if dev.type == "cuda" else "fnattn runner (no capture)", "decode",
-                               statistics.median(t), b, variant=label, switches=dict(values),
-                               ratio_to_defaults=statistics.median(t) / base))
+                               t, b, variant=label, switches=dict(values), ratio_to_defaults=t / base))
         del st, runners
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -138,7 +149,10 @@ def main() -> None:
     args = p.parse_args()
     records = run_ab(args.toggle, batches=args.batch, steps=args.steps, shape=args.shape, device=args.device)
     for r in records:
-        print(f"{r['case']:<26}{r['variant']:<70}{r['time_us']:9.1f} us  {r['ratio_to_defaults']:.3f}x")
+        if "error" in r:
+            print(f"{r['case']:<26}{r['variant']:<70}  failed: {r['error']}")
+        else:
+            print(f"{r['case']:<26}{r['variant']:<70}{r['time_us']:9.1f} us  {r['ratio_to_defaults']:.3f}x")
     write_json(records, args.out, command="python benchmarks/model_ab.py " + " ".join(
         ["--toggle", *args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--shape",
          args.shape, "--device", args.device, "--out", args.out]))

@@ -52,3 +52,18 @@ def test_a_smoke_run_on_the_cpu_times_every_variant():
     assert all(r["time_us"] > 0 for r in records)
     assert [r["ratio_to_defaults"] for r in records][::3] == [1.0, 1.0]
     assert records[2]["switches"] == {"own_norm_act": True, "output_gates": True}
+
+
+def test_a_variant_that_fails_is_recorded_and_the_others_still_run(monkeypatch):
+    import torch
+
+    torch.set_num_threads(1)
+    ab = _module()
+
+    def broken(on):
+        raise RuntimeError("no such kernel here")
+
+    monkeypatch.setitem(ab.TOGGLES, "broken", (broken, lambda: False, {True: "on", False: "off"}))
+    records = ab.run_ab(["broken", "pdl"], batches=[1], steps=2, shape="tiny", device="cpu")
+    assert [r["variant"].split(":")[0] for r in records] == ["broken=on", "defaults", "pdl=off"]
+    assert records[0]["error"] == "RuntimeError: no such kernel here" and "time_us" not in records[0]
