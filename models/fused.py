@@ -30,7 +30,6 @@ in-place ops do); a model passes them only tensors the step itself made.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from functools import cache
 
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
+from fnattn.switches import switched
 from fnattn.tp import all_reduce, current
 
 from .common import apply_rope, rms_norm
@@ -51,20 +51,9 @@ _OWN_NORM_ACT = [False]  # off until timed on the H200 (`own_norm_act`)
 _GATING_EPILOGUE = [False]  # off until timed on the H200 (`gating_epilogue`)
 
 
-@contextlib.contextmanager
-def _switched(stack: list, name: str, enabled):
-    if not isinstance(enabled, bool):
-        raise ValueError(f"{name}: expected True or False, got {enabled!r}")
-    stack.append(enabled)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
 def unfused():
     """Within this block every function here runs its torch body (the reference for parity tests)."""
-    return _switched(_ENABLED, "unfused", False)
+    return switched(_ENABLED, "unfused", False)
 
 
 def add_norm_epilogue(enabled: bool):
@@ -72,7 +61,7 @@ def add_norm_epilogue(enabled: bool):
     (`skinny_linear_add_norm`) when ``enabled``. Off by default: on, the whole Qwen3.5-0.8B graph step on
     the H200 took 1.00x as long at batch 1 and 1.16x at batch 8 (``benchmarks/model_ab.py``,
     benchmarks/results/bench_switches_ab.json)."""
-    return _switched(_EPILOGUE, "add_norm_epilogue", enabled)
+    return switched(_EPILOGUE, "add_norm_epilogue", enabled)
 
 
 def qk_one_launch(enabled: bool):
@@ -80,7 +69,7 @@ def qk_one_launch(enabled: bool):
     default), else FlashInfer's norms and rope. On by default: off, the whole Qwen3.5-0.8B graph step on the
     H200 took 1.03x as long at batch 1 and 1.06x at batch 8 (``benchmarks/model_ab.py``, the variants' steps
     interleaved: benchmarks/results/bench_switches_ab.json)."""
-    return _switched(_QK_ONE_LAUNCH, "qk_one_launch", enabled)
+    return switched(_QK_ONE_LAUNCH, "qk_one_launch", enabled)
 
 
 def output_gates(enabled: bool):
@@ -88,7 +77,7 @@ def output_gates(enabled: bool):
     when ``enabled``: one launch each, the gate read where the projection left it (no copy to contiguous),
     launched with PDL, so the output projection after them can start loading its weights. Off by default:
     not yet timed on the H200 (``benchmarks/model_ab.py --toggle output_gates``)."""
-    return _switched(_OUTPUT_GATES, "output_gates", enabled)
+    return switched(_OUTPUT_GATES, "output_gates", enabled)
 
 
 def own_norm_act(enabled: bool):
@@ -97,7 +86,7 @@ def own_norm_act(enabled: bool):
     after they start (FlashInfer's do at their end), so the GEMV after each can launch and stream its
     weights while they run. Off by default: not yet timed on the H200 (``benchmarks/model_ab.py --toggle
     own_norm_act``)."""
-    return _switched(_OWN_NORM_ACT, "own_norm_act", enabled)
+    return switched(_OWN_NORM_ACT, "own_norm_act", enabled)
 
 
 def gating_epilogue(enabled: bool):
@@ -105,7 +94,7 @@ def gating_epilogue(enabled: bool):
     (`skinny_linear_gating`: GDN's g and beta written by the GEMV tile that holds the b and a columns)
     when ``enabled``. Off by default: not yet timed on the H200 (``benchmarks/model_ab.py --toggle
     gating_epilogue``)."""
-    return _switched(_GATING_EPILOGUE, "gating_epilogue", enabled)
+    return switched(_GATING_EPILOGUE, "gating_epilogue", enabled)
 
 
 def switches() -> dict[str, bool]:

@@ -16,7 +16,6 @@ row layout with per-tile scales, so a per-tensor FP8 latent cache is refused her
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -28,6 +27,7 @@ from ...lanes import in_static_step
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
+from ...switches import switched
 from ..availability import needs_cuda, needs_dtype, package_missing
 from ..mla.flashmla import latent_shape_reasons
 from ..mla.latent import absorbed_query, fold_own_rows, merge, no_keys_as_neg_inf, uniform_new, values_out
@@ -40,18 +40,11 @@ LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (its docstring; i
 _ONE_PASS = [False]  # off until its parity runs on the H200 (tests/gpu/test_mla_backends_gpu.py)
 
 
-@contextlib.contextmanager
 def one_pass_slots(enabled: bool):
     """Within this block the top-k positions become pool slots, own-row indices and the picked mask in one
     launch (`fnattn.kernels.topk_slots`, int32 lists padded for the kernel) instead of `split_indices`'
     torch ops, the pad, the cast and the scatter (the same values)."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"one_pass_slots: expected True or False, got {enabled!r}")
-    _ONE_PASS.append(enabled)
-    try:
-        yield
-    finally:
-        _ONE_PASS.pop()
+    return switched(_ONE_PASS, "one_pass_slots", enabled)
 
 
 def supports(spec, device) -> list[str]:
