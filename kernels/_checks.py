@@ -14,6 +14,13 @@ def check_like(name: str, t, shape, ref: torch.Tensor, ref_name: str) -> None:
         raise ValueError(f"{name}: expected device {ref.device} ({ref_name}'s), got {t.device}")
 
 
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of one storage (on one device; empty tensors share nothing)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def check_finite_float(name: str, value) -> None:
     """``value`` is a finite Python number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):

@@ -4,8 +4,9 @@ Kernel modules must import without triton so that their pure-torch references
 stay usable on machines without it; a kernel called there raises ImportError.
 """
 
-import contextlib
 import functools
+
+from ._switch import switched
 
 try:
     import triton
@@ -77,19 +78,12 @@ def num_sms(device_index):
 _PDL = [True]
 
 
-@contextlib.contextmanager
 def pdl(enabled: bool):
     """Within this block the kernels here launch with programmatic dependent launch (on by default) where
-    the device has it (`pdl_supported`): a launch may start while the one before it on the stream finishes, load what no
-    launch writes (weights, norm weights), then wait (``gdc_wait``) for its inputs. A graph captured inside
+    the device has it (`pdl_supported`): a launch may start while the one before it on the stream finishes,
+    load what no launch writes (weights), then wait (``gdc_wait``) for its inputs. A graph captured inside
     keeps the overlap: the capture records the launches' programmatic edges."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"pdl: expected True or False, got {enabled!r}")
-    _PDL.append(enabled)
-    try:
-        yield
-    finally:
-        _PDL.pop()
+    return switched(_PDL, "pdl", enabled)
 
 
 def pdl_launch(device) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_finite_float, check_like
+from ._checks import check_finite_float, check_like, shares_storage
 from ._triton import check_runnable, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -82,7 +82,7 @@ def add_rms_norm_(y, residual, weight, eps: float, offset: float = 0.0):
         check_finite_float(f"add_rms_norm_: {name}", v)
     if eps < 0:
         raise ValueError(f"add_rms_norm_: eps: expected >= 0, got {eps!r}")
-    if y.numel() and y.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr():
+    if shares_storage(y, residual):
         raise ValueError("add_rms_norm_: residual: expected a buffer apart from y's, got one sharing y's storage")
     T, D = y.shape
     if T == 0 or D == 0:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_finite_float, check_like
+from ._checks import check_finite_float, check_like, shares_storage
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
 from .gdn_gate import gate_columns
 
@@ -367,12 +367,6 @@ def _check_act_norm(act, norm):
     return weight, float(eps), float(offset)
 
 
-def _shares_storage(a, b) -> bool:
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
-        return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def _check(x, w, out, act, config, residual=None, norm=None):
     norm = _check_act_norm(act, norm)
     if config is not None and not isinstance(config, SkinnyConfig):
@@ -411,7 +405,7 @@ def _check(x, w, out, act, config, residual=None, norm=None):
             raise ValueError(f"out: expected unit stride along its last dim, got strides {out.stride()}")
         # Programs read x (and the residual) while others write out: a shared buffer would be read half-written.
         for name, t in (("x", x), ("residual", residual)):
-            if t is not None and _shares_storage(out, t):
+            if t is not None and shares_storage(out, t):
                 raise ValueError(f"out: expected a buffer apart from {name}'s, got one sharing {name}'s storage")
     return norm
 

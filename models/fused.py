@@ -35,6 +35,7 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
+from fnattn.kernels._checks import shares_storage
 from jaxtyping import Float
 from torch import Tensor
 
@@ -126,10 +127,6 @@ def _rows_alike(x: Tensor, *others: Tensor) -> bool:
                                                             for t in (x, *others))
 
 
-def _shares_storage(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def rms_norm_offset(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``rms_norm(x, weight, eps, offset=1.0)`` (Qwen's ``1 + weight`` norm) over the last dim; any leading dims."""
     if _kernel("flashinfer", x, weight):
@@ -150,7 +147,7 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
     rounded sum).
     """
     if _OWN_NORM_ACT[-1] and y.dim() == 2 and _kernel("triton", y, residual, weight) and _rows_alike(y, residual) \
-            and weight.shape == y.shape[-1:] and not _shares_storage(y, residual):
+            and weight.shape == y.shape[-1:] and not shares_storage(y, residual):
         from fnattn.kernels.norm_act import add_rms_norm_
 
         return add_rms_norm_(y, residual, weight, eps, 1.0)  # the torch body's roundings
