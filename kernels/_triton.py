@@ -51,10 +51,16 @@ def require_triton():
         )
 
 
+def interpreted(kernel) -> bool:
+    """Whether ``kernel`` runs in Triton's interpreter (TRITON_INTERPRET=1 when it was defined): CPU tensors,
+    no libdevice."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
 def check_runnable(owner: str, name: str, t, kernel) -> None:
     """``t`` can go to ``kernel``: a CUDA tensor, or any when the kernel is interpreted (TRITON_INTERPRET=1
     when it was defined)."""
-    if t.device.type != "cuda" and type(kernel).__name__ != "InterpretedFunction":
+    if t.device.type != "cuda" and not interpreted(kernel):
         raise ValueError(f"{owner}: {name}: expected a CUDA tensor (or TRITON_INTERPRET=1), got device {t.device}")
 
 

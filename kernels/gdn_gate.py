@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
+from ._triton import gdc_launch_dependents, gdc_wait, interpreted, next_pow2, pdl_launch, require_triton, tl, triton
 
 try:
     from triton.language.extra import libdevice
@@ -169,8 +169,8 @@ def gdn_gating(a, b, neg_decay, dt_bias, *, beta_dtype=None, softplus_beta=1.0, 
     require_triton()
     T, H, beta_dtype, sp_beta, sp_threshold = _check_args(a, b, neg_decay, dt_bias, beta_dtype,
                                                           softplus_beta, softplus_threshold)
-    interpreted = type(_gating_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1
-    if a.device.type != "cuda" and not interpreted:
+    on_cpu = interpreted(_gating_kernel)  # TRITON_INTERPRET=1: CPU tensors, no libdevice
+    if a.device.type != "cuda" and not on_cpu:
         raise ValueError(f"a: expected a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors), got device {a.device}")
     g = torch.empty(T, H, dtype=torch.float32, device=a.device)  # [T, H]
     beta = torch.empty(T, H, dtype=beta_dtype, device=a.device)  # [T, H]
@@ -183,7 +183,7 @@ def gdn_gating(a, b, neg_decay, dt_bias, *, beta_dtype=None, softplus_beta=1.0, 
         a, b, neg_decay, dt_bias, g, beta,
         T, H, a.stride(0), a.stride(1), b.stride(0), b.stride(1), neg_decay.stride(0), dt_bias.stride(0),
         sp_beta, sp_threshold,
-        BT=BT, BH=BH, LIBDEVICE=not interpreted, num_warps=1 if BT * BH <= 128 else 4, PDL=pdl, launch_pdl=pdl,
+        BT=BT, BH=BH, LIBDEVICE=not on_cpu, num_warps=1 if BT * BH <= 128 else 4, PDL=pdl, launch_pdl=pdl,
     )
     return g, beta
 

@@ -56,7 +56,17 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_finite_float, check_like, shares_storage
-from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
+from ._triton import (
+    gdc_launch_dependents,
+    gdc_wait,
+    interpreted,
+    next_pow2,
+    num_sms,
+    pdl_launch,
+    require_triton,
+    tl,
+    triton,
+)
 from .gdn_gate import gate_columns
 
 MAX_M = 64
@@ -526,7 +536,7 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None) 
                   BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
                   LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
-                  LIBDEVICE=type(_skinny_gemv_kernel).__name__ != "InterpretedFunction")
+                  LIBDEVICE=not interpreted(_skinny_gemv_kernel))
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),
