@@ -64,6 +64,22 @@ def check_runnable(owner: str, name: str, t, kernel) -> None:
         raise ValueError(f"{owner}: {name}: expected a CUDA tensor (or TRITON_INTERPRET=1), got device {t.device}")
 
 
+def check_rows(owner: str, name: str, t, layout: str, kernel) -> None:
+    """``t`` is a bf16 / fp16 / fp32 tensor of ``layout``'s dims (``"[T, D]"``), with a unit stride along its
+    last dim (its rows may be strided), that ``kernel`` can take (`check_runnable`)."""
+    import torch
+
+    dims = layout.count(",") + 1
+    if not isinstance(t, torch.Tensor) or t.dim() != dims:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{owner}: {name}: expected a {layout} tensor, got {got}")
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{owner}: {name}: expected dtype bfloat16, float16 or float32, got {t.dtype}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{owner}: {name}: expected unit stride along its last dim, got strides {t.stride()}")
+    check_runnable(owner, name, t, kernel)
+
+
 def next_pow2(n):
     return 1 << max(0, int(n) - 1).bit_length()
 

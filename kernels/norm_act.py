@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_finite_float, check_like, shares_storage
-from ._triton import check_runnable, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from ._triton import check_rows, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 
 
 @triton.jit
@@ -60,23 +58,12 @@ def _silu_and_mul_kernel(X, OUT, sx, inner, BLOCK: tl.constexpr, PDL: tl.constex
     tl.store(OUT + t * inner + c, (s.to(tl.float32) * u).to(OUT.dtype.element_ty), mask=ok)
 
 
-def _check_rows(owner: str, name: str, t, kernel):
-    if not isinstance(t, torch.Tensor) or t.dim() != 2:
-        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{owner}: {name}: expected a [T, D] tensor, got {got}")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{owner}: {name}: expected dtype bfloat16, float16 or float32, got {t.dtype}")
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{owner}: {name}: expected unit stride along its last dim, got strides {t.stride()}")
-    check_runnable(owner, name, t, kernel)
-
-
 def add_rms_norm_(y, residual, weight, eps: float, offset: float = 0.0):
     """``residual += y`` (rounded to its dtype) and ``y = rms_norm(residual, weight, eps, offset)`` in place,
     both ``[T, D]`` (rows may be strided, unit inner stride, apart from each other): ``-> (residual, y)``."""
-    _check_rows("add_rms_norm_", "y", y, _add_rms_norm_kernel)
+    check_rows("add_rms_norm_", "y", y, "[T, D]", _add_rms_norm_kernel)
     check_like("add_rms_norm_: residual", residual, tuple(y.shape), y, "y")
-    _check_rows("add_rms_norm_", "residual", residual, _add_rms_norm_kernel)
+    check_rows("add_rms_norm_", "residual", residual, "[T, D]", _add_rms_norm_kernel)
     check_like("add_rms_norm_: weight", weight, (y.shape[1],), y, "y")
     for name, v in (("eps", eps), ("offset", offset)):
         check_finite_float(f"add_rms_norm_: {name}", v)
@@ -98,7 +85,7 @@ def add_rms_norm_(y, residual, weight, eps: float, offset: float = 0.0):
 def silu_and_mul(gate_up):
     """``gate_up [T, 2I]`` (gate | up; rows may be strided, unit inner stride) -> ``silu(gate) * up``, a new
     contiguous ``[T, I]`` in its dtype."""
-    _check_rows("silu_and_mul", "gate_up", gate_up, _silu_and_mul_kernel)
+    check_rows("silu_and_mul", "gate_up", gate_up, "[T, D]", _silu_and_mul_kernel)
     T, width = gate_up.shape
     if width % 2:
         raise ValueError(f"silu_and_mul: gate_up: expected an even last dim (gate | up), got {width}")

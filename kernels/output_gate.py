@@ -15,9 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_finite_float, check_like
-from ._triton import check_runnable, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from ._triton import check_rows, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 
 
 @triton.jit
@@ -60,16 +58,9 @@ def _sigmoid_gate_kernel(OUT, X, G, sx_t, sx_h, sg_t, sg_h, H, D: tl.constexpr, 
 
 
 def _check_pair(owner: str, x, gate, gate_name: str, kernel):
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{owner}: x: expected a [T, H, D] tensor, got {got}")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"{owner}: x: expected dtype bfloat16, float16 or float32, got {x.dtype}")
+    check_rows(owner, "x", x, "[T, H, D]", kernel)
     check_like(f"{owner}: {gate_name}", gate, tuple(x.shape), x, "x")
-    for name, t in (("x", x), (gate_name, gate)):
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{owner}: {name}: expected unit stride along its last dim, got strides {t.stride()}")
-    check_runnable(owner, "x", x, kernel)
+    check_rows(owner, gate_name, gate, "[T, H, D]", kernel)
 
 
 def _launch(kernel, grid, x, *args):
