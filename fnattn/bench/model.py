@@ -406,8 +406,9 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = config_for(family, shape)
     sharded = tp is not None and tp.size > 1
-    model, ma, weights = build_model(family, shape, dev, tp=tp, prefer=prefer, keep_weights=True)
     transformers = transformers and not sharded
+    # the checkpoint outlives the load only for the transformers peer, which loads the same tensors by name
+    model, ma, weights = build_model(family, shape, dev, tp=tp, prefer=prefer, keep_weights=transformers)
     cfg, dtype = model.config, model.config.dtype
     wbytes = weight_bytes(model.params)
     bw = copy_bandwidth(dev)
