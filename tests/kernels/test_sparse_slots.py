@@ -1,5 +1,5 @@
 """topk_slots (a sparse layer's top-k positions as pool slots, own-row indices and the picked mask, one
-pass) against its torch form and against the sparse backend's own translation."""
+pass) against its torch form, and that form against the gathers and scatter it replaced."""
 
 import os
 
@@ -45,18 +45,18 @@ def test_the_kernel_is_the_torch_form(new, pad_to, dtype):
     assert got[0].shape == (idx.shape[0], -(-10 // pad_to) * pad_to)
 
 
-def test_the_torch_form_is_the_sparse_backends_translation():
-    """`kinds.sparse_mla.flashmla.split_indices` (the backend's torch path), padded and cast as it does."""
-    from types import SimpleNamespace
-
-    from fnattn.kinds.sparse_mla.flashmla import split_indices
-
+def test_the_torch_form_is_the_gathers_and_the_scatter_it_replaced():
+    """Against the sparse backend's former torch translation (gathers and wheres per position, then the
+    picked mask as a scatter of each own position's offset), padded and cast as the backend did."""
     idx, req, lens, cu, table = batch([3, 0, 12], 2, seed=1)
-    b = SimpleNamespace(cache_lens=lens, block_table=table, page_size=4, cu_seqlens=cu)
-    slots, rows, fresh, rel = split_indices(b, req, idx)
+    r, c = req.long(), lens.long()[req.long()][:, None]
+    cached, fresh = (idx >= 0) & (idx < c), (idx >= 0) & (idx >= c)
+    page = table.long()[r[:, None], idx.clamp(min=0) // 4]
+    slots = torch.where(cached, page * 4 + idx % 4, -1)
+    rows = torch.where(fresh, cu.long()[r][:, None] + idx - c, -1)
     got_slots, got_rows, picked = topk_slots_ref(idx, req, lens, cu, table, page_size=4, rows=True, new=2)
     assert torch.equal(got_slots, slots.int()) and torch.equal(got_rows, rows.int())
-    want = torch.zeros(idx.shape[0], 3, dtype=torch.bool).scatter(1, torch.where(fresh, rel, 2), True)[:, :2]
+    want = torch.zeros(idx.shape[0], 3, dtype=torch.bool).scatter(1, torch.where(fresh, idx - c, 2), True)[:, :2]
     assert torch.equal(picked, want)
 
 

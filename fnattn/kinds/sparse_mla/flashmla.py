@@ -42,8 +42,7 @@ _ONE_PASS = [False]  # off until its parity runs on the H200 (tests/gpu/test_mla
 
 def one_pass_slots(enabled: bool):
     """Within this block the top-k positions become pool slots, own-row indices and the picked mask in one
-    launch (`fnattn.kernels.topk_slots`, int32 lists padded for the kernel) instead of `split_indices`'
-    torch ops, the pad, the cast and the scatter (the same values)."""
+    launch (`fnattn.kernels.topk_slots`) instead of its torch form `topk_slots_ref` (the same values)."""
     return switched(_ONE_PASS, "one_pass_slots", enabled)
 
 
@@ -74,19 +73,6 @@ def select(spec, views: Views, inputs: SparseMLAInputs) -> torch.Tensor:
                         scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk)
 
 
-def split_indices(batch, request_of_token, idx):
-    """Positions ``[T, topk]`` as cached-pool slots and as rows of the step's inputs, -1 elsewhere."""
-    req = request_of_token.long()
-    c = batch.cache_lens.long()[req][:, None]  # [T, 1]
-    valid = idx >= 0
-    cached, fresh = valid & (idx < c), valid & (idx >= c)
-    S = batch.page_size
-    page = batch.block_table.long()[req[:, None], idx.clamp(min=0) // S]  # [T, topk]
-    slots = torch.where(cached, page * S + idx % S, -1)
-    rows = torch.where(fresh, batch.cu_seqlens.long()[req][:, None] + idx - c, -1)
-    return slots, rows, fresh, idx - c
-
-
 def sparse_kernel(q, kv, indices, scale, R):
     """``flash_mla_sparse_fwd`` over ``kv [N, Dq]`` at ``indices [T, topk]``: latent out, natural-log LSE."""
     from sgl_kernel.flash_mla import flash_mla_sparse_fwd
@@ -103,17 +89,14 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
     R = m.kv_lora_rank
     selected = select(spec, views, inputs)  # [T, topk]
     n = 0 if phase == "prefill" else uniform_new(batch, "sparse_mla flashmla")
-    if _ONE_PASS[-1]:
-        from ...kernels.sparse_slots import topk_slots
+    # pool slots of the cached positions, rows of the step's own ones (prefill), and which of its request's
+    # new rows each token picked (decode / verify): one launch, or the same in torch ops
+    from ...kernels.sparse_slots import topk_slots, topk_slots_ref
 
-        slots, rows, picked = topk_slots(selected, inputs.sparse.request_of_token, batch.cache_lens,
-                                         batch.cu_seqlens, batch.block_table, page_size=batch.page_size,
-                                         pad_to=TOPK_BLOCK, rows=phase == "prefill", new=n)
-    else:
-        slots, rows, fresh, rel = split_indices(batch, inputs.sparse.request_of_token, selected)
-        if n:  # which of its request's new rows each token selected: a [T, n] mask
-            picked = torch.zeros(selected.shape[0], n + 1, dtype=torch.bool, device=selected.device)
-            picked = picked.scatter(1, torch.where(fresh, rel, n), True)[:, :n]
+    translate = topk_slots if _ONE_PASS[-1] else topk_slots_ref
+    slots, rows, picked = translate(selected, inputs.sparse.request_of_token, batch.cache_lens, batch.cu_seqlens,
+                                    batch.block_table, page_size=batch.page_size, pad_to=TOPK_BLOCK,
+                                    rows=phase == "prefill", new=n)
     q = absorbed_query(inputs)  # [T, H, R + Dr]
     o_c, lse_c = sparse_kernel(q, views.latent, slots, m.scale, R)
     if phase == "prefill":

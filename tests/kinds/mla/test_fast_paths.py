@@ -149,7 +149,11 @@ def test_sparse_indices_split_into_pool_slots_and_step_rows():
     b = fa.Batch.prefill(st, {0: 2, 1: 3})
     meta = fa.SparseQueryMetadata.build(b, topk=4)
     idx = torch.tensor([[0, 4, 5, -1], [6, 3, -1, -1], [0, -1, -1, -1], [1, 0, -1, -1], [2, 1, 0, -1]])
-    slots, rows, fresh, _ = sparse_flashmla.split_indices(b, meta.request_of_token, idx)
+    from fnattn.kernels.sparse_slots import topk_slots_ref
+
+    slots, rows, _ = topk_slots_ref(idx, meta.request_of_token, b.cache_lens, b.cu_seqlens, b.block_table,
+                                    page_size=4, rows=True)
+    fresh = rows >= 0  # the step's own positions
     S, bt = 4, b.block_table.long()
     assert slots[0].tolist() == [bt[0, 0] * S, bt[0, 1] * S, -1, -1]
     assert rows[0].tolist() == [-1, -1, 0, -1] and rows[1].tolist() == [1, -1, -1, -1]
