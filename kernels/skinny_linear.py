@@ -482,8 +482,7 @@ def skinny_linear_gating(x, w, col: int, neg_decay, dt_bias, *, config=None):
     if H is None or neg_decay.dtype != torch.float32 or neg_decay.device != x.device or neg_decay.stride(0) != 1:
         raise ValueError(f"neg_decay: expected a contiguous [H] float32 tensor on {x.device}, got "
                          f"{getattr(neg_decay, 'shape', type(neg_decay).__name__)}")
-    ref = torch.empty(0, dtype=torch.float32, device=x.device)
-    check_like("dt_bias", dt_bias, (H,), ref, "neg_decay")
+    check_like("dt_bias", dt_bias, (H,), neg_decay, "neg_decay")
     if dt_bias.stride(0) != 1 and H > 1:
         raise ValueError(f"dt_bias: expected a contiguous tensor, got strides {dt_bias.stride()}")
     if isinstance(col, bool) or not isinstance(col, int) or not 0 <= col <= N - 2 * H:
