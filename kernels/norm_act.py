@@ -14,6 +14,8 @@ weight slab before it waits with `SkinnyConfig.prefetch`).
 from __future__ import annotations
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 from ._checks import check_finite_float, check_like, shares_storage
 from ._triton import check_rows, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
@@ -58,7 +60,8 @@ def _silu_and_mul_kernel(X, OUT, sx, inner, BLOCK: tl.constexpr, PDL: tl.constex
     tl.store(OUT + t * inner + c, (s.to(tl.float32) * u).to(OUT.dtype.element_ty), mask=ok)
 
 
-def add_rms_norm_(y, residual, weight, eps: float, offset: float = 0.0):
+def add_rms_norm_(y: Float[Tensor, "T D"], residual: Float[Tensor, "T D"], weight: Float[Tensor, " D"], eps: float,
+                  offset: float = 0.0) -> tuple[Float[Tensor, "T D"], Float[Tensor, "T D"]]:
     """``residual += y`` (rounded to its dtype) and ``y = rms_norm(residual, weight, eps, offset)`` in place,
     both ``[T, D]`` (rows may be strided, unit inner stride, apart from each other): ``-> (residual, y)``."""
     check_rows("add_rms_norm_", "y", y, "[T, D]", _add_rms_norm_kernel)
@@ -82,7 +85,7 @@ def add_rms_norm_(y, residual, weight, eps: float, offset: float = 0.0):
     return residual, y
 
 
-def silu_and_mul(gate_up):
+def silu_and_mul(gate_up: Float[Tensor, "T I2"]) -> Float[Tensor, "T I"]:
     """``gate_up [T, 2I]`` (gate | up; rows may be strided, unit inner stride) -> ``silu(gate) * up``, a new
     contiguous ``[T, I]`` in its dtype."""
     check_rows("silu_and_mul", "gate_up", gate_up, "[T, D]", _silu_and_mul_kernel)
@@ -101,7 +104,8 @@ def silu_and_mul(gate_up):
     return out
 
 
-def add_rms_norm_ref(y, residual, weight, eps: float, offset: float = 0.0):
+def add_rms_norm_ref(y: Float[Tensor, "T D"], residual: Float[Tensor, "T D"], weight: Float[Tensor, " D"], eps: float,
+                     offset: float = 0.0) -> tuple[Float[Tensor, "T D"], Float[Tensor, "T D"]]:
     """The unfused ops, out of place: ``-> (residual + y, rms_norm(that sum))`` with `models.common.rms_norm`'s
     roundings (this package imports nothing from fnattn; a test holds the two equal)."""
     x = residual + y
@@ -112,6 +116,6 @@ def add_rms_norm_ref(y, residual, weight, eps: float, offset: float = 0.0):
     return x, h.to(x.dtype) * weight
 
 
-def silu_and_mul_ref(gate_up):
+def silu_and_mul_ref(gate_up: Float[Tensor, "T I2"]) -> Float[Tensor, "T I"]:
     g, u = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(g) * u

@@ -13,6 +13,8 @@ as theirs has, which lets the output projection after them load its weights whil
 from __future__ import annotations
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 from ._checks import check_finite_float, check_like
 from ._triton import check_rows, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
@@ -75,7 +77,8 @@ def _launch(kernel, grid, x, *args):
     return out
 
 
-def gated_rms_norm_silu(x, z, weight, eps: float):
+def gated_rms_norm_silu(x: Float[Tensor, "T H D"], z: Float[Tensor, "T H D"], weight: Float[Tensor, " D"],
+                        eps: float) -> Float[Tensor, "T H D"]:
     """``x [T, H, D]`` (any strides but the last) -> ``rms_norm(x, weight, eps) * silu(z)`` per head
     (`models.common.rms_norm`'s roundings, then the gate in fp32, rounded once), a new contiguous
     ``[T, H, D]`` in ``x.dtype``; ``z`` like ``x`` (a column slice of a projection), ``weight [D]``."""
@@ -89,7 +92,7 @@ def gated_rms_norm_silu(x, z, weight, eps: float):
                    z.stride(0), z.stride(1), float(eps), H)
 
 
-def sigmoid_gate(x, gate):
+def sigmoid_gate(x: Float[Tensor, "T H D"], gate: Float[Tensor, "T H D"]) -> Float[Tensor, "T H D"]:
     """``x [T, H, D]`` (any strides but the last) -> ``x * sigmoid(gate)``, rounded as ``torch.sigmoid``
     then the product are: a new contiguous ``[T, H, D]`` in ``x.dtype``; ``gate`` like ``x``."""
     _check_pair("sigmoid_gate", x, gate, "gate", _sigmoid_gate_kernel)
@@ -98,7 +101,8 @@ def sigmoid_gate(x, gate):
                    gate.stride(1), H)
 
 
-def gated_rms_norm_silu_ref(x, z, weight, eps: float):
+def gated_rms_norm_silu_ref(x: Float[Tensor, "T H D"], z: Float[Tensor, "T H D"], weight: Float[Tensor, " D"],
+                            eps: float) -> Float[Tensor, "T H D"]:
     """The unfused ops: `models.common.rms_norm` (statistics in fp32, rounded before and after the weight),
     times ``silu(z)`` in fp32, rounded once."""
     xf = x.float()
@@ -106,5 +110,5 @@ def gated_rms_norm_silu_ref(x, z, weight, eps: float):
     return (normed.float() * torch.nn.functional.silu(z.float())).to(x.dtype)
 
 
-def sigmoid_gate_ref(x, gate):
+def sigmoid_gate_ref(x: Float[Tensor, "T H D"], gate: Float[Tensor, "T H D"]) -> Float[Tensor, "T H D"]:
     return x * torch.sigmoid(gate)

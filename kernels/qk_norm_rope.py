@@ -16,7 +16,11 @@ into FMAs, so the two agree to an ulp of fp32 before the rounding: to the dtype'
 for bit. Nothing is read back to the host: the launch can be captured in a CUDA graph.
 """
 
+from __future__ import annotations
+
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 from ._checks import check_finite_float, check_like
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
@@ -112,7 +116,10 @@ def _check(q, k, v, q_weight, k_weight, cos, sin, eps, offset):
         raise ValueError(f"eps: expected >= 0, got {eps!r}")
 
 
-def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, *, eps: float, offset: float = 1.0):
+def qk_norm_rope(q: Float[Tensor, "T Hq D"], k: Float[Tensor, "T Hkv D"], v: Float[Tensor, "T Hkv Dv"] | None,
+                 q_weight: Float[Tensor, " D"], k_weight: Float[Tensor, " D"], cos: Float[Tensor, "T Dr"],
+                 sin: Float[Tensor, "T Dr"], *, eps: float, offset: float = 1.0
+                 ) -> tuple[Float[Tensor, "T Hq D"], Float[Tensor, "T Hkv D"], Float[Tensor, "T Hkv Dv"] | None]:
     """``q [T, Hq, D]``, ``k [T, Hkv, D]`` -> each head RMS-normalized (scale ``offset + weight``, weights
     ``[D]``), its first ``Dr`` dims rotated by ``cos`` / ``sin`` ``[T, Dr]`` (rotate-half), contiguous;
     ``v [T, Hkv, Dv]`` (or None) copied contiguous: ``-> (q, k, v)``. Inputs may have any strides but a
@@ -138,7 +145,10 @@ def qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, *, eps: float, offset: f
     return qo, ko, vo
 
 
-def qk_norm_rope_ref(q, k, v, q_weight, k_weight, cos, sin, *, eps: float, offset: float = 1.0):
+def qk_norm_rope_ref(q: Float[Tensor, "T Hq D"], k: Float[Tensor, "T Hkv D"], v: Float[Tensor, "T Hkv Dv"] | None,
+                     q_weight: Float[Tensor, " D"], k_weight: Float[Tensor, " D"], cos: Float[Tensor, "T Dr"],
+                     sin: Float[Tensor, "T Dr"], *, eps: float, offset: float = 1.0
+                     ) -> tuple[Float[Tensor, "T Hq D"], Float[Tensor, "T Hkv D"], Float[Tensor, "T Hkv Dv"] | None]:
     """The truth of `qk_norm_rope`, in torch: `models.common.rms_norm` then `models.common.apply_rope`'s
     roundings (this package imports nothing from fnattn; a test holds the three equal)."""
     _check(q, k, v, q_weight, k_weight, cos, sin, eps, offset)

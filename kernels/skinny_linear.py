@@ -54,6 +54,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 from ._checks import check_finite_float, check_like, shares_storage
 from ._triton import (
@@ -449,7 +451,8 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, config=
     return y
 
 
-def skinny_linear_add_norm(x, w, residual, norm, *, config=None):
+def skinny_linear_add_norm(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], residual: Float[Tensor, "M N"], norm,
+                           *, config: SkinnyConfig | None = None) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M N"]]:
     """``y = residual + x @ w.T`` (as `skinny_linear`'s ``residual=``) and ``h = rms_norm(y, *norm)``
     (``norm=(weight [N], eps, offset)``, `models.common`'s roundings, of the rounded ``y``): ``-> (y, h)``,
     both ``[M, N]`` in ``x.dtype``. One launch: the last column tile to finish reads the whole rows of ``y``
@@ -468,7 +471,9 @@ def skinny_linear_add_norm(x, w, residual, norm, *, config=None):
     return y, h
 
 
-def skinny_linear_gating(x, w, col: int, neg_decay, dt_bias, *, config=None):
+def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: int, neg_decay: Float[Tensor, " H"],
+                         dt_bias: Float[Tensor, " H"], *, config: SkinnyConfig | None = None
+                         ) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M H"], Float[Tensor, "M H"]]:
     """``y = x @ w.T`` (as `skinny_linear`) and, from its columns ``[col, col + H)`` (GDN's b) and
     ``[col + H, col + 2H)`` (a), ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``
     (``x.dtype``) as `gdn_gating` computes them: ``-> (y [M, N], g [M, H], beta [M, H])``. One launch: the

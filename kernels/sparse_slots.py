@@ -14,6 +14,8 @@ Fifteen-odd torch ops (gathers, casts, wheres, a pad, a scatter) done as one pas
 from __future__ import annotations
 
 import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
 
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 
@@ -74,8 +76,10 @@ def _check(indices, request_of_token, cache_lens, cu_seqlens, block_table, page_
             raise ValueError(f"topk_slots: {name}: expected an int >= {lo}, got {v!r}")
 
 
-def topk_slots(indices, request_of_token, cache_lens, cu_seqlens, block_table, *, page_size: int, pad_to: int = 1,
-               rows: bool = False, new: int = 0):
+def topk_slots(indices: Int[Tensor, "T topk"], request_of_token: Int[Tensor, " T"], cache_lens: Int[Tensor, " B"],
+               cu_seqlens: Int[Tensor, " B1"], block_table: Int[Tensor, "B pages"], *, page_size: int, pad_to: int = 1,
+               rows: bool = False, new: int = 0
+               ) -> tuple[Int[Tensor, "T K"], Int[Tensor, "T K"] | None, Bool[Tensor, "T new"] | None]:
     """``indices [T, topk]`` (absolute positions, -1: none) -> ``(slots, rows, picked)``.
 
     ``slots [T, K]`` int32: the cached positions' physical slots in the paged pool, -1 elsewhere and in the
@@ -101,8 +105,10 @@ def topk_slots(indices, request_of_token, cache_lens, cu_seqlens, block_table, *
     return slots, row_out, None if picked is None else picked.bool()
 
 
-def topk_slots_ref(indices, request_of_token, cache_lens, cu_seqlens, block_table, *, page_size: int,
-                   pad_to: int = 1, rows: bool = False, new: int = 0):
+def topk_slots_ref(indices: Int[Tensor, "T topk"], request_of_token: Int[Tensor, " T"], cache_lens: Int[Tensor, " B"],
+                   cu_seqlens: Int[Tensor, " B1"], block_table: Int[Tensor, "B pages"], *, page_size: int,
+                   pad_to: int = 1, rows: bool = False, new: int = 0
+                   ) -> tuple[Int[Tensor, "T K"], Int[Tensor, "T K"] | None, Bool[Tensor, "T new"] | None]:
     """`topk_slots` in torch (the gathers and wheres it replaces)."""
     _check(indices, request_of_token, cache_lens, cu_seqlens, block_table, page_size, pad_to, new)
     T, topk = indices.shape
