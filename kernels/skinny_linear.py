@@ -39,7 +39,8 @@ Under `fnattn.kernels.pdl` (on by default), on Hopper, the kernel launches with 
 program loads its first weight tile while the launch before it on the stream finishes, then waits for it
 before it reads ``x`` or writes anything. ``w`` must then not be an output of that launch (a model's
 weights are not). ``SkinnyConfig(prefetch=True)`` also asks L2 for the rest of the program's weight slab
-before the wait (off in the table: not yet timed on the H200; ``benchmarks/model_ab.py --toggle prefetch``).
+before the wait. It is off in the table: on, the whole Qwen3.5-0.8B graph step on the H200 took 1.043x as long at
+batch 1 and 1.031x at batch 8 (``benchmarks/model_ab.py --toggle prefetch``, bench_switches_ab.json at de9b969).
 
 Configs come from `pick_config`, an explicit table (no autotuning: timing
 inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
