@@ -139,6 +139,13 @@ def _model_command(args, steps: int) -> str:
     return " ".join(parts)
 
 
+def argv_command(case: str) -> str:
+    """This process's command line as ``fnattn bench CASE ...``, however it was started (``fnattn bench``,
+    ``python -m fnattn bench`` or ``python -m fnattn.bench``)."""
+    rest = sys.argv[sys.argv.index(case) + 1:] if case in sys.argv else []
+    return " ".join(["fnattn bench", case, *(shlex.quote(a) for a in rest)])
+
+
 def run(args) -> int:
     import torch
 
@@ -183,7 +190,7 @@ def run(args) -> int:
     finally:
         with_ratios(records)
         print_table(records)
-        write_json(records, args.out, command="fnattn bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+        write_json(records, args.out, command=argv_command(args.case))
         if args.png and records:
             draw_png(records, args.png)
     return 0

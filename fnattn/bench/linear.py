@@ -197,11 +197,11 @@ def print_linear_table(records: list[dict]) -> None:
 
 def run_linear(args, batches: list[int]) -> int:
     """``fnattn bench linear``: every shape and fold pair at every row count; JSON at ``args.out``."""
-    import shlex
     import signal
 
     from ..kernels.skinny_linear import MAX_M
     from . import with_ratios, write_json
+    from .cli import argv_command
 
     bad = [b for b in batches if not 1 <= b <= MAX_M]
     if bad:
@@ -223,5 +223,5 @@ def run_linear(args, batches: list[int]) -> int:
         if records:
             with_ratios(records)
             print_linear_table(records)
-            write_json(records, args.out, command="fnattn bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+            write_json(records, args.out, command=argv_command("linear"))
     return 0
