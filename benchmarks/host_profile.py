@@ -1,19 +1,26 @@
-"""Where an eager step's host time goes: cProfile over eager decode steps of a whole model.
+"""Where an eager step's host time goes: cProfile over eager decode steps (or prefill steps) of a whole model.
 
     python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8
+    python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 3 --prefill
 
 Prints the functions taking the most host time of their own (tottime) and in all (cumtime). An eager step
 that the device finishes in ~1.5 ms but the host needs ~20 ms for is launch-bound: this says which calls.
+On CUDA it then runs one more step with torch's sync debug mode on and prints every place that made the host
+wait for the device (``.item()``, ``.tolist()``, a copy to the host): each one serializes the host's launches
+with the device's work, so a step with one per layer costs host time + device time, not the larger of them.
 """
 
 import argparse
+import collections
 import cProfile
 import pstats
+import traceback
+import warnings
 
 import torch
 from fnattn.models.registry import Model, _with_dtype, family_named, random_checkpoint
 
-from fnattn.bench.model import config_for, decode_state, time_decode
+from fnattn.bench.model import config_for, decode_state, time_decode, time_prefill
 from fnattn.model_attention import ModelAttention
 
 
@@ -25,6 +32,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--prefill", action="store_true", help="profile prefill steps of --prompt tokens instead")
     a = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -32,16 +40,55 @@ def main() -> None:
     cfg = _with_dtype(fam.adapt(config_for(a.family, a.shape)), dtype)
     model = Model(fam, cfg, fam.load(cfg, random_checkpoint(fam, cfg, dtype=dtype, device=dev)))
     ma = ModelAttention(model.specs, device=dev)
-    st = decode_state(model, dev, a.batch, a.prompt, page_size=16, room=2 * a.steps + 8)
-    _, st = time_decode(model, ma, st, a.batch, 2)  # compile and warm up outside the profile
+    if a.prefill:
+        def steps(n):
+            return time_prefill(model, ma, dev, a.batch, a.prompt, page_size=16, reps=n)
+
+        steps(1)  # compile and warm up outside the profile
+        what = f"prefill B{a.batch} P{a.prompt}"
+    else:
+        st = [decode_state(model, dev, a.batch, a.prompt, page_size=16, room=3 * a.steps + 8)]
+
+        def steps(n):
+            times, st[0] = time_decode(model, ma, st[0], a.batch, n, warmup=0)
+            return times
+
+        steps(2)
+        what = f"B{a.batch} ctx{a.prompt} decode"
     prof = cProfile.Profile()
     prof.enable()
-    times, st = time_decode(model, ma, st, a.batch, a.steps, warmup=0)
+    times = steps(a.steps)
     prof.disable()
-    print(f"{a.family} {a.shape} B{a.batch} ctx{a.prompt}: eager step {sum(times) / len(times) * 1e3:.2f} ms "
-          f"under cProfile, {a.steps} steps")
+    print(f"{a.family} {a.shape} {what}: eager step {sum(times) / len(times) * 1e3:.2f} ms under cProfile, "
+          f"{a.steps} steps")
     for key in ("tottime", "cumtime"):
         pstats.Stats(prof).sort_stats(key).print_stats(a.rows)
+    if dev.type == "cuda":
+        print_syncs(lambda: steps(1))
+
+
+def print_syncs(step) -> None:
+    """Every place in one ``step()`` where the host waited for the device, by the innermost caller frame
+    outside torch, with the count."""
+    where = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename
+                  and "warnings" not in f.filename and "host_profile" not in f.filename]
+        where[" <- ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+                          for f in frames[-3:][::-1])] += 1
+
+    with warnings.catch_warnings():  # restores showwarning and the filters on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"host waits for the device in one step: {sum(where.values())}")
+    for place, n in where.most_common(40):
+        print(f"{n:5d}  {place}")
 
 
 if __name__ == "__main__":

@@ -210,5 +210,5 @@ def test_every_record_names_the_switches_in_force():
     plain = environment()["switches"]
     assert plain["fused"] is True and plain["gemv_config"] == {} and set(plain) >= {"pdl", "qk_one_launch",
                                                                                    "own_norm_act", "output_gates"}
-    with fused.output_gates(True), configured(prefetch=True):
-        assert environment()["switches"] == {**plain, "output_gates": True, "gemv_config": {"prefetch": True}}
+    with fused.output_gates(False), configured(prefetch=True):
+        assert environment()["switches"] == {**plain, "output_gates": False, "gemv_config": {"prefetch": True}}

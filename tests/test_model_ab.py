@@ -48,10 +48,10 @@ def test_a_smoke_run_on_the_cpu_times_every_variant():
     records = ab.run_ab(["pdl", "own_norm_act+output_gates"], batches=[1, 2], steps=2, shape="tiny", device="cpu")
     assert [(r["case"], r["variant"].split(":")[0]) for r in records] == [
         (f"qwen3_5 tiny B{b} ctx512", v) for b in (1, 2)
-        for v in ("defaults", "pdl=off", "own_norm_act=on + output_gates=on")]
+        for v in ("defaults", "pdl=off", "own_norm_act=off + output_gates=off")]  # each toggle flips its default
     assert all(r["time_us"] > 0 for r in records)
     assert [r["ratio_to_defaults"] for r in records][::3] == [1.0, 1.0]
-    assert records[2]["switches"] == {"own_norm_act": True, "output_gates": True}
+    assert records[2]["switches"] == {"own_norm_act": False, "output_gates": False}
 
 
 def test_a_variant_that_fails_is_recorded_and_the_others_still_run(monkeypatch):

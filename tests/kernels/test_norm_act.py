@@ -76,8 +76,8 @@ def test_bad_arguments_name_themselves_and_write_nothing():
 
 
 def test_models_take_the_kernels_only_under_own_norm_act(monkeypatch):
-    """`models.fused.add_rms_norm_offset_` / `silu_and_mul`: the torch bodies by default (here with only the
-    Triton kernel path allowed), the kernels under `own_norm_act(True)`, with the torch bodies' results."""
+    """`models.fused.add_rms_norm_offset_` / `silu_and_mul`: the kernels by default (here with only the Triton
+    kernel path allowed), the torch bodies under `own_norm_act(False)`, with the kernels' results."""
     from fnattn.kernels import norm_act as module
     from fnattn.models import fused
 
@@ -87,10 +87,10 @@ def test_models_take_the_kernels_only_under_own_norm_act(monkeypatch):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     y, r, w, gu = randn(3, 64, seed=1), randn(3, 64, seed=2), randn(64, seed=3), randn(3, 80, seed=4)
-    plain = (*fused.add_rms_norm_offset_(y.clone(), r.clone(), w, 1e-6), fused.silu_and_mul(gu))
+    with fused.own_norm_act(False):
+        plain = (*fused.add_rms_norm_offset_(y.clone(), r.clone(), w, 1e-6), fused.silu_and_mul(gu))
     assert not calls
-    with fused.own_norm_act(True):
-        got = (*fused.add_rms_norm_offset_(y.clone(), r.clone(), w, 1e-6), fused.silu_and_mul(gu))
+    got = (*fused.add_rms_norm_offset_(y.clone(), r.clone(), w, 1e-6), fused.silu_and_mul(gu))
     assert calls == ["add_rms_norm_", "silu_and_mul"]
     for a, b in zip(got, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -60,6 +60,24 @@ def test_sigmoid_gate_is_the_unfused_ops(T, H, D, dtype):
     torch.testing.assert_close(got, sigmoid_gate_ref(x, gate), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("T, H, D", [(5, 3, 48), (9, 3, 128)])
+def test_many_rows_a_program_agree(T, H, D, monkeypatch):
+    """The prefill-sized form (ROWS_MANY head rows a program, the last program part empty) gives what one
+    row a program gives."""
+    from fnattn.kernels import output_gate
+
+    x, z = projection_slices(T, H, D, torch.float32, seed=T * H)
+    w = randn(D, seed=5, scale=0.5)
+    one = gated_rms_norm_silu(x, z, w, 1e-6), sigmoid_gate(x, z)
+    monkeypatch.setattr(output_gate, "MANY_ROWS", 2)
+    monkeypatch.setattr(output_gate, "ROWS_MANY", 4)
+    assert (T * H) % 4  # a part-empty last program
+    many = gated_rms_norm_silu(x, z, w, 1e-6), sigmoid_gate(x, z)
+    torch.testing.assert_close(many[0], one[0], rtol=0, atol=0)
+    torch.testing.assert_close(many[1], one[1], rtol=0, atol=0)
+    torch.testing.assert_close(many[0], gated_rms_norm_silu_ref(x, z, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
 def test_empty_inputs_give_empty_outputs():
     x, z = projection_slices(0, 4, 32, torch.float32, seed=1)
     assert gated_rms_norm_silu(x, z, randn(32), 1e-6).shape == (0, 4, 32)
@@ -87,8 +105,8 @@ def test_bad_arguments_name_themselves():
 
 
 def test_models_take_the_kernels_only_under_output_gates(monkeypatch):
-    """`models.fused.gated_rms_norm_silu` / `sigmoid_gate`: the torch bodies by default (here with the kernel
-    path allowed on this device), the kernels under `output_gates(True)`; the two agree."""
+    """`models.fused.gated_rms_norm_silu` / `sigmoid_gate`: the kernels by default (here with the kernel path
+    allowed on this device), the torch bodies under `output_gates(False)`; the two agree."""
     from fnattn.kernels import output_gate as module
     from fnattn.models import fused
 
@@ -99,10 +117,10 @@ def test_models_take_the_kernels_only_under_output_gates(monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     x, z = projection_slices(3, 4, 64, torch.float32, seed=11)
     w = randn(64, seed=12)
-    plain = fused.gated_rms_norm_silu(x, z, w, 1e-6), fused.sigmoid_gate(x, z)
+    with fused.output_gates(False):
+        plain = fused.gated_rms_norm_silu(x, z, w, 1e-6), fused.sigmoid_gate(x, z)
     assert not calls
-    with fused.output_gates(True):
-        got = fused.gated_rms_norm_silu(x, z, w, 1e-6), fused.sigmoid_gate(x, z)
+    got = fused.gated_rms_norm_silu(x, z, w, 1e-6), fused.sigmoid_gate(x, z)
     assert calls == ["gated_rms_norm_silu", "sigmoid_gate"]
     for a, b in zip(got, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
