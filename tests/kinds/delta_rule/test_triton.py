@@ -10,6 +10,7 @@ CUDA path with the real checks is covered by tests/gpu/test_recurrent_backends_g
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -356,3 +357,55 @@ def test_replay_recovery_equals_native_bit_for_bit(kind):
                         inplace=False)
     for name in ("ssm", "conv"):
         assert same_bits(getattr(native.views(0), name), getattr(replayed.views(0), name))
+
+
+def _stand_in_fla(monkeypatch, fwd):
+    """A stand-in for the two fla-core functions `_fla_gdn_forward` reaches (fla-core needs CUDA)."""
+    import sys
+    import types
+
+    norm = types.ModuleType("fla.modules.norm.l2norm")
+    norm.l2norm_fwd = lambda x, eps=1e-6: (x / (x.float().pow(2).sum(-1, keepdim=True) + eps).sqrt().to(x.dtype),
+                                           None)
+    chunk = types.ModuleType("fla.ops.gated_delta_rule.chunk")
+    chunk.chunk_gated_delta_rule_fwd = fwd
+    for name in ("fla", "fla.modules", "fla.modules.norm", "fla.ops", "fla.ops.gated_delta_rule"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.modules.norm.l2norm", norm)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule.chunk", chunk)
+    fresh = functools.cache(triton_backend._fla_gdn_forward.__wrapped__)  # the real one's answer stays cached
+    monkeypatch.setattr(triton_backend, "_fla_gdn_forward", fresh)
+
+
+def test_the_direct_fla_forward_passes_contiguous_normalized_inputs_and_the_plan_chunks(monkeypatch):
+    seen = {}
+
+    def fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first=False, cu_seqlens=None,
+            cp_context=None, chunk_indices=None, use_gate_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64):
+        seen.update(q=q, k=k, v=v, scale=scale, h0=initial_state, final=output_final_state, cu=cu_seqlens,
+                    chunks=chunk_indices, chunk_size=chunk_size)
+        return g, v * 2, None, initial_state + 1, initial_state, None
+
+    _stand_in_fla(monkeypatch, fwd)
+    forward = triton_backend._fla_gdn_forward()
+    assert forward is not None
+    mixed = torch.randn(1, 5, 3 * 8)
+    q, k, v = mixed[..., :8].view(1, 5, 1, 8), mixed[..., 8:16].view(1, 5, 1, 8), mixed[..., 16:].view(1, 5, 1, 8)
+    g, beta, h0 = torch.randn(1, 5, 1), torch.rand(1, 5, 1), torch.randn(1, 1, 8, 8)
+    cu, chunks = torch.tensor([0, 5]), torch.tensor([[0, 0]])
+    o, final = forward(q, k, v, g, beta, 0.5, h0, cu, chunks)
+    assert all(seen[n].is_contiguous() for n in ("q", "k", "v"))
+    torch.testing.assert_close(seen["q"].norm(dim=-1), torch.ones(1, 5, 1))
+    torch.testing.assert_close(seen["k"].norm(dim=-1), torch.ones(1, 5, 1))
+    assert seen["scale"] == 0.5 and seen["final"] is True and seen["cu"] is cu and seen["chunks"] is chunks
+    assert seen["chunk_size"] == triton_backend.CHUNK_SIZE
+    torch.testing.assert_close(o, v * 2)
+    torch.testing.assert_close(final, h0 + 1)
+
+
+def test_an_fla_forward_of_another_form_leaves_the_public_function(monkeypatch):
+    def fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None):  # no chunk_indices
+        raise AssertionError("not to be called")
+
+    _stand_in_fla(monkeypatch, fwd)
+    assert triton_backend._fla_gdn_forward() is None
