@@ -12,7 +12,7 @@ set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export FNATTN_CHECKS=0
-part() { local limit=$1; shift; echo "== $*"; timeout "$limit" "$@" 2>&1 | tail -25; }
+part() { local limit=$1; shift; echo "== $*"; timeout -k 20 "$limit" "$@" 2>&1 | tail -25; }
 case "${1:-}" in
   parity)  # FlashInfer compiles each kernel variant on first use: most of this time
     part 330 env FNATTN_GPU_RESULTS="$out/full_attention_parity.json" python -m pytest -q -p no:warnings \

@@ -105,11 +105,12 @@ def switches() -> dict:
     `skinny_linear.configured` replaces in the GEMV's config table."""
     from ..kernels import _triton
     from ..kernels import skinny_linear as skinny
+    from ..kinds.delta_rule import triton as delta_rule
     from ..kinds.sparse_mla import flashmla as sparse
     from ..models import fused
 
     return {"pdl": _triton._PDL[-1], **fused.switches(), "gemv_config": dict(skinny._OVERRIDES[-1]),
-            "sparse_one_pass_slots": sparse._ONE_PASS[-1]}
+            "sparse_one_pass_slots": sparse._ONE_PASS[-1], "fla_direct": delta_rule._FLA_DIRECT[-1]}
 
 
 def commit() -> str | None:

@@ -36,6 +36,7 @@ from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
+from ...switches import switched
 from ..availability import needs_cuda, needs_dtype, package_missing
 from .config import RecurrentInputs, RecurrentOutput
 from .reference import check_inputs
@@ -44,6 +45,16 @@ from .reference import check_inputs
 CHUNK_SIZE = 64
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FLA_DIRECT = [False]  # off until its parity and a prefill bench run on the H200 (`fla_direct`)
+
+
+def fla_direct(enabled: bool):
+    """Within this block the "fla" GDN prefill provider calls fla-core's chunk forward itself
+    (`_fla_gdn_forward`: l2norm of q and k, then ``chunk_gated_delta_rule_fwd``, with the plan's chunk
+    list as its ``chunk_indices``) in place of the public ``chunk_gated_delta_rule`` and its wrappers. Off by
+    default: the same kernels in the same order, but not yet checked or timed on the H200
+    (``tests/gpu/test_recurrent_backends_gpu.py -k prefill``, ``fnattn bench model --prompt 8192``)."""
+    return switched(_FLA_DIRECT, "fla_direct", enabled)
 
 
 @dataclass(frozen=True)
@@ -213,7 +224,7 @@ def _fla_prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tupl
     # them, and zero fresh requests (masked_fill, so a NaN in a stale slot cannot leak).
     h0 = views.ssm.index_select(0, p.read_slots.clamp(min=0)).float()  # [B, H, K, V]
     h0 = h0.masked_fill((p.read_slots < 0)[:, None, None, None], 0.0)
-    forward = _fla_gdn_forward() if spec.kind == "gdn" and p.fla_chunks is not None else None
+    forward = _fla_gdn_forward() if _FLA_DIRECT[-1] and spec.kind == "gdn" and p.fla_chunks is not None else None
     if forward is not None and not torch.is_grad_enabled():
         o, final = forward(q[None], k[None], v[None], inputs.g[None], inputs.beta[None], c.scale, h0,
                            p.cu_seqlens_long, p.fla_chunks)

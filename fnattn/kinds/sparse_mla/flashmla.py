@@ -37,7 +37,7 @@ from .reference import check_reused
 LN2 = math.log(2.0)
 TOPK_BLOCK = 128  # top-k lists are padded to a multiple of this (the kernel walks them in blocks)
 LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (its docstring; its max_logits are log2e-scaled too)
-_ONE_PASS = [False]  # off until its parity runs on the H200 (tests/gpu/test_mla_backends_gpu.py)
+_ONE_PASS = [False]  # its parity passes on the H200 (tests/gpu_results/mla_parity.json); off until timed
 
 
 def one_pass_slots(enabled: bool):
