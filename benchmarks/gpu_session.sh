@@ -3,16 +3,24 @@
 # under $OUT (or ./gpu-out). From the repository root on the GPU machine:
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh parity
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
-#   ... graphs | model | profile | model-long | fused | fused-more | mla: captured steps, the whole model, its profile,
+#   ... graphs | model | profile | model-long | prefill | fused | fused-more | mla: captured steps, the whole model,
+#   its profile, fla_direct's check and prefill A/B,
 #   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds; ab: the whole step with each
-#   switch flipped (benchmarks/model_ab.py); switches: the switches not yet on by default, checked and timed in
+#   switch flipped (benchmarks/model_ab.py); switches: the decode switches flipped from their defaults, checked and timed in
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export FNATTN_CHECKS=0
-part() { local limit=$1; shift; echo "== $*"; timeout -k 20 "$limit" "$@" 2>&1 | tail -25; }
+# Every part's whole output goes to $out/session.log (a call returns only the end of what it prints); the
+# last lines of each are printed. A part past its limit gets SIGTERM, then SIGKILL 20 s later.
+part() {
+  local limit=$1; shift
+  echo "== $*" | tee -a "$out/session.log"
+  timeout -k 20 "$limit" "$@" > "$out/part.log" 2>&1
+  cat "$out/part.log" >> "$out/session.log"; tail -25 "$out/part.log"; rm -f "$out/part.log"
+}
 case "${1:-}" in
   parity)  # FlashInfer compiles each kernel variant on first use: most of this time
     part 330 env FNATTN_GPU_RESULTS="$out/full_attention_parity.json" python -m pytest -q -p no:warnings \
@@ -61,6 +69,12 @@ case "${1:-}" in
     part 130 env FNATTN_GPU_RESULTS="$out/switches_graph_cases.json" $rec "$out/switches_graph_gpu.json" -- \
         tests/gpu/test_graph_gpu.py -k pdl
     ;;
+  prefill)  # fla-core's GDN prefill with fla_direct: bitwise against the public function, then timed
+    part 200 env FNATTN_GPU_RESULTS="$out/fla_prefill_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/fla_prefill_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py -k prefill
+    part 200 python benchmarks/model_ab.py --toggle fla_direct --prefill 8192 --batch 1 --steps 12 \
+        --out "$out/bench_prefill_ab.json"
+    ;;
   model-long)  # 8192-token prompts (prefill >= 150k tok/s at batch 1 is a target)
     part 300 python -m fnattn bench model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 \
         --profile 1 --out "$out/bench_model_qwen3_5_0.8b_p8192.json"
@@ -94,7 +108,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|model-long|model-moe|fused|fused-more|mla|linear" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|linear" >&2
     exit 2
     ;;
 esac

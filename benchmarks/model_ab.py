@@ -3,6 +3,10 @@ every variant interleaved: which is faster where it counts (a kernel that wins a
 and the other way round). From the repository root on a GPU machine:
 
     python benchmarks/model_ab.py --toggle pdl prefetch+own_norm_act --out ab.json [--batch 1 8] [--steps 64]
+    python benchmarks/model_ab.py --toggle fla_direct --prefill 8192 --batch 1 --steps 16 --out ab.json
+
+With ``--prefill P`` each step is an eager prefill of ``--batch`` prompts of P tokens (a fresh State each
+time, `fnattn.bench.model.time_prefill`), run under the variant's switches, the variants interleaved alike.
 
 Each batch captures one CUDA graph per variant (the defaults, then each toggle flipped from its default,
 captured under its switch) over one state, then replays them round-robin, step after step, the order
@@ -23,12 +27,14 @@ Switches:
 - ``add_norm_epilogue``: each residual add + RMSNorm in the output projection's launch
   (`models.fused.add_norm_epilogue`) or FlashInfer's fused add + RMSNorm after it.
 - ``output_gates``: GDN's gated output norm and gated attention's sigmoid gate as fnattn's own launches,
-  which read the gate in place and launch with PDL (`models.fused.output_gates`), or fla-core's gated norm and
-  torch's sigmoid and product (off, the default).
-- ``gating_epilogue``: GDN's g and beta written by the input projection's GEMV (`models.fused.gating_epilogue`),
-  or by a launch of their own after it (off, the default).
+  which read the gate in place and launch with PDL (`models.fused.output_gates`, the default), or fla-core's
+  gated norm and torch's sigmoid and product.
+- ``gating_epilogue``: GDN's g and beta written by the input projection's GEMV (`models.fused.gating_epilogue`,
+  the default), or by a launch of their own after it.
 - ``own_norm_act``: the residual add + RMSNorm and SiLU-and-mul as fnattn's own kernels, which hand the
-  stream over at their start under PDL (`models.fused.own_norm_act`), or FlashInfer's (off, the default).
+  stream over at their start under PDL (`models.fused.own_norm_act`, the default), or FlashInfer's.
+- ``fla_direct`` (prefill): the fla provider calls fla-core's chunk forward itself
+  (`fnattn.kinds.delta_rule.triton.fla_direct`), or its public function (off, the default).
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
   or FlashInfer's norms and rope.
 """
@@ -43,7 +49,8 @@ from fnattn.kernels import _triton
 from fnattn.models import fused
 
 from fnattn.bench import write_json
-from fnattn.bench.model import _record, build_model, decode_state, time_decode
+from fnattn.bench.model import _record, build_model, decode_state, time_decode, time_prefill
+from fnattn.kinds.delta_rule import triton as delta_rule
 
 TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
@@ -63,6 +70,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                      {True: "own add + norm and SiLU-and-mul (early handover)", False: "FlashInfer's"}),
     "qk_one_launch": (fused.qk_one_launch, lambda: fused._QK_ONE_LAUNCH[-1],
                       {True: "q/k norms, rope, v copy in one launch", False: "q norm, k norm, rope (+ copies)"}),
+    "fla_direct": (delta_rule.fla_direct, lambda: delta_rule._FLA_DIRECT[-1],
+                   {True: "fla-core's chunk forward called itself", False: "fla-core's public function"}),
 }
 
 
@@ -89,15 +98,49 @@ def switched(values: dict):
     return stack
 
 
-def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "cuda") -> list[dict]:
+def run_prefill_ab(plan, model, ma, dev, *, shape: str, batches, prompt: int, steps: int) -> list[dict]:
+    """``--prefill``: eager prefill steps of every variant, interleaved (each under its switches)."""
+    out = []
+    for b in batches:
+        case = f"qwen3_5 {shape} prefill B{b} P{prompt}"
+        times, live = {}, []
+        for k, (label, values) in enumerate(plan):
+            try:
+                with switched(values):  # compiles and warms up this variant's kernels
+                    time_prefill(model, ma, dev, b, prompt, page_size=16, reps=0)
+                live.append(k)
+                times[k] = []
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a result; the others still run
+                if k == 0:
+                    raise
+                out.append({"case": case, "backend": "fnattn eager", "phase": "prefill", "variant": label,
+                            "switches": dict(values), "error": f"{type(e).__name__}: {e}"[:500]})
+        for i in range(steps):
+            for j in range(len(live)):
+                k = live[(i + j) % len(live)]
+                with switched(plan[k][1]):
+                    times[k] += time_prefill(model, ma, dev, b, prompt, page_size=16, reps=1, warm=False)
+        base = statistics.median(times[0])
+        for k in live:
+            label, values = plan[k]
+            t = statistics.median(times[k])
+            out.append(_record(case, "fnattn eager", "prefill", t, b * prompt, variant=label,
+                               switches=dict(values), ratio_to_defaults=t / base))
+    return out
+
+
+def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "cuda",
+           prefill: int | None = None) -> list[dict]:
     """The records of every variant at every batch (module docstring). On CUDA the steps are graph replays,
     each graph captured under its variant's switches; elsewhere (a smoke run) the capture-free runner runs
-    each step eagerly, under the same switches."""
+    each step eagerly, under the same switches. ``prefill``: prefill steps of that many tokens instead."""
     from fnattn.bench.overhead import _runner
 
     plan = variants(toggles)
     dev = torch.device(device)
     model, ma, _ = build_model("qwen3_5", shape, dev)
+    if prefill is not None:
+        return run_prefill_ab(plan, model, ma, dev, shape=shape, batches=batches, prompt=prefill, steps=steps)
     out = []
     for b in batches:
         case = f"qwen3_5 {shape} B{b} ctx512"
@@ -145,9 +188,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64, help="timed steps of each variant")
     p.add_argument("--shape", default="0.8b", help="the Qwen3.5 shape (tiny: a CPU smoke run)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--prefill", type=int, default=None, metavar="P", help="time prefills of P-token prompts")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    records = run_ab(args.toggle, batches=args.batch, steps=args.steps, shape=args.shape, device=args.device)
+    if args.prefill is not None and args.prefill < 1:
+        raise SystemExit(f"model_ab.py: --prefill: expected a token count >= 1, got {args.prefill}")
+    records = run_ab(args.toggle, batches=args.batch, steps=args.steps, shape=args.shape, device=args.device,
+                     prefill=args.prefill)
     for r in records:
         if "error" in r:
             print(f"{r['case']:<26}{r['variant']:<70}  failed: {r['error']}")
@@ -155,7 +202,8 @@ def main() -> None:
             print(f"{r['case']:<26}{r['variant']:<70}{r['time_us']:9.1f} us  {r['ratio_to_defaults']:.3f}x")
     write_json(records, args.out, command="python benchmarks/model_ab.py " + " ".join(
         ["--toggle", *args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--shape",
-         args.shape, "--device", args.device, "--out", args.out]))
+         args.shape, "--device", args.device, *(["--prefill", str(args.prefill)] if args.prefill else []),
+         "--out", args.out]))
 
 
 if __name__ == "__main__":

@@ -67,3 +67,18 @@ def test_a_variant_that_fails_is_recorded_and_the_others_still_run(monkeypatch):
     records = ab.run_ab(["broken", "pdl"], batches=[1], steps=2, shape="tiny", device="cpu")
     assert [r["variant"].split(":")[0] for r in records] == ["broken=on", "defaults", "pdl=off"]
     assert records[0]["error"] == "RuntimeError: no such kernel here" and "time_us" not in records[0]
+
+
+def test_prefill_steps_interleave_the_variants_too():
+    """``--prefill``: eager prefill steps, one record per variant, under its switches (fla_direct has no fla
+    here, so both run the same path: the plan and the records are what is checked)."""
+    import torch
+
+    torch.set_num_threads(1)
+    ab = _module()
+    records = ab.run_ab(["fla_direct"], batches=[1], steps=2, shape="tiny", device="cpu", prefill=64)
+    assert [(r["case"], r["variant"].split(":")[0], r["phase"]) for r in records] == [
+        ("qwen3_5 tiny prefill B1 P64", "defaults", "prefill"), ("qwen3_5 tiny prefill B1 P64", "fla_direct=on",
+                                                                 "prefill")]
+    assert records[1]["switches"] == {"fla_direct": True} and records[0]["ratio_to_defaults"] == 1.0
+    assert all(r["time_us"] > 0 and r["tok_s"] > 0 for r in records)

@@ -183,16 +183,17 @@ def _tokens(n: int, vocab: int, device, seed: int) -> torch.Tensor:
     return torch.randint(1, vocab, (n,), generator=g).to(device)
 
 
-def time_prefill(model, ma, device, batch: int, prompt: int, *, page_size: int, reps: int) -> list[float]:
-    """Seconds of one prefill step of ``batch`` prompts of ``prompt`` tokens (a fresh State each time;
-    the first run, which compiles and autotunes, is not counted)."""
+def time_prefill(model, ma, device, batch: int, prompt: int, *, page_size: int, reps: int,
+                 warm: bool = True) -> list[float]:
+    """Seconds of ``reps`` prefill steps of ``batch`` prompts of ``prompt`` tokens (a fresh State each time),
+    after a first run, which compiles and autotunes and is not counted (``warm=False``: no first run)."""
     from ..batch import Batch
     from ..driver import run_step
     from ..state import State
 
     pages = batch * -(-prompt // page_size)
     times = []
-    for i in range(reps + 1):
+    for i in range(reps + 1 if warm else reps):
         st = State(model.specs, num_pages=pages, page_size=page_size, max_requests=batch, device=device)
         for r in range(batch):
             st = st.admit(r)
@@ -207,7 +208,7 @@ def time_prefill(model, ma, device, batch: int, prompt: int, *, page_size: int, 
         _sync(device)
         times.append(time.perf_counter() - t0)
         del st, b
-    return times[1:]
+    return times[1:] if warm else times
 
 
 def decode_state(model, device, batch: int, ctx: int, *, page_size: int, room: int):

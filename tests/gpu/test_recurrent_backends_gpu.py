@@ -131,6 +131,30 @@ def test_prefill(name, prefix, record):
     _check(spec, st, batch, record, f"prefill {name} new={new} cached={cached}")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core not installed")
+@pytest.mark.parametrize("name", [n for n in SPECS if n.startswith("gdn")])
+@pytest.mark.parametrize("prefix", [False, True])
+def test_fla_direct_is_the_public_function_bitwise(name, prefix, record):
+    """`fla_direct(True)` runs fla-core's chunk forward past its public function's wrappers: the same kernels
+    on the same inputs, so the output, the states and the windows must be the public path's bits."""
+    from fnattn.kinds.delta_rule import triton as backend
+
+    spec = _spec(name)
+    new = [1, 63, 130, 200]
+    st = _state(spec, [5, 0, 64, 129] if prefix else [0, 0, 0, 0], extra=max(new))
+    batch = fa.Batch.prefill(st, dict(enumerate(new)))
+    inp = _inputs(spec, batch.num_tokens, seed=3)
+    assert backend._fla_gdn_forward() is not None, "this fla-core's forward is not in the form fla_direct knows"
+    public_out, public_w = _forward("fla", spec, st, batch, inp)
+    with backend.fla_direct(True):
+        out, w = _forward("fla", spec, st, batch, inp)
+    same = {"o": torch.equal(out.o, public_out.o), "ssm": torch.equal(w["ssm"], public_w["ssm"]),
+            "conv": torch.equal(w["conv"], public_w["conv"])}
+    record({"case": f"fla_direct {name} prefix={prefix}", "phase": "prefill", "backend": "fla", **same,
+            "ok": all(same.values())})
+    assert all(same.values()), same
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("cached", [[1, 17, 300, 64], [7] * 33])
 def test_decode(name, cached, record):
