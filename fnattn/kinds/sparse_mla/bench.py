@@ -16,7 +16,7 @@ from ...bench import timed, timed_session
 from ...bench.setup import cached_state
 from ..mla.bench import DEVICE, deepseek_mla, random_inputs
 from ..mla.latent import absorbed_query
-from .flashmla import TOPK_BLOCK
+from .flashmla import TOPK_BLOCK, one_pass_slots
 
 
 def _specs(heads, topk, Hi, Di):
@@ -70,9 +70,15 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
     case = f"sparse mla decode B{batch} ctx{ctx} h{heads} topk{topk}" + (" graph" if graph else " eager")
     shape = {"batch": batch, "ctx": ctx, "heads": heads, "topk": topk, "page_size": page_size}
     flops = lambda us: {"tflop_s": batch * heads * topk * (576 + 512) * 2 / (us * 1e-6) / 1e12}  # noqa: E731
+    def through_fnattn(one_pass: bool):
+        with one_pass_slots(one_pass):  # in force while the step is traced (a graph keeps what it captured)
+            return timed_session(ma, state, b, lambda s: s.forward(1, inputs), graph=graph)
+
     return [_record(case, peer, peer, shape, lambda: timed(kernel, graph=graph), flops),
-            _record(case, "fnattn flashmla (attention, shared top-k)", peer, shape,
-                    lambda: timed_session(ma, state, b, lambda s: s.forward(1, inputs), graph=graph), flops)]
+            _record(case, "fnattn flashmla (attention, shared top-k)", peer, shape, lambda: through_fnattn(False),
+                    flops),
+            _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots)", peer, shape,
+                    lambda: through_fnattn(True), flops)]
 
 
 def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi: int = 64, Di: int = 128,
