@@ -15,7 +15,6 @@ all its layers when their rows line up.
 from __future__ import annotations
 
 import bisect
-import functools
 from typing import NamedTuple
 
 import torch
@@ -114,21 +113,32 @@ def _check_unshared(state, pages, where: str) -> None:
              f"read-only; pages {shared} are held by {[state._shared[p] for p in shared]} requests)", shared)
 
 
-def _expected_names(state, layer: int, replay_mode: bool) -> tuple[frozenset, frozenset]:
-    """(names the step's writes must hold, names the replay's must hold) for one layer."""
-    cache = state._storage.__dict__.setdefault("_names", {})  # the layers' declarations never change
-    key = (layer, replay_mode)
-    if key not in cache:
-        spaces = state.storage_spaces[layer]
-        token = frozenset(n for n, s in spaces.items() if s == "token")
-        request = frozenset(n for n, s in spaces.items() if s == "request")
-        cache[key] = (token, request) if replay_mode else (token | request, frozenset())
-    return cache[key]
+def _owners(state, layers) -> tuple[list[int], list[int]]:
+    """(the layers that own storage, those of them with per-request storage), limited to ``layers``."""
+    if layers is None:  # every step asks this: the declarations never change, so once per storage
+        found = state._storage.__dict__.get("_owners")
+        if found is not None:
+            return found
+    owners = [layer for layer, spaces in state.storage_spaces.items() if spaces and (layers is None or layer in layers)]
+    recurrent = [layer for layer in owners if "request" in state.storage_spaces[layer].values()]
+    if layers is None:
+        state._storage._owners = (owners, recurrent)
+    return owners, recurrent
 
 
-@functools.cache
-def _sorted(names: frozenset) -> tuple:
-    return tuple(sorted(names))
+def _names(state, replay_mode: bool) -> dict:
+    """layer -> ((names the step's writes must hold, sorted), (names the replay's must hold, sorted)), for every
+    layer; built once per storage and mode (the layers' declarations never change)."""
+    cache = state._storage.__dict__.setdefault("_names", {})
+    names = cache.get(replay_mode)
+    if names is None:
+        names = cache[replay_mode] = {}
+        for layer, spaces in state.storage_spaces.items():
+            token = frozenset(n for n, s in spaces.items() if s == "token")
+            request = frozenset(n for n, s in spaces.items() if s == "request")
+            names[layer] = (token, request) if replay_mode else (token | request, frozenset())
+            names[layer] = tuple((want, tuple(sorted(want))) for want in names[layer])  # with their order
+    return names
 
 
 def _by_layer(state, writes, step_id: int, where: str) -> dict[int, Writes]:
@@ -161,8 +171,7 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
     check_batch(state, batch, where)
     counts = deltas.accepted if deltas.accepted is not None else batch.host_new_lens
     replay_mode = batch.phase == "verify" and batch.recovery == "replay"
-    owners = [layer for layer, spaces in state.storage_spaces.items() if spaces and (layers is None or layer in layers)]
-    recurrent = [layer for layer in owners if "request" in state.storage_spaces[layer].values()]
+    owners, recurrent = _owners(state, layers)
     replay = deltas.replay
     if replay_mode and recurrent and (deltas.accepted is None or replay is None) and not defer_replay:
         fail(where, "deltas", "a replay-mode verify step filtered by acceptance with its replay "
@@ -192,8 +201,9 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
     if replay is not None:
         parts.append((extra, replay.batch, None, replay.batch.state_rows()))
     targets: list[_Target] = []
+    layouts, spans, names = _layouts(state._storage), _spans(state._storage), _names(state, replay_mode)
     for layer in owners:
-        for part, want in zip(parts, _expected_names(state, layer, replay_mode)):
+        for part, (want, order) in zip(parts, names[layer]):
             if not want or part is None:
                 continue
             writes, wb, tokens, rows = part
@@ -203,8 +213,10 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
                      f"{sorted(want)})", sorted(writes))
             if w.values.keys() != want:
                 fail(f"{where}: layer {layer}", "values", f"exactly the tensors {sorted(want)}", sorted(w.values))
-            for name in _sorted(want):
-                targets += _target(state, layer, name, w, wb, tokens, rows)
+            for name in order:
+                t = _target(state, layer, name, w, wb, tokens, rows, layouts, spans)
+                if t is not None:
+                    targets.append(t)
     return targets
 
 
@@ -223,22 +235,30 @@ class _Where:
 
 def _layouts(storage) -> dict:
     """(layer, tensor name) -> (pool, its tensor, token space?, row shape as a tuple, the layer's position, the
-    tensor's device index, its device kind: 1 CUDA, 0 CPU, -1 another), fixed for the life of a storage: built
-    once."""
+    tensor's device index, its device kind: 1 CUDA, 0 CPU, -1 another, its memory key), fixed for the life of a
+    storage: built once."""
     layouts = storage.__dict__.get("_layouts")
     if layouts is None:
         layouts = storage._layouts = {
             (lay, t): (pool, live, pool.index_space == "token",
                        tuple(live.shape[3:] if pool.index_space == "token" else live.shape[2:]), pool.position(lay),
-                       live.get_device(), 1 if live.is_cuda else 0 if live.is_cpu else -1)
+                       live.get_device(), 1 if live.is_cuda else 0 if live.is_cpu else -1, _memory_key(live))
             for lay, names in storage.layer_pools.items() for p in names
             for pool in (storage.pools[p],) for t, live in pool.tensors.items()}
     return layouts
 
 
-def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_rows) -> list[_Target]:
-    storage = state._storage
-    pool, live, token_space, row, position, device_index, kind = _layouts(storage)[(layer, name)]
+def _spans(storage) -> dict:
+    """memory key -> (starts, ends) of the pools' storages (`_disjoint_spans`), fixed for the life of a storage."""
+    spans = storage.__dict__.get("_spans")
+    if spans is None:
+        spans = storage._spans = _disjoint_spans(storage)
+    return spans
+
+
+def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_rows, layouts, spans) -> _Target | None:
+    """The checked target of one written tensor; None: written in place (a ring batch's spare rows)."""
+    pool, live, token_space, row, position, device_index, kind, key = layouts[(layer, name)]
     value = w.values[name]
     if token_space:
         index, rows = token_rows, batch.num_tokens
@@ -246,10 +266,21 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
         index, rows = state_rows, batch.recurrent_write_rows.shape[0]
     # The usual case in one test (the same checks as below, which name what is wrong when it fails): a CPU or
     # CUDA tensor, the device by kind and index without building device objects; any other device goes below.
-    usual = isinstance(value, Tensor) and value.dtype is live.dtype and value.shape == (rows, *row) \
-        and value.layout is torch.strided and value.get_device() == device_index \
-        and (value.is_cuda if kind == 1 else kind == 0 and value.is_cpu)
-    if not usual:
+    usual = isinstance(value, Tensor) and value.dtype is live.dtype and value.layout is torch.strided \
+        and value.get_device() == device_index and (value.is_cuda if kind == 1 else kind == 0 and value.is_cpu) \
+        and value.shape == (rows, *row)
+    if usual:
+        if value.numel():  # its storage's span against the pools' (the device is the pool's: its key is known)
+            found = spans.get(key)
+            if found is not None:
+                u = value.untyped_storage()
+                lo = u.data_ptr()
+                i = bisect.bisect_left(found[0], lo + u.nbytes())
+                if i > 0 and found[1][i - 1] > lo:
+                    fail(_Where(layer), name, "a tensor that does not share memory with the State's storage "
+                         "(clone it)", "memory of the storage")
+    else:
+        storage = state._storage
         where = _Where(layer)  # formatted only when a check fails
         if value is None:
             if token_space or not batch.ring:
@@ -258,7 +289,7 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
                 raise StaleDeltasError(f"{where}: `{name}` was written in place into the spare ring rows of step "
                                        f"{batch.step_id}, which were handed to another session since (open one "
                                        "session per batch and apply it before the next)")
-            return []
+            return None
         if not isinstance(value, Tensor) or value.layout != torch.strided:
             fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
         shape = value.shape
@@ -268,12 +299,12 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
             fail(where, name, f"dtype {live.dtype} (no silent casts)", value.dtype)
         if value.get_device() != live.get_device() or value.device.type != live.device.type:
             fail(where, name, f"a tensor on {live.device}", value.device)
-    if value.numel() and _overlaps_storage(value, storage):
-        fail(_Where(layer), name, "a tensor that does not share memory with the State's storage (clone it)",
-             "memory of the storage")
+        if value.numel() and _overlaps_storage(value, storage):
+            fail(where, name, "a tensor that does not share memory with the State's storage (clone it)",
+                 "memory of the storage")
     every_row = index is batch.slot_mapping or (index is batch.recurrent_write_rows and (
         batch.phase != "verify" or batch.ring > 0))
-    return [_Target(pool.name, name, position, index, value.detach() if value.requires_grad else value, every_row)]
+    return _Target(pool.name, name, position, index, value.detach() if value.requires_grad else value, every_row)
 
 
 def _memory_key(t: Tensor):
@@ -294,9 +325,7 @@ def _span(t: Tensor):
 
 def _overlaps_storage(value: Tensor, storage) -> bool:
     """Whether the memory behind ``value`` overlaps any tensor of the State's storage."""
-    spans = storage.__dict__.get("_spans")
-    if spans is None:  # the pools' tensors are fixed for the life of a storage: their spans once
-        spans = storage._spans = _disjoint_spans(storage)
+    spans = _spans(storage)
     v = _span(value)
     if v is None or v[0] not in spans:
         return False
