@@ -71,7 +71,7 @@ case "${1:-}" in
     ;;
   prefill)  # fla-core's GDN prefill with fla_direct: bitwise against the public function, then timed
     part 200 env FNATTN_GPU_RESULTS="$out/fla_prefill_cases.json" python benchmarks/gpu_pytest_record.py \
-        "$out/fla_prefill_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py -k prefill
+        "$out/fla_prefill_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py -k "prefill or fla_direct"
     part 200 python benchmarks/model_ab.py --toggle fla_direct --prefill 8192 --batch 1 --steps 12 \
         --out "$out/bench_prefill_ab.json"
     ;;
