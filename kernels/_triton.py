@@ -95,8 +95,9 @@ def num_sms(device_index):
 
 
 # On: the whole Qwen3.5-0.8B graph step on the H200 took 1285 us against 1437 without at batch 1 and 1521 against
-# 1668 at batch 8, the variants' steps interleaved (benchmarks/results/bench_switches_ab.json); replays under it
-# are the plain step's bits (tests/gpu_results/graph_pdl_gpu.json, graph_pdl_kimi_gpu.json).
+# 1668 at batch 8, the variants' steps interleaved (benchmarks/results/bench_switches_ab_dd3d3d6.json; off took
+# 1.10x / 1.09x as long at de9b969, bench_switches_ab.json); replays under it are the plain step's bits
+# (tests/gpu_results/graph_pdl_gpu.json, graph_pdl_kimi_gpu.json).
 _PDL = [True]
 
 

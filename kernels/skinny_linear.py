@@ -33,7 +33,7 @@ decode pair: 18.0 us folded against 14.1 us), so the models do not use them.
 its last column tile to finish (one more arrival counter) reads the whole rows of the sum back from L2
 and writes their RMSNorm too, so the next input projection streams a plain ``x``. In a whole Qwen3.5-0.8B
 graph step on the H200 it saves nothing at one row and loses at eight (1283 against 1285 us, 1770 against
-1521: benchmarks/results/bench_switches_ab.json), so the models leave it off.
+1521: benchmarks/results/bench_switches_ab_dd3d3d6.json), so the models leave it off.
 
 Under `fnattn.kernels.pdl` (on by default), on Hopper, the kernel launches with programmatic dependent launch: each
 program loads its first weight tile while the launch before it on the stream finishes, then waits for it

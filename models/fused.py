@@ -61,7 +61,7 @@ def add_norm_epilogue(enabled: bool):
     """Within this block `project_add_norm` takes decode-sized inputs on CUDA to one launch
     (`skinny_linear_add_norm`) when ``enabled``. Off by default: on, the whole Qwen3.5-0.8B graph step on
     the H200 took 1.00x as long at batch 1 and 1.16x at batch 8 (``benchmarks/model_ab.py``,
-    benchmarks/results/bench_switches_ab.json)."""
+    benchmarks/results/bench_switches_ab_dd3d3d6.json)."""
     return switched(_EPILOGUE, "add_norm_epilogue", enabled)
 
 
@@ -69,7 +69,7 @@ def qk_one_launch(enabled: bool):
     """Within this block `qk_norm_rope` runs `fnattn.kernels.qk_norm_rope` on CUDA when ``enabled`` (the
     default), else FlashInfer's norms and rope. On by default: off, the whole Qwen3.5-0.8B graph step on the
     H200 took 1.03x as long at batch 1 and 1.06x at batch 8 (``benchmarks/model_ab.py``, the variants' steps
-    interleaved: benchmarks/results/bench_switches_ab.json)."""
+    interleaved: benchmarks/results/bench_switches_ab_dd3d3d6.json)."""
     return switched(_QK_ONE_LAUNCH, "qk_one_launch", enabled)
 
 
