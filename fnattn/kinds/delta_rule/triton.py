@@ -258,7 +258,7 @@ def _fla_gdn_forward():
 
     def forward(q, k, v, g, beta, scale, h0, cu_seqlens, chunk_indices):
         # the public function's input guard: contiguous inputs (q / k / v are column slices of the conv output)
-        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        q, k, v, g, beta, h0 = (t.contiguous() for t in (q, k, v, g, beta, h0))
         q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # the guard's device
             out = chunk_gated_delta_rule_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
