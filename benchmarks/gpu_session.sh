@@ -5,7 +5,7 @@
 #   source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_session.sh bench   (bench-kda: KDA prefill)
 #   ... graphs | model | profile | model-long | prefill | fused | fused-more | mla: captured steps, the whole model,
 #   its profile, fla_direct's check and prefill A/B,
-#   the fused paths, the MLA fast paths; linear: the decode GEMV and its folds; ab: the whole step with each
+#   the fused paths, the MLA fast paths (mla-bench: their timings); linear: the decode GEMV and its folds; ab: the whole step with each
 #   switch flipped (benchmarks/model_ab.py); switches: the decode switches flipped from their defaults, checked and timed in
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers
 # Each part has its own time limit, so one slow compile cannot take the rest down.
@@ -93,6 +93,11 @@ case "${1:-}" in
     part 200 env FNATTN_GPU_RESULTS="$out/mla_parity_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/mla_parity.json" -- tests/gpu/test_mla_backends_gpu.py
     ;;
+  mla-bench)  # MLA decode, sparse MLA (both slot translations) and the indexer against raw FlashMLA, one run each
+    part 120 python -m fnattn bench mla-sparse --batch 64 --ctx 32768 --out "$out/bench_mla_sparse.json"
+    part 120 python -m fnattn bench indexer --batch 64 --ctx 32768 --out "$out/bench_mla_sparse_indexer.json"
+    part 90 python -m fnattn bench mla-decode --batch 64 --ctx 4096 --out "$out/bench_mla_decode_b64.json"
+    ;;
   fused)  # the fused pieces: Qwen3.5 fused ops and own kernels, the skinny GEMV, whole models with each switch
     rec="python benchmarks/gpu_pytest_record.py"
     part 420 env FNATTN_GPU_RESULTS="$out/fused_cases.json" $rec "$out/fused_gpu.json" -- tests/gpu/test_fused_gpu.py
@@ -108,7 +113,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|linear" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear" >&2
     exit 2
     ;;
 esac

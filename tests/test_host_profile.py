@@ -1,0 +1,30 @@
+"""benchmarks/host_profile.py on the tiny model: decode and prefill steps profiled on the host (the census of
+host waits needs CUDA and is not run here)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _module():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "host_profile.py"
+    spec = importlib.util.spec_from_file_location("host_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mode, head", [([], "tiny B1 ctx64 decode"), (["--prefill"], "tiny prefill B1 P64")])
+def test_a_tiny_profile_names_its_steps_and_the_hot_functions(mode, head, monkeypatch, capsys):
+    import torch
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(sys, "argv", ["host_profile.py", "--shape", "tiny", "--prompt", "64", "--steps", "2",
+                                      "--rows", "5", *mode])
+    _module().main()
+    out = capsys.readouterr().out
+    assert f"qwen3_5 {head}: eager step" in out and "2 steps" in out
+    assert "Ordered by: internal time" in out and "Ordered by: cumulative time" in out
+    assert "run_step" in out  # the driver's step is in the cumulative list
