@@ -60,6 +60,10 @@ case "${1:-}" in
         prefetch+output_gates+own_norm_act+gating_epilogue pdl --batch 1 8 \
         --out "$out/bench_switches_ab.json"
     ;;
+  ab-large)  # the own small-op kernels at the larger decode batches (timed at batch 1 and 8 when turned on)
+    part 400 python benchmarks/model_ab.py --toggle output_gates own_norm_act output_gates+own_norm_act \
+        --batch 32 128 --out "$out/bench_switches_ab_large.json"
+    ;;
   switches)  # every switch not yet on by default, in one call: the A/B, parity, graph replays under PDL
     rec="python benchmarks/gpu_pytest_record.py"
     part 200 python benchmarks/model_ab.py --toggle prefetch output_gates own_norm_act gating_epilogue \
@@ -113,7 +117,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large" >&2
     exit 2
     ;;
 esac
