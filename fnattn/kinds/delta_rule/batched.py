@@ -1,16 +1,22 @@
-"""GDN / KDA decode on the CPU as batched torch math (backend ``torch``): every request at once.
+"""GDN / KDA decode and prefill on the CPU as torch math (backend ``torch``).
 
-The reference decodes request by request on the host (`.reference`), which is
-the truth but costs a loop of small ops per request and layer: at batch 8 a
-Qwen3.5 tiny decode step took 3x transformers'. Decode has exactly one new token
-per request, so the conv step and the one-token delta rule are the same ops on
-every row: here they run once over ``[B, ...]`` tensors, with the reference's
-arithmetic (fp32, the same op order) and its reads and writes:
+The reference runs request by request and, in prefill, chunk by chunk, each step a few small ops
+(`.reference`): the truth, but at batch 8 a Qwen3.5 tiny decode step took 3x transformers', and a
+512-token prefill spent half its time in the chunk loop. Here, with the reference's arithmetic (fp32):
+
+Decode has exactly one new token per request, so the conv step and the one-token delta rule are the same
+ops on every row: they run once over ``[B, ...]`` tensors, in the reference's op order:
 
     u       = [window, x]                        [B, C, W]  (window: the request's conv row)
     y       = act(bias + sum_w weight u)         in x.dtype, like the conv output
     q, k, v = split(y)                           q, k l2-normalized (the kind's `split_qkv`)
     S       = decay S + k^T (beta (v - k S));  o = scale q S
+
+Prefill runs each request's chunked form (`fnattn.kernels.gdn_naive.gated_delta_chunked_seq`, the same
+formulas) with everything that does not need the state done for all of its chunks at once: the decayed
+``k k^T`` and ``q k^T`` scores, the triangular solves, the decays. Only the state's pass from chunk to chunk
+is a loop, three products a chunk. Requests stay apart (a request's bits do not depend on the others in the
+step); the conv is the reference's.
 
 A request with nothing cached starts from zeros (its slot may hold a released
 request's rows; pad lanes read the null slot). The new states and windows leave
@@ -33,7 +39,8 @@ from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from .config import RecurrentInputs, RecurrentOutput
-from .reference import check_inputs
+from .conv import causal_conv1d
+from .reference import CHUNK_SIZE, check_inputs
 
 NAME = "torch"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,5 +104,91 @@ def _decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[Rec
     return out, writes(ssm=new_states.to(c.state_dtype), conv=new_windows.to(views.conv.dtype))
 
 
+#: Bytes of the pairwise decays ``[H, chunks, L, L, K]`` built at once (per-channel decays are K times the
+#: scalar ones): chunks go in groups under this.
+_DECAY_BYTES = 64 << 20
+
+
+def _decayed(a: Tensor, b: Tensor, gamma: Tensor) -> Tensor:
+    """``M[h, n, i, j] = sum_c a[h, n, i, c] b[h, n, j, c] exp(gamma[h, n, i, c] - gamma[h, n, j, c])`` for
+    ``j <= i``, else 0, over every chunk ``n`` at once: the reference's `_decayed_scores` with a chunk dim
+    (the exponent masked before the exponential, so only non-positive ones are evaluated)."""
+    H, N, L, Kg = gamma.shape
+    causal = torch.ones(L, L, dtype=torch.bool, device=a.device).tril()
+    group = max(1, _DECAY_BYTES // max(1, H * L * L * Kg * 4))
+    parts = []
+    for n0 in range(0, N, group):
+        gm = gamma[:, n0:n0 + group]
+        decay = (gm[:, :, :, None, :] - gm[:, :, None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
+        an, bn = a[:, n0:n0 + group], b[:, n0:n0 + group]
+        if Kg == 1:
+            parts.append((an @ bn.transpose(-1, -2)) * decay[..., 0])
+        else:
+            parts.append(torch.einsum("hnic,hnjc,hnijc->hnij", an, bn, decay))
+    return torch.cat(parts, dim=1)
+
+
+def chunked_delta(q: Float[Tensor, "T H K"], k: Float[Tensor, "T H K"], v: Float[Tensor, "T H V"],
+                  g: Float[Tensor, "T H"] | Float[Tensor, "T H K"], beta: Float[Tensor, "T H"],
+                  state: Float[Tensor, "H K V"], *, scale: float, chunk_size: int = CHUNK_SIZE
+                  ) -> tuple[Float[Tensor, "T H V"], Float[Tensor, "H K V"]]:
+    """One request's gated delta rule in the chunked form, every chunk's state-free work at once:
+    ``-> (o [T, H, V], final state [H, K, V])``, fp32. The formulas are `gated_delta_chunked_seq`'s; the
+    last chunk is padded with tokens of no decay and no write (g = 0, beta = 0, k = v = 0), which leave the
+    state and the real tokens' rows as they are."""
+    T, H, K = k.shape
+    V, L = v.shape[2], chunk_size
+    S = state.float()
+    if T == 0:
+        return q.new_zeros((0, H, V), dtype=torch.float32), S.clone()
+    N = -(-T // L)
+    pad = N * L - T
+
+    def chunks(x):  # [T, H, D] -> [H, N, L, D], zero-padded
+        x = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad))
+        return x.view(N, L, H, x.shape[-1]).permute(2, 0, 1, 3)
+
+    qc, kc, vc = chunks(q * scale), chunks(k), chunks(v)
+    bc = chunks(beta[..., None])  # [H, N, L, 1]
+    gamma = chunks(g if g.dim() == 3 else g[..., None]).cumsum(2)  # [H, N, L, K or 1], non-increasing
+    eye = torch.eye(L, dtype=torch.float32, device=S.device)
+    system = eye + (bc * _decayed(kc, kc, gamma)).tril(-1)  # unit lower triangular, every chunk
+    from_start = gamma.exp()  # e^gamma_i
+    u_v = torch.linalg.solve_triangular(system, bc * vc, upper=False, unitriangular=True)  # [H, N, L, V]
+    u_k = torch.linalg.solve_triangular(system, bc * (kc * from_start), upper=False, unitriangular=True)
+    scores = _decayed(qc, kc, gamma)  # [H, N, L, L], causal with the diagonal
+    q_start = qc * from_start
+    k_end = (kc * (gamma[:, :, -1:] - gamma).exp()).transpose(-1, -2)  # [H, N, K, L]: e^(gamma_L - gamma_j) k_j
+    last = from_start[:, :, -1, :, None]  # [H, N, K or 1, 1]
+    outs = []
+    for n in range(N):  # the state's pass from chunk to chunk
+        u = u_v[:, n] - u_k[:, n] @ S  # [H, L, V]
+        outs.append(q_start[:, n] @ S + scores[:, n] @ u)
+        S = S * last[:, n] + k_end[:, n] @ u
+    o = torch.cat(outs, dim=1)[:, :T]  # [H, T, V]
+    return o.transpose(0, 1).contiguous(), S
+
+
+def _prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
+    check_inputs(spec, inputs)
+    c, batch = spec.config, inputs.meta.batch
+    windows, states = start_rows(spec, views, batch)
+    cu = batch.host_cu_seqlens
+    outs, finals, after = [], [], []
+    for b in range(batch.num_requests):
+        rows = slice(cu[b], cu[b + 1])
+        mixed, conv_after = causal_conv1d(inputs.x[rows], inputs.conv_weight, inputs.conv_bias, windows[b],
+                                          activation="silu")
+        q, k, v = c.split_qkv(mixed)
+        o, final = chunked_delta(q, k, v, inputs.g[rows], inputs.beta[rows], states[b], scale=c.scale)
+        outs.append(o)
+        finals.append(final.to(c.state_dtype))
+        after.append(conv_after[-1])
+    out = RecurrentOutput(o=torch.cat(outs).to(spec.dtype))
+    return out, writes(ssm=torch.stack(finals), conv=torch.stack(after).to(views.conv.dtype))
+
+
 _guards = [register(kind, "decode", NAME, supports=supports)(_decode) for kind in ("gdn", "kda")]
 _decode = _guards[0]
+_prefill_guards = [register(kind, "prefill", NAME, supports=supports)(_prefill) for kind in ("gdn", "kda")]
+_prefill = _prefill_guards[0]

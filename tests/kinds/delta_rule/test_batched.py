@@ -1,4 +1,4 @@
-"""The batched CPU decode (``torch``) against the reference, request by request."""
+"""The CPU ``torch`` backend (batched decode, chunk-parallel prefill) against the reference."""
 
 import pytest
 import torch
@@ -62,6 +62,56 @@ def test_it_serves_cpu_decode_by_default_and_refuses_a_gpu():
     spec = _spec("gdn", torch.float32)
     assert DEFAULT_PREFER.index(batched.NAME) < DEFAULT_PREFER.index("reference")
     ma = fa.ModelAttention([spec])
-    assert ma.backend(0, "decode").name == batched.NAME
-    assert ma.backend(0, "prefill").name == ma.backend(0, "verify").name == "reference"
+    assert ma.backend(0, "decode").name == ma.backend(0, "prefill").name == batched.NAME
+    assert ma.backend(0, "verify").name == "reference"
     assert batched.supports(spec, torch.device("cuda")) and not batched.supports(spec, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_parallel_prefill_equals_the_reference(kind, dtype):
+    """Fresh and prefixed requests, lengths across the chunk size (1, 63, 64, 130), unused storage NaN: the
+    outputs, states and windows the reference leaves, to fp32 rounding."""
+    spec = _spec(kind, dtype)
+    st = fa.State([spec], num_pages=64, page_size=8, max_requests=6, fill=NAN)
+    for r in range(5):
+        st = st.admit(r)
+    cached = {0: 5, 2: 64, 3: 9}
+    new = {0: 130, 1: 64, 2: 1, 3: 63, 4: 70}
+    st = st.reserve({r: cached.get(r, 0) + n for r, n in new.items()})
+    b = fa.Batch.prefill(st, cached)
+    _, st = _step("reference", spec, st, b, _inputs(spec, b.num_tokens, 1))
+    batch = fa.Batch.prefill(st, new)
+    inp = _inputs(spec, batch.num_tokens, 2)
+    want_out, want = _step("reference", spec, st, batch, inp)
+    got_out, got = _step(batched.NAME, spec, st, batch, inp)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.isfinite(got_out.o.float()).all()
+    torch.testing.assert_close(got_out.o, want_out.o, rtol=tol, atol=tol)
+    rows = torch.tensor([want.recurrent_row(r) for r in new])
+    for name, t in want.views(0).items():
+        torch.testing.assert_close(got.views(0)[name][rows], t[rows], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_chunked_delta_is_the_reference_chunked_form(per_channel, monkeypatch):
+    """`chunked_delta` against `gated_delta_chunked_seq`: a padded last chunk, and the pairwise decays built
+    in groups of chunks (a budget of one chunk at a time) give the same values."""
+    from fnattn.kernels.gdn_naive import gated_delta_chunked_seq
+
+    g = torch.Generator().manual_seed(3)
+    T, H, K, V = 150, 2, 8, 4
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=g), dim=-1)  # noqa: E731
+    q, k, v = unit(T, H, K), unit(T, H, K), torch.randn(T, H, V, generator=g)
+    gate = torch.nn.functional.logsigmoid(torch.randn(T, H, *((K,) if per_channel else ()), generator=g))
+    beta, S = torch.rand(T, H, generator=g), torch.randn(H, K, V, generator=g)
+    want = gated_delta_chunked_seq(q, k, v, gate, beta, S, scale=0.3, chunk_size=64)
+    got = batched.chunked_delta(q, k, v, gate, beta, S, scale=0.3, chunk_size=64)
+    monkeypatch.setattr(batched, "_DECAY_BYTES", 1)
+    grouped = batched.chunked_delta(q, k, v, gate, beta, S, scale=0.3, chunk_size=64)
+    for a, b, c in zip(got, want, grouped):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+    o, final = batched.chunked_delta(q[:0], k[:0], v[:0], gate[:0], beta[:0], S, scale=0.3)
+    assert o.shape == (0, H, V) and torch.equal(final, S)
+

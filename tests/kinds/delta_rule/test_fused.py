@@ -217,4 +217,4 @@ def test_prefill_ranks_fla_first_and_decode_ranks_the_fused_kernel_first(kind):
     decode = default.choices[(0, "decode")]
     assert [name for name, _ in prefill.refused][:2] == ["fla", "triton"]
     assert [name for name, _ in decode.refused][:2] == [fused.NAME, "triton"]
-    assert prefill.backend.name == "reference"
+    assert prefill.backend.name == "torch"

@@ -287,9 +287,9 @@ def test_registered_for_every_phase_and_refused_on_a_cpu_with_reasons(kind):
         reasons = lookup(kind, "prefill", name).supports(spec, torch.device("cpu"))
         assert any("CUDA" in r for r in reasons), reasons
     ma = fa.ModelAttention([spec])
-    # on a CPU: the batched torch decode, the reference for prefill and verify
+    # on a CPU: the torch backend's batched decode and chunk-parallel prefill, the reference for verify
     assert {p: c.backend.name for (_, p), c in ma.choices.items()} == {
-        "prefill": "reference", "decode": "torch", "verify": "reference"}
+        "prefill": "torch", "decode": "torch", "verify": "reference"}
     assert "triton (needs a CUDA device" in ma.explain()
 
 
