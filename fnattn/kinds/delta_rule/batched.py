@@ -13,10 +13,9 @@ ops on every row: they run once over ``[B, ...]`` tensors, in the reference's op
     S       = decay S + k^T (beta (v - k S));  o = scale q S
 
 Prefill runs each request's chunked form (`fnattn.kernels.gdn_naive.gated_delta_chunked_seq`, the same
-formulas) with everything that does not need the state done for all of its chunks at once: the decayed
-``k k^T`` and ``q k^T`` scores, the triangular solves, the decays. Only the state's pass from chunk to chunk
-is a loop, three products a chunk. Requests stay apart (a request's bits do not depend on the others in the
-step); the conv is the reference's.
+formulas and chunks) building each chunk's pairwise decays once and solving its triangular system once
+(`chunked_delta`). Requests stay apart (a request's bits do not depend on the others in the step); the conv
+is the reference's.
 
 A request with nothing cached starts from zeros (its slot may hold a released
 request's rows; pad lanes read the null slot). The new states and windows leave
@@ -104,69 +103,47 @@ def _decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[Rec
     return out, writes(ssm=new_states.to(c.state_dtype), conv=new_windows.to(views.conv.dtype))
 
 
-#: Bytes of the pairwise decays ``[H, chunks, L, L, K]`` built at once (per-channel decays are K times the
-#: scalar ones): chunks go in groups under this.
-_DECAY_BYTES = 64 << 20
-
-
-def _decayed(a: Tensor, b: Tensor, gamma: Tensor) -> Tensor:
-    """``M[h, n, i, j] = sum_c a[h, n, i, c] b[h, n, j, c] exp(gamma[h, n, i, c] - gamma[h, n, j, c])`` for
-    ``j <= i``, else 0, over every chunk ``n`` at once: the reference's `_decayed_scores` with a chunk dim
-    (the exponent masked before the exponential, so only non-positive ones are evaluated)."""
-    H, N, L, Kg = gamma.shape
-    causal = torch.ones(L, L, dtype=torch.bool, device=a.device).tril()
-    group = max(1, _DECAY_BYTES // max(1, H * L * L * Kg * 4))
-    parts = []
-    for n0 in range(0, N, group):
-        gm = gamma[:, n0:n0 + group]
-        decay = (gm[:, :, :, None, :] - gm[:, :, None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
-        an, bn = a[:, n0:n0 + group], b[:, n0:n0 + group]
-        if Kg == 1:
-            parts.append((an @ bn.transpose(-1, -2)) * decay[..., 0])
-        else:
-            parts.append(torch.einsum("hnic,hnjc,hnijc->hnij", an, bn, decay))
-    return torch.cat(parts, dim=1)
-
-
 def chunked_delta(q: Float[Tensor, "T H K"], k: Float[Tensor, "T H K"], v: Float[Tensor, "T H V"],
                   g: Float[Tensor, "T H"] | Float[Tensor, "T H K"], beta: Float[Tensor, "T H"],
                   state: Float[Tensor, "H K V"], *, scale: float, chunk_size: int = CHUNK_SIZE
                   ) -> tuple[Float[Tensor, "T H V"], Float[Tensor, "H K V"]]:
-    """One request's gated delta rule in the chunked form, every chunk's state-free work at once:
-    ``-> (o [T, H, V], final state [H, K, V])``, fp32. The formulas are `gated_delta_chunked_seq`'s; the
-    last chunk is padded with tokens of no decay and no write (g = 0, beta = 0, k = v = 0), which leave the
-    state and the real tokens' rows as they are."""
+    """One request's gated delta rule in the chunked form: ``-> (o [T, H, V], final state [H, K, V])``, fp32.
+    The formulas and the chunking are `gated_delta_chunked_seq`'s; each chunk builds its pairwise decays
+    once for both the ``k k^T`` and the ``q k^T`` scores and solves its triangular system once for both
+    right-hand sides (the reference, a plain statement of the math, does each twice). Chunk by chunk, not
+    all chunks at once: a chunk's ``[H, L, L]`` tiles stay in the CPU's caches, all of them do not."""
     T, H, K = k.shape
-    V, L = v.shape[2], chunk_size
+    V = v.shape[2]
     S = state.float()
     if T == 0:
         return q.new_zeros((0, H, V), dtype=torch.float32), S.clone()
-    N = -(-T // L)
-    pad = N * L - T
-
-    def chunks(x):  # [T, H, D] -> [H, N, L, D], zero-padded
-        x = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad))
-        return x.view(N, L, H, x.shape[-1]).permute(2, 0, 1, 3)
-
-    qc, kc, vc = chunks(q * scale), chunks(k), chunks(v)
-    bc = chunks(beta[..., None])  # [H, N, L, 1]
-    gamma = chunks(g if g.dim() == 3 else g[..., None]).cumsum(2)  # [H, N, L, K or 1], non-increasing
-    eye = torch.eye(L, dtype=torch.float32, device=S.device)
-    system = eye + (bc * _decayed(kc, kc, gamma)).tril(-1)  # unit lower triangular, every chunk
-    from_start = gamma.exp()  # e^gamma_i
-    u_v = torch.linalg.solve_triangular(system, bc * vc, upper=False, unitriangular=True)  # [H, N, L, V]
-    u_k = torch.linalg.solve_triangular(system, bc * (kc * from_start), upper=False, unitriangular=True)
-    scores = _decayed(qc, kc, gamma)  # [H, N, L, L], causal with the diagonal
-    q_start = qc * from_start
-    k_end = (kc * (gamma[:, :, -1:] - gamma).exp()).transpose(-1, -2)  # [H, N, K, L]: e^(gamma_L - gamma_j) k_j
-    last = from_start[:, :, -1, :, None]  # [H, N, K or 1, 1]
+    q32 = (q.float() * scale).transpose(0, 1)  # [H, T, K]
+    k32, v32 = k.float().transpose(0, 1), v.float().transpose(0, 1)
+    beta32 = beta.float().transpose(0, 1)[:, :, None]  # [H, T, 1]
+    g32 = (g.float() if g.dim() == 3 else g.float()[:, :, None]).transpose(0, 1)  # [H, T, K or 1]
     outs = []
-    for n in range(N):  # the state's pass from chunk to chunk
-        u = u_v[:, n] - u_k[:, n] @ S  # [H, L, V]
-        outs.append(q_start[:, n] @ S + scores[:, n] @ u)
-        S = S * last[:, n] + k_end[:, n] @ u
-    o = torch.cat(outs, dim=1)[:, :T]  # [H, T, V]
-    return o.transpose(0, 1).contiguous(), S
+    for start in range(0, T, chunk_size):
+        stop = min(start + chunk_size, T)
+        L = stop - start
+        qc, kc, vc, bc = q32[:, start:stop], k32[:, start:stop], v32[:, start:stop], beta32[:, start:stop]
+        gamma = g32[:, start:stop].cumsum(1)  # [H, L, K or 1], non-increasing
+        causal = torch.ones(L, L, dtype=torch.bool, device=S.device).tril()
+        decay = (gamma[:, :, None, :] - gamma[:, None, :, :]).masked_fill(~causal[None, :, :, None],
+                                                                           float("-inf")).exp()
+        if gamma.shape[-1] == 1:
+            kk = (kc @ kc.transpose(1, 2)) * decay[..., 0]
+            qk = (qc @ kc.transpose(1, 2)) * decay[..., 0]
+        else:
+            kk = torch.einsum("hic,hjc,hijc->hij", kc, kc, decay)
+            qk = torch.einsum("hic,hjc,hijc->hij", qc, kc, decay)
+        system = torch.eye(L, dtype=S.dtype, device=S.device) + (bc * kk).tril(-1)
+        from_start = gamma.exp()  # e^gamma_i
+        both = torch.linalg.solve_triangular(system, torch.cat([bc * vc, bc * (kc * from_start)], dim=2),
+                                             upper=False, unitriangular=True)
+        u = both[..., :V] - both[..., V:] @ S  # [H, L, V]
+        outs.append((qc * from_start) @ S + qk @ u)
+        S = S * from_start[:, -1, :, None] + (kc * (gamma[:, -1:] - gamma).exp()).transpose(1, 2) @ u
+    return torch.cat(outs, dim=1).transpose(0, 1).contiguous(), S
 
 
 def _prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
