@@ -399,6 +399,7 @@ def check_prefill_runs_expanded_decode_and_verify_absorbed(kind, monkeypatch):
     for name in ("mla_expanded", "mla_absorbed"):
         monkeypatch.setattr(backend, name, spy(name))
     model = Model(kind, seed=18)
+    model.ma = fa.ModelAttention(model.specs, prefer=("reference",))  # the reference's forms (CPU prefill: sdpa)
     xs = hidden(model, {0: 10, 1: 10}, seed=19)
     st = prefixed(model, xs, {0: 4, 1: 3})
     for phase, counts, form in (("prefill", {0: 2, 1: 1}, "mla_expanded"), ("decode", {0: 1, 1: 1}, "mla_absorbed"),

@@ -1,0 +1,94 @@
+"""CPU backend for MLA prefill: the expanded form through torch's fused SDPA kernel (backend ``sdpa``).
+
+The reference (`.reference`) builds every new token's ``[H, N]`` scores in fp32, then a masked log-sum-exp
+and a softmax over them: the truth, and on a CPU most of a Kimi Linear tiny prefill. Here each request's
+latent rows are expanded as the reference expands them (``k_nope = c_kv W_UK``, ``v = c_kv W_UV``, the shared
+``k_pe`` on every head) and handed, in fp32, to the kernel ``F.scaled_dot_product_attention`` dispatches to on
+a CPU, which also returns the log-sum-exp the output carries (as `fnattn.kinds.full.sdpa` does):
+
+- the new tokens among themselves: causal (a square, so the kernel's top-left alignment is right);
+- the new tokens over the cached ones: no mask; the two parts merge by their log-sum-exps.
+
+The kernel wants one head size for q, k and v, so ``v`` is zero-padded to ``q``'s (``Dn + Dr``) and the
+output sliced back. Decode and verify stay the reference's (the absorbed form reads the cache in latent
+space, a few small products per token).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...deltas import Writes, writes
+from ...registry import register
+from ...spec import LayerSpec
+from ...state import Views
+from ..full.config import AttentionOutput
+from ..full.math import merge
+from .config import MLAInputs
+from .reference import request_rows
+
+NAME = "sdpa"
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def supports(spec, device) -> list[str]:
+    reasons = []
+    if device.type != "cpu":
+        reasons.append(f"runs on CPU, the model runs on {device.type}")
+    if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        reasons.append(f"dtype {spec.dtype} not in (float32, bfloat16, float16)")
+    return reasons
+
+
+def _heads_first(x: Tensor) -> Tensor:
+    return x.transpose(0, 1)[None]  # [m, H, D] -> [1, H, m, D]
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """``q [n, H, D]`` over ``k``, ``v [m, H, D]`` -> ``(o [n, H, D], lse [n, H])``, fp32."""
+    o, lse = _flash(_heads_first(q), _heads_first(k), _heads_first(v), is_causal=causal, scale=scale)[:2]
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def expanded_sdpa(q_nope: Tensor, q_pe: Tensor, latent: Tensor, w_uk: Tensor, w_uv: Tensor, *, scale: float,
+                  n_cached: int) -> tuple[Tensor, Tensor]:
+    """One request: ``q_nope [n, H, Dn]``, ``q_pe [n, H, Dr]`` over ``latent [n_cached + n, R + Dr]`` (its
+    cached rows then its new ones), causal -> ``(o [n, H, Dv], lse [n, H])`` in fp32: `mla_expanded`'s
+    result."""
+    f32 = torch.float32
+    n, H, _ = q_nope.shape
+    R, Dv = w_uk.shape[2], w_uv.shape[1]
+    c_kv, k_pe = latent[:, :R].to(f32), latent[:, R:].to(f32)
+    k_nope = torch.einsum("nr,hdr->nhd", c_kv, w_uk.to(f32))  # [N, H, Dn]
+    value = torch.einsum("nr,hvr->nhv", c_kv, w_uv.to(f32))  # [N, H, Dv]
+    q = torch.cat([q_nope.to(f32), q_pe.to(f32)], dim=-1)  # [n, H, Dn + Dr]
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, H, -1)], dim=-1)  # [N, H, Dn + Dr]
+    D = q.shape[-1]
+    if Dv < D:  # the kernel takes one head size: zero columns, sliced off after
+        value = torch.nn.functional.pad(value, (0, D - Dv))
+    o, lse = _attend(q, k[n_cached:], value[n_cached:], scale=scale, causal=True)
+    if n_cached:
+        oc, lsec = _attend(q, k[:n_cached], value[:n_cached], scale=scale, causal=False)
+        o, lse = merge(oc, lsec, o, lse)
+    return o[..., :Dv], lse
+
+
+def paged_mla_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs) -> AttentionOutput:
+    cfg, batch = spec.config.mla, inputs.meta.batch
+    cu = batch.host_cu_seqlens
+    outs, lses = [], []
+    for b, n_cached in enumerate(batch.host_cache_lens):
+        rows = slice(cu[b], cu[b + 1])
+        new = cfg.as_cached(inputs.latent[rows])  # [n, R + Dr] at the cache's precision, as the reference
+        latent = request_rows(views.latent, new, batch, b, decode=cfg)
+        o, lse = expanded_sdpa(inputs.q_nope[rows], inputs.q_pe[rows], latent, inputs.w_uk, inputs.w_uv,
+                               scale=cfg.scale, n_cached=n_cached)
+        outs.append(o.to(inputs.q_nope.dtype))  # the reference's rounding: to q's dtype, then the layer's
+        lses.append(lse)
+    return AttentionOutput(o=torch.cat(outs).to(spec.dtype), lse=torch.cat(lses).float())
+
+
+@register("mla", "prefill", NAME, supports=supports)
+def prefill(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
+    return paged_mla_sdpa(spec, views, inputs), writes(latent=spec.config.mla.encode_latent(inputs.latent))

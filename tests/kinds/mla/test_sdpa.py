@@ -1,0 +1,48 @@
+"""The CPU MLA prefill (``sdpa``: the expanded form through torch's fused SDPA kernel) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fnattn as fa
+from fnattn.kinds.mla import sdpa
+from fnattn.kinds.mla.math import mla_expanded
+from kinds.mla.fast_cases import compare, filled_state, mla_config
+
+SMALL = dict(R=16, Dr=8, Dn=8, Dv=12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [None, "fp8_e4m3"])
+def test_prefill_with_and_without_a_prefix_equals_the_reference(dtype, cache_dtype):
+    """Requests with 0 / 5 / 64 / 130 cached rows and 1 / 9 / 70 / 3 new ones, unused storage NaN: the outputs,
+    the log-sum-exps and the rows written are the reference's."""
+    specs = [fa.LayerSpec(0, mla_config(H=3, **SMALL, cache_dtype=cache_dtype, cache_scale=0.5), dtype)]
+    st = filled_state(specs, [0, 5, 64, 130], page_size=16, extra=80)
+    batch = fa.Batch.prefill(st, {0: 1, 1: 9, 2: 70, 3: 3})
+    (row,) = compare(specs, st, batch, sdpa.NAME)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert row["finite"] and row["writes_equal"], row
+    assert row["o_rel"] <= tol and row["lse_abs"] <= 1e-4, row
+
+
+@pytest.mark.parametrize("n_cached, n", [(0, 1), (0, 17), (7, 1), (33, 20)])
+def test_expanded_sdpa_is_mla_expanded(n_cached, n):
+    g = torch.Generator().manual_seed(n_cached + n)
+    H, Dn, Dr, R, Dv = 2, 16, 8, 32, 12
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
+    args = (r(n, H, Dn), r(n, H, Dr), r(n_cached + n, R + Dr), r(H, Dn, R, scale=0.1), r(H, Dv, R, scale=0.1))
+    got = sdpa.expanded_sdpa(*args, scale=0.2, n_cached=n_cached)
+    want = mla_expanded(*args, scale=0.2, n_cached=n_cached)
+    assert got[0].shape == (n, H, Dv) and got[1].shape == (n, H)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_it_serves_cpu_prefill_only_and_refuses_a_gpu():
+    spec = fa.LayerSpec(0, mla_config(H=2, **SMALL), torch.float32)
+    ma = fa.ModelAttention([spec])
+    assert ma.backend(0, "prefill").name == sdpa.NAME
+    assert ma.backend(0, "decode").name == ma.backend(0, "verify").name == "reference"
+    assert sdpa.supports(spec, torch.device("cuda")) and not sdpa.supports(spec, torch.device("cpu"))
