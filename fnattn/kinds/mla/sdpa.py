@@ -1,4 +1,4 @@
-"""CPU backend for MLA prefill: the expanded form through torch's fused SDPA kernel (backend ``sdpa``).
+"""CPU backend for MLA prefill and decode through torch's fused SDPA kernel (backend ``sdpa``).
 
 The reference (`.reference`) builds every new token's ``[H, N]`` scores in fp32, then a masked log-sum-exp
 and a softmax over them: the truth, and on a CPU most of a Kimi Linear tiny prefill. Here each request's
@@ -10,8 +10,13 @@ a CPU, which also returns the log-sum-exp the output carries (as `fnattn.kinds.f
 - the new tokens over the cached ones: no mask; the two parts merge by their log-sum-exps.
 
 The kernel wants one head size for q, k and v, so ``v`` is zero-padded to ``q``'s (``Dn + Dr``) and the
-output sliced back. Decode and verify stay the reference's (the absorbed form reads the cache in latent
-space, a few small products per token).
+output sliced back.
+
+Decode, in the absorbed form (``q_nope W_UK`` against the latent rows, ``W_UV`` after), is one call for the
+whole batch where the reference loops over requests: every request's cached rows are gathered through the
+block table into ``[B, rows, R + Dr]`` (rows past its cache zeroed, so a NaN in an unwritten slot cannot reach
+the products), its own new row appended, and the kernel runs the heads as the query axis of one shared latent
+head (MQA), masked to each request's rows. Verify stays the reference's.
 """
 
 from __future__ import annotations
@@ -87,6 +92,48 @@ def paged_mla_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs) -> Attentio
         outs.append(o.to(inputs.q_nope.dtype))  # the reference's rounding: to q's dtype, then the layer's
         lses.append(lse)
     return AttentionOutput(o=torch.cat(outs).to(spec.dtype), lse=torch.cat(lses).float())
+
+
+def absorbed_decode(q_nope: Tensor, q_pe: Tensor, rows: Tensor, visible: Tensor, w_uk: Tensor, w_uv: Tensor, *,
+                    scale: float) -> tuple[Tensor, Tensor]:
+    """One token per request: ``q_nope [B, H, Dn]``, ``q_pe [B, H, Dr]`` over ``rows [B, N, R + Dr]`` (zero
+    where not ``visible [B, N]``) -> ``(o [B, H, Dv], lse [B, H])`` in fp32: `mla_absorbed`'s result."""
+    f32 = torch.float32
+    R = w_uk.shape[2]
+    q = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope.to(f32), w_uk.to(f32)), q_pe.to(f32)], dim=-1)  # [B, H, D]
+    keys = rows.to(f32)[:, None]  # [B, 1, N, D]: one latent head for every query head
+    values = torch.nn.functional.pad(keys[..., :R], (0, keys.shape[-1] - R))  # c_kv, zero-padded to D
+    bias = torch.zeros(visible.shape, dtype=f32, device=q.device).masked_fill(~visible, float("-inf"))
+    o, lse = _flash(q[:, None], keys, values, attn_mask=bias[:, None, None, :], scale=scale)[:2]
+    o = torch.einsum("bhr,hvr->bhv", o[:, 0, :, :R], w_uv.to(f32))
+    return o, lse[:, 0]
+
+
+def decode_rows(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[Tensor, Tensor]:
+    """Every request's cached latent rows then its new one: ``(rows [B, N, R + Dr], visible [B, N])``."""
+    cfg, batch = spec.config.mla, inputs.meta.batch
+    pages, S = views.latent, batch.page_size
+    cached = torch.tensor(batch.host_cache_lens, device=pages.device)  # [B]
+    used = -(-max(batch.host_cache_lens, default=0) // S)
+    new = cfg.as_cached(inputs.latent)  # [B, X] at the cache's precision, as the reference reads it
+    if used:
+        table = batch.block_table[:, :used].reshape(-1).long()
+        rows = cfg.decode_latent(pages.index_select(0, table).view(len(cached), used * S, -1), new.dtype)
+        seen = torch.arange(used * S, device=pages.device)[None, :] < cached[:, None]  # [B, used * S]
+        rows = torch.cat([rows.masked_fill(~seen[..., None], 0), new[:, None]], dim=1)
+        visible = torch.cat([seen, torch.ones_like(seen[:, :1])], dim=1)
+    else:
+        rows, visible = new[:, None], torch.ones(new.shape[0], 1, dtype=torch.bool, device=new.device)
+    return rows, visible
+
+
+@register("mla", "decode", NAME, supports=supports)
+def decode(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
+    cfg = spec.config.mla
+    rows, visible = decode_rows(spec, views, inputs)
+    o, lse = absorbed_decode(inputs.q_nope, inputs.q_pe, rows, visible, inputs.w_uk, inputs.w_uv, scale=cfg.scale)
+    out = AttentionOutput(o=o.to(inputs.q_nope.dtype).to(spec.dtype), lse=lse.float())
+    return out, writes(latent=cfg.encode_latent(inputs.latent))
 
 
 @register("mla", "prefill", NAME, supports=supports)

@@ -1,4 +1,5 @@
-"""The CPU MLA prefill (``sdpa``: the expanded form through torch's fused SDPA kernel) against the reference."""
+"""The CPU MLA backend (``sdpa``: prefill in the expanded form, decode in the absorbed form, through torch's
+fused SDPA kernel) against the reference."""
 
 from __future__ import annotations
 
@@ -40,9 +41,25 @@ def test_expanded_sdpa_is_mla_expanded(n_cached, n):
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
 
 
-def test_it_serves_cpu_prefill_only_and_refuses_a_gpu():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [None, "fp8_e4m3"])
+def test_decode_of_a_batch_equals_the_reference(dtype, cache_dtype):
+    """Caches of 0 / 1 / 15 / 16 / 130 rows (a fresh request, page edges, several pages) decoded in one call,
+    two pad lanes on the null page, unused storage NaN: the live lanes' outputs and LSEs, and the rows
+    written, are the reference's."""
+    specs = [fa.LayerSpec(0, mla_config(H=3, **SMALL, cache_dtype=cache_dtype, cache_scale=0.5), dtype)]
+    st = filled_state(specs, [0, 1, 15, 16, 130], page_size=16, extra=4)
+    batch = fa.Batch.decode(st, [4, 0, 2, 1, 3], pad_to=7)
+    live = torch.arange(batch.num_tokens) < len(batch.live_ids)
+    (row,) = compare(specs, st, batch, sdpa.NAME, live=live)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert row["finite"] and row["writes_equal"], row
+    assert row["o_rel"] <= tol and row["lse_abs"] <= 1e-4, row
+
+
+def test_it_serves_cpu_prefill_and_decode_and_refuses_a_gpu():
     spec = fa.LayerSpec(0, mla_config(H=2, **SMALL), torch.float32)
     ma = fa.ModelAttention([spec])
-    assert ma.backend(0, "prefill").name == sdpa.NAME
-    assert ma.backend(0, "decode").name == ma.backend(0, "verify").name == "reference"
+    assert ma.backend(0, "prefill").name == ma.backend(0, "decode").name == sdpa.NAME
+    assert ma.backend(0, "verify").name == "reference"
     assert sdpa.supports(spec, torch.device("cuda")) and not sdpa.supports(spec, torch.device("cpu"))
