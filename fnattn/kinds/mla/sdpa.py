@@ -31,6 +31,7 @@ from ...state import Views
 from ..full.config import AttentionOutput
 from ..full.math import merge
 from .config import MLAInputs
+from .math import key_visibility, topk_mask
 from .reference import request_rows
 
 NAME = "sdpa"
@@ -50,17 +51,29 @@ def _heads_first(x: Tensor) -> Tensor:
     return x.transpose(0, 1)[None]  # [m, H, D] -> [1, H, m, D]
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """``q [n, H, D]`` over ``k``, ``v [m, H, D]`` -> ``(o [n, H, D], lse [n, H])``, fp32."""
-    o, lse = _flash(_heads_first(q), _heads_first(k), _heads_first(v), is_causal=causal, scale=scale)[:2]
-    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
+def _attend(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool = False,
+            allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``q [n, H, D]`` over ``k``, ``v [m, H, D]`` -> ``(o [n, H, D], lse [n, H])``, fp32; ``allowed [n, m]``:
+    the keys each query may attend (a row with none gets ``o = 0``, ``lse = -inf``, as the reference's)."""
+    bias = None
+    if allowed is not None:
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+        bias = bias[None, None]
+    o, lse = _flash(_heads_first(q), _heads_first(k), _heads_first(v), is_causal=causal, attn_mask=bias,
+                    scale=scale)[:2]
+    o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+    if allowed is not None:
+        blind = ~allowed.any(-1)  # [n]
+        o, lse = o.masked_fill(blind[:, None, None], 0.0), lse.masked_fill(blind[:, None], float("-inf"))
+    return o, lse
 
 
 def expanded_sdpa(q_nope: Tensor, q_pe: Tensor, latent: Tensor, w_uk: Tensor, w_uv: Tensor, *, scale: float,
-                  n_cached: int) -> tuple[Tensor, Tensor]:
+                  n_cached: int, allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One request: ``q_nope [n, H, Dn]``, ``q_pe [n, H, Dr]`` over ``latent [n_cached + n, R + Dr]`` (its
     cached rows then its new ones), causal -> ``(o [n, H, Dv], lse [n, H])`` in fp32: `mla_expanded`'s
-    result."""
+    result. ``allowed [n, N]`` (sparse layers: the selected positions) further limits each token's keys:
+    then one masked call over every key."""
     f32 = torch.float32
     n, H, _ = q_nope.shape
     R, Dv = w_uk.shape[2], w_uv.shape[1]
@@ -72,6 +85,10 @@ def expanded_sdpa(q_nope: Tensor, q_pe: Tensor, latent: Tensor, w_uk: Tensor, w_
     D = q.shape[-1]
     if Dv < D:  # the kernel takes one head size: zero columns, sliced off after
         value = torch.nn.functional.pad(value, (0, D - Dv))
+    if allowed is not None:
+        visible = key_visibility(n, latent.shape[0], n_cached=n_cached, device=q.device) & allowed
+        o, lse = _attend(q, k, value, scale=scale, allowed=visible)
+        return o[..., :Dv], lse
     o, lse = _attend(q, k[n_cached:], value[n_cached:], scale=scale, causal=True)
     if n_cached:
         oc, lsec = _attend(q, k[:n_cached], value[:n_cached], scale=scale, causal=False)
@@ -79,7 +96,9 @@ def expanded_sdpa(q_nope: Tensor, q_pe: Tensor, latent: Tensor, w_uk: Tensor, w_
     return o[..., :Dv], lse
 
 
-def paged_mla_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs) -> AttentionOutput:
+def paged_mla_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: Tensor | None = None
+                   ) -> AttentionOutput:
+    """Every request's prefill; ``selected [T, topk]`` (sparse layers): the positions each token attends."""
     cfg, batch = spec.config.mla, inputs.meta.batch
     cu = batch.host_cu_seqlens
     outs, lses = [], []
@@ -87,8 +106,9 @@ def paged_mla_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs) -> Attentio
         rows = slice(cu[b], cu[b + 1])
         new = cfg.as_cached(inputs.latent[rows])  # [n, R + Dr] at the cache's precision, as the reference
         latent = request_rows(views.latent, new, batch, b, decode=cfg)
+        allowed = None if selected is None else topk_mask(selected[rows], n_keys=latent.shape[0])
         o, lse = expanded_sdpa(inputs.q_nope[rows], inputs.q_pe[rows], latent, inputs.w_uk, inputs.w_uv,
-                               scale=cfg.scale, n_cached=n_cached)
+                               scale=cfg.scale, n_cached=n_cached, allowed=allowed)
         outs.append(o.to(inputs.q_nope.dtype))  # the reference's rounding: to q's dtype, then the layer's
         lses.append(lse)
     return AttentionOutput(o=torch.cat(outs).to(spec.dtype), lse=torch.cat(lses).float())

@@ -63,3 +63,19 @@ def test_it_serves_cpu_prefill_and_decode_and_refuses_a_gpu():
     assert ma.backend(0, "prefill").name == ma.backend(0, "decode").name == sdpa.NAME
     assert ma.backend(0, "verify").name == "reference"
     assert sdpa.supports(spec, torch.device("cuda")) and not sdpa.supports(spec, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("topk", [4, 64])
+def test_sparse_prefill_equals_the_reference(shared, topk):
+    """DeepSeek-V3.2 (the layer's own indexer) and GLM-5 (a second layer reusing its top-k): with a top-k
+    smaller than most contexts and one larger than all, prefixes of 0 / 5 / 40 rows: the outputs, LSEs, the
+    selected positions and the rows written are the reference's."""
+    from kinds.mla.fast_cases import sparse_specs
+
+    specs = sparse_specs(topk=topk, Hi=2, Di=16, shared=shared, dtype=torch.float32, H=3, **SMALL)
+    st = filled_state(specs, [0, 5, 40], page_size=16, extra=24)
+    batch = fa.Batch.prefill(st, {0: 9, 1: 1, 2: 20})
+    for row in compare(specs, st, batch, sdpa.NAME):
+        assert row["finite"] and row["writes_equal"] and row["topk_mismatch"] == 0.0, row
+        assert row["o_rel"] <= 1e-5 and row["lse_abs"] <= 1e-4, row
