@@ -125,12 +125,16 @@ def absorbed_decode(q_nope: Tensor, q_pe: Tensor, rows: Tensor, visible: Tensor,
     values = torch.nn.functional.pad(keys[..., :R], (0, keys.shape[-1] - R))  # c_kv, zero-padded to D
     bias = torch.zeros(visible.shape, dtype=f32, device=q.device).masked_fill(~visible, float("-inf"))
     o, lse = _flash(q[:, None], keys, values, attn_mask=bias[:, None, None, :], scale=scale)[:2]
-    o = torch.einsum("bhr,hvr->bhv", o[:, 0, :, :R], w_uv.to(f32))
-    return o, lse[:, 0]
+    o, lse = torch.einsum("bhr,hvr->bhv", o[:, 0, :, :R], w_uv.to(f32)), lse[:, 0]
+    blind = ~visible.any(-1)  # [B]: a token that may attend nothing (a sparse layer's empty selection)
+    return o.masked_fill(blind[:, None, None], 0.0), lse.masked_fill(blind[:, None], float("-inf"))
 
 
-def decode_rows(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[Tensor, Tensor]:
-    """Every request's cached latent rows then its new one: ``(rows [B, N, R + Dr], visible [B, N])``."""
+def decode_rows(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """Every request's cached latent rows then its new one: ``(rows [B, N, R + Dr], visible [B, N])``; row
+    ``p < cache length`` is position ``p`` of the request, the last row its new token. ``selected [B, topk]``
+    (sparse layers: positions, -1 padded) limits ``visible`` to those positions."""
     cfg, batch = spec.config.mla, inputs.meta.batch
     pages, S = views.latent, batch.page_size
     cached = torch.tensor(batch.host_cache_lens, device=pages.device)  # [B]
@@ -144,16 +148,27 @@ def decode_rows(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[Tenso
         visible = torch.cat([seen, torch.ones_like(seen[:, :1])], dim=1)
     else:
         rows, visible = new[:, None], torch.ones(new.shape[0], 1, dtype=torch.bool, device=new.device)
+    if selected is not None:
+        last = used * S  # the new token's row; one more column takes the -1 padding
+        cols = torch.where(selected == cached[:, None], last, selected)
+        cols = torch.where(selected < 0, last + 1, cols).long()
+        picked = torch.zeros(len(cached), last + 2, dtype=torch.bool, device=cols.device).scatter(1, cols, True)
+        visible = visible & picked[:, :last + 1]
     return rows, visible
+
+
+def paged_decode_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: Tensor | None = None
+                      ) -> AttentionOutput:
+    """Every request's one new token; ``selected [B, topk]`` (sparse layers): the positions each attends."""
+    cfg = spec.config.mla
+    rows, visible = decode_rows(spec, views, inputs, selected)
+    o, lse = absorbed_decode(inputs.q_nope, inputs.q_pe, rows, visible, inputs.w_uk, inputs.w_uv, scale=cfg.scale)
+    return AttentionOutput(o=o.to(inputs.q_nope.dtype).to(spec.dtype), lse=lse.float())
 
 
 @register("mla", "decode", NAME, supports=supports)
 def decode(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
-    cfg = spec.config.mla
-    rows, visible = decode_rows(spec, views, inputs)
-    o, lse = absorbed_decode(inputs.q_nope, inputs.q_pe, rows, visible, inputs.w_uk, inputs.w_uv, scale=cfg.scale)
-    out = AttentionOutput(o=o.to(inputs.q_nope.dtype).to(spec.dtype), lse=lse.float())
-    return out, writes(latent=cfg.encode_latent(inputs.latent))
+    return paged_decode_sdpa(spec, views, inputs), writes(latent=spec.config.mla.encode_latent(inputs.latent))
 
 
 @register("mla", "prefill", NAME, supports=supports)

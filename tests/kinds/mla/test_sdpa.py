@@ -79,3 +79,20 @@ def test_sparse_prefill_equals_the_reference(shared, topk):
     for row in compare(specs, st, batch, sdpa.NAME):
         assert row["finite"] and row["writes_equal"] and row["topk_mismatch"] == 0.0, row
         assert row["o_rel"] <= 1e-5 and row["lse_abs"] <= 1e-4, row
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("topk", [4, 64])
+def test_sparse_decode_of_a_batch_equals_the_reference(shared, topk):
+    """One call for the batch, each token masked to its selected positions (its own new row among them when
+    picked), caches of 0 / 3 / 16 / 40 rows and a pad lane: the live lanes' outputs, LSEs and selections and
+    the rows written are the reference's."""
+    from kinds.mla.fast_cases import sparse_specs
+
+    specs = sparse_specs(topk=topk, Hi=2, Di=16, shared=shared, dtype=torch.float32, H=3, **SMALL)
+    st = filled_state(specs, [0, 3, 16, 40], page_size=16, extra=4)
+    batch = fa.Batch.decode(st, [2, 0, 3, 1], pad_to=5)
+    live = torch.arange(batch.num_tokens) < len(batch.live_ids)
+    for row in compare(specs, st, batch, sdpa.NAME, live=live):
+        assert row["finite"] and row["writes_equal"] and row["topk_mismatch"] == 0.0, row
+        assert row["o_rel"] <= 1e-5 and row["lse_abs"] <= 1e-4, row
