@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +169,12 @@ def ring_step(state, rids, *, value=1.0, in_place=False):
     batch = fa.Batch.decode(state, rids)
     _, deltas = run(ma, state, batch, {s.index: constant_inputs(s, len(rids), value) for s in state.specs})
     return batch, deltas
+
+
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py``, loaded as a module (the benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

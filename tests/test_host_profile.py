@@ -1,19 +1,14 @@
 """benchmarks/host_profile.py on the tiny model: decode and prefill steps profiled on the host (the census of
 host waits needs CUDA and is not run here)."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import benchmark_module
 
 
 def _module():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "host_profile.py"
-    spec = importlib.util.spec_from_file_location("host_profile", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("host_profile")
 
 
 @pytest.mark.parametrize("mode, head", [([], "tiny B1 ctx64 decode"), (["--prefill"], "tiny prefill B1 P64")])

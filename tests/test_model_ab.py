@@ -1,18 +1,13 @@
 """benchmarks/model_ab.py's plan: the defaults, then each toggle flipped from its default, under its switch."""
 
-import importlib.util
-from pathlib import Path
 
 from fnattn.kernels import _triton
 from fnattn.models import fused
+from helpers import benchmark_module
 
 
 def _module():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "model_ab.py"
-    spec = importlib.util.spec_from_file_location("model_ab", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("model_ab")
 
 
 def test_each_toggle_is_flipped_from_its_default_and_switched_while_traced():
