@@ -10,6 +10,6 @@ from .config import DSV4Config, DSV4Inputs, DSV4Output
 
 register_kind("dsv4", config=DSV4Config, inputs=DSV4Inputs)
 
-from . import flashmla, reference  # noqa: E402,F401 - registers the backends
+from . import flashmla, reference, sdpa  # noqa: E402,F401 - registers the backends
 
 __all__ = ["DSV4Config", "DSV4Inputs", "DSV4Output"]

@@ -117,8 +117,9 @@ def _window_keys(views: Views, inputs: DSV4Inputs, batch, b: int, rows: slice, W
     return torch.cat((cached, new)), lo
 
 
-def run(spec: LayerSpec, views: Views, inputs: DSV4Inputs, *, per_token_states: bool):
-    """Every request of the step: ``-> (output, writes by name)``."""
+def run(spec: LayerSpec, views: Views, inputs: DSV4Inputs, *, per_token_states: bool, attend=attend_sinks):
+    """Every request of the step: ``-> (output, writes by name)``; ``attend``: the attention over the keys and
+    mask built here (`attend_sinks`'s contract; the CPU backend passes torch's fused kernel)."""
     c = spec.config
     batch = inputs.meta.batch
     cu, m, W = batch.host_cu_seqlens, c.compress_ratio, c.sliding_window
@@ -155,7 +156,7 @@ def run(spec: LayerSpec, views: Views, inputs: DSV4Inputs, *, per_token_states: 
                 visible = torch.zeros(n, E + 1, dtype=torch.bool, device=device).scatter(1, hit, True)[:, :E]
             cbias = torch.zeros(n, E, dtype=torch.float32, device=device).masked_fill(~visible, float("-inf"))
             keys, bias = torch.cat((keys, comp.entries)), torch.cat((bias, cbias), dim=1)
-        outs.append(attend_sinks(inputs.q[rows], keys, bias, inputs.sinks, scale=c.scale))
+        outs.append(attend(inputs.q[rows], keys, bias, inputs.sinks, scale=c.scale))
     out = DSV4Output(o=torch.cat(outs), topk_indices=torch.cat(picks) if picks else None)
     values = {"kv": inputs.kv}
     if m:
