@@ -16,7 +16,8 @@ Decode, in the absorbed form (``q_nope W_UK`` against the latent rows, ``W_UV`` 
 whole batch where the reference loops over requests: every request's cached rows are gathered through the
 block table into ``[B, rows, R + Dr]`` (rows past its cache zeroed, so a NaN in an unwritten slot cannot reach
 the products), its own new row appended, and the kernel runs the heads as the query axis of one shared latent
-head (MQA), masked to each request's rows. Verify stays the reference's.
+head (MQA), masked to each request's rows. Verify, a few tokens a request, is the absorbed form one call per
+request: its heads and tokens folded into the query axis over its rows, causal among the new ones.
 """
 
 from __future__ import annotations
@@ -164,6 +165,51 @@ def paged_decode_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected
     rows, visible = decode_rows(spec, views, inputs, selected)
     o, lse = absorbed_decode(inputs.q_nope, inputs.q_pe, rows, visible, inputs.w_uk, inputs.w_uv, scale=cfg.scale)
     return AttentionOutput(o=o.to(inputs.q_nope.dtype).to(spec.dtype), lse=lse.float())
+
+
+def absorbed_request(q_nope: Tensor, q_pe: Tensor, rows: Tensor, visible: Tensor, w_uk: Tensor, w_uv: Tensor, *,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """One request's tokens: ``q_nope [n, H, Dn]``, ``q_pe [n, H, Dr]`` over its ``rows [N, R + Dr]``, each token
+    the keys ``visible [n, N]`` gives it -> ``(o [n, H, Dv], lse [n, H])`` in fp32: `mla_absorbed`'s result."""
+    f32 = torch.float32
+    n, H, _ = q_nope.shape
+    R = w_uk.shape[2]
+    q = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope.to(f32), w_uk.to(f32)), q_pe.to(f32)], dim=-1)  # [n, H, D]
+    D = q.shape[-1]
+    keys = rows.to(f32)[None, None]  # [1, 1, N, D]
+    values = torch.nn.functional.pad(keys[..., :R], (0, D - R))
+    bias = torch.zeros(visible.shape, dtype=f32, device=q.device).masked_fill(~visible, float("-inf"))
+    folded = q.permute(1, 0, 2).reshape(1, 1, H * n, D)  # query row h * n + t
+    o, lse = _flash(folded, keys, values, attn_mask=bias.repeat(H, 1)[None, None], scale=scale)[:2]
+    o, lse = o.view(H, n, D)[..., :R].transpose(0, 1), lse.view(H, n).transpose(0, 1)  # [n, H, R], [n, H]
+    o = torch.einsum("nhr,hvr->nhv", o, w_uv.to(f32))
+    blind = ~visible.any(-1)
+    return o.masked_fill(blind[:, None, None], 0.0), lse.masked_fill(blind[:, None], float("-inf"))
+
+
+def paged_verify_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: Tensor | None = None
+                      ) -> AttentionOutput:
+    """Every request's verify tokens, causal; ``selected [T, topk]`` (sparse layers): the positions each attends."""
+    cfg, batch = spec.config.mla, inputs.meta.batch
+    cu = batch.host_cu_seqlens
+    outs, lses = [], []
+    for b, n_cached in enumerate(batch.host_cache_lens):
+        rows = slice(cu[b], cu[b + 1])
+        latent = request_rows(views.latent, cfg.as_cached(inputs.latent[rows]), batch, b, decode=cfg)
+        n, N = rows.stop - rows.start, latent.shape[0]
+        visible = key_visibility(n, N, n_cached=n_cached, device=latent.device)
+        if selected is not None:
+            visible = visible & topk_mask(selected[rows], n_keys=N)
+        o, lse = absorbed_request(inputs.q_nope[rows], inputs.q_pe[rows], latent, visible, inputs.w_uk, inputs.w_uv,
+                                  scale=cfg.scale)
+        outs.append(o.to(inputs.q_nope.dtype))
+        lses.append(lse)
+    return AttentionOutput(o=torch.cat(outs).to(spec.dtype), lse=torch.cat(lses).float())
+
+
+@register("mla", "verify", NAME, supports=supports)
+def verify(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
+    return paged_verify_sdpa(spec, views, inputs), writes(latent=spec.config.mla.encode_latent(inputs.latent))
 
 
 @register("mla", "decode", NAME, supports=supports)

@@ -4,7 +4,7 @@ attention over the selected positions through torch's fused SDPA kernel.
 The selection is the reference's (`.reference.select`, or the top-k a shared layer is handed, checked as
 there); the attention is `fnattn.kinds.mla.sdpa`'s with the selected positions as a mask: prefill in the
 expanded form, one call per request over its cached and new keys; decode in the absorbed form, one call for
-the whole batch. Verify stays the reference's.
+the whole batch; verify in the absorbed form, one call per request.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
-from ..mla.sdpa import NAME, paged_decode_sdpa, paged_mla_sdpa, supports
+from ..mla.sdpa import NAME, paged_decode_sdpa, paged_mla_sdpa, paged_verify_sdpa, supports
 from .config import SparseAttentionOutput, SparseMLAInputs
 from .reference import check_reused, select
 
@@ -35,3 +35,8 @@ def prefill(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[Spa
 @register("sparse_mla", "decode", NAME, supports=supports)
 def decode(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return _step(spec, views, inputs, paged_decode_sdpa)
+
+
+@register("sparse_mla", "verify", NAME, supports=supports)
+def verify(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
+    return _step(spec, views, inputs, paged_verify_sdpa)

@@ -57,11 +57,28 @@ def test_decode_of_a_batch_equals_the_reference(dtype, cache_dtype):
     assert row["o_rel"] <= tol and row["lse_abs"] <= 1e-4, row
 
 
-def test_it_serves_cpu_prefill_and_decode_and_refuses_a_gpu():
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_equals_the_reference(sparse, k):
+    """``k`` drafts a request after caches of 0 / 5 / 40 rows, causal among the step's tokens (and, sparse, to
+    the selected positions): the outputs, LSEs, selections and rows written are the reference's."""
+    from kinds.mla.fast_cases import sparse_specs
+
+    if sparse:
+        specs = sparse_specs(topk=8, Hi=2, Di=16, shared=True, dtype=torch.float32, H=3, **SMALL)
+    else:
+        specs = [fa.LayerSpec(0, mla_config(H=3, **SMALL), torch.float32)]
+    st = filled_state(specs, [0, 5, 40], page_size=16, extra=8)
+    batch = fa.Batch.verify(st, [1, 0, 2], num_draft=k)
+    for row in compare(specs, st, batch, sdpa.NAME):
+        assert row["finite"] and row["writes_equal"] and row.get("topk_mismatch", 0.0) == 0.0, row
+        assert row["o_rel"] <= 1e-5 and row["lse_abs"] <= 1e-4, row
+
+
+def test_it_serves_every_cpu_phase_and_refuses_a_gpu():
     spec = fa.LayerSpec(0, mla_config(H=2, **SMALL), torch.float32)
     ma = fa.ModelAttention([spec])
-    assert ma.backend(0, "prefill").name == ma.backend(0, "decode").name == sdpa.NAME
-    assert ma.backend(0, "verify").name == "reference"
+    assert {ma.backend(0, p).name for p in ("prefill", "decode", "verify")} == {sdpa.NAME}
     assert sdpa.supports(spec, torch.device("cuda")) and not sdpa.supports(spec, torch.device("cpu"))
 
 
