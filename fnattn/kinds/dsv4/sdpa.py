@@ -12,38 +12,30 @@ the query axis), which returns the log-sum-exp too; the sinks then scale the out
 from __future__ import annotations
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from ...deltas import Writes
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
+from ..cpu_sdpa import flash, fold_heads, supports, unfold_heads
 from .config import DSV4Inputs, DSV4Output
 from .reference import _writes, run
 
 NAME = "sdpa"
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def supports(spec, device) -> list[str]:
-    reasons = []
-    if device.type != "cpu":
-        reasons.append(f"runs on CPU, the model runs on {device.type}")
-    if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        reasons.append(f"dtype {spec.dtype} not in (float32, bfloat16, float16)")
-    return reasons
-
-
-def attend_sinks_sdpa(q: Tensor, keys: Tensor, bias: Tensor, sinks: Tensor | None, *, scale: float) -> Tensor:
+def attend_sinks_sdpa(q: Float[Tensor, "n H D"], keys: Float[Tensor, "K D"], bias: Float[Tensor, "n K"],
+                      sinks: Float[Tensor, " H"] | None, *, scale: float) -> Float[Tensor, "n H D"]:
     """`attend_sinks`'s result: ``q [n, H, D]`` over shared K = V ``keys [K, D]``, ``bias [n, K]`` (0 or
     -inf), per-head ``sinks [H]`` -> ``[n, H, D]`` in ``keys.dtype``; the math in fp32."""
-    n, H, D = q.shape
+    n, H, _ = q.shape
     f32 = torch.float32
-    rows = q.to(f32).permute(1, 0, 2).reshape(1, 1, H * n, D)  # query row h * n + t
-    kv = keys.to(f32)[None, None]  # [1, 1, K, D]
-    mask = bias.to(f32).repeat(H, 1)[None, None]  # [1, 1, H n, K]
-    o, lse = _flash(rows, kv, kv, attn_mask=mask, scale=scale)[:2]
-    o, lse = o.view(H, n, D).transpose(0, 1), lse.view(H, n).transpose(0, 1)  # [n, H, D], [n, H]
+    kv = keys.to(f32)[None, None]  # [1, 1, K, D]: one K = V head for every query head
+    mask = bias.to(f32).repeat(H, 1)[None, None]  # the rows of the folded heads
+    o, lse = flash(fold_heads(q.to(f32), H), kv, kv, attn_mask=mask, scale=scale)[:2]
+    o, lse = unfold_heads(o, lse, n, H)  # [n, H, D], [n, H]
     if sinks is not None:
         o = o * torch.sigmoid(lse - sinks.float()[None, :])[..., None]
     return o.to(keys.dtype)

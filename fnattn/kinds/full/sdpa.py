@@ -30,44 +30,22 @@ from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
+from ..cpu_sdpa import additive_mask, flash, fold_heads, heads_first, unfold_heads
+from ..cpu_sdpa import supports as cpu_supports
 from .config import AttentionOutput, FullAttentionInputs
 from .math import merge
 from .reference import cached_tokens
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
 
 def supports(spec, device) -> list[str]:
-    c, reasons = spec.config, []
-    if device.type != "cpu":
-        reasons.append(f"runs on CPU, the model runs on {device.type}")
+    c, reasons = spec.config, cpu_supports(spec, device)
     if c.softcap:
         reasons.append("softcap: torch's fused SDPA has no score cap")
     if c.sinks:
         reasons.append("sinks are the reference's on CPU")
     if c.head_dim_v != c.head_dim:
         reasons.append("head_dim_v != head_dim (the fused CPU kernel wants one head size)")
-    if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        reasons.append(f"dtype {spec.dtype} not in (float32, bfloat16, float16)")
     return reasons
-
-
-def _folded(q: Tensor, g: int) -> Tensor:
-    """``[n, Hq, D] -> [1, Hkv, g n, D]``: the query heads of one K/V head, stacked along the query axis."""
-    n, hq, d = q.shape
-    return q.view(n, hq // g, g, d).permute(1, 2, 0, 3).reshape(1, hq // g, g * n, d)
-
-
-def _unfold(o: Tensor, lse: Tensor, n: int, g: int) -> tuple[Tensor, Tensor]:
-    """Inverse of `_folded` for the output ``[1, Hkv, g n, D]`` and its LSE ``[1, Hkv, g n]``."""
-    hkv, d = o.shape[1], o.shape[-1]
-    o = o[0].view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hkv * g, d)  # [n, Hq, D]
-    lse = lse[0].view(hkv, g, n).permute(2, 0, 1).reshape(n, hkv * g)  # [n, Hq]
-    return o, lse
-
-
-def _heads_first(x: Tensor) -> Tensor:
-    return x.transpose(0, 1)[None]  # [m, H, D] -> [1, H, m, D]
 
 
 def _visible(q_pos: Tensor, k_pos: Tensor, window: int, *, causal: bool) -> Tensor:
@@ -75,12 +53,6 @@ def _visible(q_pos: Tensor, k_pos: Tensor, window: int, *, causal: bool) -> Tens
     diff = q_pos[:, None] - k_pos[None, :]
     visible = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
     return visible & (diff < window) if window else visible
-
-
-def _bias(visible: Tensor, g: int, dtype: torch.dtype) -> Tensor:
-    """The kernel's additive mask (it takes the query's dtype, not bool), rows repeated for ``g`` folded heads."""
-    zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return zeros.masked_fill(~visible, float("-inf")).repeat(g, 1)
 
 
 def _one_request(c, q, k, v, kc, vc, q_pos, n_cached) -> tuple[Tensor, Tensor]:
@@ -91,24 +63,25 @@ def _one_request(c, q, k, v, kc, vc, q_pos, n_cached) -> tuple[Tensor, Tensor]:
         vals = v if vc is None else _with_row(vc, n_cached, v)
         mask = None
         if W:
-            mask = _bias(_visible(q_pos, torch.arange(n_cached + 1, device=q.device), W, causal=False), g, dt)
-        o, lse = _flash(_folded(q, g), _heads_first(keys), _heads_first(vals), attn_mask=mask, scale=scale)
-        return _unfold(o, lse, n, g)
+            seen = _visible(q_pos, torch.arange(n_cached + 1, device=q.device), W, causal=False)
+            mask = additive_mask(seen, dt, g)
+        o, lse = flash(fold_heads(q, g), heads_first(keys), heads_first(vals), attn_mask=mask, scale=scale)
+        return unfold_heads(o, lse, n, g)
     # The new tokens among themselves: causal (square, so top-left aligned), K/V repeated over the group
     # (only the step's own rows are copied).
-    kr, vr = (_heads_first(x.repeat_interleave(g, dim=1)) for x in (k, v))
-    mask = _bias(_visible(q_pos, q_pos, W, causal=True), 1, dt) if W else None
-    o, lse = _flash(_heads_first(q), kr, vr, is_causal=mask is None, attn_mask=mask, scale=scale)
+    kr, vr = (heads_first(x.repeat_interleave(g, dim=1)) for x in (k, v))
+    mask = additive_mask(_visible(q_pos, q_pos, W, causal=True), dt) if W else None
+    o, lse = flash(heads_first(q), kr, vr, is_causal=mask is None, attn_mask=mask, scale=scale)
     o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)  # [n, Hq, D], [n, Hq]
     if kc is None:
         return o, lse
     mask, blind = None, None
     if W:
         visible = _visible(q_pos, torch.arange(n_cached, device=q.device), W, causal=False)  # [n, m]
-        mask = _bias(visible, g, dt)
+        mask = additive_mask(visible, dt, g)
         blind = ~visible.any(-1)  # [n]: no cached key in the window
-    oc, lsec = _flash(_folded(q, g), _heads_first(kc), _heads_first(vc), attn_mask=mask, scale=scale)
-    oc, lsec = _unfold(oc, lsec, n, g)
+    oc, lsec = flash(fold_heads(q, g), heads_first(kc), heads_first(vc), attn_mask=mask, scale=scale)
+    oc, lsec = unfold_heads(oc, lsec, n, g)
     if blind is not None:  # the kernel gives such a row o = 0, lse = 0; the merge wants lse = -inf
         lsec = lsec.masked_fill(blind[:, None], float("-inf"))
     o, lse = merge(oc, lsec, o, lse)

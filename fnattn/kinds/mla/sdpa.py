@@ -23,12 +23,14 @@ request: its heads and tokens folded into the query axis over its rows, causal a
 from __future__ import annotations
 
 import torch
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
+from ..cpu_sdpa import additive_mask, flash, fold_heads, heads_first, supports, unfold_heads, without_blind_rows
 from ..full.config import AttentionOutput
 from ..full.math import merge
 from .config import MLAInputs
@@ -36,41 +38,36 @@ from .math import key_visibility, topk_mask
 from .reference import request_rows
 
 NAME = "sdpa"
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def supports(spec, device) -> list[str]:
-    reasons = []
-    if device.type != "cpu":
-        reasons.append(f"runs on CPU, the model runs on {device.type}")
-    if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        reasons.append(f"dtype {spec.dtype} not in (float32, bfloat16, float16)")
-    return reasons
-
-
-def _heads_first(x: Tensor) -> Tensor:
-    return x.transpose(0, 1)[None]  # [m, H, D] -> [1, H, m, D]
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool = False,
             allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``q [n, H, D]`` over ``k``, ``v [m, H, D]`` -> ``(o [n, H, D], lse [n, H])``, fp32; ``allowed [n, m]``:
     the keys each query may attend (a row with none gets ``o = 0``, ``lse = -inf``, as the reference's)."""
-    bias = None
-    if allowed is not None:
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-        bias = bias[None, None]
-    o, lse = _flash(_heads_first(q), _heads_first(k), _heads_first(v), is_causal=causal, attn_mask=bias,
-                    scale=scale)[:2]
+    mask = None if allowed is None else additive_mask(allowed, q.dtype)[None, None]
+    o, lse = flash(heads_first(q), heads_first(k), heads_first(v), is_causal=causal, attn_mask=mask,
+                   scale=scale)[:2]
     o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
-    if allowed is not None:
-        blind = ~allowed.any(-1)  # [n]
-        o, lse = o.masked_fill(blind[:, None, None], 0.0), lse.masked_fill(blind[:, None], float("-inf"))
-    return o, lse
+    return (o, lse) if allowed is None else without_blind_rows(o, lse, allowed)
 
 
-def expanded_sdpa(q_nope: Tensor, q_pe: Tensor, latent: Tensor, w_uk: Tensor, w_uv: Tensor, *, scale: float,
-                  n_cached: int, allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _absorbed_query(q_nope: Tensor, q_pe: Tensor, w_uk: Tensor) -> Tensor:
+    """``[..., H, Dn]``, ``[..., H, Dr]`` -> ``[q_nope W_UK, q_pe]`` ``[..., H, R + Dr]`` in fp32, what the
+    latent rows are scored against (the reference's `mla_absorbed` in fp32 too)."""
+    f32 = torch.float32
+    return torch.cat([torch.einsum("...hd,hdr->...hr", q_nope.to(f32), w_uk.to(f32)), q_pe.to(f32)], dim=-1)
+
+
+def _latent_values(keys: Tensor, R: int) -> Tensor:
+    """The ``c_kv`` part of latent rows ``[..., R + Dr]``, zero-padded back to ``R + Dr`` (the kernel takes one
+    head size)."""
+    return torch.nn.functional.pad(keys[..., :R], (0, keys.shape[-1] - R))
+
+
+def expanded_sdpa(q_nope: Float[Tensor, "n H Dn"], q_pe: Float[Tensor, "n H Dr"], latent: Float[Tensor, "N Dlat"],
+                  w_uk: Float[Tensor, "H Dn R"], w_uv: Float[Tensor, "H Dv R"], *, scale: float, n_cached: int,
+                  allowed: Bool[Tensor, "n N"] | None = None
+                  ) -> tuple[Float[Tensor, "n H Dv"], Float[Tensor, "n H"]]:
     """One request: ``q_nope [n, H, Dn]``, ``q_pe [n, H, Dr]`` over ``latent [n_cached + n, R + Dr]`` (its
     cached rows then its new ones), causal -> ``(o [n, H, Dv], lse [n, H])`` in fp32: `mla_expanded`'s
     result. ``allowed [n, N]`` (sparse layers: the selected positions) further limits each token's keys:
@@ -97,10 +94,32 @@ def expanded_sdpa(q_nope: Tensor, q_pe: Tensor, latent: Tensor, w_uk: Tensor, w_
     return o[..., :Dv], lse
 
 
-def paged_mla_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: Tensor | None = None
-                   ) -> AttentionOutput:
-    """Every request's prefill; ``selected [T, topk]`` (sparse layers): the positions each token attends."""
+def absorbed_sdpa(q_nope: Float[Tensor, "n H Dn"], q_pe: Float[Tensor, "n H Dr"], latent: Float[Tensor, "N Dlat"],
+                  w_uk: Float[Tensor, "H Dn R"], w_uv: Float[Tensor, "H Dv R"], *, scale: float, n_cached: int,
+                  allowed: Bool[Tensor, "n N"] | None = None
+                  ) -> tuple[Float[Tensor, "n H Dv"], Float[Tensor, "n H"]]:
+    """`expanded_sdpa`'s arguments and result (`mla_absorbed`'s) in the absorbed form: the heads and tokens
+    folded into the query axis of one call over the request's latent rows, causal among its new ones."""
+    n, H, _ = q_nope.shape
+    R = w_uk.shape[2]
+    visible = key_visibility(n, latent.shape[0], n_cached=n_cached, device=latent.device)
+    if allowed is not None:
+        visible = visible & allowed
+    q = _absorbed_query(q_nope, q_pe, w_uk)  # [n, H, D]
+    keys = latent.to(torch.float32)[None, None]  # [1, 1, N, D]: one latent head for every query head
+    mask = additive_mask(visible, q.dtype, H)[None, None]
+    o, lse = flash(fold_heads(q, H), keys, _latent_values(keys, R), attn_mask=mask, scale=scale)[:2]
+    o, lse = unfold_heads(o, lse, n, H)  # [n, H, D], [n, H]
+    o = torch.einsum("nhr,hvr->nhv", o[..., :R], w_uv.to(torch.float32))
+    return without_blind_rows(o, lse, visible)
+
+
+def paged_mla_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, *, phase: str,
+                   selected: Tensor | None = None) -> AttentionOutput:
+    """Every request's tokens, prefill in the expanded form, verify in the absorbed one (as the reference
+    chooses); ``selected [T, topk]`` (sparse layers): the positions each token attends."""
     cfg, batch = spec.config.mla, inputs.meta.batch
+    core = expanded_sdpa if phase == "prefill" else absorbed_sdpa
     cu = batch.host_cu_seqlens
     outs, lses = [], []
     for b, n_cached in enumerate(batch.host_cache_lens):
@@ -108,27 +127,25 @@ def paged_mla_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: T
         new = cfg.as_cached(inputs.latent[rows])  # [n, R + Dr] at the cache's precision, as the reference
         latent = request_rows(views.latent, new, batch, b, decode=cfg)
         allowed = None if selected is None else topk_mask(selected[rows], n_keys=latent.shape[0])
-        o, lse = expanded_sdpa(inputs.q_nope[rows], inputs.q_pe[rows], latent, inputs.w_uk, inputs.w_uv,
-                               scale=cfg.scale, n_cached=n_cached, allowed=allowed)
+        o, lse = core(inputs.q_nope[rows], inputs.q_pe[rows], latent, inputs.w_uk, inputs.w_uv, scale=cfg.scale,
+                      n_cached=n_cached, allowed=allowed)
         outs.append(o.to(inputs.q_nope.dtype))  # the reference's rounding: to q's dtype, then the layer's
         lses.append(lse)
     return AttentionOutput(o=torch.cat(outs).to(spec.dtype), lse=torch.cat(lses).float())
 
 
-def absorbed_decode(q_nope: Tensor, q_pe: Tensor, rows: Tensor, visible: Tensor, w_uk: Tensor, w_uv: Tensor, *,
-                    scale: float) -> tuple[Tensor, Tensor]:
+def absorbed_decode(q_nope: Float[Tensor, "B H Dn"], q_pe: Float[Tensor, "B H Dr"], rows: Float[Tensor, "B N Dlat"],
+                    visible: Bool[Tensor, "B N"], w_uk: Float[Tensor, "H Dn R"], w_uv: Float[Tensor, "H Dv R"], *,
+                    scale: float) -> tuple[Float[Tensor, "B H Dv"], Float[Tensor, "B H"]]:
     """One token per request: ``q_nope [B, H, Dn]``, ``q_pe [B, H, Dr]`` over ``rows [B, N, R + Dr]`` (zero
     where not ``visible [B, N]``) -> ``(o [B, H, Dv], lse [B, H])`` in fp32: `mla_absorbed`'s result."""
-    f32 = torch.float32
     R = w_uk.shape[2]
-    q = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope.to(f32), w_uk.to(f32)), q_pe.to(f32)], dim=-1)  # [B, H, D]
-    keys = rows.to(f32)[:, None]  # [B, 1, N, D]: one latent head for every query head
-    values = torch.nn.functional.pad(keys[..., :R], (0, keys.shape[-1] - R))  # c_kv, zero-padded to D
-    bias = torch.zeros(visible.shape, dtype=f32, device=q.device).masked_fill(~visible, float("-inf"))
-    o, lse = _flash(q[:, None], keys, values, attn_mask=bias[:, None, None, :], scale=scale)[:2]
-    o, lse = torch.einsum("bhr,hvr->bhv", o[:, 0, :, :R], w_uv.to(f32)), lse[:, 0]
-    blind = ~visible.any(-1)  # [B]: a token that may attend nothing (a sparse layer's empty selection)
-    return o.masked_fill(blind[:, None, None], 0.0), lse.masked_fill(blind[:, None], float("-inf"))
+    q = _absorbed_query(q_nope, q_pe, w_uk)  # [B, H, D]
+    keys = rows.to(torch.float32)[:, None]  # [B, 1, N, D]: one latent head for every query head
+    mask = additive_mask(visible, q.dtype)[:, None, None, :]  # each request's own rows
+    o, lse = flash(q[:, None], keys, _latent_values(keys, R), attn_mask=mask, scale=scale)[:2]
+    o = torch.einsum("bhr,hvr->bhv", o[:, 0, :, :R], w_uv.to(torch.float32))
+    return without_blind_rows(o, lse[:, 0], visible)  # a sparse layer's token may select nothing
 
 
 def decode_rows(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: Tensor | None = None
@@ -167,49 +184,10 @@ def paged_decode_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected
     return AttentionOutput(o=o.to(inputs.q_nope.dtype).to(spec.dtype), lse=lse.float())
 
 
-def absorbed_request(q_nope: Tensor, q_pe: Tensor, rows: Tensor, visible: Tensor, w_uk: Tensor, w_uv: Tensor, *,
-                     scale: float) -> tuple[Tensor, Tensor]:
-    """One request's tokens: ``q_nope [n, H, Dn]``, ``q_pe [n, H, Dr]`` over its ``rows [N, R + Dr]``, each token
-    the keys ``visible [n, N]`` gives it -> ``(o [n, H, Dv], lse [n, H])`` in fp32: `mla_absorbed`'s result."""
-    f32 = torch.float32
-    n, H, _ = q_nope.shape
-    R = w_uk.shape[2]
-    q = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope.to(f32), w_uk.to(f32)), q_pe.to(f32)], dim=-1)  # [n, H, D]
-    D = q.shape[-1]
-    keys = rows.to(f32)[None, None]  # [1, 1, N, D]
-    values = torch.nn.functional.pad(keys[..., :R], (0, D - R))
-    bias = torch.zeros(visible.shape, dtype=f32, device=q.device).masked_fill(~visible, float("-inf"))
-    folded = q.permute(1, 0, 2).reshape(1, 1, H * n, D)  # query row h * n + t
-    o, lse = _flash(folded, keys, values, attn_mask=bias.repeat(H, 1)[None, None], scale=scale)[:2]
-    o, lse = o.view(H, n, D)[..., :R].transpose(0, 1), lse.view(H, n).transpose(0, 1)  # [n, H, R], [n, H]
-    o = torch.einsum("nhr,hvr->nhv", o, w_uv.to(f32))
-    blind = ~visible.any(-1)
-    return o.masked_fill(blind[:, None, None], 0.0), lse.masked_fill(blind[:, None], float("-inf"))
-
-
-def paged_verify_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: Tensor | None = None
-                      ) -> AttentionOutput:
-    """Every request's verify tokens, causal; ``selected [T, topk]`` (sparse layers): the positions each attends."""
-    cfg, batch = spec.config.mla, inputs.meta.batch
-    cu = batch.host_cu_seqlens
-    outs, lses = [], []
-    for b, n_cached in enumerate(batch.host_cache_lens):
-        rows = slice(cu[b], cu[b + 1])
-        latent = request_rows(views.latent, cfg.as_cached(inputs.latent[rows]), batch, b, decode=cfg)
-        n, N = rows.stop - rows.start, latent.shape[0]
-        visible = key_visibility(n, N, n_cached=n_cached, device=latent.device)
-        if selected is not None:
-            visible = visible & topk_mask(selected[rows], n_keys=N)
-        o, lse = absorbed_request(inputs.q_nope[rows], inputs.q_pe[rows], latent, visible, inputs.w_uk, inputs.w_uv,
-                                  scale=cfg.scale)
-        outs.append(o.to(inputs.q_nope.dtype))
-        lses.append(lse)
-    return AttentionOutput(o=torch.cat(outs).to(spec.dtype), lse=torch.cat(lses).float())
-
-
 @register("mla", "verify", NAME, supports=supports)
 def verify(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
-    return paged_verify_sdpa(spec, views, inputs), writes(latent=spec.config.mla.encode_latent(inputs.latent))
+    return paged_mla_sdpa(spec, views, inputs, phase="verify"), writes(
+        latent=spec.config.mla.encode_latent(inputs.latent))
 
 
 @register("mla", "decode", NAME, supports=supports)
@@ -219,4 +197,5 @@ def decode(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionO
 
 @register("mla", "prefill", NAME, supports=supports)
 def prefill(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
-    return paged_mla_sdpa(spec, views, inputs), writes(latent=spec.config.mla.encode_latent(inputs.latent))
+    return paged_mla_sdpa(spec, views, inputs, phase="prefill"), writes(
+        latent=spec.config.mla.encode_latent(inputs.latent))

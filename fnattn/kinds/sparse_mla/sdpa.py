@@ -13,15 +13,19 @@ from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
-from ..mla.sdpa import NAME, paged_decode_sdpa, paged_mla_sdpa, paged_verify_sdpa, supports
+from ..cpu_sdpa import supports
+from ..mla.sdpa import NAME, paged_decode_sdpa, paged_mla_sdpa
 from .config import SparseAttentionOutput, SparseMLAInputs
 from .reference import check_reused, select
 
 
-def _step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, attend) -> tuple[SparseAttentionOutput, Writes]:
+def _step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str) -> tuple[SparseAttentionOutput, Writes]:
     owns_indexer = spec.config.index_source_layer is None
     selected = select(views, inputs) if owns_indexer else check_reused(spec, inputs)
-    att = attend(spec, views, inputs, selected)
+    if phase == "decode":
+        att = paged_decode_sdpa(spec, views, inputs, selected)
+    else:
+        att = paged_mla_sdpa(spec, views, inputs, phase=phase, selected=selected)
     out = SparseAttentionOutput(o=att.o, lse=att.lse, topk_indices=selected)
     latent = spec.config.mla.encode_latent(inputs.latent)
     return out, (writes(latent=latent, index_k=inputs.index_k) if owns_indexer else writes(latent=latent))
@@ -29,14 +33,14 @@ def _step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, attend) -> tup
 
 @register("sparse_mla", "prefill", NAME, supports=supports)
 def prefill(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
-    return _step(spec, views, inputs, paged_mla_sdpa)
+    return _step(spec, views, inputs, "prefill")
 
 
 @register("sparse_mla", "decode", NAME, supports=supports)
 def decode(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
-    return _step(spec, views, inputs, paged_decode_sdpa)
+    return _step(spec, views, inputs, "decode")
 
 
 @register("sparse_mla", "verify", NAME, supports=supports)
 def verify(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
-    return _step(spec, views, inputs, paged_verify_sdpa)
+    return _step(spec, views, inputs, "verify")
