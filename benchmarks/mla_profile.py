@@ -2,8 +2,11 @@
 pure FlashMLA step (its session and apply), each profiled per call (`fnattn.bench.profile`).
 
     python benchmarks/mla_profile.py --batch 64 --ctx 4096 [--out mla_profile.json]
+    python benchmarks/mla_profile.py --sparse --batch 64 --ctx 32768 [--topk 2048]
 
-What `fnattn bench mla-decode` reports as one number per row, split into the kernels that make it up.
+What `fnattn bench mla-decode` (``--sparse``: `mla-sparse`) reports as one number per row, split into the
+kernels that make it up. ``--sparse``: a layer reusing a given top-k, raw ``flash_mla_sparse_fwd`` against
+fnattn's sparse FlashMLA step with each slot translation (`one_pass_slots` off and on).
 """
 
 import argparse
@@ -25,8 +28,12 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--heads", type=int, default=128)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--sparse", action="store_true", help="sparse MLA over a given top-k")
+    p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.sparse:
+        return sparse(a)
     cfg = deepseek_mla(a.heads)
     specs = [LayerSpec(index=0, config=cfg, dtype=torch.bfloat16)]
     state = cached_state(specs, batch=a.batch, ctx=a.ctx, page_size=64)
@@ -48,6 +55,36 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"batch": a.batch, "ctx": a.ctx, "heads": a.heads, "profiles": results}, f, indent=1)
+
+
+def sparse(a) -> None:
+    from fnattn.kinds.sparse_mla.bench import sparse_decode_setup
+    from fnattn.kinds.sparse_mla.flashmla import one_pass_slots
+
+    specs, state, batch, inputs, kernel = sparse_decode_setup(batch=a.batch, ctx=a.ctx, heads=a.heads, topk=a.topk)
+    ma = ModelAttention(specs, prefer=("flashmla",), device="cuda", phases=("decode",))
+
+    def fnattn_step():
+        with ma.session(state, batch) as s:
+            _, w = s.forward(1, inputs)
+            write_step(state._storage.pools, validate_step(state, StepDeltas.collect(batch, [w]), layers=[1]))
+
+    def with_slots(one_pass):
+        def step():
+            with one_pass_slots(one_pass):
+                fnattn_step()
+        return step
+
+    results = {}
+    for name, fn in (("flash_mla_sparse_fwd (raw)", kernel), ("fnattn flashmla (pure)", with_slots(False)),
+                     ("fnattn flashmla (pure, one-pass slots)", with_slots(True))):
+        results[name] = kernel_profile(fn, steps=a.calls, device=torch.device("cuda"))
+        print_profile(f"sparse mla decode B{a.batch} ctx{a.ctx} h{a.heads} topk{a.topk}: {name}", results[name],
+                      rows=16)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"batch": a.batch, "ctx": a.ctx, "heads": a.heads, "topk": a.topk, "profiles": results}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

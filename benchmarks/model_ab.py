@@ -34,7 +34,7 @@ Switches:
 - ``own_norm_act``: the residual add + RMSNorm and SiLU-and-mul as fnattn's own kernels, which hand the
   stream over at their start under PDL (`models.fused.own_norm_act`, the default), or FlashInfer's.
 - ``fla_direct`` (prefill): the fla provider calls fla-core's chunk forward itself
-  (`fnattn.kinds.delta_rule.triton.fla_direct`), or its public function (off, the default).
+  (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
   or FlashInfer's norms and rope.
 """

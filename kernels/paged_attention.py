@@ -18,6 +18,8 @@ small second kernel merges the partial results by LSE and applies the sinks.
 Nothing here writes into its arguments (see `scatter.py` for the writes).
 """
 
+import contextlib
+
 import torch
 
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
@@ -295,7 +297,36 @@ def pick_num_splits(programs, max_keys, device=None):
     return max(1, min(want, max_keys // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
+_TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+_OVERRIDES: list[dict] = [{}]
+
+
+@contextlib.contextmanager
+def configured(**fields):
+    """Within this block every launch takes ``fields`` (some of block_m, block_n, num_warps, num_stages:
+    powers of two, stages 1..8) in place of `_config`'s choice: for config sweeps and A/B timings."""
+    for name, v in fields.items():
+        if name not in _TILE_FIELDS:
+            raise ValueError(f"configured: {name}: expected one of {', '.join(_TILE_FIELDS)}")
+        lo, hi = (1, 8) if name == "num_stages" else (1, 256)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi or (
+                name != "num_stages" and v & (v - 1)):
+            want = f"an int in {lo}..{hi}" if name == "num_stages" else f"a power of two in {lo}..{hi}"
+            raise ValueError(f"configured: {name}: expected {want}, got {v!r}")
+    _OVERRIDES.append({**_OVERRIDES[-1], **fields})
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop()
+
+
 def _config(d_pad, dv_pad, g_pad, q_len, dtype):
+    chosen = dict(zip(_TILE_FIELDS, _default_config(d_pad, dv_pad, g_pad, q_len, dtype)), **_OVERRIDES[-1])
+    chosen["block_m"] = max(chosen["block_m"], g_pad)  # a tile holds at least one token's whole group
+    return tuple(chosen[f] for f in _TILE_FIELDS)
+
+
+def _default_config(d_pad, dv_pad, g_pad, q_len, dtype):
     d_max = max(d_pad, dv_pad)
     rows = g_pad * q_len
     if rows <= 64:

@@ -73,7 +73,7 @@ def test_prefill_steps_interleave_the_variants_too():
     ab = _module()
     records = ab.run_ab(["fla_direct"], batches=[1], steps=2, shape="tiny", device="cpu", prefill=64)
     assert [(r["case"], r["variant"].split(":")[0], r["phase"]) for r in records] == [
-        ("qwen3_5 tiny prefill B1 P64", "defaults", "prefill"), ("qwen3_5 tiny prefill B1 P64", "fla_direct=on",
+        ("qwen3_5 tiny prefill B1 P64", "defaults", "prefill"), ("qwen3_5 tiny prefill B1 P64", "fla_direct=off",
                                                                  "prefill")]
-    assert records[1]["switches"] == {"fla_direct": True} and records[0]["ratio_to_defaults"] == 1.0
+    assert records[1]["switches"] == {"fla_direct": False} and records[0]["ratio_to_defaults"] == 1.0
     assert all(r["time_us"] > 0 and r["tok_s"] > 0 for r in records)

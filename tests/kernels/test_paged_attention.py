@@ -146,6 +146,28 @@ def test_decode_cached_part_only(num_splits):
     assert torch.isinf(lse).all() and (o == 0).all()
 
 
+@pytest.mark.parametrize("fields", [dict(block_n=32, num_warps=8, num_stages=2), dict(block_m=32, block_n=16)])
+def test_configured_tiles_give_the_reference(fields):
+    """A sweep's tile override (`configured`) changes how the keys are walked, not what is attended."""
+    from fnattn.kernels.paged_attention import configured
+
+    with configured(**fields):
+        run_decode([0, 45, 100], 8, 2, 64, 16, num_splits=2)
+        run_decode([33], 8, 2, 64, 16, num_splits=1, sliding_window=20)
+
+
+@pytest.mark.parametrize("fields, match", [(dict(block_k=16), "block_k: expected one of block_m"),
+                                           (dict(block_n=48), "block_n: expected a power of two in 1..256, got 48"),
+                                           (dict(num_stages=0), "num_stages: expected an int in 1..8, got 0"),
+                                           (dict(num_warps=True), "num_warps: expected a power of two")])
+def test_configured_refuses_bad_fields(fields, match):
+    from fnattn.kernels.paged_attention import configured
+
+    with pytest.raises(ValueError, match=match):
+        with configured(**fields):
+            pass
+
+
 def test_decode_default_splits_and_fp16():
     run_decode([3, 70], 8, 2, 64, 16, num_splits=None)
     run_decode([0, 45, 100], 8, 2, 128, 16, dtype=torch.float16, num_splits=2, softcap=10.0)

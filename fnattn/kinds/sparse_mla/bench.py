@@ -47,8 +47,10 @@ def _record(case, name, peer, shape, measure, extra=None):
     return rec
 
 
-def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, page_size: int = 64,
-                       graph: bool = True) -> list[dict]:
+def sparse_decode_setup(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, page_size: int = 64):
+    """``-> (specs, state, batch, inputs, kernel)``: a layer reusing a random causal top-k over ``ctx`` cached
+    tokens, and raw ``flash_mla_sparse_fwd`` over the same positions as pool slots (the new token's row counted
+    as cached), ready to call."""
     from sgl_kernel.flash_mla import flash_mla_sparse_fwd
 
     specs, state, b, idx = _setup(batch, ctx, heads, topk, 64, 128, page_size)
@@ -57,7 +59,6 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
     inputs = SparseMLAInputs(q_nope=base.q_nope, q_pe=base.q_pe, latent=base.latent, w_uk=base.w_uk, w_uv=base.w_uv,
                              sparse=sparse, topk_indices=idx)
     pool = state.views(1).latent
-    # raw: the same positions as pool slots, the new token's row counted as cached
     S, req = page_size, sparse.request_of_token[:, None]
     slots = b.block_table.long()[req, idx // S] * S + idx % S
     pad = -slots.shape[1] % TOPK_BLOCK
@@ -65,6 +66,13 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
     q = absorbed_query(inputs)
     cfg = specs[1].config.mla
     kernel = lambda: flash_mla_sparse_fwd(q, pool.view(-1, 1, pool.shape[-1]), raw_idx, cfg.scale, 512)  # noqa: E731
+    return specs, state, b, inputs, kernel
+
+
+def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, page_size: int = 64,
+                       graph: bool = True) -> list[dict]:
+    specs, state, b, inputs, kernel = sparse_decode_setup(batch=batch, ctx=ctx, heads=heads, topk=topk,
+                                                          page_size=page_size)
     ma = ModelAttention(specs, prefer=("flashmla",), device=DEVICE, phases=("decode",))
     peer = "flash_mla_sparse_fwd (raw)"
     case = f"sparse mla decode B{batch} ctx{ctx} h{heads} topk{topk}" + (" graph" if graph else " eager")

@@ -411,12 +411,12 @@ def test_an_fla_forward_of_another_form_leaves_the_public_function(monkeypatch):
     assert triton_backend._fla_gdn_forward() is None
 
 
-def test_fla_direct_is_off_by_default_and_takes_only_a_bool():
+def test_fla_direct_is_on_by_default_and_takes_only_a_bool():
     from fnattn.bench import environment
 
-    assert triton_backend._FLA_DIRECT[-1] is False and environment()["switches"]["fla_direct"] is False
-    with triton_backend.fla_direct(True):
-        assert environment()["switches"]["fla_direct"] is True
+    assert triton_backend._FLA_DIRECT[-1] is True and environment()["switches"]["fla_direct"] is True
+    with triton_backend.fla_direct(False):
+        assert environment()["switches"]["fla_direct"] is False
     with pytest.raises(ValueError, match="fla_direct: expected True or False, got 1"):
         with triton_backend.fla_direct(1):
             pass
