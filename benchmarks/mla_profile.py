@@ -61,7 +61,7 @@ def sparse(a) -> None:
     from fnattn.kinds.sparse_mla.bench import sparse_decode_setup
     from fnattn.kinds.sparse_mla.flashmla import one_pass_slots
 
-    specs, state, batch, inputs, kernel = sparse_decode_setup(batch=a.batch, ctx=a.ctx, heads=a.heads, topk=a.topk)
+    specs, state, batch, inputs, kernel, _ = sparse_decode_setup(batch=a.batch, ctx=a.ctx, heads=a.heads, topk=a.topk)
     ma = ModelAttention(specs, prefer=("flashmla",), device="cuda", phases=("decode",))
 
     def fnattn_step():

@@ -162,11 +162,11 @@ def merge_attention_states_ref(o1, lse1, o2, lse2):
 
 @triton.jit
 def _merge_new_token_kernel(
-    O_C, L_C, Q, K, V, OUT, LSE_OUT, CACHE_LENS,
+    O_C, L_C, Q, K, V, OUT, LSE_OUT, CACHE_LENS, ALLOWED,
     sm_scale, softcap, lse_scale,
     soc_b, soc_h, slc_b, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_LENS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_LENS: tl.constexpr, HAS_ALLOWED: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -178,6 +178,8 @@ def _merge_new_token_kernel(
     s = tl.sum(q * k, 0) * sm_scale
     if SOFTCAP:
         s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # tanh
+    if HAS_ALLOWED:  # a token that did not pick its own row keeps the cached part alone
+        s = tl.where(tl.load(ALLOWED + b) != 0, s, float("-inf"))
     lc = tl.load(L_C + b * slc_b + h) * lse_scale  # the cached part's LSE, natural log
     # Kernels mark a query with no cached key by +inf (FlashMLA) or leave it undefined: empty, as is a
     # request whose cache is empty.
@@ -186,17 +188,20 @@ def _merge_new_token_kernel(
         empty = empty | (tl.load(CACHE_LENS + b) == 0)
     lc = tl.where(empty, float("-inf"), lc)
     m = tl.maximum(lc, s)
+    m = tl.where(m == float("-inf"), 0.0, m)  # both parts empty (only with ALLOWED): both weights 0
     wc = tl.exp(lc - m)  # 0 when the cache part attended nothing (lc = -inf)
     wn = tl.exp(s - m)
     oc = tl.load(O_C + b * soc_b + h * soc_h + dv, mask=dv < DV, other=0.0).to(tl.float32)
     oc = tl.where(wc > 0, oc, 0.0)  # an empty cached part may hold anything
     v = tl.load(V + b * sv_b + kvh * sv_h + dv, mask=dv < DV, other=0.0).to(tl.float32)
-    o = (oc * wc + v * wn) / (wc + wn)
+    w = wc + wn
+    o = (oc * wc + v * wn) / tl.where(w > 0, w, 1.0)
     tl.store(OUT + b * so_b + h * so_h + dv, o.to(OUT.dtype.element_ty), mask=dv < DV)
-    tl.store(LSE_OUT + b * tl.num_programs(1) + h, m + tl.log(wc + wn))
+    tl.store(LSE_OUT + b * tl.num_programs(1) + h, tl.where(w > 0, m + tl.log(w), float("-inf")))
 
 
-def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False, cache_lens=None):
+def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False, cache_lens=None,
+                    allowed=None):
     """Fold each request's own new token into the attention over its cache, in one launch.
 
     o_c [B, Hq, Dv] and lse_c [B, Hq] fp32: attention of each decode query over
@@ -207,7 +212,9 @@ def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base
 
     A cached part is empty (its o_c ignored) where lse_c is -inf, +inf or NaN (how
     kernels mark a query without keys), and with ``cache_lens`` [B] int32 where
-    the request's cache length is 0.
+    the request's cache length is 0. With ``allowed`` [B] bool, a query where it is False does not attend its
+    new token (a sparse layer's top-k that left it out): the cached part alone, in natural log (zero output
+    and -inf when that part is empty too).
     """
     require_triton()
     B, Hq, D = q.shape
@@ -229,6 +236,10 @@ def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base
                                    or cache_lens.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"cache_lens: expected [{B}] int32 on {q.device}, got shape {tuple(cache_lens.shape)} "
                          f"{cache_lens.dtype} on {cache_lens.device}")
+    if allowed is not None and (tuple(allowed.shape) != (B,) or allowed.device != q.device
+                                or allowed.dtype not in (torch.bool, torch.int8)):
+        raise ValueError(f"allowed: expected [{B}] bool on {q.device}, got shape {tuple(allowed.shape)} "
+                         f"{allowed.dtype} on {allowed.device}")
     lse_c = lse_c.contiguous()
     o = torch.empty(B, Hq, Dv, dtype=o_c.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
@@ -236,21 +247,25 @@ def merge_new_token(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base
         return o, lse
     _merge_new_token_kernel[(B, Hq)](
         o_c, lse_c, q, k_new, v_new, o, lse, lse if cache_lens is None else cache_lens,
+        lse if allowed is None else allowed.contiguous().view(torch.int8),
         float(scale), float(softcap), math.log(2.0) if lse_base2 else 1.0,
         o_c.stride(0), o_c.stride(1), lse_c.stride(0), q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), o.stride(0), o.stride(1),
         G=Hq // Hkv, D=D, D_PAD=next_pow2(D), DV=Dv, DV_PAD=next_pow2(Dv), SOFTCAP=softcap > 0,
-        HAS_LENS=cache_lens is not None, num_warps=1,
+        HAS_LENS=cache_lens is not None, HAS_ALLOWED=allowed is not None, num_warps=1,
     )
     return o, lse
 
 
-def merge_new_token_ref(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False, cache_lens=None):
+def merge_new_token_ref(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_base2=False, cache_lens=None,
+                        allowed=None):
     """Reference for `merge_new_token`: the new token's own score and value, merged by LSE."""
     g = q.shape[1] // k_new.shape[1]
     s = torch.einsum("bhd,bhd->bh", q.float(), k_new.float().repeat_interleave(g, dim=1)) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    if allowed is not None:
+        s = s.masked_fill(~allowed.bool()[:, None], float("-inf"))
     lse_c = lse_c.float() * (math.log(2.0) if lse_base2 else 1.0)
     empty = torch.isnan(lse_c) | torch.isposinf(lse_c)
     if cache_lens is not None:

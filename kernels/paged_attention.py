@@ -320,13 +320,17 @@ def configured(**fields):
         _OVERRIDES.pop()
 
 
-def _config(d_pad, dv_pad, g_pad, q_len, dtype):
-    chosen = dict(zip(_TILE_FIELDS, _default_config(d_pad, dv_pad, g_pad, q_len, dtype)), **_OVERRIDES[-1])
+def _config(d_pad, dv_pad, g_pad, q_len, dtype, wide=False):
+    chosen = dict(zip(_TILE_FIELDS, _default_config(d_pad, dv_pad, g_pad, q_len, dtype, wide)), **_OVERRIDES[-1])
     chosen["block_m"] = max(chosen["block_m"], g_pad)  # a tile holds at least one token's whole group
     return tuple(chosen[f] for f in _TILE_FIELDS)
 
 
-def _default_config(d_pad, dv_pad, g_pad, q_len, dtype):
+def _default_config(d_pad, dv_pad, g_pad, q_len, dtype, wide=False):
+    """``wide``: the grid has a program for every SM before any split. Decode-sized tiles then take two
+    stages, not three: less shared memory a program, more programs resident per SM, more loads in flight
+    (B64, 4k context, 32q / 8kv, d128 on the H200: 264.7 against 343.2 us; `benchmarks/decode_sweep.py`).
+    Smaller grids keep three: each program walks a split of the keys alone."""
     d_max = max(d_pad, dv_pad)
     rows = g_pad * q_len
     if rows <= 64:
@@ -336,7 +340,7 @@ def _default_config(d_pad, dv_pad, g_pad, q_len, dtype):
     block_m = max(block_m, g_pad)  # a tile holds at least one token's whole group
     block_n = 64 if d_max <= 128 and dtype != torch.float32 else 32
     num_warps = 8 if block_m >= 128 else 4
-    num_stages = 2 if dtype == torch.float32 else 3
+    num_stages = 2 if dtype == torch.float32 or (wide and rows <= 64 and d_max <= 128) else 3
     return block_m, block_n, num_warps, num_stages
 
 
@@ -349,9 +353,12 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     g_pad, d_pad, dv_pad = next_pow2(G), max(16, next_pow2(D)), max(16, next_pow2(Dv))
     block_m, block_n, num_warps, num_stages = _config(d_pad, dv_pad, g_pad, q_len, q.dtype)
     m_tiles = triton.cdiv(q_len, block_m // g_pad)
+    programs = m_tiles * B * Hkv
+    if programs >= num_sms(q.device.index if q.device.type == "cuda" else None):
+        block_m, block_n, num_warps, num_stages = _config(d_pad, dv_pad, g_pad, q_len, q.dtype, wide=True)
     if num_splits is None:
         max_keys = block_table.shape[1] * S + q_len
-        num_splits = pick_num_splits(m_tiles * B * Hkv, max_keys, q.device)
+        num_splits = pick_num_splits(programs, max_keys, q.device)
     if not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits: expected 1..256, got {num_splits}")
 

@@ -212,3 +212,29 @@ def test_merge_new_token_reads_a_kernels_no_key_marks_as_an_empty_cached_part(ma
     with pytest.raises(ValueError, match="cache_lens: expected \\[3\\] int32"):
         merge_new_token(o_c, lse_c, q, k_new, v_new, scale=0.25, cache_lens=lens[:2])
 
+
+
+@pytest.mark.parametrize("base2", [False, True])
+def test_merge_new_token_leaves_out_a_token_not_allowed(base2):
+    """``allowed``: a query whose top-k left its own row out keeps the cached part's bits (output and natural-log
+    LSE); with that part empty too it attended nothing (zero output, -inf)."""
+    from fnattn.kernels.lse_merge import merge_new_token, merge_new_token_ref
+
+    B, Hq, Hkv, D, Dv = 4, 4, 1, 16, 8
+    q, k_new, v_new = randn(B, Hq, D), randn(B, Hkv, D), randn(B, Hkv, Dv)
+    o_c, lse_c = randn(B, Hq, Dv), randn(B, Hq).float()
+    lse_c[2:] = float("inf")  # requests 2 and 3: no cached key (FlashMLA's mark, a zero output)
+    o_c[2:] = 0.0
+    allowed = torch.tensor([True, False, False, True], device=DEVICE)
+    kw = dict(scale=0.25, lse_base2=base2, allowed=allowed)
+    got = merge_new_token(o_c, lse_c, q, k_new, v_new, **kw)
+    want = merge_new_token_ref(o_c, lse_c, q, k_new, v_new, **kw)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[0][1], o_c[1]) and torch.equal(got[1][1], lse_c[1] * (math.log(2.0) if base2 else 1.0))
+    assert (got[0][2] == 0).all() and torch.isneginf(got[1][2]).all()
+    torch.testing.assert_close(got[0][3], v_new[3].repeat_interleave(Hq, dim=0), atol=1e-6, rtol=1e-6)
+    plain = merge_new_token(o_c, lse_c, q, k_new, v_new, scale=0.25, lse_base2=base2)
+    assert torch.equal(got[0][[0, 3]], plain[0][[0, 3]]) and torch.equal(got[1][[0, 3]], plain[1][[0, 3]])
+    with pytest.raises(ValueError, match="allowed: expected \\[4\\] bool"):
+        merge_new_token(o_c, lse_c, q, k_new, v_new, scale=0.25, allowed=allowed[:3])

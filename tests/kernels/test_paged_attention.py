@@ -285,3 +285,16 @@ def test_bad_arguments_raise_naming_the_argument():
 def test_bf16_on_gpu():
     run_decode([0, 300, 1000], 32, 8, 128, 16, dtype=torch.bfloat16, num_splits=None)
     run_prefill([0, 300], [200, 5], 32, 8, 128, 16, dtype=torch.bfloat16)
+
+
+def test_decode_tiles_take_two_stages_only_when_the_grid_fills_the_device():
+    """The sweep's finding (decode_sweep.py on the H200): a grid with a program per SM reads faster with two
+    stages; a split grid, prefill tiles and head dims not swept keep three; an override wins either way."""
+    from fnattn.kernels.paged_attention import _config, configured
+
+    bf16 = torch.bfloat16
+    assert _config(128, 128, 4, 1, bf16, wide=True)[3] == 2 and _config(128, 128, 4, 1, bf16)[3] == 3
+    assert _config(256, 256, 4, 1, bf16, wide=True)[3] == 3  # d256: not measured
+    assert _config(128, 128, 4, 64, bf16, wide=True)[3] == 3  # a prefill tile
+    with configured(num_stages=4):
+        assert _config(128, 128, 4, 1, bf16, wide=True)[3] == 4

@@ -95,28 +95,22 @@ def fold_own_rows(q: Float[Tensor, "T H Dq"], o_c: Float[Tensor, "T H R"], lse_c
     """The cached part merged with each token's own new rows (causal; ``allowed`` narrows them, for
     sparse layers): ``(o_lat, natural-log lse)``.
 
-    With ``cache_lens`` [B] the cached part is as a kernel left it: a request with an empty cache, or an
-    lse of +inf / NaN, attended no cached key (whatever its output holds). One decode token per request
-    takes the fused Triton kernel (its own score, those marks and the merge in one launch,
-    ``fnattn.kernels.merge_new_token``); 1 + k verify tokens the torch path.
+    One decode token per request takes the fused Triton kernel on the GPU (its own score, a kernel's no-key
+    marks in ``lse_c`` (+inf / NaN), ``allowed`` and the merge in one launch, ``fnattn.kernels.merge_new_token``);
+    1 + k verify tokens the torch path, which reads the same marks. A marked query's cached output must be
+    zero (FlashMLA's); with ``cache_lens`` [B] a request with an empty cache attended no cached key either,
+    whatever its output holds.
     """
     R = o_c.shape[-1]
-    fused = n == 1 and q.is_cuda and importlib.util.find_spec("triton") is not None
-    if fused:
+    if n == 1 and q.is_cuda and importlib.util.find_spec("triton") is not None:
         from ...kernels import merge_new_token
-    if fused and allowed is None:
+
+        # a token whose own row is not among its top-k (``allowed`` False) keeps the cached part alone
         return merge_new_token(o_c, lse_c, q, new[:, None], new[:, None, :R], scale=scale, lse_base2=lse_base2,
-                               cache_lens=cache_lens)
-    if cache_lens is not None:
-        has_keys = (cache_lens > 0).repeat_interleave(n)[:, None]  # [T, 1]
+                               cache_lens=cache_lens, allowed=None if allowed is None else allowed[:, 0])
+    has_keys = None if cache_lens is None else (cache_lens > 0).repeat_interleave(n)[:, None]  # [T, 1]
+    if has_keys is not None:
         o_c = torch.where(has_keys[..., None], o_c, 0.0)
-        lse_c = no_keys_as_neg_inf(lse_c, has_keys)
-    if fused:
-        o, lse = merge_new_token(o_c, lse_c, q, new[:, None], new[:, None, :R], scale=scale, lse_base2=lse_base2)
-        # a token whose own row is not among its top-k keeps the cached part alone
-        lse_c = lse_c * LN2 if lse_base2 else lse_c
-        return torch.where(allowed[..., None], o, o_c), torch.where(allowed, lse, lse_c)
-    if lse_base2:
-        lse_c = lse_c * LN2
+    lse_c = no_keys_as_neg_inf(lse_c * LN2 if lse_base2 else lse_c, has_keys)
     o_n, lse_n = own_rows(q, new, n=n, scale=scale, R=R, allowed=allowed)
     return merge(o_c, lse_c, o_n, lse_n)

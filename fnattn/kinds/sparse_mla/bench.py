@@ -3,7 +3,8 @@
 "mla-sparse": a layer reusing a given top-k (GLM-5's shared layer; the indexer is timed apart) through
 fnattn's FlashMLA backend (index translation to pool slots, the kernel over the cache, the new row
 beside it, LSE merge, ``W_UV``) against the kernel alone on precomputed slots over caches that
-already hold the new token. "indexer": the Triton indexer scores plus ``torch.topk`` at the given
+already hold the new token, and against the usual layer (the latent written into the pool first, then the
+absorption, the kernel and ``W_UV``: the same work as fnattn's but the merge). "indexer": the Triton indexer scores plus ``torch.topk`` at the given
 context, reported next to the sparse attention time of the same shape.
 """
 
@@ -15,7 +16,7 @@ from ... import Batch, IndexerConfig, LayerSpec, ModelAttention, SparseMLAConfig
 from ...bench import timed, timed_session
 from ...bench.setup import cached_state
 from ..mla.bench import DEVICE, deepseek_mla, random_inputs
-from ..mla.latent import absorbed_query
+from ..mla.latent import absorbed_query, values_out
 from .flashmla import TOPK_BLOCK, one_pass_slots
 
 
@@ -48,9 +49,9 @@ def _record(case, name, peer, shape, measure, extra=None):
 
 
 def sparse_decode_setup(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, page_size: int = 64):
-    """``-> (specs, state, batch, inputs, kernel)``: a layer reusing a random causal top-k over ``ctx`` cached
-    tokens, and raw ``flash_mla_sparse_fwd`` over the same positions as pool slots (the new token's row counted
-    as cached), ready to call."""
+    """``-> (specs, state, batch, inputs, kernel, slots)``: a layer reusing a random causal top-k over ``ctx``
+    cached tokens, and raw ``flash_mla_sparse_fwd`` over the same positions as pool slots (``slots``, the kernel's
+    int32 lists; the new token's row counted as cached), ready to call."""
     from sgl_kernel.flash_mla import flash_mla_sparse_fwd
 
     specs, state, b, idx = _setup(batch, ctx, heads, topk, 64, 128, page_size)
@@ -66,13 +67,31 @@ def sparse_decode_setup(*, batch: int, ctx: int, heads: int = 128, topk: int = 2
     q = absorbed_query(inputs)
     cfg = specs[1].config.mla
     kernel = lambda: flash_mla_sparse_fwd(q, pool.view(-1, 1, pool.shape[-1]), raw_idx, cfg.scale, 512)  # noqa: E731
-    return specs, state, b, inputs, kernel
+    return specs, state, b, inputs, kernel, raw_idx
+
+
+def usual_sparse_layer(state, b, inputs, kernel_indices, scale):
+    """The usual design of the same layer: write the new latent row into the pool, absorb ``W_UK`` into the query,
+    the kernel over the top-k slots (the new row among them), ``W_UV`` out."""
+    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
+
+    pool = state.views(1).latent
+    rows = pool.view(-1, pool.shape[-1])
+
+    def run():
+        rows.index_copy_(0, b.slot_mapping, inputs.latent)
+        out, _, _ = flash_mla_sparse_fwd(absorbed_query(inputs), pool.view(-1, 1, pool.shape[-1]), kernel_indices,
+                                         scale, 512)
+        return values_out(out, inputs.w_uv)
+
+    return run
 
 
 def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, page_size: int = 64,
                        graph: bool = True) -> list[dict]:
-    specs, state, b, inputs, kernel = sparse_decode_setup(batch=batch, ctx=ctx, heads=heads, topk=topk,
-                                                          page_size=page_size)
+    specs, state, b, inputs, kernel, slots = sparse_decode_setup(batch=batch, ctx=ctx, heads=heads, topk=topk,
+                                                                 page_size=page_size)
+    usual = usual_sparse_layer(state, b, inputs, slots, specs[1].config.mla.scale)
     ma = ModelAttention(specs, prefer=("flashmla",), device=DEVICE, phases=("decode",))
     peer = "flash_mla_sparse_fwd (raw)"
     case = f"sparse mla decode B{batch} ctx{ctx} h{heads} topk{topk}" + (" graph" if graph else " eager")
@@ -83,6 +102,8 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
             return timed_session(ma, state, b, lambda s: s.forward(1, inputs), graph=graph)
 
     return [_record(case, peer, peer, shape, lambda: timed(kernel, graph=graph), flops),
+            _record(case, "usual (append + absorb + kernel + W_UV)", peer, shape, lambda: timed(usual, graph=graph),
+                    flops),
             _record(case, "fnattn flashmla (attention, shared top-k)", peer, shape, lambda: through_fnattn(False),
                     flops),
             _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots)", peer, shape,

@@ -37,12 +37,13 @@ from .reference import check_reused
 LN2 = math.log(2.0)
 TOPK_BLOCK = 128  # top-k lists are padded to a multiple of this (the kernel walks them in blocks)
 LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (its docstring; its max_logits are log2e-scaled too)
-_ONE_PASS = [False]  # its parity passes on the H200 (tests/gpu_results/mla_parity.json); off until timed
+_ONE_PASS = [True]  # bench_mla_sparse.json: 138.6 against 191.7 us a B64 layer through the torch form
 
 
 def one_pass_slots(enabled: bool):
     """Within this block the top-k positions become pool slots, own-row indices and the picked mask in one
-    launch (`fnattn.kernels.topk_slots`) instead of its torch form `topk_slots_ref` (the same values)."""
+    launch (`fnattn.kernels.topk_slots`, the default) or through its torch form `topk_slots_ref` (the same
+    values, some fifteen launches)."""
     return switched(_ONE_PASS, "one_pass_slots", enabled)
 
 
@@ -73,14 +74,18 @@ def select(spec, views: Views, inputs: SparseMLAInputs) -> torch.Tensor:
                         scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk)
 
 
-def sparse_kernel(q, kv, indices, scale, R):
-    """``flash_mla_sparse_fwd`` over ``kv [N, Dq]`` at ``indices [T, topk]``: latent out, natural-log LSE."""
+def sparse_kernel(q, kv, indices, scale, R, *, natural: bool = True):
+    """``flash_mla_sparse_fwd`` over ``kv [N, Dq]`` at ``indices [T, topk]``: latent out, natural-log LSE
+    (``-inf``: no key). ``natural=False``: the kernel's own LSE (base 2 when `LSE_BASE2`, +inf: no key), for
+    a merge that reads those marks itself."""
     from sgl_kernel.flash_mla import flash_mla_sparse_fwd
 
     pad = -indices.shape[1] % TOPK_BLOCK
     idx = F.pad(indices, (0, pad), value=-1) if pad else indices
     out, _, lse = flash_mla_sparse_fwd(q, kv.view(-1, 1, kv.shape[-1]), idx.to(torch.int32).unsqueeze(1).contiguous(),
                                        scale, R)
+    if not natural:
+        return out, lse
     return out, no_keys_as_neg_inf(lse * LN2 if LSE_BASE2 else lse)  # a query with no key: zero output
 
 
@@ -98,12 +103,14 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
                                     batch.block_table, page_size=batch.page_size, pad_to=TOPK_BLOCK,
                                     rows=phase == "prefill", new=n)
     q = absorbed_query(inputs)  # [T, H, R + Dr]
-    o_c, lse_c = sparse_kernel(q, views.latent, slots, m.scale, R)
+    # decode / verify: the merge with the own rows reads the kernel's own LSE and no-key marks
+    o_c, lse_c = sparse_kernel(q, views.latent, slots, m.scale, R, natural=phase == "prefill")
     if phase == "prefill":
         o_n, lse_n = sparse_kernel(q, inputs.latent, rows, m.scale, R)
         o_lat, lse = merge(o_c, lse_c, o_n, lse_n)
     else:
-        o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=n, scale=m.scale, allowed=picked)
+        o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=n, scale=m.scale, allowed=picked,
+                                   lse_base2=LSE_BASE2)
     out = SparseAttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse, topk_indices=selected)
     if spec.config.index_source_layer is None:
         return out, writes(latent=inputs.latent, index_k=inputs.index_k)
