@@ -2,6 +2,7 @@
 the same cache, in one process: which (block_n, num_warps, num_stages, splits) reads the cache fastest per batch.
 
     python benchmarks/decode_sweep.py [--batch 1 8 64] [--ctx 4096] [--out decode_sweep.json]
+    python benchmarks/decode_sweep.py --batch 32 128 --ctx 512 --hq 8 --hkv 2 --dim 256 --block-n 32 --stages 2 3
 
 Each configuration's output is first checked against the shipped configuration's (allclose: a different tile
 changes the order of the sums), then timed from a CUDA graph with ``triton.testing.do_bench``. TB/s counts the
@@ -47,7 +48,7 @@ def flashinfer_decode(k, v, table, lens, q, page, hq, hkv, dim, tensor_cores):
     return lambda: w.run(q, (k, v))
 
 
-GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))  # block_n, num_warps, num_stages
+GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}  # each compiles once per SPLIT
 
 
 def sweep_batch(B: int, a, records: list) -> None:
@@ -79,7 +80,8 @@ def sweep_batch(B: int, a, records: list) -> None:
                flashinfer_decode(k, v, table, lens, q, a.page, a.hq, a.hkv, a.dim, tc))
     record("fnattn paged_decode (shipped)", run, splits=default_splits)
     splits_options = sorted({default_splits, 1, 2, 4} if B * a.hkv < 4 * 132 else {1, 2})
-    for (bn, warps, stages), splits in itertools.product(GRID, splits_options):
+    grid = itertools.product(a.block_n, a.warps, a.stages)
+    for (bn, warps, stages), splits in itertools.product(grid, splits_options):
         cfg = {"block_n": bn, "num_warps": warps, "num_stages": stages}
         with pa.configured(**cfg):  # in force while the graph is captured
             try:
@@ -109,6 +111,9 @@ def main() -> None:
     p.add_argument("--hkv", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--page", type=int, default=16)
+    p.add_argument("--block-n", type=int, nargs="+", default=list(GRID["block_n"]), help="keys a tile")
+    p.add_argument("--warps", type=int, nargs="+", default=list(GRID["num_warps"]))
+    p.add_argument("--stages", type=int, nargs="+", default=list(GRID["num_stages"]))
     p.add_argument("--out", default=None)
     a = p.parse_args()
     records = []

@@ -7,7 +7,7 @@
 #   its profile, fla_direct's check and prefill A/B,
 #   the fused paths, the MLA fast paths (mla-bench: their timings); linear: the decode GEMV and its folds; ab: the whole step with each
 #   switch flipped (benchmarks/model_ab.py); switches: the decode switches flipped from their defaults, checked and timed in
-#   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers
+#   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers; decode-sweep: the paged decode kernel's tiles
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -73,7 +73,7 @@ case "${1:-}" in
     part 130 env FNATTN_GPU_RESULTS="$out/switches_graph_cases.json" $rec "$out/switches_graph_gpu.json" -- \
         tests/gpu/test_graph_gpu.py -k pdl
     ;;
-  prefill)  # fla-core's GDN prefill with fla_direct: bitwise against the public function, then timed
+  prefill)  # fla-core's GDN prefill with fla_direct (the default): bitwise against the public function, then timed
     part 200 env FNATTN_GPU_RESULTS="$out/fla_prefill_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/fla_prefill_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py -k "prefill or fla_direct"
     part 200 python benchmarks/model_ab.py --toggle fla_direct --prefill 8192 --batch 1 --steps 12 \
@@ -92,6 +92,10 @@ case "${1:-}" in
   linear)  # the skinny GEMV against cuBLAS, its folds (residual add, RMSNorm) against FlashInfer's add + RMSNorm
     part 300 python -m fnattn bench linear --batch 1 --out "$out/bench_linear_b1.json"
     part 200 python -m fnattn bench linear --batch 8 16 --no-sweep --out "$out/bench_linear_b8_16.json"
+    ;;
+  decode-sweep)  # the paged decode kernel's tiles at the Qwen3.5 attention shape (d256), against FlashInfer's decodes
+    part 240 python benchmarks/decode_sweep.py --batch 32 128 --ctx 512 --hq 8 --hkv 2 --dim 256 --block-n 32 64 \
+        --warps 4 8 --stages 2 3 --out "$out/decode_sweep_d256.json"
     ;;
   mla)  # MLA / sparse MLA fast paths against the references
     part 200 env FNATTN_GPU_RESULTS="$out/mla_parity_cases.json" python benchmarks/gpu_pytest_record.py \
@@ -117,7 +121,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large|decode-sweep" >&2
     exit 2
     ;;
 esac

@@ -4,8 +4,9 @@
 fnattn's FlashMLA backend (index translation to pool slots, the kernel over the cache, the new row
 beside it, LSE merge, ``W_UV``) against the kernel alone on precomputed slots over caches that
 already hold the new token, and against the usual layer (the latent written into the pool first, then the
-absorption, the kernel and ``W_UV``: the same work as fnattn's but the merge). "indexer": the Triton indexer scores plus ``torch.topk`` at the given
-context, reported next to the sparse attention time of the same shape.
+absorption, the kernel and ``W_UV``: the same work as fnattn's but the merge). "indexer": the Triton
+indexer scores plus ``torch.topk`` at the given context, reported next to the sparse attention time of the
+same shape.
 """
 
 from __future__ import annotations
