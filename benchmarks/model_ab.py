@@ -11,8 +11,11 @@ time, `fnattn.bench.model.time_prefill`), run under the variant's switches, the 
 Each batch captures one CUDA graph per variant (the defaults, then each toggle flipped from its default,
 captured under its switch) over one state, then replays them round-robin, step after step, the order
 rotated each round, so that a drift of the clocks or the memory over the run falls on every variant alike.
-The records carry each variant's median step and its ratio to the defaults' (< 1: faster); a variant that
-fails to capture is recorded with its error and the others still run.
+The records carry each variant's median step and quartiles, its ratio to the defaults' (< 1: faster), the median
+of each round's own ratio (``paired_ratio``: the two steps of a round run back to back, so drift cancels) and the
+share of rounds it won (``faster_rounds``); a variant that fails to capture is recorded with its error and the
+others still run. A host-bound step (an eager prefill) moves by several percent between runs: read a ratio with
+its quartiles and take the run with the most steps.
 ``--shape tiny --device cpu`` is a smoke run of the same plan (capture-free, each step eager under its
 switches; tests/test_model_ab.py runs it).
 
@@ -91,6 +94,17 @@ def variants(toggles):
     return out
 
 
+def spread(times: list[float], base: list[float]) -> dict:
+    """A variant's steps (seconds, one a round) against the defaults' of the same rounds: the ratio of the medians,
+    the median of the rounds' own ratios (paired: drift over the run cancels within a round), the share of rounds
+    in which the variant was faster, and its quartiles in us."""
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    paired = [t / b for t, b in zip(times, base)]
+    return {"ratio_to_defaults": statistics.median(times) / statistics.median(base),
+            "paired_ratio": statistics.median(paired), "faster_rounds": sum(r < 1 for r in paired) / len(paired),
+            "quartiles_us": [q[0] * 1e6, q[2] * 1e6]}
+
+
 def switched(values: dict):
     stack = contextlib.ExitStack()
     for name, on in values.items():
@@ -120,12 +134,10 @@ def run_prefill_ab(plan, model, ma, dev, *, shape: str, batches, prompt: int, st
                 k = live[(i + j) % len(live)]
                 with switched(plan[k][1]):
                     times[k] += time_prefill(model, ma, dev, b, prompt, page_size=16, reps=1, warm=False)
-        base = statistics.median(times[0])
         for k in live:
             label, values = plan[k]
-            t = statistics.median(times[k])
-            out.append(_record(case, "fnattn eager", "prefill", t, b * prompt, variant=label,
-                               switches=dict(values), ratio_to_defaults=t / base))
+            out.append(_record(case, "fnattn eager", "prefill", statistics.median(times[k]), b * prompt,
+                               variant=label, switches=dict(values), **spread(times[k], times[0])))
     return out
 
 
@@ -168,12 +180,11 @@ def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "
                 with switched(plan[k][1]):  # what a capture-free runner traces each step
                     step, st = time_decode(model, ma, st, b, 1, runner=runners[k], warmup=0)
                 times[k] += step
-        base = statistics.median(times[0])
         for k in live:
             label, values = plan[k]
-            t = statistics.median(times[k])
             out.append(_record(case, "fnattn graph" if dev.type == "cuda" else "fnattn runner (no capture)", "decode",
-                               t, b, variant=label, switches=dict(values), ratio_to_defaults=t / base))
+                               statistics.median(times[k]), b, variant=label, switches=dict(values),
+                               **spread(times[k], times[0])))
         del st, runners
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -199,7 +210,10 @@ def main() -> None:
         if "error" in r:
             print(f"{r['case']:<26}{r['variant']:<70}  failed: {r['error']}")
         else:
-            print(f"{r['case']:<26}{r['variant']:<70}{r['time_us']:9.1f} us  {r['ratio_to_defaults']:.3f}x")
+            lo, hi = r["quartiles_us"]
+            print(f"{r['case']:<26}{r['variant']:<70}{r['time_us']:9.1f} us ({lo:.1f}-{hi:.1f})  "
+                  f"{r['ratio_to_defaults']:.3f}x  paired {r['paired_ratio']:.3f}x, faster in "
+                  f"{r['faster_rounds']:.0%} of rounds")
     write_json(records, args.out, command="python benchmarks/model_ab.py " + " ".join(
         ["--toggle", *args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--shape",
          args.shape, "--device", args.device, *(["--prefill", str(args.prefill)] if args.prefill else []),

@@ -76,4 +76,7 @@ def test_prefill_steps_interleave_the_variants_too():
         ("qwen3_5 tiny prefill B1 P64", "defaults", "prefill"), ("qwen3_5 tiny prefill B1 P64", "fla_direct=off",
                                                                  "prefill")]
     assert records[1]["switches"] == {"fla_direct": False} and records[0]["ratio_to_defaults"] == 1.0
+    # the defaults against themselves, round by round: 1.0, never faster; quartiles around the median
+    assert records[0]["paired_ratio"] == 1.0 and records[0]["faster_rounds"] == 0.0
+    assert all(r["quartiles_us"][0] <= r["quartiles_us"][1] and 0 <= r["faster_rounds"] <= 1 for r in records)
     assert all(r["time_us"] > 0 and r["tok_s"] > 0 for r in records)
