@@ -6,6 +6,7 @@ The kernels themselves are compared on the GPU (tests/gpu/test_mla_backends_gpu.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -202,3 +203,24 @@ def test_padded_heads_through_the_model_give_the_same_logits(name):
         st, ld = run_step(model.step, params, ma, st, b, torch.tensor([5, 7]))
         logits.append(torch.cat((lp, ld)))
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_fold_own_rows_reads_a_kernels_no_key_marks(n):
+    """The cached part as FlashMLA leaves it: base-2 LSE, +inf (a zero output) for a query with no cached key.
+    The fold reads the mark as an empty part, in the torch form (verify, and any CPU step) as in the kernel."""
+    from fnattn.kinds.mla.latent import fold_own_rows
+
+    g = torch.Generator().manual_seed(7)
+    B, H, R, Dr = 2, 3, 16, 8
+    q = torch.randn(B * n, H, R + Dr, generator=g)
+    new = torch.randn(B * n, R + Dr, generator=g)
+    o_c = torch.randn(B * n, H, R, generator=g)
+    lse_nat = torch.randn(B * n, H, generator=g)
+    lse_c = lse_nat / math.log(2.0)
+    o_c[:n], lse_c[:n] = 0.0, float("inf")  # request 0: no cached key
+    o, lse = fold_own_rows(q, o_c, lse_c, new, n=n, scale=0.3, lse_base2=True)
+    o_n, lse_n = own_rows(q, new, n=n, scale=0.3, R=R)
+    assert torch.allclose(o[:n], o_n[:n].to(o.dtype), atol=1e-6) and torch.allclose(lse[:n], lse_n[:n], atol=1e-6)
+    want, want_lse = merge(o_c[n:], lse_nat[n:], o_n[n:], lse_n[n:])
+    assert torch.allclose(o[n:], want.to(o.dtype), atol=1e-5) and torch.allclose(lse[n:], want_lse, atol=1e-5)
