@@ -7,6 +7,12 @@ softmax with the sink logit appended. Here the same keys and mask go to the kern
 ``F.scaled_dot_product_attention`` dispatches to on a CPU (shared K = V: one KV head, the heads folded into
 the query axis), which returns the log-sum-exp too; the sinks then scale the output by
 ``sigmoid(lse - sink)``, the share of the denominator the keys hold. Verify stays the reference's.
+
+Decode stays request by request, as the reference lays it out: a request's bits must not depend on the
+batch around it or on its page size (a request moved into a State of another page size decodes the same
+logits, tests/test_model_deepseek_v4.py). The whole batch at once through the GPU path's row lists
+(`.flashmla.sparse_step` with torch's kernel over the gathered rows) was tried: it rounds differently as the
+block table's width changes (the padded entry lists), so it is not used here.
 """
 
 from __future__ import annotations
