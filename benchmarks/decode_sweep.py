@@ -12,12 +12,11 @@ K and V rows read once. The kernel alone: the backend around it adds its plan an
 
 import argparse
 import itertools
-import json
 
 import torch
 from fnattn.kernels import paged_attention as pa
 
-from fnattn.bench import environment, timed
+from fnattn.bench import timed, write_json
 
 
 def cache(batch, ctx, hq, hkv, dim, page, dev, dt):
@@ -120,10 +119,9 @@ def main() -> None:
     for B in a.batch:
         sweep_batch(B, a, records)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"command": "python benchmarks/decode_sweep.py " + " ".join(
-                f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(a).items()
-                if v is not None), "environment": environment(), "records": records}, f, indent=1)
+        write_json(records, a.out, command="python benchmarks/decode_sweep.py " + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(a).items() if v is not None))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ from ._triton import (
     tl,
     triton,
 )
-from .gdn_gate import gate_columns
+from .gdn_gate import gate_columns, gdn_gating
 
 MAX_M = 64
 ACTS = (None, "silu_mul")
@@ -480,8 +480,6 @@ def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: 
     (``x.dtype``) as `gdn_gating` computes them: ``-> (y [M, N], g [M, H], beta [M, H])``. One launch: the
     tile that holds those columns writes g and beta too (an input projection, then its gating);
     ``neg_decay``, ``dt_bias``: fp32 ``[H]``."""
-    from .gdn_gate import gdn_gating
-
     _check(x, w, None, None, config)
     M, N = x.shape[0], w.shape[0]
     H = neg_decay.shape[0] if isinstance(neg_decay, torch.Tensor) and neg_decay.dim() == 1 else None

@@ -101,8 +101,9 @@ def environment() -> dict:
 
 
 def switches() -> dict:
-    """The fast-path switches in force: `fnattn.kernels.pdl`, `fnattn.models.fused`'s, and the fields
-    `skinny_linear.configured` replaces in the GEMV's config table."""
+    """The fast-path switches in force: `fnattn.kernels.pdl`, `fnattn.models.fused`'s, the fields
+    `skinny_linear.configured` replaces in the GEMV's config table, sparse MLA's `one_pass_slots` and the
+    fla provider's `fla_direct`."""
     from ..kernels import _triton
     from ..kernels import skinny_linear as skinny
     from ..kinds.delta_rule import triton as delta_rule

@@ -45,7 +45,7 @@ from .reference import check_inputs
 CHUNK_SIZE = 64
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FLA_DIRECT = [True]  # bitwise the public function and 0.945x its prefill on the H200 (`fla_direct`)
+_FLA_DIRECT = [True]  # bitwise the public function and 0.943x its prefill on the H200 (`fla_direct`)
 
 
 def fla_direct(enabled: bool):
@@ -53,8 +53,9 @@ def fla_direct(enabled: bool):
     (`_fla_gdn_forward`: l2norm of q and k, then ``chunk_gated_delta_rule_fwd``, with the plan's chunk
     list as its ``chunk_indices``) in place of the public ``chunk_gated_delta_rule`` and its wrappers. On by
     default: the same kernels in the same order, so the same bits
-    (``tests/gpu_results/fla_prefill_gpu.json``), and an 8192-token prefill step 0.945x the public path's
-    (``benchmarks/results/bench_prefill_ab.json``). ``fla_direct(False)``: the public function."""
+    (``tests/gpu_results/fla_prefill_gpu.json``), and an 8192-token prefill step 0.943x the public path's
+    over 24 interleaved steps (``benchmarks/results/bench_prefill_ab.json``; benchmarks/NOTES.md has the
+    shorter runs). ``fla_direct(False)``: the public function."""
     return switched(_FLA_DIRECT, "fla_direct", enabled)
 
 

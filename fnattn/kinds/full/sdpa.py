@@ -30,7 +30,7 @@ from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
-from ..cpu_sdpa import additive_mask, flash, fold_heads, heads_first, unfold_heads
+from ..cpu_sdpa import additive_mask, flash, fold_heads, heads_first, unfold_heads, without_blind_rows
 from ..cpu_sdpa import supports as cpu_supports
 from .config import AttentionOutput, FullAttentionInputs
 from .math import merge
@@ -75,15 +75,14 @@ def _one_request(c, q, k, v, kc, vc, q_pos, n_cached) -> tuple[Tensor, Tensor]:
     o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)  # [n, Hq, D], [n, Hq]
     if kc is None:
         return o, lse
-    mask, blind = None, None
+    mask, visible = None, None
     if W:
         visible = _visible(q_pos, torch.arange(n_cached, device=q.device), W, causal=False)  # [n, m]
         mask = additive_mask(visible, dt, g)
-        blind = ~visible.any(-1)  # [n]: no cached key in the window
     oc, lsec = flash(fold_heads(q, g), heads_first(kc), heads_first(vc), attn_mask=mask, scale=scale)
     oc, lsec = unfold_heads(oc, lsec, n, g)
-    if blind is not None:  # the kernel gives such a row o = 0, lse = 0; the merge wants lse = -inf
-        lsec = lsec.masked_fill(blind[:, None], float("-inf"))
+    if visible is not None:  # a row with no cached key in the window: the merge wants lse = -inf
+        oc, lsec = without_blind_rows(oc, lsec, visible)
     o, lse = merge(oc, lsec, o, lse)
     return o, lse
 
