@@ -40,6 +40,11 @@ Switches:
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
   or FlashInfer's norms and rope.
+- ``swiglu_epilogue``: SwiGLU's SiLU-and-mul written by the gate / up GEMV (`models.fused.swiglu_epilogue`)
+  or by a launch of its own after it (the default).
+- ``fill_device``: the fused GDN decode's V tile narrowed until its grid fills the SMs
+  (`fnattn.kernels.gdn_decode_fused.fill_device`; at batch 1, 16 columns instead of 64), or the usual tile
+  (the default).
 """
 
 import argparse
@@ -48,7 +53,7 @@ import statistics
 
 import fnattn.kernels.skinny_linear as skinny
 import torch
-from fnattn.kernels import _triton
+from fnattn.kernels import _triton, gdn_decode_fused
 from fnattn.models import fused
 
 from fnattn.bench import write_json
@@ -73,6 +78,10 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                      {True: "own add + norm and SiLU-and-mul (early handover)", False: "FlashInfer's"}),
     "qk_one_launch": (fused.qk_one_launch, lambda: fused._QK_ONE_LAUNCH[-1],
                       {True: "q/k norms, rope, v copy in one launch", False: "q norm, k norm, rope (+ copies)"}),
+    "swiglu_epilogue": (fused.swiglu_epilogue, lambda: fused._SWIGLU_EPILOGUE[-1],
+                        {True: "SiLU-and-mul in the gate / up GEMV's launch", False: "SiLU-and-mul apart"}),
+    "fill_device": (gdn_decode_fused.fill_device, lambda: gdn_decode_fused._FILL_DEVICE[-1],
+                    {True: "GDN decode tiles narrowed to fill the SMs", False: "the usual GDN decode tile"}),
     "fla_direct": (delta_rule.fla_direct, lambda: delta_rule._FLA_DIRECT[-1],
                    {True: "fla-core's chunk forward called itself", False: "fla-core's public function"}),
 }

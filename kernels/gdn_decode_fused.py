@@ -23,10 +23,32 @@ ring rows, never ones `slots` reads).
 
 import torch
 
-from ._triton import gdc_launch_dependents, gdc_wait, pdl_launch, require_triton, tl, triton
+from ._switch import switched
+from ._triton import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch, require_triton, tl, triton
 from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, inner_contiguous, pow2, state_outputs
 from .gdn_conv import causal_conv1d_ref
 from .gdn_recurrent import _delta_token, _store_state, gated_delta_recurrent_ref
+
+_FILL_DEVICE = [False]  # not yet timed in a whole step on the H200 (`fill_device`)
+_NARROWEST_V = 16
+
+
+def fill_device(enabled: bool):
+    """Within this block `gated_delta_decode_fused`'s default V tile halves (down to 16 columns) while its
+    grid has fewer programs than the device has SMs: at batch 1 with 16 value heads the usual 64 columns make
+    32 programs for 132 SMs, each reading a 32 KiB state tile. Each program convolves and normalizes its
+    key head's q and k itself, so narrower tiles repeat that work; the state is still read once."""
+    return switched(_FILL_DEVICE, "fill_device", enabled)
+
+
+def default_block_v(B: int, HV: int, V: int, BK: int, sms: int) -> int:
+    """The V tile without ``block_v``: `gated_delta_recurrent`'s (32 columns at key dims >= 256, else 64,
+    at most V's power of two), narrowed under `fill_device` until ``B * HV`` rows of tiles fill ``sms``."""
+    bv = min(pow2(V), 32 if BK >= 256 else 64)
+    if _FILL_DEVICE[-1]:
+        while bv > _NARROWEST_V and B * HV * cdiv(V, bv) < sms:
+            bv //= 2
+    return bv
 
 
 @triton.jit
@@ -183,7 +205,7 @@ def gated_delta_decode_fused(
 
     x, g = inner_contiguous(x), inner_contiguous(g)
     BK = pow2(K)
-    BV = block_v or min(pow2(V), 32 if BK >= 256 else 64)  # gated_delta_recurrent's tile (see there)
+    BV = block_v or default_block_v(B, HV, V, BK, num_sms(x.device.index if x.is_cuda else None))
     pdl = pdl_launch(x.device)
     _fused_decode_kernel[(B, HV, cdiv(V, BV))](
         x, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state_pool, g, beta,

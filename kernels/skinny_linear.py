@@ -29,11 +29,8 @@ itself, a second read of ``x`` that comes from L2. Measured on the H200 the
 folds lose to FlashInfer's fused add + RMSNorm launch between two GEMVs (one
 decode pair: 18.0 us folded against 14.1 us), so the models do not use them.
 
-`skinny_linear_add_norm` moves the norm to the other side: the output projection adds the residual and
-its last column tile to finish (one more arrival counter) reads the whole rows of the sum back from L2
-and writes their RMSNorm too, so the next input projection streams a plain ``x``. In a whole Qwen3.5-0.8B
-graph step on the H200 it saves nothing at one row and loses at eight (1283 against 1285 us, 1770 against
-1521: benchmarks/results/bench_switches_ab_dd3d3d6.json), so the models leave it off.
+`fnattn.kernels.skinny_folds` takes the op after the product into the same launch (SwiGLU's
+activation, GDN's gating, a residual add + RMSNorm) as an epilogue.
 
 Under `fnattn.kernels.pdl` (on by default), on Hopper, the kernel launches with programmatic dependent launch: each
 program loads its first weight tile while the launch before it on the stream finishes, then waits for it
@@ -55,8 +52,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Float
-from torch import Tensor
 
 from ._checks import check_finite_float, check_like, shares_storage
 from ._triton import (
@@ -70,7 +65,7 @@ from ._triton import (
     tl,
     triton,
 )
-from .gdn_gate import gate_columns, gdn_gating
+from .gdn_gate import gate_columns
 
 MAX_M = 64
 ACTS = (None, "silu_mul")
@@ -184,7 +179,7 @@ def _skinny_gemv_kernel(
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
     NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr,
+    LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr, SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
@@ -195,7 +190,9 @@ def _skinny_gemv_kernel(
     RMS-normalized on load (weight ``NW [K]``); ``HAS_RESIDUAL``: ``R [M, N]`` added to the fp32 sum before rounding.
     ``NORM_AFTER``: each tile's finisher counts itself at ``C[n_tiles]``; the last normalizes the whole rows
     of ``Y`` into ``H`` (weight ``EW [N]``, `_norm_rows_when_last`). ``GATING``: the tile that holds GDN's b
-    and a columns (``g_col`` on) also writes beta and g from them (`gdn_gate.gate_columns`)."""
+    and a columns (``g_col`` on) also writes beta and g from them (`gdn_gate.gate_columns`). ``SWIGLU``:
+    ``W`` is ``[gate; up]`` (``N = 2I`` rows); the tile's products alternate gate and up rows of the same
+    pairs, and it writes ``silu(gate) * up`` into ``Y [M, I]`` (`_store_tile`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -203,7 +200,10 @@ def _skinny_gemv_kernel(
     m_ok = m < M
     n_ok = n < N
     x_rows = X + m.to(tl.int64)[:, None] * sxm  # [BM, 1]
-    w_rows = W + n.to(tl.int64)[:, None] * K  # [BN, 1]
+    if SWIGLU:  # product n is gate row n // 2 (n even) or the up row of the same pair (n odd)
+        w_rows = W + (n // 2 + (n % 2) * (N // 2)).to(tl.int64)[:, None] * K  # [BN, 1]
+    else:
+        w_rows = W + n.to(tl.int64)[:, None] * K  # [BN, 1]
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     k = k_lo + tl.arange(0, BLOCK_K)  # [BK]; every piece has at least one K tile
@@ -253,7 +253,7 @@ def _skinny_gemv_kernel(
                 if HAS_RESIDUAL:
                     total += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask,
                                      other=0.0).to(tl.float32)
-                tl.store(y_at, total.to(Y.dtype.element_ty), mask=mask)
+                _store_tile(Y, y_at, total, m, m_ok, mask, pid_n, N, sym, SWIGLU, BLOCK_M, BLOCK_N)
                 tl.atomic_xchg(C + pid_n, 0)  # zero again for the next launch
                 if GATING:
                     if (pid_n * BLOCK_N < g_col + 2 * g_heads) & (pid_n * BLOCK_N + BLOCK_N > g_col):
@@ -265,7 +265,7 @@ def _skinny_gemv_kernel(
     else:
         if HAS_RESIDUAL:
             acc += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_at, acc.to(Y.dtype.element_ty), mask=mask)
+        _store_tile(Y, y_at, acc, m, m_ok, mask, pid_n, N, sym, SWIGLU, BLOCK_M, BLOCK_N)
         if GATING:
             if (pid_n * BLOCK_N < g_col + 2 * g_heads) & (pid_n * BLOCK_N + BLOCK_N > g_col):
                 gate_columns(acc.to(Y.dtype.element_ty), m, n, m_ok, GG, GB, GND, GDTB, g_col, g_heads, 1.0,
@@ -273,6 +273,23 @@ def _skinny_gemv_kernel(
         if NORM_AFTER:
             _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
                                  NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
+
+
+@triton.jit
+def _store_tile(Y, y_at, acc, m, m_ok, mask, pid_n, N, sym, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The tile's fp32 sums rounded into ``Y``; with ``SWIGLU`` (gate and up products alternating) the
+    products are rounded as the GEMV stores them, then ``silu(gate)`` and the product are rounded as
+    `norm_act.silu_and_mul` rounds them, into ``BLOCK_N / 2`` columns of ``Y [M, N / 2]``."""
+    if SWIGLU:
+        y = acc.to(Y.dtype.element_ty).to(tl.float32)
+        g, u = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))  # [BM, BN / 2] each
+        s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # [BN / 2]
+        tl.store(Y + m.to(tl.int64)[:, None] * sym + c[None, :], (s * u).to(Y.dtype.element_ty),
+                 mask=m_ok[:, None] & (c < N // 2)[None, :])
+    else:
+        tl.store(y_at, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -452,63 +469,17 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, config=
     return y
 
 
-def skinny_linear_add_norm(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], residual: Float[Tensor, "M N"], norm,
-                           *, config: SkinnyConfig | None = None) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M N"]]:
-    """``y = residual + x @ w.T`` (as `skinny_linear`'s ``residual=``) and ``h = rms_norm(y, *norm)``
-    (``norm=(weight [N], eps, offset)``, `models.common`'s roundings, of the rounded ``y``): ``-> (y, h)``,
-    both ``[M, N]`` in ``x.dtype``. One launch: the last column tile to finish reads the whole rows of ``y``
-    back from L2 and normalizes them (an output projection, then the next block's input norm).
-    """
-    norm_after = _check_act_norm(None, norm)
-    _check(x, w, None, None, config, residual, None)
-    if residual is None:
-        raise ValueError("residual: expected an [M, N] tensor (the residual stream the sum joins), got None")
-    _check_operand("norm weight", norm_after[0], (w.shape[0],), x, row_strided=False)
-    M, N = x.shape[0], w.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    h = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if not _launch(x, w, y, None, residual, None, config, norm_after=(h, *norm_after)) and M and N:
-        h.copy_(rms_norm_ref(y, *norm_after))  # no counters for this many tiles, or an empty K: the norm apart
-    return y, h
-
-
-def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: int, neg_decay: Float[Tensor, " H"],
-                         dt_bias: Float[Tensor, " H"], *, config: SkinnyConfig | None = None
-                         ) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M H"], Float[Tensor, "M H"]]:
-    """``y = x @ w.T`` (as `skinny_linear`) and, from its columns ``[col, col + H)`` (GDN's b) and
-    ``[col + H, col + 2H)`` (a), ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``
-    (``x.dtype``) as `gdn_gating` computes them: ``-> (y [M, N], g [M, H], beta [M, H])``. One launch: the
-    tile that holds those columns writes g and beta too (an input projection, then its gating);
-    ``neg_decay``, ``dt_bias``: fp32 ``[H]``."""
-    _check(x, w, None, None, config)
-    M, N = x.shape[0], w.shape[0]
-    H = neg_decay.shape[0] if isinstance(neg_decay, torch.Tensor) and neg_decay.dim() == 1 else None
-    if H is None or neg_decay.dtype != torch.float32 or neg_decay.device != x.device or neg_decay.stride(0) != 1:
-        raise ValueError(f"neg_decay: expected a contiguous [H] float32 tensor on {x.device}, got "
-                         f"{getattr(neg_decay, 'shape', type(neg_decay).__name__)}")
-    check_like("dt_bias", dt_bias, (H,), neg_decay, "neg_decay")
-    if dt_bias.stride(0) != 1 and H > 1:
-        raise ValueError(f"dt_bias: expected a contiguous tensor, got strides {dt_bias.stride()}")
-    if isinstance(col, bool) or not isinstance(col, int) or not 0 <= col <= N - 2 * H:
-        raise ValueError(f"col: expected an int in 0..{N - 2 * H} (b and a, {H} columns each, within the "
-                         f"{N} outputs), got {col!r}")
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    g = torch.empty((M, H), dtype=torch.float32, device=x.device)
-    beta = torch.empty((M, H), dtype=x.dtype, device=x.device)
-    if not _launch(x, w, y, None, None, None, config, gating=(g, beta, neg_decay, dt_bias, col, H)) and M and H:
-        g, beta = gdn_gating(y[:, col + H:col + 2 * H], y[:, col:col + H], neg_decay, dt_bias)  # the gating apart
-    return y, g, beta
-
-
-def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None) -> bool:
+def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, swiglu=False) -> bool:
     """Write ``y`` (checked arguments); ``norm_after=(h, weight, eps, offset)``: also ``h``, or
     ``gating=(g, beta, neg_decay, dt_bias, col, H)``: also g and beta, when the launch can (``-> whether it
-    did``)."""
+    did``). ``swiglu``: ``y [M, N / 2]`` is ``silu(gate) * up`` of the products, when the launch can; when it
+    cannot (no counters for a split launch, an empty K), nothing is written."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
     if M == 0 or N == 0:
         return False
     if K == 0:  # an empty product; the norm of an empty row scales nothing
-        y.zero_() if residual is None else y.copy_(residual)
+        if not swiglu:
+            y.zero_() if residual is None else y.copy_(residual)
         return False
     require_triton()
     cfg = config or pick_config(M, N, K, x.dtype)
@@ -528,8 +499,10 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None) 
         counters = tile_counters(x.device, grid[0] + (norm_after is not None))
     if norm_after is not None and counters is None:
         norm_after = None
-    if split > 1 and counters is None:  # the reduce kernel has no gating epilogue
+    if split > 1 and counters is None:  # the reduce kernel has no gating or SwiGLU epilogue
         gating = None
+        if swiglu:
+            return False
     gg, gb, gnd, gdtb, g_col, g_heads = (y, y, y, y, 0, 0) if gating is None else gating
     h, ew, e_eps, e_offset = (y, y, 0.0, 0.0) if norm_after is None else norm_after
     pdl = pdl_launch(x.device)  # the first weight tile loads while the launch before finishes
@@ -539,14 +512,14 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None) 
                   BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
                   LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
-                  LIBDEVICE=not interpreted(_skinny_gemv_kernel))
+                  LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu)
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),
                                   y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb,
                                   g_col, g_heads, HAS_RESIDUAL=residual is not None, SPLIT=False, ONE_LAUNCH=False,
                                   **common)
-        return norm_after is not None or gating is not None
+        return norm_after is not None or gating is not None or swiglu
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     one_launch = counters is not None
     _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, h, ew, M, N, K, k_per_split, split, grid[0], x.stride(0),
@@ -557,7 +530,7 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None) 
         _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
                                                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                                num_warps=4)
-    return norm_after is not None or gating is not None
+    return norm_after is not None or gating is not None or swiglu
 
 
 COUNTERS = 4096  # column tiles a split launch may have (a split projection is narrow: a few hundred at most)

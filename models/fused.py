@@ -50,6 +50,7 @@ _QK_ONE_LAUNCH = [True]  # timed on the H200 (`qk_one_launch`)
 _OUTPUT_GATES = [True]  # timed on the H200 (`output_gates`)
 _OWN_NORM_ACT = [True]  # timed on the H200 (`own_norm_act`)
 _GATING_EPILOGUE = [True]  # timed on the H200 (`gating_epilogue`)
+_SWIGLU_EPILOGUE = [False]  # not yet timed on the H200 (`swiglu_epilogue`)
 
 
 def unfused():
@@ -99,11 +100,19 @@ def gating_epilogue(enabled: bool):
     return switched(_GATING_EPILOGUE, "gating_epilogue", enabled)
 
 
+def swiglu_epilogue(enabled: bool):
+    """Within this block `gate_up_silu` takes decode-sized inputs on CUDA to one launch
+    (`skinny_linear_swiglu`: each column tile of the gate / up GEMV writes ``silu(gate) * up`` of its
+    columns) when ``enabled``, in place of the GEMV then `silu_and_mul`. Off by default until timed in the
+    whole step on the H200."""
+    return switched(_SWIGLU_EPILOGUE, "swiglu_epilogue", enabled)
+
+
 def switches() -> dict[str, bool]:
     """Which way each switch here stands now (benchmarks record it beside their timings)."""
     return {"fused": _ENABLED[-1], "qk_one_launch": _QK_ONE_LAUNCH[-1], "add_norm_epilogue": _EPILOGUE[-1],
             "output_gates": _OUTPUT_GATES[-1], "own_norm_act": _OWN_NORM_ACT[-1],
-            "gating_epilogue": _GATING_EPILOGUE[-1]}
+            "gating_epilogue": _GATING_EPILOGUE[-1], "swiglu_epilogue": _SWIGLU_EPILOGUE[-1]}
 
 
 @cache
@@ -303,11 +312,22 @@ def project_and_gate(x: Float[Tensor, "T K"], w: Float[Tensor, "N K"], col: int,
     if _GATING_EPILOGUE[-1] and x.dim() == 2 and _skinny(x, w, w.shape[-1]) and neg_decay.dtype == torch.float32 \
             and dt_bias.dtype == torch.float32 and neg_decay.is_contiguous() and dt_bias.is_contiguous() \
             and dt_bias.shape == (H,) and 0 <= col <= w.shape[0] - 2 * H:
-        from fnattn.kernels.skinny_linear import skinny_linear_gating
+        from fnattn.kernels.skinny_folds import skinny_linear_gating
 
         return skinny_linear_gating(x, w, col, neg_decay, dt_bias)
     y = linear(x, w)
     return (y, *gdn_gating(y[..., col + H:col + 2 * H], y[..., col:col + H], neg_decay, dt_bias))
+
+
+def gate_up_silu(x: Float[Tensor, "T D"], gate_up: Float[Tensor, "I2 D"]) -> Float[Tensor, "T I"]:
+    """A SwiGLU MLP's first half: ``silu_and_mul(linear(x, gate_up))`` for ``gate_up = [gate; up]``. Under
+    `swiglu_epilogue`, at decode sizes on CUDA, one launch (`skinny_linear_swiglu`), which rounds as the
+    GEMV then fnattn's `silu_and_mul` kernel."""
+    if _SWIGLU_EPILOGUE[-1] and x.dim() == 2 and gate_up.shape[0] % 2 == 0 and _skinny(x, gate_up, gate_up.shape[-1]):
+        from fnattn.kernels.skinny_folds import skinny_linear_swiglu
+
+        return skinny_linear_swiglu(x, gate_up)
+    return silu_and_mul(linear(x, gate_up))
 
 
 def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual: Float[Tensor, "T D"],
@@ -325,7 +345,7 @@ def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual:
     if (group is None or group.size == 1) and _EPILOGUE[-1] and x.dim() == 2 \
             and _skinny(x, w, w.shape[-1], residual) and weight.dtype == x.dtype and weight.shape == (w.shape[0],) \
             and weight.is_contiguous():
-        from fnattn.kernels.skinny_linear import skinny_linear_add_norm
+        from fnattn.kernels.skinny_folds import skinny_linear_add_norm
 
         return skinny_linear_add_norm(x, w, residual, (weight, eps, 1.0))
     return add_rms_norm_offset_(all_reduce(linear(x, w)), residual, weight, eps)

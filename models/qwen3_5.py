@@ -49,13 +49,13 @@ from .common import (
 )
 from .fused import (
     add_rms_norm_offset_,
+    gate_up_silu,
     linear,
     project_add_norm,
     qk_norm_rope,
     rms_norm_offset,
     rope_table,
     sigmoid_gate,
-    silu_and_mul,
 )
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
@@ -334,7 +334,8 @@ class Attention:
 
 @dataclass(frozen=True, eq=False)
 class DenseMLP:
-    """A SwiGLU MLP with gate and up concatenated at load: one GEMM, then `silu_and_mul`, then down."""
+    """A SwiGLU MLP with gate and up concatenated at load: one GEMM and `silu_and_mul` (`fused.gate_up_silu`:
+    at decode sizes on CUDA under `fused.swiglu_epilogue`, one launch), then down."""
 
     gate_up: Tensor  # [2 I, D]: gate_proj rows, then up_proj rows
     down: Tensor  # [D, I]
@@ -347,7 +348,7 @@ class DenseMLP:
     def __call__(self, x: Tensor, project=linear):
         """``project(x, weight)``: the down projection (`step_hidden` folds the residual add and the next
         norm into it)."""
-        return project(silu_and_mul(linear(x, self.gate_up)), self.down)
+        return project(gate_up_silu(x, self.gate_up), self.down)
 
 
 @dataclass(frozen=True, eq=False)

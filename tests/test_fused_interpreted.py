@@ -1,5 +1,6 @@
 """A whole tiny Qwen3.5 through every fused kernel path, on the CPU under the Triton interpreter (fp16):
-what `models.fused` routes to each kernel (the GEMV, with GDN's gating in its epilogue at decode sizes; q / k
+what `models.fused` routes to each kernel (the GEMV, with GDN's gating or SwiGLU's activation in its epilogue
+at decode sizes; q / k
 norms and rope; GDN gating; the output gates; the residual add + norm and SiLU-and-mul) must give the unfused
 model's logits over a prefill and decode steps. On a GPU the same comparison runs in bf16
 (tests/gpu/test_fused_gpu.py); here it checks the wiring."""
@@ -21,7 +22,8 @@ import fnattn as fa  # noqa: E402
 from fnattn.driver import prefill, run_step  # noqa: E402
 
 KERNELS = {  # module: the functions models.fused calls
-    "skinny_linear": ["skinny_linear", "skinny_linear_gating"],
+    "skinny_linear": ["skinny_linear"],
+    "skinny_folds": ["skinny_linear_gating", "skinny_linear_swiglu"],
     "qk_norm_rope": ["qk_norm_rope"],
     "gdn_gate": ["gdn_gating"],
     "output_gate": ["gated_rms_norm_silu", "sigmoid_gate"],
@@ -60,7 +62,7 @@ def test_every_kernel_path_gives_the_unfused_logits(monkeypatch):
             real = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (
                 calls.__setitem__(name, calls.get(name, 0) + 1), real(*a, **k))[1])
-    with fused.own_norm_act(True), fused.output_gates(True), fused.gating_epilogue(True):
+    with fused.own_norm_act(True), fused.output_gates(True), fused.gating_epilogue(True), fused.swiglu_epilogue(True):
         got = _run(model, ma)
     assert sorted(calls) == sorted(n for names in KERNELS.values() for n in names), calls
     scale = want.abs().max().item()

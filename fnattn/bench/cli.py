@@ -186,7 +186,7 @@ def run(args) -> int:
         if args.case in ("gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "standard"):
             from ..kinds.delta_rule.bench import recurrent_cases
 
-            records += recurrent_cases(args.case)
+            records += recurrent_cases(args.case, batches=args.batch)
     finally:
         with_ratios(records)
         print_table(records)

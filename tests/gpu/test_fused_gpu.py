@@ -295,7 +295,8 @@ SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full at
 VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
             "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl,
             "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on),
-            "own norm and act": fused.own_norm_act, "gating epilogue": fused.gating_epilogue}
+            "own norm and act": fused.own_norm_act, "gating epilogue": fused.gating_epilogue,
+            "swiglu epilogue": fused.swiglu_epilogue}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -306,7 +307,8 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     norms and rope, v copied apart), `kernels.pdl` on (the kernels launched with PDL), `fused.output_gates`
     on (GDN's gated norm and the attention gate as fnattn's own launches), the GEMVs' L2 prefetch on,
     `fused.own_norm_act` on (fnattn's add + RMSNorm and SiLU-and-mul), `fused.gating_epilogue` on (GDN's
-    gating in its input projection's GEMV)."""
+    gating in its input projection's GEMV), `fused.swiglu_epilogue` on (SiLU-and-mul in the gate / up
+    GEMV's launch)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
@@ -467,3 +469,28 @@ def test_gating_epilogue_is_the_gemv_then_gdn_gating(M, record):
     record({"case": f"skinny_linear_gating M{M}, graph replay on new inputs", "backend": "fused", "bitwise": ok,
             "ok": ok})
     assert ok
+
+
+@pytest.mark.parametrize("M", [1, 8, 16])
+def test_swiglu_epilogue_is_the_gemv_then_silu_and_mul(M, record):
+    """`skinny_linear_swiglu` on Qwen3.5-0.8B's MLP (1024 -> 2 x 3584), bf16: fnattn's `silu_and_mul` over
+    `skinny_linear`'s product (recorded whether bitwise; the tiles hold other rows, so a dot may sum in
+    another order), eager and in a CUDA-graph replay on new inputs."""
+    from fnattn.kernels.norm_act import silu_and_mul
+    from fnattn.kernels.skinny_folds import skinny_linear_swiglu
+    from fnattn.kernels.skinny_linear import skinny_linear
+
+    x, w = _randn(M, 1024, seed=95), _randn(7168, 1024, seed=96, scale=1 / 32)
+    got = skinny_linear_swiglu(x, w)
+    want = silu_and_mul(skinny_linear(x, w))
+    record({"case": f"skinny_linear_swiglu M{M}, eager: bitwise", "backend": "fused",
+            "bitwise": torch.equal(got, want), "ok": True})
+    _check(record, f"skinny_linear_swiglu M{M}, eager", got, want, 1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = skinny_linear_swiglu(x, w)
+    x.copy_(_randn(M, 1024, seed=97))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(record, f"skinny_linear_swiglu M{M}, graph replay on new inputs", replayed,
+           silu_and_mul(skinny_linear(x, w)), 1e-2)

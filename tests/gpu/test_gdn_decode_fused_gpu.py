@@ -153,3 +153,24 @@ def test_supported_on_cuda_and_chosen_first_for_decode():
     assert default.backend(0, "decode").name == FUSED and default.backend(0, "prefill").name == "fla"
     two_launches = fa.ModelAttention([spec], prefer=["triton"], device=DEV)
     assert two_launches.backend(0, "decode").name == "triton"
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("B", [1, 4])
+def test_fill_device_tiles_give_the_usual_tiles_bits(name, B, record):
+    """`kernels.gdn_decode_fused.fill_device`: narrower V tiles at small batches, the same outputs, states
+    and windows, bit for bit (each state column's update does not depend on the tile it is in)."""
+    from fnattn.kernels import gdn_decode_fused
+
+    spec = _spec(name)
+    st = _state(spec, [1 + 37 * i for i in range(B)], ring=1)
+    batch = fa.Batch.decode(st, range(B))
+    inp = _inputs(spec, batch.num_tokens, seed=3)
+    out, w = _forward(FUSED, spec, st, batch, inp)
+    with gdn_decode_fused.fill_device(True):
+        f_out, f_w = _forward(FUSED, spec, st, batch, inp)
+    ok = torch.equal(f_out.o, out.o) and torch.equal(f_w["conv"], w["conv"]) and torch.equal(
+        _states(f_w, st, batch), _states(w, st, batch))
+    record({"case": f"fused decode {name} B{B} fill_device", "phase": "decode", "backend": FUSED, "bitwise": ok,
+            "ok": ok})
+    assert ok

@@ -21,12 +21,13 @@ from .config import RecurrentInputs
 DEVICE = "cuda"
 
 
-def recurrent_cases(case: str) -> list[dict]:
+def recurrent_cases(case: str, batches=(1, 8, 64)) -> list[dict]:
     """Records of the bench CLI cases "gdn-prefill", "gdn-decode", "kda-prefill" ("standard": all three).
 
     "gdn-decode" times the ``triton`` and the opt-in ``triton_fused`` backends next to fla-core, and
     the decode kernels alone (two launches against `kernels.gated_delta_decode_fused`), also at
-    Qwen3.5-0.8B's 16qk/16v and at batch 1."""
+    Qwen3.5-0.8B's 16qk/16v and at batch 1. "gdn-decode-sweep" times the recurrent kernel's tiles at
+    batch 64 and 256 (16qk/32v) and the fused decode kernel's at ``batches`` (Qwen3.5-0.8B's 16qk/16v)."""
     records = []
     if case in ("gdn-prefill", "standard"):
         for requests, length in ((16, 4096), (1, 65536)):
@@ -40,6 +41,8 @@ def recurrent_cases(case: str) -> list[dict]:
     if case == "gdn-decode-sweep":
         for batch in (64, 256):
             records += decode_tile_sweep(batch=batch, hk=16, hv=32, dim=128)
+        for batch in batches:
+            records += decode_fused_sweep(batch=batch, hk=16, hv=16, dim=128)
     if case in ("kda-prefill", "standard"):
         for requests, length in ((1, 16384), (4, 4096)):
             records += prefill_case("kda", requests=requests, length=length, hk=32, hv=32, dim=128)
@@ -243,6 +246,45 @@ def decode_tile_sweep(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfl
     return _measure(case, "BV32 w4", shape, runs, lambda us: {"tb_s": state_bytes / (us * 1e-6) / 1e12})
 
 
+def _decode_inputs(batch: int, hk: int, hv: int, dim: int, dtype, width: int):
+    """``(x, conv weight, conv windows, g, beta, state pool, slots, out rows, cu_seqlens)`` of one decode
+    step: the pool's rows 0..B-1 are read, B..2B-1 written."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    C = 2 * hk * dim + hv * dim
+    x, weight = r(batch, C).to(dtype), (0.5 * r(C, width)).to(dtype)
+    g, beta = F.logsigmoid(r(batch, hv) + 3.0), torch.sigmoid(r(batch, hv)).to(dtype)
+    conv_pool = r(batch, C, width - 1).to(dtype)
+    pool = r(2 * batch, hv, dim, dim)
+    slots = torch.arange(batch, device=DEVICE)
+    cu = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
+    return x, weight, conv_pool, g, beta, pool, slots, slots + batch, cu
+
+
+def decode_fused_sweep(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16, width: int = 4) -> list[dict]:
+    """`kernels.gated_delta_decode_fused` alone over V tiles and warps, replayed from a CUDA graph; the peer
+    is the tile the kernel picks by default (ratios > 1 beat it)."""
+    from ...kernels import gated_delta_decode_fused
+
+    case = f"gdn fused decode sweep B{batch} {hk}qk/{hv}v d{dim} graph"
+    shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "conv_kernel": width, "dtype": str(dtype),
+             "state_dtype": "torch.float32"}
+    x, weight, conv_pool, g, beta, pool, slots, rows, cu = _decode_inputs(batch, hk, hv, dim, dtype, width)
+
+    def run(**tile):
+        return timed(lambda: gated_delta_decode_fused(x, weight, None, conv_pool, g, beta, pool, slots, cu,
+                                                      num_k_heads=hk, head_k_dim=dim, scale=dim ** -0.5,
+                                                      out_states=pool, out_rows=rows, **tile), graph=True)
+
+    peer = "default tile"
+    runs = {peer: run}
+    for block_v in (16, 32, 64):
+        for warps in (1, 2, 4, 8):
+            runs[f"BV{block_v} w{warps}"] = lambda bv=block_v, w=warps: run(block_v=bv, num_warps=w)
+    moved = 2 * batch * hv * dim * dim * 4 + batch * x.shape[1] * (1 + 2 * (width - 1)) * 2 + batch * hv * dim * 2
+    return _measure(case, peer, shape, runs, lambda us: {"tb_s": moved / (us * 1e-6) / 1e12})
+
+
 def decode_kernels_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16, width: int = 4) -> list[dict]:
     """The decode kernels alone, states into spare pool rows, replayed from a CUDA graph: the conv and the
     recurrence as two launches (and each alone) against `kernels.gated_delta_decode_fused`."""
@@ -252,17 +294,8 @@ def decode_kernels_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.b
     case = f"gdn decode kernels B{batch} {hk}qk/{hv}v d{dim} graph"
     shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "conv_kernel": width, "dtype": str(dtype),
              "state_dtype": "torch.float32"}
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    r = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
-    qk, C = hk * dim, 2 * hk * dim + hv * dim
-    x, weight = r(batch, C).to(dtype), (0.5 * r(C, width)).to(dtype)
-    g, beta = F.logsigmoid(r(batch, hv) + 3.0), torch.sigmoid(r(batch, hv)).to(dtype)
-    conv_pool = r(batch, C, width - 1).to(dtype)
-    pool = r(2 * batch, hv, dim, dim)  # rows 0..B-1 read, B..2B-1 written
-    slots = torch.arange(batch, device=DEVICE)
-    rows = slots + batch
-    cu = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
-    scale = dim ** -0.5
+    x, weight, conv_pool, g, beta, pool, slots, rows, cu = _decode_inputs(batch, hk, hv, dim, dtype, width)
+    qk, C, scale = hk * dim, x.shape[1], dim ** -0.5
 
     def conv():
         return causal_conv1d(x, weight, None, conv_pool, slots, cu, activation="silu")

@@ -1,0 +1,99 @@
+"""`skinny_linear` with the op after it in the same launch: a decode step's GEMV and its epilogue (Triton).
+
+Each function is one launch of `skinny_linear._skinny_gemv_kernel` that also writes what the next small
+op would, with that op's roundings; when the launch cannot (a split-K projection with more column tiles
+than `skinny_linear.COUNTERS`, an empty K), the product and the op run apart, with the same result.
+
+- `skinny_linear_swiglu`: a SwiGLU MLP's gate and up projection and ``silu(gate) * up``. The weight stays
+  ``[gate; up]``: a column tile reads gate and up rows of the same pairs, alternating, so each tile has
+  what its activation needs and no tile waits for another.
+- `skinny_linear_gating`: GDN's input projection, and g and beta from its b and a columns, written by
+  the tile that holds them.
+- `skinny_linear_add_norm`: an output projection plus the residual, and the RMSNorm of the sum: the last
+  column tile to finish (an arrival counter) reads the whole rows back from L2 and normalizes them. In a
+  whole Qwen3.5-0.8B graph step on the H200 it saves nothing at one row and loses at eight (1283 against
+  1285 us, 1770 against 1521: benchmarks/results/bench_switches_ab_dd3d3d6.json), so the models leave it
+  off.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ._checks import check_like
+from .gdn_gate import gdn_gating
+from .norm_act import silu_and_mul_ref
+from .skinny_linear import SkinnyConfig, _check, _check_act_norm, _check_operand, _launch, rms_norm_ref, skinny_linear
+
+
+def skinny_linear_swiglu(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"], *, config: SkinnyConfig | None = None
+                         ) -> Float[Tensor, "M I"]:
+    """``silu(x @ gate.T) * (x @ up.T)`` for ``w = [gate; up]`` (``[2I, K]``, contiguous): ``-> [M, I]`` in
+    ``x.dtype``, rounded as `silu_and_mul` of `skinny_linear`'s product. One launch: each column tile
+    computes ``block_n / 2`` gate and up products of the same columns and writes their activation.
+    ``config``: for the ``[M, K] @ [2I, K]^T`` product (`pick_config`'s by default)."""
+    _check(x, w, None, None, config)
+    M, N = x.shape[0], w.shape[0]
+    if N % 2:
+        raise ValueError(f"w: expected an even number of rows (gate rows, then as many up rows), got {N}")
+    y = torch.empty((M, N // 2), dtype=x.dtype, device=x.device)
+    if not _launch(x, w, y, None, None, None, config, swiglu=True) and M and N:
+        y.copy_(silu_and_mul_ref(skinny_linear(x, w, config=config)))  # the activation apart
+    return y
+
+
+def skinny_linear_swiglu_ref(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"]) -> Float[Tensor, "M I"]:
+    """The unfused ops: the product rounded to ``x.dtype``, then ``silu(gate)`` rounded, then the product."""
+    return silu_and_mul_ref((x.float() @ w.float().T).to(x.dtype))
+
+
+def skinny_linear_add_norm(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], residual: Float[Tensor, "M N"], norm,
+                           *, config: SkinnyConfig | None = None) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M N"]]:
+    """``y = residual + x @ w.T`` (as `skinny_linear`'s ``residual=``) and ``h = rms_norm(y, *norm)``
+    (``norm=(weight [N], eps, offset)``, `models.common`'s roundings, of the rounded ``y``): ``-> (y, h)``,
+    both ``[M, N]`` in ``x.dtype``. One launch: the last column tile to finish reads the whole rows of ``y``
+    back from L2 and normalizes them (an output projection, then the next block's input norm).
+    """
+    norm_after = _check_act_norm(None, norm)
+    _check(x, w, None, None, config, residual, None)
+    if residual is None:
+        raise ValueError("residual: expected an [M, N] tensor (the residual stream the sum joins), got None")
+    _check_operand("norm weight", norm_after[0], (w.shape[0],), x, row_strided=False)
+    M, N = x.shape[0], w.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    h = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if not _launch(x, w, y, None, residual, None, config, norm_after=(h, *norm_after)) and M and N:
+        h.copy_(rms_norm_ref(y, *norm_after))  # no counters for this many tiles, or an empty K: the norm apart
+    return y, h
+
+
+def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: int, neg_decay: Float[Tensor, " H"],
+                         dt_bias: Float[Tensor, " H"], *, config: SkinnyConfig | None = None
+                         ) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M H"], Float[Tensor, "M H"]]:
+    """``y = x @ w.T`` (as `skinny_linear`) and, from its columns ``[col, col + H)`` (GDN's b) and
+    ``[col + H, col + 2H)`` (a), ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``
+    (``x.dtype``) as `gdn_gating` computes them: ``-> (y [M, N], g [M, H], beta [M, H])``. One launch: the
+    tile that holds those columns writes g and beta too (an input projection, then its gating);
+    ``neg_decay``, ``dt_bias``: fp32 ``[H]``."""
+    _check(x, w, None, None, config)
+    M, N = x.shape[0], w.shape[0]
+    H = neg_decay.shape[0] if isinstance(neg_decay, torch.Tensor) and neg_decay.dim() == 1 else None
+    if H is None or neg_decay.dtype != torch.float32 or neg_decay.device != x.device or neg_decay.stride(0) != 1:
+        raise ValueError(f"neg_decay: expected a contiguous [H] float32 tensor on {x.device}, got "
+                         f"{getattr(neg_decay, 'shape', type(neg_decay).__name__)}")
+    check_like("dt_bias", dt_bias, (H,), neg_decay, "neg_decay")
+    if dt_bias.stride(0) != 1 and H > 1:
+        raise ValueError(f"dt_bias: expected a contiguous tensor, got strides {dt_bias.stride()}")
+    if isinstance(col, bool) or not isinstance(col, int) or not 0 <= col <= N - 2 * H:
+        raise ValueError(f"col: expected an int in 0..{N - 2 * H} (b and a, {H} columns each, within the "
+                         f"{N} outputs), got {col!r}")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    g = torch.empty((M, H), dtype=torch.float32, device=x.device)
+    beta = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    if not _launch(x, w, y, None, None, None, config, gating=(g, beta, neg_decay, dt_bias, col, H)) and M and H:
+        g, beta = gdn_gating(y[:, col + H:col + 2 * H], y[:, col:col + H], neg_decay, dt_bias)  # the gating apart
+    return y, g, beta
+
+
