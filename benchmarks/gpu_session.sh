@@ -8,7 +8,7 @@
 #   the fused paths, the MLA fast paths (mla-bench: their timings); linear: the decode GEMV and its folds; ab: the whole step with each
 #   switch flipped (benchmarks/model_ab.py); switches: the decode switches flipped from their defaults, checked and timed in
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers; decode-sweep: the paged decode kernel's tiles;
-#   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles
+#   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles; early: wider first GEMV loads
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -76,11 +76,17 @@ case "${1:-}" in
     ;;
   epilogues)  # SwiGLU in the gate / up GEMV and the fused GDN decode's narrow tiles: parity, tiles, the step A/B
     rec="python benchmarks/gpu_pytest_record.py"
-    part 200 env FNATTN_GPU_RESULTS="$out/epilogues_cases.json" $rec "$out/epilogues_gpu.json" -- \
-        tests/gpu/test_fused_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py -k "swiglu or fill_device"
+    part 330 env FNATTN_GPU_RESULTS="$out/epilogues_cases.json" $rec "$out/epilogues_gpu.json" -- \
+        tests/gpu/test_fused_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py -k "swiglu or fill"
     part 120 python -m fnattn bench gdn-decode-sweep --batch 1 8 --out "$out/bench_gdn_decode_sweep_b1_8.json"
     part 250 python benchmarks/model_ab.py --toggle swiglu_epilogue fill_device swiglu_epilogue+fill_device \
         --batch 1 8 --out "$out/bench_epilogues_ab.json"
+    ;;
+  early)  # the GEMVs' first load wider (SkinnyConfig.early), against the defaults, after the epilogues' parity
+    rec="python benchmarks/gpu_pytest_record.py"
+    part 330 env FNATTN_GPU_RESULTS="$out/epilogues_cases.json" $rec "$out/epilogues_gpu.json" -- \
+        tests/gpu/test_fused_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py -k "swiglu or fill"
+    part 200 python benchmarks/model_ab.py --toggle early2 early4 --batch 1 8 --out "$out/bench_early_ab.json"
     ;;
   prefill)  # fla-core's GDN prefill with fla_direct (the default): bitwise against the public function, then timed
     # (on a fresh machine the tests' fla-core autotuning took 184 s; the A/B's first prefill compiles more)
@@ -131,7 +137,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large|decode-sweep|epilogues" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large|decode-sweep|epilogues|early" >&2
     exit 2
     ;;
 esac

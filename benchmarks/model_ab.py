@@ -40,11 +40,13 @@ Switches:
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
   or FlashInfer's norms and rope.
-- ``swiglu_epilogue``: SwiGLU's SiLU-and-mul written by the gate / up GEMV (`models.fused.swiglu_epilogue`)
-  or by a launch of its own after it (the default).
+- ``swiglu_epilogue``: SwiGLU's SiLU-and-mul written by the gate / up GEMV (`models.fused.swiglu_epilogue`,
+  the default) or by a launch of its own after it.
 - ``fill_device``: the fused GDN decode's V tile narrowed until its grid fills the SMs
-  (`fnattn.kernels.gdn_decode_fused.fill_device`; at batch 1, 16 columns instead of 64), or the usual tile
-  (the default).
+  (`fnattn.kernels.gdn_decode_fused.fill_device`, the default; at batch 1, 16 columns instead of 64), or the
+  usual tile.
+- ``early2``, ``early4``: each GEMV's first load 2 or 4 K tiles wide (`SkinnyConfig.early`), in registers
+  before it waits under PDL, or one tile (the default).
 """
 
 import argparse
@@ -63,6 +65,10 @@ from fnattn.kinds.delta_rule import triton as delta_rule
 TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
                    {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
+    "early2": (lambda on: skinny.configured(early=2 if on else 1), lambda: False,
+               {True: "GEMVs load 2 K tiles before they wait", False: "one tile"}),
+    "early4": (lambda on: skinny.configured(early=4 if on else 1), lambda: False,
+               {True: "GEMVs load 4 K tiles before they wait", False: "one tile"}),
     "prefetch": (lambda on: skinny.configured(prefetch=on), lambda: False,
                  {True: "GEMVs ask L2 for their weight slab before they wait", False: "first weight tile only"}),
     "pdl": (_triton.pdl, lambda: _triton._PDL[-1],

@@ -29,7 +29,7 @@ from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, i
 from .gdn_conv import causal_conv1d_ref
 from .gdn_recurrent import _delta_token, _store_state, gated_delta_recurrent_ref
 
-_FILL_DEVICE = [False]  # not yet timed in a whole step on the H200 (`fill_device`)
+_FILL_DEVICE = [True]  # timed in a whole step on the H200 (`fill_device`)
 _NARROWEST_V = 16
 
 
@@ -37,7 +37,12 @@ def fill_device(enabled: bool):
     """Within this block `gated_delta_decode_fused`'s default V tile halves (down to 16 columns) while its
     grid has fewer programs than the device has SMs: at batch 1 with 16 value heads the usual 64 columns make
     32 programs for 132 SMs, each reading a 32 KiB state tile. Each program convolves and normalizes its
-    key head's q and k itself, so narrower tiles repeat that work; the state is still read once."""
+    key head's q and k itself, so narrower tiles repeat that work; the state is still read once. A tile's
+    layout sets the order of the sums over K, so outputs and states may differ from the usual tile's in
+    the last bits (tests/gpu/test_gdn_decode_fused_gpu.py). On by default: on, the whole Qwen3.5-0.8B graph
+    step on the H200 took 0.980x as long at batch 1 and 0.995x at batch 8 (``benchmarks/model_ab.py
+    --toggle fill_device``, benchmarks/results/bench_epilogues_ab.json); alone the kernel took 9.54 us
+    against 9.98 at batch 1 (16 columns, 4 warps; bench_gdn_decode_sweep_b1_8.json)."""
     return switched(_FILL_DEVICE, "fill_device", enabled)
 
 

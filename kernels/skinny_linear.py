@@ -81,6 +81,8 @@ class SkinnyConfig:
     (with ``split_k > 1``): the last piece of each column tile sums the partials; False: a second kernel does.
     ``prefetch`` (launched with PDL only): before it waits for the launch before it, each program asks L2 for
     the rest of its weight slab, one ``prefetch.global.L2`` a cache line, beside loading its first tile.
+    ``early``: the first load is ``early`` K tiles wide (``[block_n, early * block_k]``, one product), so
+    under PDL that much of the slab is in registers before the wait; the rest streams a tile at a time.
     """
 
     block_n: int
@@ -91,6 +93,7 @@ class SkinnyConfig:
     dot: bool = True
     one_launch: bool = True
     prefetch: bool = False
+    early: int = 1
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -101,6 +104,9 @@ class SkinnyConfig:
             raise ValueError(f"SkinnyConfig.split_k: expected an int >= 1, got {self.split_k!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"SkinnyConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if isinstance(self.early, bool) or not isinstance(self.early, int) or self.early < 1 \
+                or self.early & (self.early - 1):
+            raise ValueError(f"SkinnyConfig.early: expected a power of two >= 1, got {self.early!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"SkinnyConfig.num_stages: expected an int >= 1, got {self.num_stages!r}")
         for name in ("dot", "one_launch", "prefetch"):
@@ -181,6 +187,7 @@ def _skinny_gemv_kernel(
     NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr, SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
 
@@ -206,14 +213,14 @@ def _skinny_gemv_kernel(
         w_rows = W + n.to(tl.int64)[:, None] * K  # [BN, 1]
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    k = k_lo + tl.arange(0, BLOCK_K)  # [BK]; every piece has at least one K tile
-    w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)  # [BN, BK]
-    # The weights are constants of the step: under PDL their first tile streams in (and with PREFETCH the
-    # rest of the slab is asked of L2) while the launch before this one finishes. x, the residual and the
+    k = k_lo + tl.arange(0, EARLY * BLOCK_K)  # [E BK]; every piece has at least one K tile
+    w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)  # [BN, E BK]
+    # The weights are constants of the step: under PDL their first EARLY tiles stream in (and with PREFETCH
+    # the rest of the slab is asked of L2) while the launch before this one finishes. x, the residual and the
     # counters are read, and anything written, only after gdc_wait.
     if PDL:
         if PREFETCH:
-            for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+            for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
                 line = k0 + tl.arange(0, LINES) * (BLOCK_K // LINES)  # [LINES]: one address per cache line
                 ok = n_ok[:, None] & (line < k_hi)[None, :]
                 _prefetch_l2(tl.where(ok, w_rows + line[None, :], W))
@@ -231,7 +238,7 @@ def _skinny_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     xt = _x_tile(x_rows, NW, k, m_ok, k < k_hi, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM, NORM_OFFSET)
     acc = _accumulate(acc, xt, w_first, USE_DOT, FP32_DOT)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+    for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = k < k_hi
         xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM,
@@ -512,7 +519,7 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
                   BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
                   LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
-                  LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu)
+                  LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu, EARLY=cfg.early)
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),

