@@ -85,7 +85,7 @@ case "${1:-}" in
   early)  # the GEMVs' first load wider (SkinnyConfig.early), against the defaults, after the epilogues' parity
     rec="python benchmarks/gpu_pytest_record.py"
     part 330 env FNATTN_GPU_RESULTS="$out/epilogues_cases.json" $rec "$out/epilogues_gpu.json" -- \
-        tests/gpu/test_fused_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py -k "swiglu or fill"
+        tests/gpu/test_fused_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py -k "swiglu or fill or early"
     part 200 python benchmarks/model_ab.py --toggle early2 early4 --batch 1 8 --out "$out/bench_early_ab.json"
     ;;
   prefill)  # fla-core's GDN prefill with fla_direct (the default): bitwise against the public function, then timed

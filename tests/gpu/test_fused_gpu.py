@@ -297,7 +297,8 @@ VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
             "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl,
             "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on),
             "own norm and act": fused.own_norm_act, "gating epilogue": fused.gating_epilogue,
-            "swiglu epilogue": fused.swiglu_epilogue, "fill device": gdn_decode_fused.fill_device}
+            "swiglu epilogue": fused.swiglu_epilogue, "fill device": gdn_decode_fused.fill_device,
+            "gemv early4": lambda on: configured(early=4 if on else 1)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -310,7 +311,7 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     `fused.own_norm_act` on (fnattn's add + RMSNorm and SiLU-and-mul), `fused.gating_epilogue` on (GDN's
     gating in its input projection's GEMV), `fused.swiglu_epilogue` on (SiLU-and-mul in the gate / up
     GEMV's launch), `kernels.gdn_decode_fused.fill_device` on (the fused GDN decode's narrow tiles; the
-    model picks that backend on CUDA)."""
+    model picks that backend on CUDA), the GEMVs' first load four K tiles wide (`SkinnyConfig.early`)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
