@@ -82,11 +82,11 @@ case "${1:-}" in
     part 250 python benchmarks/model_ab.py --toggle swiglu_epilogue fill_device swiglu_epilogue+fill_device \
         --batch 1 8 --out "$out/bench_epilogues_ab.json"
     ;;
-  early)  # the GEMVs' first load wider (SkinnyConfig.early), against the defaults, after the epilogues' parity
+  early)  # the GEMVs' first load wider (SkinnyConfig.early): the step A/B, then the whole model against unfused
     rec="python benchmarks/gpu_pytest_record.py"
-    part 330 env FNATTN_GPU_RESULTS="$out/epilogues_cases.json" $rec "$out/epilogues_gpu.json" -- \
-        tests/gpu/test_fused_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py -k "swiglu or fill or early"
-    part 200 python benchmarks/model_ab.py --toggle early2 early4 --batch 1 8 --out "$out/bench_early_ab.json"
+    part 250 python benchmarks/model_ab.py --toggle early2 early4 --batch 1 8 --out "$out/bench_early_ab.json"
+    part 250 env FNATTN_GPU_RESULTS="$out/early_cases.json" $rec "$out/early_gpu.json" -- \
+        tests/gpu/test_fused_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py -k "early or fill_device"
     ;;
   prefill)  # fla-core's GDN prefill with fla_direct (the default): bitwise against the public function, then timed
     # (on a fresh machine the tests' fla-core autotuning took 184 s; the A/B's first prefill compiles more)

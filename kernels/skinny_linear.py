@@ -213,8 +213,9 @@ def _skinny_gemv_kernel(
         w_rows = W + n.to(tl.int64)[:, None] * K  # [BN, 1]
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    k = k_lo + tl.arange(0, EARLY * BLOCK_K)  # [E BK]; every piece has at least one K tile
-    w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)  # [BN, E BK]
+    k_first = k_lo + tl.arange(0, EARLY * BLOCK_K)  # [E BK]; every piece has at least one K tile
+    w_first = tl.load(w_rows + k_first[None, :], mask=n_ok[:, None] & (k_first < k_hi)[None, :],
+                      other=0.0)  # [BN, E BK]
     # The weights are constants of the step: under PDL their first EARLY tiles stream in (and with PREFETCH
     # the rest of the slab is asked of L2) while the launch before this one finishes. x, the residual and the
     # counters are read, and anything written, only after gdc_wait.
@@ -236,8 +237,9 @@ def _skinny_gemv_kernel(
     else:
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    xt = _x_tile(x_rows, NW, k, m_ok, k < k_hi, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM, NORM_OFFSET)
-    acc = _accumulate(acc, xt, w_first, USE_DOT, FP32_DOT)
+    x_first = _x_tile(x_rows, NW, k_first, m_ok, k_first < k_hi, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL,
+                      NORM, NORM_OFFSET)
+    acc = _accumulate(acc, x_first, w_first, USE_DOT, FP32_DOT)
     for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = k < k_hi

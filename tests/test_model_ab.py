@@ -80,3 +80,30 @@ def test_prefill_steps_interleave_the_variants_too():
     assert records[0]["paired_ratio"] == 1.0 and records[0]["faster_rounds"] == 0.0
     assert all(r["quartiles_us"][0] <= r["quartiles_us"][1] and 0 <= r["faster_rounds"] <= 1 for r in records)
     assert all(r["time_us"] > 0 and r["tok_s"] > 0 for r in records)
+
+
+def test_a_variant_whose_step_fails_leaves_the_state_live_for_the_others(monkeypatch):
+    """The step raises after its tokens were reserved: the A/B goes on with that live state (a stale one
+    would refuse the next variant's step)."""
+    import contextlib
+
+    import torch
+    from fnattn.models import qwen3_5
+
+    torch.set_num_threads(1)
+    ab = _module()
+
+    @contextlib.contextmanager
+    def broken_step(on):
+        def fail(*a, **k):
+            raise RuntimeError("the step's kernel did not compile")
+
+        with monkeypatch.context() as m:
+            m.setattr(qwen3_5, "gate_up_silu", fail)
+            yield
+
+    monkeypatch.setitem(ab.TOGGLES, "broken_step", (broken_step, lambda: False, {True: "on", False: "off"}))
+    records = ab.run_ab(["broken_step", "pdl"], batches=[1], steps=2, shape="tiny", device="cpu")
+    assert [r["variant"].split(":")[0] for r in records] == ["broken_step=on", "defaults", "pdl=off"]
+    assert records[0]["error"] == "RuntimeError: the step's kernel did not compile"
+    assert all(r["time_us"] > 0 for r in records[1:])

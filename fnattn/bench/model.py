@@ -218,9 +218,18 @@ def decode_state(model, device, batch: int, ctx: int, *, page_size: int, room: i
     return cached_state(model.specs, batch=batch, ctx=ctx, page_size=page_size, extra=room, device=device)
 
 
+class StepFailed(RuntimeError):
+    """A timed decode step raised (its error is the ``__cause__``); ``state`` is the live handle, its tokens
+    reserved and nothing applied, so a caller can go on with it."""
+
+    def __init__(self, state):
+        super().__init__("a timed decode step raised")
+        self.state = state
+
+
 def time_decode(model, ma, state, batch: int, steps: int, *, runner=None, warmup: int = 3):
     """``-> (seconds of each of ``steps`` decode steps after ``warmup``, the state after)``; eager, or
-    through ``runner``."""
+    through ``runner``. A step that raises raises `StepFailed` with the live state."""
     from ..batch import Batch
     from ..driver import run_step
 
@@ -232,10 +241,13 @@ def time_decode(model, ma, state, batch: int, steps: int, *, runner=None, warmup
             state = state.reserve({r: 1 for r in ids})
             _sync(device)
             t0 = time.perf_counter()
-            if runner is None:
-                state, logits = run_step(model.step, model.params, ma, state, Batch.decode(state, ids), tokens)
-            else:
-                state, logits = runner.decode(state, ids, tokens)
+            try:
+                if runner is None:
+                    state, logits = run_step(model.step, model.params, ma, state, Batch.decode(state, ids), tokens)
+                else:
+                    state, logits = runner.decode(state, ids, tokens)
+            except Exception as e:
+                raise StepFailed(state) from e
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)

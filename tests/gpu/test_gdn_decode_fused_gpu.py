@@ -167,7 +167,8 @@ def test_fill_device_tiles_match_the_usual_tiles(name, B, record):
     st = _state(spec, [1 + 37 * i for i in range(B)], ring=1)
     batch = fa.Batch.decode(st, range(B))
     inp = _inputs(spec, batch.num_tokens, seed=3)
-    out, w = _forward(FUSED, spec, st, batch, inp)
+    with gdn_decode_fused.fill_device(False):
+        out, w = _forward(FUSED, spec, st, batch, inp)
     with gdn_decode_fused.fill_device(True):
         f_out, f_w = _forward(FUSED, spec, st, batch, inp)
     s, f_s = _states(w, st, batch), _states(f_w, st, batch)
