@@ -330,7 +330,9 @@ def _default_config(d_pad, dv_pad, g_pad, q_len, dtype, wide=False):
     """``wide``: the grid has a program for every SM before any split. Decode-sized tiles then take two
     stages, not three: less shared memory a program, more programs resident per SM, more loads in flight
     (B64, 4k context, 32q / 8kv, d128 on the H200: 264.7 against 343.2 us; `benchmarks/decode_sweep.py`).
-    Smaller grids keep three: each program walks a split of the keys alone."""
+    Smaller grids keep three: each program walks a split of the keys alone. Head dims above 128 keep three
+    too: at d256 two stages read slower (Qwen3.5's 8q / 2kv at batch 128: 57.2 against 54.5 us;
+    benchmarks/results/decode_sweep_d256_bc4ab8a.json)."""
     d_max = max(d_pad, dv_pad)
     rows = g_pad * q_len
     if rows <= 64:

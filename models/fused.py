@@ -14,7 +14,8 @@ narrow ones cuBLAS runs with split-K (`fnattn bench linear`); at 32 rows cuBLAS'
 win. Its ``residual=`` (added to the fp32 product) and ``norm=`` (RMSNorm of the input on
 load) let the kernel take a residual-add + RMSNorm between two projections into them.
 The kernel's SiLU-and-mul prologue is slower than `silu_and_mul` then the GEMV (10.4 us
-against 7.8 us for the 0.8B MLP's down projection), so the models do not use it.
+against 7.8 us for the 0.8B MLP's down projection), so the models do not use it; they take the
+activation into the gate / up projection's epilogue instead (`gate_up_silu`, `swiglu_epilogue`).
 `gdn_gating` computes GDN's g and beta in one launch (`fnattn.kernels.gdn_gating`).
 
 Where fp32 stays in a bf16 model, the math needs it: RMSNorm statistics (inside
