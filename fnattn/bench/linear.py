@@ -143,7 +143,8 @@ def fold_case(*, rows: int, name: str, K: int, N: int, hidden: int = HIDDEN, log
     residual, as in a model (its values grow over replays; the times do not depend on them)."""
     import importlib.util
 
-    from ..kernels.skinny_linear import pick_config, skinny_linear, skinny_linear_add_norm
+    from ..kernels.skinny_folds import skinny_linear_add_norm
+    from ..kernels.skinny_linear import pick_config, skinny_linear
     from ..models.fused import add_rms_norm_offset_
 
     wbytes = (hidden * K + N * hidden) * dtype.itemsize

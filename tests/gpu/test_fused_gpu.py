@@ -121,7 +121,8 @@ def test_skinny_linear_with_pdl_is_the_plain_launch_bits(prefetch, record):
     without PDL."""
     pytest.importorskip("triton")
     from fnattn.kernels import skinny_linear as skinny
-    from fnattn.kernels.skinny_linear import skinny_linear, skinny_linear_add_norm
+    from fnattn.kernels.skinny_folds import skinny_linear_add_norm
+    from fnattn.kernels.skinny_linear import skinny_linear
 
     x, r = _randn(1, 1024, seed=60), _randn(1, 1024, seed=61)
     w_up, w_down, w_o = _randn(7168, 1024, seed=62, scale=1 / 32), _randn(1024, 3584, seed=63, scale=1 / 64), \
@@ -249,7 +250,8 @@ def test_skinny_linear_add_norm_epilogue(M, K, record):
     the rows (the next block's input norm), eager and in a CUDA-graph replay, against skinny_linear with
     ``residual=`` then the torch norm."""
     pytest.importorskip("triton")
-    from fnattn.kernels.skinny_linear import rms_norm_ref, skinny_linear, skinny_linear_add_norm
+    from fnattn.kernels.skinny_folds import skinny_linear_add_norm
+    from fnattn.kernels.skinny_linear import rms_norm_ref, skinny_linear
 
     x, res = _randn(M, K, seed=60), _randn(M, 1024, seed=61, scale=4.0)
     w = _randn(1024, K, seed=62, scale=K ** -0.5)
@@ -443,7 +445,8 @@ def test_gating_epilogue_is_the_gemv_then_gdn_gating(M, record):
     columns), bf16: the product, g and beta bitwise those of `skinny_linear` then `gdn_gating`, eager and in
     a CUDA-graph replay on new inputs."""
     from fnattn.kernels.gdn_gate import gdn_gating
-    from fnattn.kernels.skinny_linear import skinny_linear, skinny_linear_gating
+    from fnattn.kernels.skinny_folds import skinny_linear_gating
+    from fnattn.kernels.skinny_linear import skinny_linear
 
     x, w = _randn(M, 1024, seed=90), _randn(8224, 1024, seed=91, scale=1 / 32)
     nd = -torch.rand(16, device="cuda", generator=torch.Generator(device="cuda").manual_seed(92)).exp() * 4

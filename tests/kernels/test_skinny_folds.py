@@ -215,9 +215,9 @@ def test_gating_epilogue_names_bad_arguments():
 
 @pytest.mark.parametrize("rows", [1, 4, 17])
 def test_models_gate_up_silu_takes_the_epilogue_only_when_asked(rows, monkeypatch):
-    """`models.fused.gate_up_silu`: the GEMV then `silu_and_mul`, or under `swiglu_epilogue` (decode sizes,
-    here with the kernel path allowed on this device) one launch that agrees with it; above 16 rows the
-    unfused form either way."""
+    """`models.fused.gate_up_silu`: the GEMV then `silu_and_mul`, or under `swiglu_epilogue` (the default;
+    decode sizes, here with the kernel path allowed on this device) one launch that agrees with it; above 16
+    rows the unfused form either way."""
     from fnattn.models import fused
 
     monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
@@ -226,10 +226,10 @@ def test_models_gate_up_silu_takes_the_epilogue_only_when_asked(rows, monkeypatc
     monkeypatch.setattr(folds, "skinny_linear_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
     inner, D = 40, 96
     x, w = randn(rows, D, seed=60), randn(2 * inner, D, seed=61) / D ** 0.5
-    plain = fused.gate_up_silu(x, w)
+    with fused.swiglu_epilogue(False):
+        plain = fused.gate_up_silu(x, w)
     assert not calls
-    with fused.swiglu_epilogue(True):
-        got = fused.gate_up_silu(x, w)
+    got = fused.gate_up_silu(x, w)
     assert len(calls) == (rows <= 16)
     close(got, plain, torch.float32)
     g, u = (x @ w.T).chunk(2, dim=-1)
