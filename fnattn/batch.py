@@ -14,6 +14,7 @@ of the metadata from the start instead of being patched onto it afterwards.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -287,7 +288,25 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         ring_size=state.recurrent_ring,
         logits_for=logits_for,
     )
+    # What the apply needs to know the tensors are still the ones derived here: the storage and version they
+    # were derived from, and each tensor with its version counter (an in-place op moves it). A copy made by
+    # `dataclasses.replace` has no seal and is read back in full.
+    object.__setattr__(batch, "_sealed", (weakref.ref(state._storage), state.version,
+                                          tuple((name, t, t._version) for name, t in tensors.items())))
     return batch
+
+
+def unchanged_since_built(batch: Batch, state) -> bool:
+    """Whether ``batch``'s device tensors are those `Batch` derived from ``state``'s storage at its version,
+    untouched by any in-place op since (a write through another library's view of the memory, such as
+    NumPy's, moves no version counter and is not seen here, as a GPU's apply sees no device value)."""
+    seal = batch.__dict__.get("_sealed")
+    if seal is None:
+        return False
+    storage, version, tensors = seal
+    if storage() is not state._storage or version != state.version or len(tensors) != len(TENSOR_DTYPES):
+        return False
+    return all(getattr(batch, name) is t and t._version == v for name, t, v in tensors)
 
 
 #: The dtype of each device tensor of a batch.

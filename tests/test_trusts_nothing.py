@@ -172,6 +172,19 @@ def test_a_batch_whose_device_tensors_disagree_with_the_state_is_refused(field):
     assert_refused(st, lambda: st.apply(R(d, batch=R(b, **{field: value}))), rf"`batch\.{field}`")
 
 
+@pytest.mark.parametrize("field", ["slot_mapping", "block_table", "cache_lens", "recurrent_write_rows"])
+def test_a_batch_tensor_changed_in_place_after_it_was_built_is_refused(field):
+    """A Batch's own tensors are read back unless they are provably as built: an in-place op after
+    `Batch.decode` moves their version counter, so the apply compares them with the State again."""
+    ma, st = prefilled()
+    b, d = decode(ma, st)
+    t = getattr(b, field)
+    t.view(-1)[0] += 1
+    assert_refused(st, lambda: st.apply(d), rf"`batch\.{field}`")
+    t.view(-1)[0] -= 1  # the same values again, the counter still moved: read back, and accepted
+    assert st.apply(d).request(1).length == 3
+
+
 def test_duplicate_request_ids_are_refused_when_the_batch_is_built():
     ma, st = prefilled()
     for build in (lambda: fa.Batch.decode(st, [0, 1, 0]), lambda: fa.Batch.verify(st, [1, 1], num_draft=1)):
