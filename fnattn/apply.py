@@ -48,7 +48,9 @@ def check_batch(state, batch, where: str) -> None:
 
     Host numbers are compared always; the device tensors (dtype, shape, and
     values) against the same derivation `Batch` is built from, where reading
-    them back costs no sync (the CPU, or checks on).
+    them back costs no sync (the CPU, or checks on). A batch `Batch` built from
+    this State as it is now, its tensors untouched since (`unchanged_since_built`),
+    is what that derivation gives: only its tensors' dtypes and devices are checked.
     """
     from .batch import PHASES, TENSOR_DTYPES, expected_tensors, pad_lane, ring_of, unchanged_since_built
 
@@ -57,6 +59,9 @@ def check_batch(state, batch, where: str) -> None:
              (batch.page_size, batch.ring_size))
     if batch.phase not in PHASES:
         fail(where, "batch.phase", f"one of {PHASES}", batch.phase)
+    if not state._shared and unchanged_since_built(batch, state):  # shared pages: the full check below
+        _check_tensor_types(state, batch, dict.fromkeys(TENSOR_DTYPES), where)
+        return
     S = state.page_size
     reqs = []
     live = sum(1 for r in batch.request_ids if not (isinstance(r, int) and r < 0))
@@ -86,18 +91,23 @@ def check_batch(state, batch, where: str) -> None:
         reqs.append((req, n))
     if len(set(batch.request_ids)) != len(batch.request_ids) or not reqs:
         fail(where, "batch.request_ids", "unique admitted request ids", batch.request_ids)
-    # The expected rows are worth building only where the batch's tensors can be read back without a sync,
-    # and only for tensors that may differ from them: ones `Batch` derived from this storage at this version
-    # and no in-place op has touched since are those rows (their dtype and device are still checked below).
+    # The expected rows are worth building only where the batch's tensors can be read back without a sync.
     readable = _may_sync(batch.cu_seqlens) if isinstance(batch.cu_seqlens, Tensor) else True
-    if readable and not state._shared and unchanged_since_built(batch, state):
-        readable = False
     if readable:
         values, ring = expected_tensors(state, batch.phase, reqs, columns=batch.block_table.shape[1], where=where)
     else:
         values, ring = dict.fromkeys(TENSOR_DTYPES), ring_of(state, batch.phase, reqs)
     if batch.ring != ring:
         fail(where, "batch.ring", f"{ring} (what this State's ring and the step's tokens give)", batch.ring)
+    _check_tensor_types(state, batch, values, where)
+
+
+def _check_tensor_types(state, batch, values: dict, where: str) -> None:
+    """Each device tensor of ``batch`` has its dtype and the State's device; where ``values`` holds its
+    expected rows (not None) and it reads back without a sync, it holds them (and no shared page's slot)."""
+    from .batch import TENSOR_DTYPES
+
+    S = state.page_size
     for name, want in values.items():
         got = getattr(batch, name)
         if not isinstance(got, Tensor) or got.dtype != TENSOR_DTYPES[name] or got.device != state.device:
