@@ -1,6 +1,8 @@
 """The once-per-step apply: check a whole step, then scatter it.
 
-The apply trusts nothing it is handed. The rows of every write come from the
+The apply trusts nothing it is handed. The batch is checked against the State
+(re-derived, unless `Batch` built it from this State as it is now and its
+tensors are untouched since). The rows of every write come from the
 batch and the State (each new token's cache slot, the recurrent rows the batch
 hands out), never from the deltas; the step must write every storage-owning
 layer, each with exactly the tensors its kind declared and one row per new
