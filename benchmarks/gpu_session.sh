@@ -8,7 +8,8 @@
 #   the fused paths, the MLA fast paths (mla-bench: their timings); linear: the decode GEMV and its folds; ab: the whole step with each
 #   switch flipped (benchmarks/model_ab.py); switches: the decode switches flipped from their defaults, checked and timed in
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers; decode-sweep: the paged decode kernel's tiles;
-#   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles; early: wider first GEMV loads
+#   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles; early: wider first GEMV loads;
+#   merge: attention's splits merged in its own launch
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -88,6 +89,12 @@ case "${1:-}" in
     part 250 env FNATTN_GPU_RESULTS="$out/early_cases.json" $rec "$out/early_gpu.json" -- \
         tests/gpu/test_fused_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py -k "early or fill_device"
     ;;
+  merge)  # attention's splits merged in the decode's own launch: parity against the merge kernel, the step A/B
+    rec="python benchmarks/gpu_pytest_record.py"
+    part 120 env FNATTN_GPU_RESULTS="$out/paged_merge_cases.json" $rec "$out/paged_merge_gpu.json" -- \
+        tests/gpu/test_paged_merge_gpu.py
+    part 250 python benchmarks/model_ab.py --toggle merge_in_launch --batch 1 8 --out "$out/bench_merge_ab.json"
+    ;;
   prefill)  # fla-core's GDN prefill with fla_direct (the default): bitwise against the public function, then timed
     # (on a fresh machine the tests' fla-core autotuning took 184 s; the A/B's first prefill compiles more)
     part 240 env FNATTN_GPU_RESULTS="$out/fla_prefill_cases.json" python benchmarks/gpu_pytest_record.py \
@@ -137,7 +144,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large|decode-sweep|epilogues|early" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large|decode-sweep|epilogues|early|merge" >&2
     exit 2
     ;;
 esac

@@ -2,7 +2,7 @@
 
 Each function is one launch of `skinny_linear._skinny_gemv_kernel` that also writes what the next small
 op would, with that op's roundings; when the launch cannot (a split-K projection with more column tiles
-than `skinny_linear.COUNTERS`, an empty K), the product and the op run apart, with the same result.
+than `_counters.COUNTERS`, an empty K), the product and the op run apart, with the same result.
 
 - `skinny_linear_swiglu`: a SwiGLU MLP's gate and up projection and ``silu(gate) * up``. The weight stays
   ``[gate; up]``: a column tile reads gate and up rows of the same pairs, alternating, so each tile has

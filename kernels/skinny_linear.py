@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_finite_float, check_like, shares_storage
+from ._counters import tile_counters
 from ._triton import (
     gdc_launch_dependents,
     gdc_wait,
@@ -540,29 +541,6 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
                                                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                                num_warps=4)
     return norm_after is not None or gating is not None or swiglu
-
-
-COUNTERS = 4096  # column tiles a split launch may have (a split projection is narrow: a few hundred at most)
-_counters: dict = {}
-
-
-def tile_counters(device: torch.device, tiles: int):
-    """The int32 arrival counters, zero between launches, that a split launch on the current stream uses
-    (one per column tile); None when ``tiles`` is more than `COUNTERS` (the second reduce kernel then sums).
-
-    One buffer per device and stream: launches on one stream run one after another, so they can share it;
-    launches on two streams at once must not. A graph captured on a stream keeps that stream's buffer (its
-    replays are ordered by the stream they are launched on: replay two graphs captured on one stream on two
-    streams at once and they would share it). Created on first use (a memset, captured if the first use is).
-    """
-    if tiles > COUNTERS:
-        return None
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    c = _counters.get(key)
-    if c is None:
-        c = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return c
 
 
 def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):

@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from fnattn.kernels import paged_attention
 from fnattn.kernels.skinny_linear import configured
 from fnattn.models import fused
 from fnattn.models.common import rope_cos_sin, rope_inv_freq
@@ -298,7 +299,8 @@ VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
             "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl,
             "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on),
             "own norm and act": fused.own_norm_act, "gating epilogue": fused.gating_epilogue,
-            "swiglu epilogue": fused.swiglu_epilogue, "gemv early4": lambda on: configured(early=4 if on else 1)}
+            "swiglu epilogue": fused.swiglu_epilogue, "gemv early4": lambda on: configured(early=4 if on else 1),
+            "attention merge in launch": paged_attention.merge_in_launch}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -310,7 +312,8 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     on (GDN's gated norm and the attention gate as fnattn's own launches), the GEMVs' L2 prefetch on,
     `fused.own_norm_act` on (fnattn's add + RMSNorm and SiLU-and-mul), `fused.gating_epilogue` on (GDN's
     gating in its input projection's GEMV), `fused.swiglu_epilogue` on (SiLU-and-mul in the gate / up
-    GEMV's launch), the GEMVs' first load four K tiles wide (`SkinnyConfig.early`)."""
+    GEMV's launch), the GEMVs' first load four K tiles wide (`SkinnyConfig.early`), attention's splits merged in
+    its own launch (`kernels.paged_attention.merge_in_launch`)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")

@@ -6,8 +6,10 @@ H200. Run as a script, without TRITON_INTERPRET (the interpreter replaces the ke
 import inspect
 import os
 import sys
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's fnattn, not another install
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -65,9 +67,29 @@ def gdn_decode_cases():
                                                                          floats=("scale",))
 
 
+def paged_decode_cases():
+    from fnattn.kernels.paged_attention import _paged_attn_kernel
+
+    ptr = {p: "*bf16" for p in ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "OUT")}
+    ptr.update(BLOCK_TABLE="*i32", CACHE_LENS="*i32", CU_SEQLENS="*i32", SINKS="*fp32", LSE="*fp32",
+               O_PART="*fp32", LSE_PART="*fp32", C="*i32")
+    base = dict(HKV=2, G=4, G_PAD=4, D=256, D_PAD=256, DV=256, DV_PAD=256, PAGE=16, BLOCK_M=16, BLOCK_N=32,
+                DECODE=True, HAS_NEW=True, HAS_SINK=False, SOFTCAP=False, WINDOW=False, SPLIT=True, IEEE=False,
+                PDL=True, MERGE_HERE=False)
+    variants = {
+        "paged decode d256 split": {},
+        "paged decode d256 split, merged in launch": dict(MERGE_HERE=True),
+        "paged decode d128 split, sinks, merged in launch": dict(D=128, D_PAD=128, DV=128, DV_PAD=128,
+                                                                 BLOCK_N=64, HAS_SINK=True, MERGE_HERE=True),
+    }
+    for name, change in variants.items():
+        yield name, lambda c={**base, **change}: compile_for_hopper(_paged_attn_kernel, c, ptr,
+                                                                     floats=("sm_scale", "softcap"))
+
+
 def main() -> int:
     failed = 0
-    for name, build in [*skinny_cases(), *gdn_decode_cases()]:
+    for name, build in [*skinny_cases(), *gdn_decode_cases(), *paged_decode_cases()]:
         try:
             build()
             print(f"ok {name}")

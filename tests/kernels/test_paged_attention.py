@@ -298,3 +298,41 @@ def test_decode_tiles_take_two_stages_only_when_the_grid_fills_the_device():
     assert _config(128, 128, 4, 64, bf16, wide=True)[3] == 3  # a prefill tile
     with configured(num_stages=4):
         assert _config(128, 128, 4, 1, bf16, wide=True)[3] == 4
+
+
+# --- the splits merged in the kernel's own launch -------------------------------
+
+
+@pytest.mark.parametrize("kw", [{}, dict(sinks="rand"), dict(sliding_window=20), dict(new=False)],
+                         ids=["plain", "sinks", "window", "cached part only"])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_merge_in_launch_matches_the_reference_and_the_merge_kernel(kw, num_splits, monkeypatch):
+    """Under `merge_in_launch` the last split of each tile merges the splits (no merge kernel runs): the
+    reference's result, near the two-launch form's (the same arithmetic, the splits summed in order), with
+    empty caches and splits that attend nothing among them; every counter is zero again after the launch."""
+    from fnattn.kernels import _counters
+    from fnattn.kernels import paged_attention as module
+
+    kw = dict(kw)
+    if kw.get("sinks") == "rand":
+        kw["sinks"] = randn(8, seed=7) * 3
+    apart = run_decode([0, 50, 97], 8, 2, 64, 16, num_splits=num_splits, **kw)
+    monkeypatch.setattr(module, "merge_splits", lambda *a, **k: pytest.fail("the merge kernel ran"))
+    with module.merge_in_launch(True):
+        merged = run_decode([0, 50, 97], 8, 2, 64, 16, num_splits=num_splits, **kw)
+    for a, b in zip(merged, apart):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not _counters.tile_counters(torch.device(DEVICE), 1).any()
+
+
+def test_merge_in_launch_for_a_split_prefill_and_beyond_the_counters(monkeypatch):
+    from fnattn.kernels import _counters
+    from fnattn.kernels import paged_attention as module
+
+    with module.merge_in_launch(True):
+        run_prefill([0, 30], [3, 9], 8, 2, 64, 16, num_splits=3)  # two query tiles per request at most
+        monkeypatch.setattr(_counters, "COUNTERS", 1)  # 2 requests x 2 kv heads: the merge kernel runs
+        run_decode([40, 7], 8, 2, 64, 16, num_splits=2)
+    with pytest.raises(ValueError, match="merge_in_launch: expected True or False, got 1"):
+        with module.merge_in_launch(1):
+            pass

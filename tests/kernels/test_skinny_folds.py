@@ -77,12 +77,12 @@ def test_swiglu_is_the_gemv_then_silu_and_mul(M, dtype, config):
 
 
 def test_swiglu_beyond_the_counters_runs_the_activation_apart(monkeypatch):
-    from fnattn.kernels import skinny_linear as module
+    from fnattn.kernels import _counters as counters
 
     x, w = randn(2, 64, seed=52), randn(80, 64, seed=53)
     cfg = SkinnyConfig(block_n=16, block_k=16, split_k=2)  # 5 column tiles
     want = skinny_linear_swiglu(x, w, config=cfg)
-    monkeypatch.setattr(module, "COUNTERS", 4)
+    monkeypatch.setattr(counters, "COUNTERS", 4)
     close(skinny_linear_swiglu(x, w, config=cfg), want, torch.float32)
     empty = skinny_linear_swiglu(randn(3, 0), randn(8, 0))
     assert empty.shape == (3, 4) and not empty.any()
@@ -126,13 +126,13 @@ def test_add_norm_is_the_residual_sum_then_its_rms_norm(M, offset, dtype, config
 
 
 def test_add_norm_beyond_the_counters_normalizes_apart(monkeypatch):
-    from fnattn.kernels import skinny_linear as module
+    from fnattn.kernels import _counters as counters
 
     x, w, res = randn(2, 64, seed=34), randn(80, 64, seed=35), randn(2, 80, seed=36)
     nw = randn(80, seed=37)
     cfg = SkinnyConfig(block_n=16, block_k=16, split_k=2)  # 5 column tiles, 6 counters with the norm's
     want = skinny_linear_add_norm(x, w, res, (nw, 1e-6, 1.0), config=cfg)
-    monkeypatch.setattr(module, "COUNTERS", 5)
+    monkeypatch.setattr(counters, "COUNTERS", 5)
     got = skinny_linear_add_norm(x, w, res, (nw, 1e-6, 1.0), config=cfg)
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)

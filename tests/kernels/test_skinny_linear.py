@@ -359,11 +359,12 @@ def test_one_launch_split_is_the_two_launch_bits(split, fold, dtype):
 
 
 def test_split_launch_beyond_the_counters_uses_the_reduce_kernel(monkeypatch):
+    from fnattn.kernels import _counters as counters
     from fnattn.kernels import skinny_linear as module
 
     x, w = randn(2, 64, seed=26), randn(80, 64, seed=27)
     cfg = SkinnyConfig(block_n=16, block_k=16, split_k=2)  # 5 column tiles
     want = skinny_linear(x, w, config=cfg)
-    monkeypatch.setattr(module, "COUNTERS", 4)
+    monkeypatch.setattr(counters, "COUNTERS", 4)
     assert module.tile_counters(x.device, 5) is None
     assert torch.equal(skinny_linear(x, w, config=cfg), want)
