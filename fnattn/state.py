@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .transfer import RequestState
 
 _versions = itertools.count(1)
+_APPLIED_KEPT = 64  # applied step ids a storage remembers
 _lineages = itertools.count(1)
 _admissions = itertools.count(1)
 _serials = itertools.count(1)  # orders checkpoints and rollbacks
@@ -156,7 +157,7 @@ def _check_decls(spec: LayerSpec) -> None:
 class _Storage:
     """Tensors shared by the handles of one lineage, and which handle is live."""
 
-    def __init__(self, pools: dict[str, Pool], layer_pools: dict, live_version: int, applied: frozenset,
+    def __init__(self, pools: dict[str, Pool], layer_pools: dict, live_version: int, applied: tuple,
                  ring_lent=None):
         self.pools = pools
         self.layer_pools = layer_pools  # layer -> tuple of pool names
@@ -254,7 +255,7 @@ class State:
             s.index: MappingProxyType({d.name: d.space for d in s.config.storage(s.dtype)}) for s in specs})
         self.device = device
         self._version = next(_versions)
-        self._storage = _Storage(pools, {k: tuple(v) for k, v in layer_pools.items()}, self._version, frozenset())
+        self._storage = _Storage(pools, {k: tuple(v) for k, v in layer_pools.items()}, self._version, ())
         self._requests: Mapping[int, Request] = MappingProxyType({})
         self._free_pages: tuple[int, ...] = tuple(range(1, num_pages + 1))  # page 0 is the null page
         self._free_slots: tuple[int, ...] = tuple(range(1, max_requests + 1))  # slot 0 is the null slot
@@ -530,7 +531,9 @@ class State:
         for rid, n, pos in zip(c.request_ids, c.counts, ring):
             pos = reqs[rid].ring_pos if pos is None else pos
             reqs[rid] = replace(reqs[rid], length=reqs[rid].length + n, ring_pos=pos)
-        applied = self._storage.applied_steps | {step_id}
+        # The last steps applied to this lineage, for `DoubleApplyError`: an older step's deltas have an older
+        # state version and are refused as stale. A bounded window, so a long run copies no growing set a step.
+        applied = (*self._storage.applied_steps[1 - _APPLIED_KEPT:], step_id)
         new = self._successor(requests=reqs, storage=storage, applied=applied)
         new._boundary = MappingProxyType(pages.keep_boundaries(new, reqs, c.request_ids) or new._boundary)
         return new

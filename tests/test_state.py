@@ -69,6 +69,24 @@ def test_apply_writes_rows_advances_cursor_and_refuses_a_second_apply():
         st.apply(deltas)
 
 
+def test_a_long_run_remembers_a_bounded_window_of_applied_steps():
+    """Each apply copies what the storage remembers of applied steps: after many steps that stays a short
+    window (no set growing with the run), and the last step's deltas are still refused as a double apply."""
+    specs = (full_spec(0),)
+    st = fa.State(specs, num_pages=64, page_size=4, max_requests=1).admit(0)
+    ma = fa.ModelAttention(specs)
+    for _ in range(150):
+        st = st.reserve({0: 1})
+        b = fa.Batch.decode(st, [0])
+        _, deltas = run(ma, st, b, {0: full_inputs(specs[0], 1)})
+        st = st.apply(deltas)
+        if st.request(0).length % 60 == 0:  # keep within the pages: release and start again
+            st = st.release(0).admit(0)
+    assert len(st._storage.applied_steps) <= 64 and st._storage.applied_steps[-1] == deltas.step_id
+    with pytest.raises(fa.DoubleApplyError, match=f"step {deltas.step_id}"):
+        st.apply(deltas)
+
+
 def test_copy_mode_keeps_the_old_handle_and_its_bytes():
     specs, st, batch, deltas = two_layer_step()
     snap = snapshot(st)
