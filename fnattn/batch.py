@@ -109,11 +109,19 @@ class Batch:
     def cursor_after(self, counts, *, ring_of: Batch | None = None) -> CursorAdvance:
         """The cursor advance of ``counts`` new tokens per request; ``ring_of``: the batch whose
         recurrent writes the step applies (a replay batch's, for recovery "replay")."""
+        usual = ring_of is None and tuple(counts) == self.host_new_lens  # every token kept: asked twice a step
+        if usual:
+            memo = self.__dict__.get("_usual_cursor")
+            if memo is not None:
+                return memo  # a frozen value: the step's deltas and the apply share it
         writer = self if ring_of is None else ring_of
         ring = None if (writer is self and self.recovery == "replay") else writer.ring_after(tuple(counts))
         live = [b for b, r in enumerate(self.request_ids) if r >= 0]  # pad lanes move no cursor
-        return CursorAdvance(tuple(self.request_ids[b] for b in live), tuple(counts[b] for b in live),
-                             ring=None if ring is None else tuple(ring[b] for b in live))
+        cursor = CursorAdvance(tuple(self.request_ids[b] for b in live), tuple(counts[b] for b in live),
+                               ring=None if ring is None else tuple(ring[b] for b in live))
+        if usual:
+            object.__setattr__(self, "_usual_cursor", cursor)
+        return cursor
 
     def token_rows(self, accepted: tuple[int, ...] | None = None) -> Tensor:
         """``[T]`` flat cache slot of each new token; -1 (not written) for rejected tokens."""
