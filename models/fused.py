@@ -127,7 +127,7 @@ def _kernel(package: str, *tensors: Tensor) -> bool:
     if not _ENABLED[-1]:
         return False
     t0 = tensors[0]
-    if t0.device.type != "cuda" or t0.dtype not in (torch.bfloat16, torch.float16):
+    if not t0.is_cuda or t0.dtype not in (torch.bfloat16, torch.float16):  # (is_cuda: no device object a call)
         return False
     return all(t.dtype == t0.dtype for t in tensors) and _installed(package)
 
