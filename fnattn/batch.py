@@ -14,7 +14,6 @@ of the metadata from the start instead of being patched onto it afterwards.
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -296,10 +295,11 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         ring_size=state.recurrent_ring,
         logits_for=logits_for,
     )
-    # What the apply needs to know the tensors are still the ones derived here: the storage and version they
-    # were derived from, and each tensor with its version counter (an in-place op moves it). A copy made by
-    # `dataclasses.replace` has no seal and is read back in full.
-    object.__setattr__(batch, "_sealed", (weakref.ref(state._storage), state.version,
+    # What the apply needs to know the tensors are still the ones derived here: the storage (its lineage
+    # number) and version they were derived from, and each tensor with its version counter (an in-place op
+    # moves it). A copy made by `dataclasses.replace` has no seal, and an unpickled one other tensors: both
+    # are checked in full.
+    object.__setattr__(batch, "_sealed", (state._storage.lineage, state.version,
                                           tuple((name, t, t._version) for name, t in tensors.items())))
     return batch
 
@@ -311,8 +311,8 @@ def unchanged_since_built(batch: Batch, state) -> bool:
     seal = batch.__dict__.get("_sealed")
     if seal is None:
         return False
-    storage, version, tensors = seal
-    if storage() is not state._storage or version != state.version or len(tensors) != len(TENSOR_DTYPES):
+    lineage, version, tensors = seal
+    if lineage != state._storage.lineage or version != state.version or len(tensors) != len(TENSOR_DTYPES):
         return False
     return all(getattr(batch, name) is t and t._version == v for name, t, v in tensors)
 

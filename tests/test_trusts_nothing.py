@@ -185,6 +185,21 @@ def test_a_batch_tensor_changed_in_place_after_it_was_built_is_refused(field):
     assert st.apply(d).request(1).length == 3
 
 
+def test_a_batch_round_trips_through_pickle_and_is_checked_in_full():
+    """A Batch pickles (its record of what it was built from holds no unpicklable reference); the copy's
+    tensors are not the ones built, so the apply derives its rows again, and accepts the copy's deltas."""
+    import pickle
+
+    from fnattn.batch import unchanged_since_built
+
+    ma, st = prefilled()
+    b = fa.Batch.decode(st, [0, 1])
+    copy = pickle.loads(pickle.dumps(b))
+    assert unchanged_since_built(b, st) and not unchanged_since_built(copy, st)
+    d = run(ma, st, copy, layer_inputs(2, 1))[1]
+    assert st.apply(d).request(1).length == 3
+
+
 def test_duplicate_request_ids_are_refused_when_the_batch_is_built():
     ma, st = prefilled()
     for build in (lambda: fa.Batch.decode(st, [0, 1, 0]), lambda: fa.Batch.verify(st, [1, 1], num_draft=1)):
