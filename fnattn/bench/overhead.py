@@ -29,10 +29,12 @@ The session record also has ``breakdown_us``: the medians of run_step's pieces (
 the step, session exit, the apply's validation, its writes, the cursor move), from a few more steps.
 
 Steps are interleaved (each step runs every way, in a rotating order) so drift on a shared machine
-lands on all of them alike. Each way's record has the median step, and ``overhead`` = its median over
-direct's. The direct and session logits must be equal: bitwise on the CPU in fp32 (the run fails
-otherwise), the largest difference is recorded on a GPU. Whether ``FNATTN_CHECKS`` was on (decided at
-import) is in every record: the overhead target is with checks off.
+lands on all of them alike. Each way's record has the median step, ``overhead`` = its median over
+direct's, and ``paired_overhead`` = the median over rounds of its step over the same round's direct
+step (the steadier of the two where the machine drifts). The direct and session logits must be equal:
+bitwise on the CPU in fp32 (the run fails otherwise), the largest difference is recorded on a GPU.
+Whether ``FNATTN_CHECKS`` was on (decided at import) is in every record: the overhead target is with
+checks off.
 """
 
 from __future__ import annotations
@@ -250,7 +252,11 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
                        note="the model's step over the chosen backends' functions, no session or apply validation")]
     for way in ways[1:]:
         t = statistics.median(times[way])
-        extra = {"overhead": t / base, "logits_max_diff": diffs[way], "target_overhead": TARGET}
+        # Each round runs every way back to back: the median of the rounds' own ratios leaves out the drift of
+        # a shared machine, which moves the medians' ratio by a few percent between runs.
+        paired = statistics.median(a / b for a, b in zip(times[way], times["direct"]))
+        extra = {"overhead": t / base, "paired_overhead": paired, "logits_max_diff": diffs[way],
+                 "target_overhead": TARGET}
         if way == "session":
             extra.update(logits_equal=equal, breakdown_us=breakdown)
         else:
@@ -263,7 +269,8 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
     for r in records[1:]:
         if r.get("overhead"):
             log(f"{case}: {r['backend']} {r['time_us']:.1f} us, {r['overhead']:.3f}x direct "
-                f"({base * 1e6:.1f} us); logits max diff {r['logits_max_diff']:.3g}")
+                f"({base * 1e6:.1f} us; paired by round {r['paired_overhead']:.3f}x); logits max diff "
+                f"{r['logits_max_diff']:.3g}")
     return records
 
 
