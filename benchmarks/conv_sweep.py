@@ -3,7 +3,8 @@ GDN layer (8192 tokens, 6144 q / k / v channels read as a column slice of the in
 
     python benchmarks/conv_sweep.py [--tokens 8192] [--out conv_sweep.json]
 
-Each (BT, BC, num_warps) launch is checked against the shipped configuration's output first, then timed with
+Each (BT, BC, num_warps) launch, with and without interior tiles (`kernels.gdn_conv.interior_tiles`: a tile
+inside one request reads x alone), is checked against the shipped configuration's output first, then timed with
 ``triton.testing.do_bench``; TB/s counts x read once, y written once.
 """
 
@@ -16,13 +17,32 @@ from fnattn.kernels.gdn_conv import _conv_kernel, causal_conv1d
 from fnattn.bench import environment
 
 
-def launch(x, weight, pool, slots, cu, y, out, *, bt: int, bc: int, warps: int):
+def launch(x, weight, pool, slots, cu, y, out, *, bt: int, bc: int, warps: int, interior: bool = False):
     T, C = x.shape
     B = slots.numel()
     _conv_kernel[(triton_cdiv(T, bt), triton_cdiv(C, bc))](
         x, weight, weight, pool, slots, cu, y, out, T, C, B, B.bit_length(),
         x.stride(0), weight.stride(0), weight.stride(1), *pool.stride(), y.stride(0), 0, 0, 0,
-        W=weight.shape[1], BT=bt, BC=bc, HAS_BIAS=False, SILU=True, PER_POS=False, num_warps=warps)
+        W=weight.shape[1], BT=bt, BC=bc, HAS_BIAS=False, SILU=True, PER_POS=False, INTERIOR=interior,
+        num_warps=warps)
+
+
+def _one(x, weight, pool, slots, cu, want, moved, bt, bc, warps, interior, do_bench) -> dict:
+    T, C = x.shape
+    shape = {"bt": bt, "bc": bc, "num_warps": warps, "interior": interior}
+    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    out = torch.empty(1, C, weight.shape[1] - 1, device=x.device, dtype=x.dtype)
+    run = dict(bt=bt, bc=bc, warps=warps, interior=interior)
+    try:
+        launch(x, weight, pool, slots, cu, y, out, **run)
+        torch.cuda.synchronize()
+    except Exception as e:  # a shape the compiler refuses (registers): recorded, not fatal
+        return {**shape, "error": str(e)[:200]}
+    same = torch.equal(y, want)
+    us = do_bench(lambda: launch(x, weight, pool, slots, cu, y, out, **run)) * 1e3
+    print(f"BT {bt:4d} BC {bc:4d} warps {warps}{' interior' if interior else '         '}: {us:8.1f} us  "
+          f"{moved / us / 1e6:5.2f} TB/s  {'equal' if same else 'DIFFERENT'}")
+    return {**shape, "time_us": us, "tb_s": moved / us / 1e6, "equal_to_shipped": same}
 
 
 def triton_cdiv(a, b):
@@ -48,24 +68,11 @@ def main() -> None:
     want, _ = causal_conv1d(x, weight, None, pool, slots, cu)
     moved = 2 * T * C * x.element_size()
     records = []
-    for bt in (16, 32, 64, 128):
-        for bc in (64, 128, 256):
-            for warps in (4, 8):
-                y = torch.empty(T, C, device=dev, dtype=dt)
-                out = torch.empty(1, C, W - 1, device=dev, dtype=dt)
-                try:
-                    launch(x, weight, pool, slots, cu, y, out, bt=bt, bc=bc, warps=warps)
-                    torch.cuda.synchronize()
-                except Exception as e:  # a shape the compiler refuses (registers): recorded, not fatal
-                    records.append({"bt": bt, "bc": bc, "num_warps": warps, "error": str(e)[:200]})
-                    continue
-                same = torch.equal(y, want)
-                us = do_bench(lambda y=y, out=out, bt=bt, bc=bc, warps=warps: launch(
-                    x, weight, pool, slots, cu, y, out, bt=bt, bc=bc, warps=warps)) * 1e3
-                records.append({"bt": bt, "bc": bc, "num_warps": warps, "time_us": us, "tb_s": moved / us / 1e6,
-                                "equal_to_shipped": same})
-                print(f"BT {bt:4d} BC {bc:4d} warps {warps}: {us:8.1f} us  {moved / us / 1e6:5.2f} TB/s"
-                      f"  {'equal' if same else 'DIFFERENT'}")
+    for interior in (False, True):
+        for bt in (16, 32, 64, 128):
+            for bc in (64, 128, 256):
+                for warps in (4, 8):
+                    records.append(_one(x, weight, pool, slots, cu, want, moved, bt, bc, warps, interior, do_bench))
     shipped = do_bench(lambda: causal_conv1d(x, weight, None, pool, slots, cu)) * 1e3
     print(f"shipped causal_conv1d (conv + final window): {shipped:.1f} us")
     if a.out:

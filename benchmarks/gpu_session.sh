@@ -9,7 +9,7 @@
 #   switch flipped (benchmarks/model_ab.py); switches: the decode switches flipped from their defaults, checked and timed in
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers; decode-sweep: the paged decode kernel's tiles;
 #   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles; early: wider first GEMV loads;
-#   merge: attention's splits merged in its own launch
+#   merge: attention's splits merged in its own launch; conv: the GDN conv's interior tiles
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -95,6 +95,11 @@ case "${1:-}" in
         tests/gpu/test_paged_merge_gpu.py
     part 250 python benchmarks/model_ab.py --toggle merge_in_launch --batch 1 8 --out "$out/bench_merge_ab.json"
     ;;
+  conv)  # the GDN prefill conv's interior tiles: its launch shapes with and without them, then the prefill A/B
+    part 200 python benchmarks/conv_sweep.py --out "$out/conv_sweep.json"
+    part 250 python benchmarks/model_ab.py --toggle interior_tiles --prefill 8192 --batch 1 --steps 16 \
+        --out "$out/bench_conv_ab.json"
+    ;;
   prefill)  # fla-core's GDN prefill with fla_direct (the default): bitwise against the public function, then timed
     # (on a fresh machine the tests' fla-core autotuning took 184 s; the A/B's first prefill compiles more)
     part 240 env FNATTN_GPU_RESULTS="$out/fla_prefill_cases.json" python benchmarks/gpu_pytest_record.py \
@@ -144,7 +149,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large|decode-sweep|epilogues|early|merge" >&2
+    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large|decode-sweep|epilogues|early|merge|conv" >&2
     exit 2
     ;;
 esac

@@ -45,6 +45,8 @@ Switches:
 - ``fill_device``: the fused GDN decode's V tile narrowed until its grid fills the SMs
   (`fnattn.kernels.gdn_decode_fused.fill_device`, the default; at batch 1, 16 columns instead of 64), or the
   usual tile.
+- ``interior_tiles`` (prefill): the GDN conv's tiles inside one request read x alone
+  (`fnattn.kernels.gdn_conv.interior_tiles`), or every tile takes the general path (the default).
 - ``merge_in_launch``: a split attention decode's splits merged by its last split of each tile
   (`fnattn.kernels.paged_attention.merge_in_launch`), or by a merge kernel after it (the default).
 - ``early2``, ``early4``: each GEMV's first load 2 or 4 K tiles wide (`SkinnyConfig.early`), in registers
@@ -57,7 +59,7 @@ import statistics
 
 import fnattn.kernels.skinny_linear as skinny
 import torch
-from fnattn.kernels import _triton, gdn_decode_fused, paged_attention
+from fnattn.kernels import _triton, gdn_conv, gdn_decode_fused, paged_attention
 from fnattn.models import fused
 
 from fnattn.bench import write_json
@@ -67,6 +69,8 @@ from fnattn.kinds.delta_rule import triton as delta_rule
 TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
                    {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
+    "interior_tiles": (gdn_conv.interior_tiles, lambda: gdn_conv._INTERIOR[-1],
+                       {True: "GDN conv tiles inside a request read x alone", False: "every conv tile general"}),
     "merge_in_launch": (paged_attention.merge_in_launch, lambda: paged_attention._MERGE_IN_LAUNCH[-1],
                         {True: "attention's splits merged in its launch", False: "a merge kernel after it"}),
     "early2": (lambda on: skinny.configured(early=2 if on else 1), lambda: False,

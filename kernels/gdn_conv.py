@@ -11,9 +11,20 @@ entries of z (after every token, with per_position_states). The pool is never wr
 
 import torch
 
+from ._switch import switched
 from ._triton import require_triton, tl, triton
 from .gdn_common import cdiv, check_out, check_varlen, pow2
 from .gdn_naive import causal_conv1d_seq
+
+_INTERIOR = [False]  # not yet timed on the H200 (`interior_tiles`)
+
+
+def interior_tiles(enabled: bool):
+    """Within this block `causal_conv1d`'s tiles that lie inside one request, with every tap reaching back
+    only into that request's own tokens, read x alone: no saved-window loads and no per-token masks (the
+    general path loads both for each of the W taps). The same products in the same order, so the same bits.
+    Off by default until timed (`python benchmarks/conv_sweep.py` times both)."""
+    return switched(_INTERIOR, "interior_tiles", enabled)
 
 
 @triton.jit
@@ -22,7 +33,7 @@ def _conv_kernel(
     T, C, B, n_search,
     sx_t, sw_c, sw_w, sp_n, sp_c, sp_w, sy_t, so_t, so_c, so_w,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PER_POS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PER_POS: tl.constexpr, INTERIOR: tl.constexpr = False,
 ):
     rt = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # T * C may pass 2^31
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -40,7 +51,34 @@ def _conv_kernel(
     bos = tl.load(cu_ptr + lo, mask=mt, other=0)
     slot = tl.load(slots_ptr + lo, mask=mt, other=-1).to(tl.int64)
 
+    tl.static_assert(not (INTERIOR and PER_POS), "interior tiles store no per-position windows")
     acc = tl.zeros([BT, BC], dtype=tl.float32)
+    # A tile of one request whose taps all reach back into that request's own tokens reads only x: no window
+    # loads and no per-token masks (the same products in the same order as the general path below).
+    inside = False
+    if INTERIOR:
+        t0 = tl.program_id(0).to(tl.int64) * BT
+        inside = (tl.min(lo, axis=0) == tl.max(lo, axis=0)) & (t0 + BT <= T) & (t0 - (W - 1) >= tl.max(bos, axis=0))
+    if inside:
+        for w in tl.static_range(W):
+            xv = tl.load(x_ptr + (rt - (W - 1) + w)[:, None] * sx_t + rc[None, :], mask=mc[None, :], other=0.0)
+            wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
+            acc += xv.to(tl.float32) * wt[None, :]
+    else:
+        acc = _conv_taps(x_ptr, w_ptr, pool_ptr, out_ptr, rt, rc, mt, mc, bos, slot, acc, sx_t, sw_c, sw_w, sp_n,
+                         sp_c, sp_w, so_t, so_c, so_w, W, PER_POS)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(y_ptr + rt[:, None] * sy_t + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+
+
+@triton.jit
+def _conv_taps(x_ptr, w_ptr, pool_ptr, out_ptr, rt, rc, mt, mc, bos, slot, acc, sx_t, sw_c, sw_w, sp_n, sp_c,
+               sp_w, so_t, so_c, so_w, W: tl.constexpr, PER_POS: tl.constexpr):
+    """``acc`` plus every tap's products, each input from x or, before the request's first token, from its
+    saved window; with PER_POS each token's new window is stored too."""
     for w in tl.static_range(W):
         p = rt - (W - 1) + w  # [BT] input position feeding tap w
         from_x = (mt & (p >= bos))[:, None] & mc[None, :]
@@ -55,11 +93,7 @@ def _conv_kernel(
             if w > 0:
                 p_o = out_ptr + rt[:, None] * so_t + rc[None, :] * so_c + (w - 1) * so_w
                 tl.store(p_o, val.to(out_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(y_ptr + rt[:, None] * sy_t + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+    return acc
 
 
 @triton.jit
@@ -141,7 +175,7 @@ def causal_conv1d(
             x.stride(0), weight.stride(0), weight.stride(1), *conv_state_pool.stride(), y.stride(0),
             *(out_states.stride() if per_position_states else (0, 0, 0)),
             W=W, BT=BT, BC=BC, HAS_BIAS=bias is not None, SILU=activation is not None,
-            PER_POS=bool(per_position_states),
+            PER_POS=bool(per_position_states), INTERIOR=_INTERIOR[-1] and not per_position_states,
         )
     if not per_position_states and B > 0:
         _conv_final_window_kernel[(B, cdiv(C, BC))](

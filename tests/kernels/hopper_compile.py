@@ -87,9 +87,20 @@ def paged_decode_cases():
                                                                      floats=("sm_scale", "softcap"))
 
 
+def conv_cases():
+    from fnattn.kernels.gdn_conv import _conv_kernel
+
+    ptr = {p: "*bf16" for p in ("x_ptr", "w_ptr", "bias_ptr", "pool_ptr", "y_ptr", "out_ptr")}
+    ptr.update(slots_ptr="*i64", cu_ptr="*i32")
+    base = dict(W=4, BT=32, BC=128, HAS_BIAS=False, SILU=True, PER_POS=False, INTERIOR=False)
+    for name, change in {"gdn conv": {}, "gdn conv, interior tiles": dict(INTERIOR=True),
+                         "gdn conv, per-position windows": dict(PER_POS=True)}.items():
+        yield name, lambda c={**base, **change}: compile_for_hopper(_conv_kernel, c, ptr)
+
+
 def main() -> int:
     failed = 0
-    for name, build in [*skinny_cases(), *gdn_decode_cases(), *paged_decode_cases()]:
+    for name, build in [*skinny_cases(), *gdn_decode_cases(), *paged_decode_cases(), *conv_cases()]:
         try:
             build()
             print(f"ok {name}")
