@@ -338,11 +338,10 @@ def expected_tensors(state, phase: str, reqs, *, columns: int | None = None,
             fail(where, "columns", f"None or an int >= {max_pages} (the most pages a request of the batch holds)",
                  columns)
         max_pages = columns
-    positions, slots = [], []
-    for r, n in reqs:
-        for p in range(r.length, r.length + n):
-            positions.append(p)
-            slots.append(r.pages[p // S] * S + p % S)
+    # Whole runs at a time, not token by token: a long prefill's rows are thousands of tokens, and the host
+    # time of building them is part of the step's.
+    positions = list(itertools.chain.from_iterable(range(r.length, r.length + n) for r, n in reqs))
+    slots = list(itertools.chain.from_iterable(run for r, n in reqs for run in _slot_runs(r.pages, r.length, n, S)))
     rows, write_rows, ring = _recurrent_rows(state, phase, reqs)
     values = {
         "cu_seqlens": list(itertools.accumulate((n for _, n in reqs), initial=0)),
@@ -354,6 +353,14 @@ def expected_tensors(state, phase: str, reqs, *, columns: int | None = None,
         "recurrent_write_rows": write_rows,
     }
     return values, ring
+
+
+def _slot_runs(pages, start: int, n: int, S: int):
+    """The cache slots of positions ``start .. start + n - 1`` as one range per page they touch."""
+    end = start + n
+    for i in range(start // S, (end - 1) // S + 1 if n else start // S):
+        lo, hi = max(start, i * S), min(end, (i + 1) * S)
+        yield range(pages[i] * S + lo - i * S, pages[i] * S + hi - i * S)
 
 
 def ring_of(state, phase: str, reqs) -> int:

@@ -231,3 +231,22 @@ def test_checkpoint_restore_across_ring_moves():
     st = st.restore(ckpt)
     assert st.request(0).length == 1 and (st.views(0).ssm[st.recurrent_row(0)] == 1.0).all()
     assert (st.views(0).conv[st.recurrent_row(0)] == 1.0).all()
+
+
+def test_a_long_prefill_batch_holds_each_tokens_page_slot():
+    """`Batch.prefill` derives its rows a page at a time: each token's slot is its page's, at its offset,
+    across page boundaries and after a cached part that ends inside a page."""
+    specs = (full_spec(0),)
+    st = fa.State(specs, num_pages=40, page_size=4, max_requests=2).admit(0).admit(1)
+    st = st.reserve({0: 3, 1: 5})
+    b = fa.Batch.prefill(st, {0: 3, 1: 5})
+    st = st.apply(run(fa.ModelAttention(specs), st, b, {0: full_inputs(specs[0], 8)})[1])
+    st = st.reserve({0: 37, 1: 2})
+    b = fa.Batch.prefill(st, {0: 37, 1: 2})
+    want_pos, want_slots = [], []
+    for rid, n in ((0, 37), (1, 2)):
+        r = st.request(rid)
+        for p in range(r.length, r.length + n):
+            want_pos.append(p)
+            want_slots.append(r.pages[p // 4] * 4 + p % 4)
+    assert b.positions.tolist() == want_pos and b.slot_mapping.tolist() == want_slots
