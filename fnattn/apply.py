@@ -110,15 +110,10 @@ def _check_tensor_types(state, batch, values: dict, where: str) -> None:
     from .batch import TENSOR_DTYPES
 
     S = state.page_size
-    device = state.device
-    on_cpu, index = device.type == "cpu", device.index if device.type == "cuda" else None
     for name, want in values.items():
         got = getattr(batch, name)
-        # The usual CPU / CUDA case without building a device object a tensor; any other device: compared.
-        usual = isinstance(got, Tensor) and got.dtype is TENSOR_DTYPES[name] and (
-            got.is_cpu if on_cpu else index is not None and got.is_cuda and got.get_device() == index)
-        if not usual and (not isinstance(got, Tensor) or got.dtype != TENSOR_DTYPES[name] or got.device != device):
-            fail(where, f"batch.{name}", f"a {TENSOR_DTYPES[name]} tensor on {device}",
+        if not isinstance(got, Tensor) or got.dtype != TENSOR_DTYPES[name] or got.device != state.device:
+            fail(where, f"batch.{name}", f"a {TENSOR_DTYPES[name]} tensor on {state.device}",
                  (getattr(got, "dtype", type(got).__name__), getattr(got, "device", None)))
         if name == "slot_mapping" and state._shared and _may_sync(got):
             _check_unshared(state, {s // S for s in got.tolist() if s >= 0}, where)
