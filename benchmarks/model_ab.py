@@ -63,7 +63,7 @@ from fnattn.kernels import _triton, gdn_conv, gdn_decode_fused, paged_attention
 from fnattn.models import fused
 
 from fnattn.bench import write_json
-from fnattn.bench.model import StepFailed, _record, build_model, decode_state, time_decode, time_prefill
+from fnattn.bench.model import _record, build_model, decode_state, time_decode, time_prefill
 from fnattn.kinds.delta_rule import triton as delta_rule
 
 TOGGLES = {  # name: (switch, its default now, what on / off mean)
@@ -190,8 +190,7 @@ def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result; the others still run
                 if k == 0:
                     raise
-                if isinstance(e, StepFailed):  # its tokens reserved, nothing applied: the state goes on
-                    st, e = e.state, e.__cause__
+                st = getattr(e, "state", st)  # a step that failed hands back the live state (time_decode)
                 out.append({"case": case, "backend": "fnattn graph", "phase": "decode", "variant": label,
                             "switches": dict(values), "error": f"{type(e).__name__}: {e}"[:500]})
                 runner = None

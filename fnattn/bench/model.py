@@ -218,18 +218,10 @@ def decode_state(model, device, batch: int, ctx: int, *, page_size: int, room: i
     return cached_state(model.specs, batch=batch, ctx=ctx, page_size=page_size, extra=room, device=device)
 
 
-class StepFailed(RuntimeError):
-    """A timed decode step raised (its error is the ``__cause__``); ``state`` is the live handle, its tokens
-    reserved and nothing applied, so a caller can go on with it."""
-
-    def __init__(self, state):
-        super().__init__("a timed decode step raised")
-        self.state = state
-
-
 def time_decode(model, ma, state, batch: int, steps: int, *, runner=None, warmup: int = 3):
     """``-> (seconds of each of ``steps`` decode steps after ``warmup``, the state after)``; eager, or
-    through ``runner``. A step that raises raises `StepFailed` with the live state."""
+    through ``runner``. An error from a step leaves the given handle stale (room was reserved first): as from
+    `fnattn.driver.prefill`, the exception's ``state`` is the live State, nothing of the failed step applied."""
     from ..batch import Batch
     from ..driver import run_step
 
@@ -247,7 +239,8 @@ def time_decode(model, ma, state, batch: int, steps: int, *, runner=None, warmup
                 else:
                     state, logits = runner.decode(state, ids, tokens)
             except Exception as e:
-                raise StepFailed(state) from e
+                e.state = state
+                raise
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
