@@ -358,7 +358,7 @@ def expected_tensors(state, phase: str, reqs, *, columns: int | None = None,
 def _slot_runs(pages, start: int, n: int, S: int):
     """The cache slots of positions ``start .. start + n - 1`` as one range per page they touch."""
     end = start + n
-    for i in range(start // S, (end - 1) // S + 1 if n else start // S):
+    for i in range(start // S, -(-end // S)):  # the pages from start's to the last one end reaches into
         lo, hi = max(start, i * S), min(end, (i + 1) * S)
         yield range(pages[i] * S + lo - i * S, pages[i] * S + hi - i * S)
 

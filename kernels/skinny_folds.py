@@ -95,5 +95,3 @@ def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: 
     if not _launch(x, w, y, None, None, None, config, gating=(g, beta, neg_decay, dt_bias, col, H)) and M and H:
         g, beta = gdn_gating(y[:, col + H:col + 2 * H], y[:, col:col + H], neg_decay, dt_bias)  # the gating apart
     return y, g, beta
-
-
