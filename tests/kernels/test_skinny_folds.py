@@ -21,29 +21,7 @@ from fnattn.kernels.skinny_folds import (  # noqa: E402
 )
 from fnattn.kernels.skinny_linear import SkinnyConfig, rms_norm_ref, skinny_linear, skinny_linear_ref  # noqa: E402
 from fnattn.models.common import rms_norm  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
-
-
-def close(y, ref, dtype):
-    assert y.dtype == ref.dtype == dtype and y.shape == ref.shape
-    tol = TOL[dtype]
-    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
-
-
-def lopsided(M, K, dtype, seed):
-    """Rows whose first 40 columns are ten times the rest: statistics over a split-K piece alone would be far
-    from the whole row's."""
-    x = randn(M, K, seed=seed)
-    x[:, :40] *= 10
-    return x.to(dtype)
-
+from skinny_helpers import TOL, close, lopsided, randn  # noqa: E402
 
 SWIGLU_CONFIGS = [None, SkinnyConfig(block_n=16, block_k=32, split_k=1),
                   SkinnyConfig(block_n=32, block_k=16, split_k=3),

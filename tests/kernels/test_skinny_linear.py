@@ -19,9 +19,8 @@ from fnattn.kernels.skinny_linear import (  # noqa: E402
     skinny_linear_ref,
 )
 from fnattn.models.common import rms_norm  # noqa: E402
+from skinny_helpers import DEVICE, close, lopsided, randn  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1, num_warps=2, num_stages=2),
            SkinnyConfig(block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=3),
            SkinnyConfig(block_n=16, block_k=32, split_k=1, dot=False),
@@ -29,17 +28,6 @@ CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1, num_warps=2, num_stag
            SkinnyConfig(block_n=16, block_k=32, split_k=2, early=4),
            SkinnyConfig(block_n=32, block_k=16, split_k=1, early=2, dot=False)]
 IDS = ["dot", "dot-split2", "fma", "fma-split2", "dot-split2-early4", "fma-early2"]
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
-
-
-def close(y, ref, dtype):
-    assert y.dtype == ref.dtype == dtype and y.shape == ref.shape
-    tol = TOL[dtype]
-    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -192,14 +180,6 @@ FOLD_CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1), SkinnyConfig(bl
                 SkinnyConfig(block_n=16, block_k=16, split_k=8), SkinnyConfig(block_n=16, block_k=32, split_k=2,
                                                                               dot=False)]
 FOLD_IDS = ["split1", "split2", "split8", "fma-split2"]
-
-
-def lopsided(M, K, dtype, seed):
-    """Rows whose first 40 columns are ten times the rest: statistics over a split-K piece alone would be far
-    from the whole row's."""
-    x = randn(M, K, seed=seed)
-    x[:, :40] *= 10
-    return x.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
