@@ -297,8 +297,8 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
     )
     # What the apply needs to know the tensors are still the ones derived here: the storage (its lineage
     # number) and version they were derived from, and each tensor with its version counter (an in-place op
-    # moves it). A copy made by `dataclasses.replace` has no seal, and an unpickled one other tensors: both
-    # are checked in full.
+    # moves it). A copy made by `dataclasses.replace` has no seal, and unpickling rebuilds the tensors, which
+    # moves their counters: both are checked in full.
     object.__setattr__(batch, "_sealed", (state._storage.lineage, state.version,
                                           tuple((name, t, t._version) for name, t in tensors.items())))
     return batch

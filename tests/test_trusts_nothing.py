@@ -186,8 +186,9 @@ def test_a_batch_tensor_changed_in_place_after_it_was_built_is_refused(field):
 
 
 def test_a_batch_round_trips_through_pickle_and_is_checked_in_full():
-    """A Batch pickles (its record of what it was built from holds no unpicklable reference); the copy's
-    tensors are not the ones built, so the apply derives its rows again, and accepts the copy's deltas."""
+    """A Batch pickles (its record of what it was built from holds no unpicklable reference); unpickling
+    rebuilds its tensors, which moves their version counters, so the apply derives the copy's rows again,
+    and accepts its deltas."""
     import pickle
 
     from fnattn.batch import unchanged_since_built
