@@ -45,6 +45,8 @@ Switches:
 - ``fill_device``: the fused GDN decode's V tile narrowed until its grid fills the SMs
   (`fnattn.kernels.gdn_decode_fused.fill_device`, the default; at batch 1, 16 columns instead of 64), or the
   usual tile.
+- ``state_first``: the fused GDN decode reads its state tile, conv window and batch rows before it waits for
+  the input projection (`fnattn.kernels.gdn_decode_fused.state_first`), or after it (the default).
 - ``interior_tiles`` (prefill): the GDN conv's tiles inside one request read x alone
   (`fnattn.kernels.gdn_conv.interior_tiles`), or every tile takes the general path (the default).
 - ``merge_in_launch``: a split attention decode's splits merged by its last split of each tile
@@ -96,6 +98,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                         {True: "SiLU-and-mul in the gate / up GEMV's launch", False: "SiLU-and-mul apart"}),
     "fill_device": (gdn_decode_fused.fill_device, lambda: gdn_decode_fused._FILL_DEVICE[-1],
                     {True: "GDN decode tiles narrowed to fill the SMs", False: "the usual GDN decode tile"}),
+    "state_first": (gdn_decode_fused.state_first, lambda: gdn_decode_fused._STATE_FIRST[-1],
+                    {True: "GDN decode reads its state before it waits", False: "GDN decode reads after it waits"}),
     "fla_direct": (delta_rule.fla_direct, lambda: delta_rule._FLA_DIRECT[-1],
                    {True: "fla-core's chunk forward called itself", False: "fla-core's public function"}),
 }

@@ -46,6 +46,20 @@ def fill_device(enabled: bool):
     return switched(_FILL_DEVICE, "fill_device", enabled)
 
 
+_STATE_FIRST = [False]  # not yet timed on the H200 (`state_first`)
+
+
+def state_first(enabled: bool):
+    """Within this block `gated_delta_decode_fused`, launched with PDL, reads what no launch of its step writes
+    before it waits for the launch before it: the request's rows of the batch, its state tile and conv window
+    (written by the step before) and the conv weight, and sums the window's taps. Only x, g and beta (the input
+    projection's outputs) are read after the wait, and every write comes after it. This holds because every
+    fnattn kernel waits before it lets the next launch start, so when this one starts every launch but the one
+    just before it has finished. The same arithmetic in the same order: the bits do not change. Off until
+    timed in a whole step on the H200 (``benchmarks/model_ab.py --toggle state_first``)."""
+    return switched(_STATE_FIRST, "state_first", enabled)
+
+
 def default_block_v(B: int, HV: int, V: int, BK: int, sms: int) -> int:
     """The V tile without ``block_v``: `gated_delta_recurrent`'s (32 columns at key dims >= 256, else 64,
     at most V's power of two), narrowed under `fill_device` until ``B * HV`` rows of tiles fill ``sms``."""
@@ -57,24 +71,33 @@ def default_block_v(B: int, HV: int, V: int, BK: int, sms: int) -> int:
 
 
 @triton.jit
-def _conv_channels(
-    x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, rc, mc, store,
-    sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
-    W: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-):
-    """Conv output of channels rc for token t (fp32, rounded to x's dtype first, as the two-launch path
-    stores it); with `store` (a [BC] mask) the new window of those channels goes to win[b]."""
+def _window_taps(w_ptr, cpool_ptr, slot, rc, mc, sw_c, sw_w, sc_n, sc_c, sc_w, W: tl.constexpr, BC: tl.constexpr):
+    """The conv sum of channels rc over the first W-1 taps (the request's window), fp32, in tap order: what
+    `_conv_finish` adds the new token's tap to. Reads only the weight and the window pool."""
     live = mc & ((rc * 0 + slot) >= 0)  # tensor-shaped: TRITON_INTERPRET mishandles bool tensor & bool scalar
     acc = tl.zeros([BC], dtype=tl.float32)
-    for w in tl.static_range(W):
-        if w < W - 1:
-            val = tl.load(cpool_ptr + slot * sc_n + rc * sc_c + w * sc_w, mask=live, other=0.0).to(tl.float32)
-        else:
-            val = tl.load(x_ptr + t * sx_t + rc, mask=mc, other=0.0).to(tl.float32)
-        wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
-        acc += val * wt
-        if w > 0:
-            tl.store(win_ptr + b * sn_n + rc * sn_c + (w - 1) * sn_w, val.to(win_ptr.dtype.element_ty), mask=store)
+    for w in tl.static_range(W - 1):
+        val = tl.load(cpool_ptr + slot * sc_n + rc * sc_c + w * sc_w, mask=live, other=0.0).to(tl.float32)
+        acc += val * tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _conv_finish(
+    acc, x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, rc, mc, store,
+    sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):
+    """Conv output of channels rc for token t from `_window_taps`'s sum (fp32, rounded to x's dtype first, as
+    the two-launch path stores it); with `store` (a [BC] mask) the new window of those channels goes to
+    win[b]: the old window's taps 1..W-2 (read again, from cache) and the new token."""
+    live = mc & ((rc * 0 + slot) >= 0)
+    x = tl.load(x_ptr + t * sx_t + rc, mask=mc, other=0.0).to(tl.float32)
+    acc += x * tl.load(w_ptr + rc * sw_c + (W - 1) * sw_w, mask=mc, other=0.0).to(tl.float32)
+    for w in tl.static_range(1, W - 1):
+        val = tl.load(cpool_ptr + slot * sc_n + rc * sc_c + w * sc_w, mask=live, other=0.0)
+        tl.store(win_ptr + b * sn_n + rc * sn_c + (w - 1) * sn_w, val.to(win_ptr.dtype.element_ty), mask=store)
+    tl.store(win_ptr + b * sn_n + rc * sn_c + (W - 2) * sn_w, x.to(win_ptr.dtype.element_ty), mask=store)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)
     if SILU:
@@ -95,9 +118,9 @@ def _fused_decode_kernel(
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IS_KDA: tl.constexpr, L2NORM: tl.constexpr,
-    OUT_ROWS: tl.constexpr, PDL: tl.constexpr,
+    OUT_ROWS: tl.constexpr, PDL: tl.constexpr, STATE_FIRST: tl.constexpr,
 ):
-    if PDL:  # inputs are read only after the launch before this one has finished
+    if PDL and not STATE_FIRST:  # inputs are read only after the launch before this one has finished
         gdc_wait()
         gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
@@ -112,23 +135,30 @@ def _fused_decode_kernel(
     mk = rk < K
     mv = rv < V
     mkv = mk[:, None] & mv[None, :]
+    cq, ck, cv = hk * K + rk, (HK + hk) * K + rk, 2 * HK * K + hv * V + rv  # the q / k / v channels
 
-    # q/k channels are convolved by every program of their key head; one of them writes their window
-    first = (rk * 0 + (hv % (HV // HK)) + vb) == 0
-    b_q = _conv_channels(x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, hk * K + rk, mk, mk & first,
-                         sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
-                         W=W, BC=BK, HAS_BIAS=HAS_BIAS, SILU=SILU)
-    b_k = _conv_channels(x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, (HK + hk) * K + rk, mk,
-                         mk & first, sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
-                         W=W, BC=BK, HAS_BIAS=HAS_BIAS, SILU=SILU)
-    b_v = _conv_channels(x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, 2 * HK * K + hv * V + rv, mv,
-                         mv, sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w,
-                         W=W, BC=BV, HAS_BIAS=HAS_BIAS, SILU=SILU)
-
-    # the recurrent kernel's own one-token update (`_delta_token`)
+    # What no launch of this step writes: the batch's rows, the state and window pools (the step before
+    # wrote them), the conv weight. Under STATE_FIRST it streams in while the launch before finishes.
     p_s = pool_ptr + slot * sp_n + hv * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
     live = (rk[:, None] * 0 + slot) >= 0
     S = tl.load(p_s, mask=mkv & live, other=0.0).to(tl.float32)  # [BK, BV]
+    a_q = _window_taps(w_ptr, cpool_ptr, slot, cq, mk, sw_c, sw_w, sc_n, sc_c, sc_w, W=W, BC=BK)
+    a_k = _window_taps(w_ptr, cpool_ptr, slot, ck, mk, sw_c, sw_w, sc_n, sc_c, sc_w, W=W, BC=BK)
+    a_v = _window_taps(w_ptr, cpool_ptr, slot, cv, mv, sw_c, sw_w, sc_n, sc_c, sc_w, W=W, BC=BV)
+    if PDL and STATE_FIRST:  # x, g and beta are the launch before's outputs; every write comes after this
+        gdc_wait()
+        gdc_launch_dependents()
+
+    # q/k channels are convolved by every program of their key head; one of them writes their window
+    first = (rk * 0 + (hv % (HV // HK)) + vb) == 0
+    b_q = _conv_finish(a_q, x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, cq, mk, mk & first,
+                       sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w, W=W, HAS_BIAS=HAS_BIAS, SILU=SILU)
+    b_k = _conv_finish(a_k, x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, ck, mk, mk & first,
+                       sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w, W=W, HAS_BIAS=HAS_BIAS, SILU=SILU)
+    b_v = _conv_finish(a_v, x_ptr, w_ptr, bias_ptr, cpool_ptr, win_ptr, t, slot, b, cv, mv, mv,
+                       sx_t, sw_c, sw_w, sc_n, sc_c, sc_w, sn_n, sn_c, sn_w, W=W, HAS_BIAS=HAS_BIAS, SILU=SILU)
+
+    # the recurrent kernel's own one-token update (`_delta_token`)
     b_beta = tl.load(beta_ptr + t * sb_t + hv * sb_h).to(tl.float32)
     S, b_o = _delta_token(S, b_q, b_k, b_v, b_beta, g_ptr + t * sg_t + hv * sg_h, rk, mk, scale,
                           IS_KDA=IS_KDA, L2NORM=L2NORM)
@@ -224,7 +254,8 @@ def gated_delta_decode_fused(
         *out_windows.stride(),
         HK=Hk, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV,
         HAS_BIAS=conv_bias is not None, SILU=activation is not None, IS_KDA=is_kda, L2NORM=bool(use_qk_l2norm),
-        OUT_ROWS=out_rows is not None, PDL=pdl, launch_pdl=pdl, **({"num_warps": num_warps} if num_warps else {}),
+        OUT_ROWS=out_rows is not None, PDL=pdl, STATE_FIRST=_STATE_FIRST[-1], launch_pdl=pdl,
+        **({"num_warps": num_warps} if num_warps else {}),
     )
     return o, out_states, out_windows
 

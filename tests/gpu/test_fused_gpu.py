@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from fnattn.kernels import paged_attention
+from fnattn.kernels import gdn_decode_fused, paged_attention
 from fnattn.kernels.skinny_linear import configured
 from fnattn.models import fused
 from fnattn.models.common import rope_cos_sin, rope_inv_freq
@@ -300,7 +300,8 @@ VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
             "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on),
             "own norm and act": fused.own_norm_act, "gating epilogue": fused.gating_epilogue,
             "swiglu epilogue": fused.swiglu_epilogue, "gemv early4": lambda on: configured(early=4 if on else 1),
-            "attention merge in launch": paged_attention.merge_in_launch}
+            "attention merge in launch": paged_attention.merge_in_launch,
+            "gdn state first": gdn_decode_fused.state_first}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -313,7 +314,8 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     `fused.own_norm_act` on (fnattn's add + RMSNorm and SiLU-and-mul), `fused.gating_epilogue` on (GDN's
     gating in its input projection's GEMV), `fused.swiglu_epilogue` on (SiLU-and-mul in the gate / up
     GEMV's launch), the GEMVs' first load four K tiles wide (`SkinnyConfig.early`), attention's splits merged in
-    its own launch (`kernels.paged_attention.merge_in_launch`)."""
+    its own launch (`kernels.paged_attention.merge_in_launch`), the fused GDN decode's state read before its
+    PDL wait (`kernels.gdn_decode_fused.state_first`)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")

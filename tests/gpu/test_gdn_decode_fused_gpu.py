@@ -179,3 +179,26 @@ def test_fill_device_tiles_match_the_usual_tiles(name, B, record):
     record({"case": f"fused decode {name} B{B} fill_device", "phase": "decode", "backend": FUSED,
             **{f"max_rel_{k}": v for k, v in errs.items()}, "bitwise": bitwise, "ok": ok})
     assert ok, errs
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("B", [1, 4])
+def test_state_first_gives_the_same_bits(name, B, record):
+    """`kernels.gdn_decode_fused.state_first`: the state, window and batch rows read before the PDL wait, the
+    same arithmetic in the same order: outputs, states and windows bit for bit (the whole model under it, in
+    replayed graphs: tests/gpu/test_fused_gpu.py)."""
+    from fnattn.kernels import gdn_decode_fused
+
+    spec = _spec(name)
+    st = _state(spec, [1 + 37 * i for i in range(B)], ring=1)
+    batch = fa.Batch.decode(st, range(B))
+    inp = _inputs(spec, batch.num_tokens, seed=5)
+    with gdn_decode_fused.state_first(False):
+        out, w = _forward(FUSED, spec, st, batch, inp)
+    with gdn_decode_fused.state_first(True):
+        f_out, f_w = _forward(FUSED, spec, st, batch, inp)
+    s, f_s = _states(w, st, batch), _states(f_w, st, batch)
+    ok = torch.equal(f_out.o, out.o) and torch.equal(f_s, s) and torch.equal(f_w["conv"], w["conv"])
+    record({"case": f"fused decode {name} B{B} state_first", "phase": "decode", "backend": FUSED,
+            "bitwise": ok, "ok": ok})
+    assert ok

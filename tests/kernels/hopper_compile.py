@@ -61,10 +61,11 @@ def gdn_decode_cases():
     ptr.update(g_ptr="*fp32", pool_ptr="*fp32", out_ptr="*fp32", slots_ptr="*i64", cu_ptr="*i32",
                out_rows_ptr="*i64")
     for bv in (16, 64):
-        c = dict(HK=16, HV=16, K=128, V=128, W=4, BK=128, BV=bv, HAS_BIAS=False, SILU=True, IS_KDA=False,
-                 L2NORM=True, OUT_ROWS=True, PDL=True)
-        yield f"fused gdn decode BV{bv}", lambda c=c: compile_for_hopper(_fused_decode_kernel, c, ptr,
-                                                                         floats=("scale",))
+        for first in (False, True):
+            c = dict(HK=16, HV=16, K=128, V=128, W=4, BK=128, BV=bv, HAS_BIAS=False, SILU=True, IS_KDA=False,
+                     L2NORM=True, OUT_ROWS=True, PDL=True, STATE_FIRST=first)
+            yield (f"fused gdn decode BV{bv}{' state first' if first else ''}",
+                   lambda c=c: compile_for_hopper(_fused_decode_kernel, c, ptr, floats=("scale",)))
 
 
 def paged_decode_cases():
