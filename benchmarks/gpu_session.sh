@@ -9,7 +9,8 @@
 #   switch flipped (benchmarks/model_ab.py); switches: the decode switches flipped from their defaults, checked and timed in
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers; decode-sweep: the paged decode kernel's tiles;
 #   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles; early: wider first GEMV loads;
-#   merge: attention's splits merged in its own launch; conv: the GDN conv's interior tiles
+#   merge: attention's splits merged in its own launch (merge-state: with the GDN decode's state_first);
+#   conv: the GDN conv's interior tiles
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -94,6 +95,16 @@ case "${1:-}" in
     part 120 env FNATTN_GPU_RESULTS="$out/paged_merge_cases.json" $rec "$out/paged_merge_gpu.json" -- \
         tests/gpu/test_paged_merge_gpu.py
     part 250 python benchmarks/model_ab.py --toggle merge_in_launch --batch 1 8 --out "$out/bench_merge_ab.json"
+    ;;
+  merge-state)  # `merge` and the fused GDN decode's state_first in one call: their parity, then one A/B of both
+    rec="python benchmarks/gpu_pytest_record.py"
+    part 120 env FNATTN_GPU_RESULTS="$out/paged_merge_cases.json" $rec "$out/paged_merge_gpu.json" -- \
+        tests/gpu/test_paged_merge_gpu.py
+    part 150 env FNATTN_GPU_RESULTS="$out/state_first_cases.json" $rec "$out/state_first_gpu.json" -- \
+        tests/gpu/test_gdn_decode_fused_gpu.py tests/gpu/test_fused_gpu.py \
+        -k "state_first or (whole_model and (merge or first or default))"
+    part 280 python benchmarks/model_ab.py --toggle merge_in_launch state_first merge_in_launch+state_first \
+        --batch 1 8 --out "$out/bench_merge_state_ab.json"
     ;;
   conv)  # the GDN prefill conv's interior tiles: its launch shapes with and without them, then the prefill A/B
     part 200 python benchmarks/conv_sweep.py --out "$out/conv_sweep.json"
