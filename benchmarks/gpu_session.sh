@@ -10,7 +10,7 @@
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers; decode-sweep: the paged decode kernel's tiles;
 #   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles; early: wider first GEMV loads;
 #   merge: attention's splits merged in its own launch (merge-state: with the GDN decode's state_first);
-#   conv: the GDN conv's interior tiles
+#   fused-now: the whole model fused against unfused at today's defaults; conv: the GDN conv's interior tiles
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -105,6 +105,10 @@ case "${1:-}" in
         -k "state_first or (whole_model and (merge or first or default))"
     part 280 python benchmarks/model_ab.py --toggle merge_in_launch state_first merge_in_launch+state_first \
         --batch 1 8 --out "$out/bench_merge_state_ab.json"
+    ;;
+  fused-now)  # the whole model against the unfused one with today's defaults (tiny, 0.8b slice), widened logits
+    part 240 env FNATTN_GPU_RESULTS="$out/fused_now_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/fused_now_gpu.json" -- tests/gpu/test_fused_gpu.py -k "widen or (whole_model and (default or first))"
     ;;
   conv)  # the GDN prefill conv's interior tiles: its launch shapes with and without them, then the prefill A/B
     part 200 python benchmarks/conv_sweep.py --out "$out/conv_sweep.json"

@@ -46,7 +46,7 @@ Switches:
   (`fnattn.kernels.gdn_decode_fused.fill_device`, the default; at batch 1, 16 columns instead of 64), or the
   usual tile.
 - ``state_first``: the fused GDN decode reads its state tile, conv window and batch rows before it waits for
-  the input projection (`fnattn.kernels.gdn_decode_fused.state_first`), or after it (the default).
+  the input projection (`fnattn.kernels.gdn_decode_fused.state_first`, the default), or after it.
 - ``interior_tiles`` (prefill): the GDN conv's tiles inside one request read x alone
   (`fnattn.kernels.gdn_conv.interior_tiles`), or every tile takes the general path (the default).
 - ``merge_in_launch``: a split attention decode's splits merged by its last split of each tile

@@ -304,14 +304,16 @@ def pick_num_splits(programs, max_keys, device=None):
     return max(1, min(want, max_keys // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
-_MERGE_IN_LAUNCH = [False]  # not yet timed on the H200 (`merge_in_launch`)
+_MERGE_IN_LAUNCH = [False]  # timed on the H200: slower (`merge_in_launch`)
 
 
 def merge_in_launch(enabled: bool):
     """Within this block a split decode (or prefill) merges its splits in its own launch: the last split of
     each tile to finish (an arrival counter, `_counters.tile_counters`) merges the tile's rows, in place of
-    the second merge kernel; with more tiles than there are counters the merge kernel still runs. Off by
-    default until timed in a whole step on the H200 (at batch 1 each attention layer is split)."""
+    the second merge kernel; with more tiles than there are counters the merge kernel still runs. The same
+    values as the merge kernel on the H200 (tests/gpu_results/paged_merge_gpu.json). Off: on, the whole
+    Qwen3.5-0.8B graph step took 1.021x as long at batch 1 and 1.014x at batch 8 (``benchmarks/model_ab.py
+    --toggle merge_in_launch``, benchmarks/results/bench_merge_state_ab.json at 092036d)."""
     return switched(_MERGE_IN_LAUNCH, "merge_in_launch", enabled)
 
 

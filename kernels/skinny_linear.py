@@ -188,7 +188,7 @@ def _skinny_gemv_kernel(
     NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr, SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    EARLY: tl.constexpr,
+    EARLY: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
 
@@ -200,7 +200,8 @@ def _skinny_gemv_kernel(
     of ``Y`` into ``H`` (weight ``EW [N]``, `_norm_rows_when_last`). ``GATING``: the tile that holds GDN's b
     and a columns (``g_col`` on) also writes beta and g from them (`gdn_gate.gate_columns`). ``SWIGLU``:
     ``W`` is ``[gate; up]`` (``N = 2I`` rows); the tile's products alternate gate and up rows of the same
-    pairs, and it writes ``silu(gate) * up`` into ``Y [M, I]`` (`_store_tile`)."""
+    pairs, and it writes ``silu(gate) * up`` into ``Y [M, I]`` (`_store_tile`). ``WIDEN``: ``Y`` is fp32 and each
+    sum is rounded to ``W``'s dtype first (the bits of the product in that dtype, widened)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -263,6 +264,8 @@ def _skinny_gemv_kernel(
                 if HAS_RESIDUAL:
                     total += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask,
                                      other=0.0).to(tl.float32)
+                if WIDEN:
+                    total = total.to(W.dtype.element_ty).to(tl.float32)
                 _store_tile(Y, y_at, total, m, m_ok, mask, pid_n, N, sym, SWIGLU, BLOCK_M, BLOCK_N)
                 tl.atomic_xchg(C + pid_n, 0)  # zero again for the next launch
                 if GATING:
@@ -275,6 +278,8 @@ def _skinny_gemv_kernel(
     else:
         if HAS_RESIDUAL:
             acc += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if WIDEN:
+            acc = acc.to(W.dtype.element_ty).to(tl.float32)
         _store_tile(Y, y_at, acc, m, m_ok, mask, pid_n, N, sym, SWIGLU, BLOCK_M, BLOCK_N)
         if GATING:
             if (pid_n * BLOCK_N < g_col + 2 * g_heads) & (pid_n * BLOCK_N + BLOCK_N > g_col):
@@ -375,8 +380,9 @@ def _norm_rows_when_last(Y, H, EW, CG, n_tiles, M, N, sym, shm, eps, offset, OFF
 
 @triton.jit
 def _skinny_gemv_splitk_reduce(P, Y, R, M, N, sym, srm, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                               BLOCK: tl.constexpr):
-    """``Y[m] = sum_s P[s, m] (+ R[m])`` in fp32, in split order, the residual last, rounded once."""
+                               BLOCK: tl.constexpr, WIDEN: tl.constexpr):
+    """``Y[m] = sum_s P[s, m] (+ R[m])`` in fp32, in split order, the residual last, rounded once (to ``R``'s
+    dtype, x's, then widened to fp32 under ``WIDEN``)."""
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
@@ -385,6 +391,8 @@ def _skinny_gemv_splitk_reduce(P, Y, R, M, N, sym, srm, SPLIT_K: tl.constexpr, H
         acc += tl.load(P + (s * M + row).to(tl.int64) * N + n, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         acc += tl.load(R + row.to(tl.int64) * srm + n, mask=ok, other=0.0).to(tl.float32)
+    if WIDEN:
+        acc = acc.to(R.dtype.element_ty).to(tl.float32)
     tl.store(Y + row.to(tl.int64) * sym + n, acc.to(Y.dtype.element_ty), mask=ok)
 
 
@@ -436,9 +444,10 @@ def _check(x, w, out, act, config, residual=None, norm=None):
     if norm is not None:
         _check_operand("norm weight", norm[0], (K,), x, row_strided=False)
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.shape != (M, N) or out.dtype != x.dtype:
+        if not isinstance(out, torch.Tensor) or out.shape != (M, N) or out.dtype not in (x.dtype, torch.float32):
             got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"out: expected shape {(M, N)} dtype {x.dtype}, got {got}")
+            dtypes = str(x.dtype) if x.dtype == torch.float32 else f"{x.dtype} or torch.float32 (widened)"
+            raise ValueError(f"out: expected shape {(M, N)} dtype {dtypes}, got {got}")
         if out.device != x.device:
             raise ValueError(f"out: expected device {x.device} (x's), got {out.device}")
         if out.stride(1) != 1 and N > 1:
@@ -470,7 +479,8 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, config=
     ``rms_norm(x, weight, eps, offset=offset)`` (`models.common`'s roundings;
     not with ``act``). ``x``'s rows may be strided (unit stride within a row);
     ``w`` is contiguous. ``out``: an ``[M, N]`` tensor to write (unit inner
-    stride, sharing no storage with ``x`` or ``residual``), returned.
+    stride, sharing no storage with ``x`` or ``residual``), returned; in fp32 it holds the product rounded
+    to ``x.dtype``, widened (``skinny_linear(x, w).float()`` without the second launch: logits).
     ``config``: a `SkinnyConfig` instead of `pick_config`'s.
     """
     norm = _check(x, w, out, act, config, residual, norm)
@@ -522,7 +532,8 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
                   BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
                   LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
-                  LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu, EARLY=cfg.early)
+                  LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu, EARLY=cfg.early,
+                  WIDEN=y.dtype != x.dtype)
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),
@@ -539,7 +550,7 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
         block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
         _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
                                                                HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                                               num_warps=4)
+                                                               WIDEN=y.dtype != x.dtype, num_warps=4)
     return norm_after is not None or gating is not None or swiglu
 
 

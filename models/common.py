@@ -149,8 +149,9 @@ def rope_cos_sin(
     expect_shape("inv_freq", inv_freq, (None,))
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, Dr / 2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [T, Dr]
-    cos = angles.cos() * attention_scaling
-    sin = angles.sin() * attention_scaling
+    cos, sin = angles.cos(), angles.sin()
+    if attention_scaling != 1.0:  # a product by one is exact: two launches a step saved
+        cos, sin = cos * attention_scaling, sin * attention_scaling
     return cos.to(dtype), sin.to(dtype)
 
 

@@ -196,6 +196,14 @@ def rope_table(cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
 
 
+def step_rope_table(cos: Tensor, sin: Tensor, x: Tensor) -> Tensor | None:
+    """The step's `rope_table` where its attention layers will read it: on CUDA, unless `qk_one_launch`'s
+    kernel, which reads ``cos`` / ``sin`` themselves, takes activations like ``x`` (then None: a launch saved)."""
+    if not cos.is_cuda or (_QK_ONE_LAUNCH[-1] and _kernel("triton", x)):
+        return None
+    return rope_table(cos, sin)
+
+
 def _rope_kernel_fits(q: Tensor, table: Tensor) -> bool:
     """FlashInfer's rope kernel takes head dims 64..512 (powers of two) and loads ``vec`` lanes at a time, with
     ``vec = max(16 bytes, D / 32)``: each half of the rotary dims must be whole vectors."""
@@ -276,9 +284,10 @@ def _skinny(x: Tensor, w: Tensor, width: int, residual: Tensor | None = None,
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
-           norm: tuple[Tensor, float, float] | None = None) -> Tensor:
+           norm: tuple[Tensor, float, float] | None = None, widen: bool = False) -> Tensor:
     """``F.linear(x, w, bias)`` over the last dim, any leading dims; at most 16 rows without a bias run
-    `skinny_linear` (fp32 accumulation, one rounding, as cuBLAS's).
+    `skinny_linear` (fp32 accumulation, one rounding, as cuBLAS's). ``widen``: the result in fp32, the
+    product's bits widened (``.float()`` of it), which the GEMV stores itself: logits.
 
     ``norm=(weight, eps, offset)``: the product is of ``rms_norm(x, weight, eps, offset=offset)``;
     ``residual`` (the output's shape): added to the product. The kernel folds both (the norm on load, the
@@ -289,10 +298,13 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor
         from fnattn.kernels.skinny_linear import skinny_linear
 
         r = None if residual is None else residual.reshape(-1, w.shape[0])  # read only: a copy would do too
-        y = skinny_linear(x.reshape(-1, x.shape[-1]), w, residual=r, norm=norm)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32, device=x.device) if widen else None
+        y = skinny_linear(rows, w, residual=r, norm=norm, out=out)
         return y.view(*x.shape[:-1], w.shape[0])
     y = F.linear(x if norm is None else rms_norm(x, norm[0], norm[1], offset=norm[2]), w, bias)
-    return y if residual is None else y + residual
+    y = y if residual is None else y + residual
+    return y.float() if widen else y
 
 
 def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:

@@ -54,8 +54,8 @@ from .fused import (
     project_add_norm,
     qk_norm_rope,
     rms_norm_offset,
-    rope_table,
     sigmoid_gate,
+    step_rope_table,
 )
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .registry import Family, register_family
@@ -504,8 +504,8 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     cfg, batch = params.config, session.batch
     check_step_tokens(f"{cfg.model_type}.step", batch, tokens, cfg.vocab_size)
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim] fp32, once per step
-    table = rope_table(cos, sin) if cos.is_cuda else None
     x = F.embedding(tokens, params.embed)  # [T, D]; the residual stream, this step's own tensor
+    table = step_rope_table(cos, sin, x)
     eps, layers, layer_deltas = cfg.rms_norm_eps, params.layers, []
     h = rms_norm_offset(x, layers[0].input_norm, eps)
     for i, layer in enumerate(layers):
@@ -514,7 +514,8 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
         layer_deltas.append(deltas)
     hidden = h  # [T, D], the final norm's output
     # The cursor advances once, after every layer has read the state.
-    return linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    logits = linear(logit_rows(batch, hidden), params.lm_head, widen=True)  # [Tl, vocab] fp32
+    return logits, hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked

@@ -285,6 +285,20 @@ def test_fused_linear_routes_and_reshapes(rows, record):
     _check(record, f"fused.linear strided rows {rows}", fused.linear(wide, w), F.linear(wide, w), 1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 17])
+def test_fused_linear_widened_logits_are_the_float_of_the_product(rows, record):
+    """``widen=True`` (the lm_head's logits): the GEMV stores its bf16-rounded sums as fp32 itself, the bits of
+    ``fused.linear(...).float()``; above 16 rows cuBLAS's product, widened."""
+    pytest.importorskip("triton")
+    w = _randn(248320, 1024, seed=22, scale=1024 ** -0.5)  # the Qwen3.5 vocabulary
+    x = _randn(rows, 1024, seed=23)
+    got, want = fused.linear(x, w, widen=True), fused.linear(x, w).float()
+    ok = got.dtype == torch.float32 and torch.equal(got, want)
+    record({"case": f"fused.linear widen rows {rows}", "backend": "fused", "reference": "linear().float()",
+            "bitwise": ok, "ok": ok})
+    assert ok
+
+
 SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full attention), a smaller vocab
     "model_type": "qwen3_5_text", "vocab_size": 4096, "hidden_size": 1024, "num_hidden_layers": 4,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"], "intermediate_size": 3584, "hidden_act": "silu",

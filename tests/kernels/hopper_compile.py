@@ -34,10 +34,11 @@ def skinny_cases():
 
     ptr = {p: "*bf16" for p in ("X", "W", "Y", "R", "NW", "H", "EW", "GB")}
     ptr.update(P="*fp32", C="*i32", GG="*fp32", GND="*fp32", GDTB="*fp32")
+    widened = {**ptr, "Y": "*fp32"}
     base = dict(ACT_SILU_MUL=False, HAS_RESIDUAL=False, NORM=False, NORM_OFFSET=False, USE_DOT=True, FP32_DOT=False,
                 SPLIT=False, ONE_LAUNCH=False, NORM_AFTER=False, NORM_AFTER_OFFSET=False, PDL=True, PREFETCH=False,
                 LINES=2, GATING=False, LIBDEVICE=True, SWIGLU=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
-                BLOCK_E=1024, EARLY=1)
+                BLOCK_E=1024, EARLY=1, WIDEN=False)
     variants = {
         "gemv": {},
         "gemv swiglu": dict(SWIGLU=True),
@@ -48,10 +49,11 @@ def skinny_cases():
         "gemv norm after, prefetch, early 4": dict(SPLIT=True, ONE_LAUNCH=True, NORM_AFTER=True, PREFETCH=True,
                                                    EARLY=4),
         "gemv fma early 2": dict(USE_DOT=False, BLOCK_M=1, EARLY=2),
+        "gemv widened to fp32": dict(WIDEN=True),
     }
     for name, change in variants.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(
-            _skinny_gemv_kernel, c, ptr, floats=("eps", "offset", "e_eps", "e_offset"))
+            _skinny_gemv_kernel, c, widened if c["WIDEN"] else ptr, floats=("eps", "offset", "e_eps", "e_offset"))
 
 
 def gdn_decode_cases():

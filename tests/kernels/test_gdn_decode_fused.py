@@ -203,18 +203,18 @@ def test_fill_device_narrows_the_default_tile_until_the_grid_fills_the_sms():
             pass
 
 
-def test_state_first_is_off_by_default_and_takes_only_a_bool():
+def test_state_first_is_on_by_default_and_takes_only_a_bool():
     """`state_first` moves the fused decode's reads of its state, window and batch rows before its PDL wait,
     which the interpreter has not (tests/kernels/hopper_compile.py compiles that form for sm_90; its bits on the
-    H200 are tests/gpu/test_gdn_decode_fused_gpu.py's). Here: off unless asked, and the same results either way."""
+    H200 are tests/gpu/test_gdn_decode_fused_gpu.py's). Here: on unless asked, and the same results either way."""
     from fnattn.kernels import gdn_decode_fused as module
 
-    assert module._STATE_FIRST[-1] is False
+    assert module._STATE_FIRST[-1] is True
     a, kw = problem(2, 2, 4, kda=False)
-    plain = gated_delta_decode_fused(**a, **kw)
-    with module.state_first(True):
-        assert module._STATE_FIRST[-1] is True
-        first = gated_delta_decode_fused(**a, **kw)
+    first = gated_delta_decode_fused(**a, **kw)
+    with module.state_first(False):
+        assert module._STATE_FIRST[-1] is False
+        plain = gated_delta_decode_fused(**a, **kw)
     for x, y in zip(first, plain):
         assert torch.equal(x, y)
     with pytest.raises(ValueError, match="state_first: expected True or False, got 1"):

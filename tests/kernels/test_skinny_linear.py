@@ -64,6 +64,21 @@ def test_out_is_written_and_returned(config):
     assert (holder[:, :5] == 7).all() and (holder[:, 5 + N:] == 7).all()  # nothing outside out written
 
 
+@pytest.mark.parametrize("config", CONFIGS + [SkinnyConfig(block_n=16, block_k=32, split_k=2, one_launch=False)],
+                         ids=IDS + ["dot-split2-reduce-kernel"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_fp32_out_holds_the_rounded_product_widened(config, residual):
+    """Logits: an fp32 ``out`` of a half-precision product gets ``skinny_linear(...).float()``'s bits, from
+    the GEMV's own launch (and from the split-K reduce kernel's)."""
+    M, N, K = 3, 45, 150
+    x, w = randn(M, K, dtype=torch.float16, seed=7), randn(N, K, dtype=torch.float16, seed=8) / K ** 0.5
+    r = randn(M, N, dtype=torch.float16, seed=9) if residual else None
+    out = torch.full((M, N), float("nan"), device=DEVICE)
+    y = skinny_linear(x, w, out=out, residual=r, config=config)
+    assert y is out and y.dtype == torch.float32
+    assert torch.equal(y, skinny_linear(x, w, residual=r, config=config).float())
+
+
 def test_more_splits_than_k_tiles():
     """split_k beyond the K tiles: each piece still streams at least one tile, none is empty."""
     x, w = randn(2, 40, seed=5), randn(20, 40, seed=6)
@@ -161,7 +176,9 @@ def test_bad_arguments_name_themselves():
         (dict(x=randn(16, 2).T, w=w), "x: expected unit stride"),
         (dict(x=x, w=randn(16, 8).T), "w: expected a contiguous tensor"),
         (dict(x=x, w=w, out=randn(2, 9)), r"out: expected shape \(2, 8\)"),
-        (dict(x=x, w=w, out=randn(2, 8, dtype=torch.float16)), "out: expected shape .* dtype torch.float32"),
+        (dict(x=x, w=w, out=randn(2, 8, dtype=torch.float16)), r"out: expected shape .* dtype torch.float32, got"),
+        (dict(x=x.half(), w=w.half(), out=randn(2, 8, dtype=torch.bfloat16)),
+         r"dtype torch.float16 or torch.float32 \(widened\), got"),
         (dict(x=x, w=w, out=randn(8, 2).T), "out: expected unit stride"),
         (dict(x=x, w=w, config=(16, 16, 1, 4, 2)), "config: expected a SkinnyConfig or None, got tuple"),
     ]
