@@ -110,6 +110,13 @@ case "${1:-}" in
     part 240 env FNATTN_GPU_RESULTS="$out/fused_now_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/fused_now_gpu.json" -- tests/gpu/test_fused_gpu.py -k "widen or (whole_model and (default or first))"
     ;;
+  fused-slice)  # the 0.8b slice of fused-now (its first run compiles for the 0.8b shapes), then state_first at
+    # batch 32 / 128 beside the own small-op kernels there
+    part 270 env FNATTN_GPU_RESULTS="$out/fused_slice_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/fused_slice_gpu.json" -- tests/gpu/test_fused_gpu.py -k "whole_model and 0.8b and (default or first)"
+    part 290 python benchmarks/model_ab.py --toggle state_first output_gates+own_norm_act --batch 32 128 \
+        --out "$out/bench_state_first_large_ab.json"
+    ;;
   conv)  # the GDN prefill conv's interior tiles: its launch shapes with and without them, then the prefill A/B
     part 200 python benchmarks/conv_sweep.py --out "$out/conv_sweep.json"
     part 250 python benchmarks/model_ab.py --toggle interior_tiles --prefill 8192 --batch 1 --steps 16 \
