@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
     doc = {"command": "python benchmarks/gpu_pytest_record.py OUT.json -- " + " ".join(args), "commit": commit(),
            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-           "exit_code": int(rc), **({"interrupted": True} if int(rc) == 2 else {}), **{s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "skipped")},
+           "exit_code": int(rc), **({"interrupted": True} if int(rc) == 2 else {}),
+           **{s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "skipped")},
            "cases": cases}
     out.write_text(json.dumps(doc, indent=1) + "\n")
     return int(rc)
