@@ -47,6 +47,7 @@ def fill_device(enabled: bool):
 
 
 _STATE_FIRST = [True]  # timed in a whole step on the H200 (`state_first`)
+_STATE_FIRST_PROGRAMS_PER_SM = 2  # larger grids read after the wait (slower otherwise at batch 128)
 
 
 def state_first(enabled: bool):
@@ -56,9 +57,11 @@ def state_first(enabled: bool):
     projection's outputs) are read after the wait, and every write comes after it. This holds because every
     fnattn kernel waits before it lets the next launch start, so when this one starts every launch but the one
     just before it has finished. The same arithmetic in the same order: the same bits on the H200
-    (tests/gpu_results/state_first_gpu.json). On by default: on, the whole Qwen3.5-0.8B graph step took 0.982x
-    as long at batch 1 and 0.988x at batch 8 (``benchmarks/model_ab.py --toggle state_first``,
-    benchmarks/results/bench_merge_state_ab.json at 092036d)."""
+    (tests/gpu_results/state_first_gpu.json). It applies to grids of at most two programs an SM: on, for
+    every grid, the whole Qwen3.5-0.8B graph step took 0.982x as long at batch 1 (128 programs) and 0.988x
+    at batch 8 (256; ``benchmarks/model_ab.py --toggle state_first``, bench_merge_state_ab.json at 092036d),
+    but 1.002x at batch 32 (1024) and 1.021x at batch 128 (4096; bench_state_first_large_ab.json at
+    f8138d1, paired by round). On by default."""
     return switched(_STATE_FIRST, "state_first", enabled)
 
 
@@ -242,9 +245,12 @@ def gated_delta_decode_fused(
 
     x, g = inner_contiguous(x), inner_contiguous(g)
     BK = pow2(K)
-    BV = block_v or default_block_v(B, HV, V, BK, num_sms(x.device.index if x.is_cuda else None))
+    sms = num_sms(x.device.index if x.is_cuda else None)
+    BV = block_v or default_block_v(B, HV, V, BK, sms)
     pdl = pdl_launch(x.device)
-    _fused_decode_kernel[(B, HV, cdiv(V, BV))](
+    grid = (B, HV, cdiv(V, BV))
+    state_first = _STATE_FIRST[-1] and B * HV * grid[2] <= _STATE_FIRST_PROGRAMS_PER_SM * sms
+    _fused_decode_kernel[grid](
         x, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state_pool, g, beta,
         state_pool, slots, cu_seqlens, o, out_states, out_rows if out_rows is not None else slots, out_windows,
         float(scale),
@@ -256,7 +262,7 @@ def gated_delta_decode_fused(
         *out_windows.stride(),
         HK=Hk, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV,
         HAS_BIAS=conv_bias is not None, SILU=activation is not None, IS_KDA=is_kda, L2NORM=bool(use_qk_l2norm),
-        OUT_ROWS=out_rows is not None, PDL=pdl, STATE_FIRST=_STATE_FIRST[-1], launch_pdl=pdl,
+        OUT_ROWS=out_rows is not None, PDL=pdl, STATE_FIRST=state_first, launch_pdl=pdl,
         **({"num_warps": num_warps} if num_warps else {}),
     )
     return o, out_states, out_windows

@@ -220,3 +220,28 @@ def test_state_first_is_on_by_default_and_takes_only_a_bool():
     with pytest.raises(ValueError, match="state_first: expected True or False, got 1"):
         with module.state_first(1):
             pass
+
+
+def test_state_first_applies_to_grids_of_at_most_two_programs_an_sm(monkeypatch):
+    """The flag each launch passes: on while the grid has at most two programs an SM (Qwen3.5's batches 1
+    and 8 on 132 SMs), off above (batch 32 and up), whatever the results (the same either way)."""
+    from fnattn.kernels import gdn_decode_fused as module
+
+    real, seen = module._fused_decode_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((grid[0] * grid[1] * grid[2], kw["STATE_FIRST"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(module, "_fused_decode_kernel", Spy())
+    for sms in (1, 2, 4, 64):
+        monkeypatch.setattr(module, "num_sms", lambda index=None, sms=sms: sms)
+        for B in (1, 3):
+            a, kw = problem(B, 2, 4, kda=False)
+            with module.fill_device(False):
+                gated_delta_decode_fused(**a, **kw, block_v=V)  # one V tile: B * 4 programs
+            assert seen[-1] == (B * 4, B * 4 <= 2 * sms)
+    assert {first for _, first in seen} == {True, False}
