@@ -58,6 +58,74 @@ def _sigmoid_gate_kernel(OUT, X, G, sx_t, sx_h, sg_t, sg_h, H, N, D: tl.constexp
     tl.store(OUT + row[:, None] * D + d[None, :], (x * s.to(tl.float32)).to(OUT.dtype.element_ty), mask=ok)
 
 
+GATE_KINDS = {"silu_norm": 1, "sigmoid": 2}  # the prologue codes `gate_tile` takes (0: no gate)
+
+
+@triton.jit
+def gate_tile(x, z_rows, W, k, xm, szh, eps, KIND: tl.constexpr, HEAD: tl.constexpr, BM: tl.constexpr,
+              WIDTH: tl.constexpr):
+    """The gate applied to a ``[BM, WIDTH]`` tile of a mixer's output ``x`` at columns ``k``, as a projection's
+    GEMV loads it: ``z_rows [BM, 1]`` points at each row's gate, head h at ``h * szh``. ``KIND`` 1:
+    `_gated_norm_kernel`'s ``rms_norm(x, W) * silu(z)`` per head (``W [HEAD]``; the tile holds whole heads of
+    ``HEAD`` columns, ``k`` starting at a multiple of it), 2: `_sigmoid_gate_kernel`'s ``x * sigmoid(z)``
+    (elementwise: any ``HEAD``). The same roundings; a head's sum of squares is a tree over the tile's head,
+    whose order may differ from the kernel's row in the last bit of fp32."""
+    z = tl.load(z_rows + ((k // HEAD) * szh + k % HEAD)[None, :], mask=xm, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    if KIND == 1:
+        x3 = tl.reshape(xf, (BM, WIDTH // HEAD, HEAD))
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(x3 * x3, axis=2) / HEAD + eps)  # [BM, heads]
+        normed = tl.reshape((x3 * rstd[:, :, None]).to(x.dtype), (BM, WIDTH))
+        w = tl.load(W + k % HEAD).to(tl.float32)[None, :]
+        normed = (normed.to(tl.float32) * w).to(x.dtype)
+        out = (normed.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(x.dtype)
+    else:
+        s = (1.0 / (1.0 + tl.exp(-z))).to(x.dtype)
+        out = (xf * s.to(tl.float32)).to(x.dtype)
+    return out
+
+
+def check_gate(gate, x, block_k: int | None = None):
+    """``gate`` for a GEMV over ``x [M, K]`` (`skinny_linear`'s ``gate=``): ``("silu_norm", z, weight, eps)``
+    or ``("sigmoid", z)``, ``z [M, H, D]`` with ``H * D = K``, unit inner stride, x's dtype and device; for
+    the norm D a power of two (dividing the GEMV's K tile ``block_k``, where given: a tile's heads are
+    normalized whole); ``-> (kind code, z, weight or z, eps, D)``."""
+    if not isinstance(gate, (tuple, list)) or not gate or gate[0] not in GATE_KINDS:
+        raise ValueError(f"gate: expected ('silu_norm', z, weight, eps) or ('sigmoid', z), got {gate!r:.80}")
+    kind, z = gate[0], gate[1] if len(gate) > 1 else None
+    want = 4 if kind == "silu_norm" else 2
+    if len(gate) != want:
+        raise ValueError(f"gate: expected {want} items for {kind!r}, got {len(gate)}")
+    if not isinstance(z, torch.Tensor) or z.dim() != 3 or z.shape[0] != x.shape[0] \
+            or z.shape[1] * z.shape[2] != x.shape[1]:
+        got = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+        raise ValueError(f"gate z: expected [M={x.shape[0]}, H, D] with H * D = {x.shape[1]} (x's K), got {got}")
+    D = z.shape[2]
+    if D < 1 or (kind == "silu_norm" and (D & (D - 1) or (block_k is not None and block_k % D))):
+        tile = "" if block_k is None else f" dividing the K tile {block_k}"
+        raise ValueError(f"gate z: expected a head dim >= 1 ('silu_norm': a power of two{tile}: a tile holds whole "
+                         f"heads), got {D}")
+    check_like("gate z", z, tuple(z.shape), x, "x")
+    if z.shape[2] > 1 and z.stride(2) != 1:
+        raise ValueError(f"gate z: expected unit stride along its last dim, got strides {z.stride()}")
+    if kind == "sigmoid":
+        return GATE_KINDS[kind], z, z, 0.0, D
+    weight, eps = gate[2], gate[3]
+    check_like("gate weight", weight, (D,), x, "x")
+    check_finite_float("gate eps", eps)
+    if eps < 0:
+        raise ValueError(f"gate eps: expected >= 0, got {eps!r}")
+    return GATE_KINDS[kind], z, weight.contiguous(), float(eps), D
+
+
+def gate_ref(gate, x):
+    """What ``gate`` makes of ``x [M, K]`` unfused: the `*_ref` below over its heads, ``-> [M, K]``."""
+    z = gate[1]
+    x3 = x.view(z.shape)
+    out = gated_rms_norm_silu_ref(x3, z, gate[2], gate[3]) if gate[0] == "silu_norm" else sigmoid_gate_ref(x3, z)
+    return out.reshape(x.shape)
+
+
 def _check_pair(owner: str, x, gate, gate_name: str, kernel):
     check_rows(owner, "x", x, "[T, H, D]", kernel)
     check_like(f"{owner}: {gate_name}", gate, tuple(x.shape), x, "x")

@@ -67,6 +67,7 @@ from ._triton import (
     triton,
 )
 from .gdn_gate import gate_columns
+from .output_gate import check_gate, gate_ref, gate_tile
 
 MAX_M = 64
 ACTS = (None, "silu_mul")
@@ -182,13 +183,13 @@ def triton_cdiv(a: int, b: int) -> int:
 @triton.jit
 def _skinny_gemv_kernel(
     X, W, Y, P, C, R, NW, H, EW, M, N, K, k_per_split, n_split, n_tiles, sxm, sym, srm, shm, eps, offset,
-    e_eps, e_offset, GG, GB, GND, GDTB, g_col, g_heads,
+    e_eps, e_offset, GG, GB, GND, GDTB, g_col, g_heads, Z, szm, szh,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
     NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr, SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    EARLY: tl.constexpr, WIDEN: tl.constexpr,
+    EARLY: tl.constexpr, WIDEN: tl.constexpr, GATE: tl.constexpr, HEAD: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
 
@@ -201,7 +202,8 @@ def _skinny_gemv_kernel(
     and a columns (``g_col`` on) also writes beta and g from them (`gdn_gate.gate_columns`). ``SWIGLU``:
     ``W`` is ``[gate; up]`` (``N = 2I`` rows); the tile's products alternate gate and up rows of the same
     pairs, and it writes ``silu(gate) * up`` into ``Y [M, I]`` (`_store_tile`). ``WIDEN``: ``Y`` is fp32 and each
-    sum is rounded to ``W``'s dtype first (the bits of the product in that dtype, widened)."""
+    sum is rounded to ``W``'s dtype first (the bits of the product in that dtype, widened). ``GATE``: x's heads
+    of ``HEAD`` columns gated on load by ``Z`` (`output_gate.gate_tile`, its weight ``NW``, ``eps``)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -209,6 +211,7 @@ def _skinny_gemv_kernel(
     m_ok = m < M
     n_ok = n < N
     x_rows = X + m.to(tl.int64)[:, None] * sxm  # [BM, 1]
+    z_rows = Z + m.to(tl.int64)[:, None] * szm  # [BM, 1]; read under GATE only
     if SWIGLU:  # product n is gate row n // 2 (n even) or the up row of the same pair (n odd)
         w_rows = W + (n // 2 + (n % 2) * (N // 2)).to(tl.int64)[:, None] * K  # [BN, 1]
     else:
@@ -240,13 +243,13 @@ def _skinny_gemv_kernel(
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_first = _x_tile(x_rows, NW, k_first, m_ok, k_first < k_hi, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL,
-                      NORM, NORM_OFFSET)
+                      NORM, NORM_OFFSET, z_rows, szh, eps, GATE, HEAD, BLOCK_M, EARLY * BLOCK_K)
     acc = _accumulate(acc, x_first, w_first, USE_DOT, FP32_DOT)
     for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = k < k_hi
         xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM,
-                     NORM_OFFSET)
+                     NORM_OFFSET, z_rows, szh, eps, GATE, HEAD, BLOCK_M, BLOCK_K)
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         acc = _accumulate(acc, xt, wt, USE_DOT, FP32_DOT)
     mask = m_ok[:, None] & n_ok[None, :]
@@ -316,8 +319,10 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, dtype: tl.constexpr, ACT_SILU_MUL: tl.constexpr,
-            NORM: tl.constexpr, NORM_OFFSET: tl.constexpr):
-    """The ``[BM, BK]`` operand of x at columns ``k``: as stored, ``silu(gate) * up``, or RMS-normalized."""
+            NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, z_rows, szh, eps, GATE: tl.constexpr, HEAD: tl.constexpr,
+            BM: tl.constexpr, WIDTH: tl.constexpr):
+    """The ``[BM, WIDTH]`` operand of x at columns ``k``: as stored, ``silu(gate) * up``, RMS-normalized, or
+    gated (`output_gate.gate_tile`)."""
     xm = m_ok[:, None] & k_ok[None, :]
     if ACT_SILU_MUL:
         g = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
@@ -332,6 +337,8 @@ def _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, dtype: tl.constexpr, ACT
             xt = (h * (offset + nw)[None, :]).to(dtype)
         else:
             xt = (h.to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
+    if GATE:
+        xt = gate_tile(xt, z_rows, NW, k, xm, szh, eps, GATE, HEAD, BM, WIDTH)
     return xt
 
 
@@ -415,8 +422,11 @@ def _check_act_norm(act, norm):
     return weight, float(eps), float(offset)
 
 
-def _check(x, w, out, act, config, residual=None, norm=None):
+def _check(x, w, out, act, config, residual=None, norm=None, gate=None):
     norm = _check_act_norm(act, norm)
+    if gate is not None and (act is not None or norm is not None):
+        raise ValueError(f"gate: expected no act or norm beside it (each changes how x loads), got "
+                         f"act={act!r}, norm={'given' if norm is not None else None}")
     if config is not None and not isinstance(config, SkinnyConfig):
         raise ValueError(f"config: expected a SkinnyConfig or None, got {type(config).__name__}")
     for name, t in (("x", x), ("w", w)):
@@ -469,7 +479,7 @@ def _check_operand(name, t, shape, x, *, row_strided):
         raise ValueError(f"{name}: expected {what}, got strides {t.stride()}")
 
 
-def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, config=None):
+def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, gate=None, config=None):
     """``x [M, K] @ w[N, K]^T -> y [M, N]`` in ``x.dtype`` with fp32 accumulation, M <= 64.
 
     ``act="silu_mul"``: ``x`` is ``[M, 2K]`` (gate | up) and the product is of
@@ -481,19 +491,24 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, config=
     ``w`` is contiguous. ``out``: an ``[M, N]`` tensor to write (unit inner
     stride, sharing no storage with ``x`` or ``residual``), returned; in fp32 it holds the product rounded
     to ``x.dtype``, widened (``skinny_linear(x, w).float()`` without the second launch: logits).
+    ``gate``: the product is of a token mixer's output gated on load (`output_gate.check_gate`:
+    ``("silu_norm", z, weight, eps)``, GDN's per-head norm, or ``("sigmoid", z)``, gated attention's), one
+    launch fewer than `output_gate`'s kernel before the projection.
     ``config``: a `SkinnyConfig` instead of `pick_config`'s.
     """
-    norm = _check(x, w, out, act, config, residual, norm)
+    norm = _check(x, w, out, act, config, residual, norm, gate)
+    if gate is not None:
+        gate = check_gate(gate, x, (config or pick_config(x.shape[0], w.shape[0], w.shape[1], x.dtype)).block_k)
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
-    _launch(x, w, y, act, residual, norm, config)
+    _launch(x, w, y, act, residual, norm, config, gate=gate)
     return y
 
 
-def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, swiglu=False) -> bool:
+def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, swiglu=False, gate=None) -> bool:
     """Write ``y`` (checked arguments); ``norm_after=(h, weight, eps, offset)``: also ``h``, or
     ``gating=(g, beta, neg_decay, dt_bias, col, H)``: also g and beta, when the launch can (``-> whether it
     did``). ``swiglu``: ``y [M, N / 2]`` is ``silu(gate) * up`` of the products, when the launch can; when it
-    cannot (no counters for a split launch, an empty K), nothing is written."""
+    cannot (no counters for a split launch, an empty K), nothing is written. ``gate``: `check_gate`'s result."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
     if M == 0 or N == 0:
         return False
@@ -513,6 +528,10 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
     r = x if residual is None else residual
     srm = 0 if residual is None else residual.stride(0)
     nw, eps, offset = (x, 0.0, 0.0) if norm is None else norm
+    kind, z, szm, szh, head = 0, x, 0, 0, 1
+    if gate is not None:
+        kind, z, nw, eps, head = gate
+        szm, szh = z.stride(0), z.stride(1)
     # Counters: one per column tile (split-K arrivals), one more for the tiles (the norm after).
     counters = None
     if norm_after is not None or (split > 1 and cfg.one_launch):
@@ -533,19 +552,21 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
                   PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
                   LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
                   LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu, EARLY=cfg.early,
-                  WIDEN=y.dtype != x.dtype)
+                  WIDEN=y.dtype != x.dtype, GATE=kind, HEAD=head)
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),
                                   y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb,
-                                  g_col, g_heads, HAS_RESIDUAL=residual is not None, SPLIT=False, ONE_LAUNCH=False,
+                                  g_col, g_heads, z, szm, szh, HAS_RESIDUAL=residual is not None, SPLIT=False,
+                                  ONE_LAUNCH=False,
                                   **common)
         return norm_after is not None or gating is not None or swiglu
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     one_launch = counters is not None
     _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, h, ew, M, N, K, k_per_split, split, grid[0], x.stride(0),
                               y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb, g_col,
-                              g_heads, HAS_RESIDUAL=residual is not None, SPLIT=True, ONE_LAUNCH=one_launch, **common)
+                              g_heads, z, szm, szh, HAS_RESIDUAL=residual is not None, SPLIT=True,
+                              ONE_LAUNCH=one_launch, **common)
     if not one_launch:
         block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
         _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
@@ -565,10 +586,14 @@ def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):
     return h.to(x.dtype) * weight
 
 
-def skinny_linear_ref(x, w, *, act=None, residual=None, norm=None):
+def skinny_linear_ref(x, w, *, act=None, residual=None, norm=None, gate=None):
     """The truth of `skinny_linear`: fp32 products and sums (the residual added to the fp32 product), rounded
-    once to ``x.dtype``; ``act`` and ``norm`` round their operand to ``x.dtype`` first, as the unfused ops do."""
+    once to ``x.dtype``; ``act``, ``norm`` and ``gate`` round their operand to ``x.dtype`` first, as the unfused
+    ops do (`output_gate.gate_ref` for the gate)."""
     norm = _check_act_norm(act, norm)
+    if gate is not None:
+        check_gate(gate, x)
+        x = gate_ref(gate, x)
     if act == "silu_mul":
         g, u = x.float().chunk(2, dim=-1)
         x = (torch.nn.functional.silu(g) * u).to(x.dtype)
