@@ -10,7 +10,7 @@
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers; decode-sweep: the paged decode kernel's tiles;
 #   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles; early: wider first GEMV loads;
 #   merge: attention's splits merged in its own launch (merge-state: with the GDN decode's state_first);
-#   fused-now: the whole model fused against unfused at today's defaults; conv: the GDN conv's interior tiles
+#   fused-now: the whole model fused against unfused at today's defaults; gates: the output gates in the GEMVs; conv: the GDN conv's interior tiles
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -116,6 +116,11 @@ case "${1:-}" in
         "$out/fused_slice_gpu.json" -- tests/gpu/test_fused_gpu.py -k "whole_model and 0.8b and (default or first)"
     part 290 python benchmarks/model_ab.py --toggle state_first output_gates+own_norm_act --batch 32 128 \
         --out "$out/bench_state_first_large_ab.json"
+    ;;
+  gates)  # the output gates in the output projections' GEMVs: the kernel and the whole model, then the step A/B
+    part 270 env FNATTN_GPU_RESULTS="$out/gate_prologue_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/gate_prologue_gpu.json" -- tests/gpu/test_fused_gpu.py -k "gate_prologue or (whole_model and prologue)"
+    part 290 python benchmarks/model_ab.py --toggle gate_prologue --batch 1 8 --out "$out/bench_gate_prologue_ab.json"
     ;;
   conv)  # the GDN prefill conv's interior tiles: its launch shapes with and without them, then the prefill A/B
     part 200 python benchmarks/conv_sweep.py --out "$out/conv_sweep.json"

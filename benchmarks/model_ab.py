@@ -45,6 +45,8 @@ Switches:
 - ``fill_device``: the fused GDN decode's V tile narrowed until its grid fills the SMs
   (`fnattn.kernels.gdn_decode_fused.fill_device`, the default; at batch 1, 16 columns instead of 64), or the
   usual tile.
+- ``gate_prologue``: GDN's gated output norm and attention's sigmoid gate applied by the output projection's
+  GEMV as it loads the mixer's output (`models.fused.gate_prologue`), or as launches of their own (the default).
 - ``state_first``: the fused GDN decode reads its state tile, conv window and batch rows before it waits for
   the input projection (`fnattn.kernels.gdn_decode_fused.state_first`, the default), or after it.
 - ``interior_tiles`` (prefill): the GDN conv's tiles inside one request read x alone
@@ -98,6 +100,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                         {True: "SiLU-and-mul in the gate / up GEMV's launch", False: "SiLU-and-mul apart"}),
     "fill_device": (gdn_decode_fused.fill_device, lambda: gdn_decode_fused._FILL_DEVICE[-1],
                     {True: "GDN decode tiles narrowed to fill the SMs", False: "the usual GDN decode tile"}),
+    "gate_prologue": (fused.gate_prologue, lambda: fused._GATE_PROLOGUE[-1],
+                      {True: "output gates applied by the output projections' GEMVs", False: "output gates apart"}),
     "state_first": (gdn_decode_fused.state_first, lambda: gdn_decode_fused._STATE_FIRST[-1],
                     {True: "GDN decode reads its state before it waits", False: "GDN decode reads after it waits"}),
     "fla_direct": (delta_rule.fla_direct, lambda: delta_rule._FLA_DIRECT[-1],

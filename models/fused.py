@@ -52,6 +52,7 @@ _OUTPUT_GATES = [True]  # timed on the H200 (`output_gates`)
 _OWN_NORM_ACT = [True]  # timed on the H200 (`own_norm_act`)
 _GATING_EPILOGUE = [True]  # timed on the H200 (`gating_epilogue`)
 _SWIGLU_EPILOGUE = [True]  # timed on the H200 (`swiglu_epilogue`)
+_GATE_PROLOGUE = [False]  # not yet timed on the H200 (`gate_prologue`)
 
 
 def unfused():
@@ -110,11 +111,22 @@ def swiglu_epilogue(enabled: bool):
     return switched(_SWIGLU_EPILOGUE, "swiglu_epilogue", enabled)
 
 
+def gate_prologue(enabled: bool):
+    """Within this block `gated_projection` hands a token mixer's output gate (GDN's gated output norm,
+    attention's sigmoid gate) to the output projection's GEMV, which applies it as it loads the mixer's
+    output (`skinny_linear`'s ``gate=``), at decode sizes on CUDA: one launch fewer a layer. The norm's
+    sums of squares are trees over each head in either kernel, in different orders, so the two may differ in
+    the last bit of fp32 before the rounding. Off until timed in a whole step on the H200
+    (``benchmarks/model_ab.py --toggle gate_prologue``)."""
+    return switched(_GATE_PROLOGUE, "gate_prologue", enabled)
+
+
 def switches() -> dict[str, bool]:
     """Which way each switch here stands now (benchmarks record it beside their timings)."""
     return {"fused": _ENABLED[-1], "qk_one_launch": _QK_ONE_LAUNCH[-1], "add_norm_epilogue": _EPILOGUE[-1],
             "output_gates": _OUTPUT_GATES[-1], "own_norm_act": _OWN_NORM_ACT[-1],
-            "gating_epilogue": _GATING_EPILOGUE[-1], "swiglu_epilogue": _SWIGLU_EPILOGUE[-1]}
+            "gating_epilogue": _GATING_EPILOGUE[-1], "swiglu_epilogue": _SWIGLU_EPILOGUE[-1],
+            "gate_prologue": _GATE_PROLOGUE[-1]}
 
 
 @cache
@@ -284,27 +296,65 @@ def _skinny(x: Tensor, w: Tensor, width: int, residual: Tensor | None = None,
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
-           norm: tuple[Tensor, float, float] | None = None, widen: bool = False) -> Tensor:
+           norm: tuple[Tensor, float, float] | None = None, widen: bool = False, gate: tuple | None = None) -> Tensor:
     """``F.linear(x, w, bias)`` over the last dim, any leading dims; at most 16 rows without a bias run
     `skinny_linear` (fp32 accumulation, one rounding, as cuBLAS's). ``widen``: the result in fp32, the
-    product's bits widened (``.float()`` of it), which the GEMV stores itself: logits.
+    product's bits widened (``.float()`` of it), which the GEMV stores itself: logits. ``gate``: ``x [T, H * D]``
+    is a token mixer's output, gated first (`gated_projection`'s ``gate``; in the GEMV where it takes it).
 
     ``norm=(weight, eps, offset)``: the product is of ``rms_norm(x, weight, eps, offset=offset)``;
     ``residual`` (the output's shape): added to the product. The kernel folds both (the norm on load, the
     residual into the fp32 accumulator, the sum rounded once); the torch body rounds the product, then the
     sum, as ``F.linear`` then ``+`` do, so the two agree to bf16 rounding.
     """
+    if gate is not None and not (norm is None and bias is None and _skinny(x, w, w.shape[-1], residual)
+                                 and _gate_fits(x, gate)):
+        x, gate = _gated(x.view(gate[1].shape), gate).reshape(x.shape), None
     if bias is None and _skinny(x, w, w.shape[-1], residual, norm):
         from fnattn.kernels.skinny_linear import skinny_linear
 
         r = None if residual is None else residual.reshape(-1, w.shape[0])  # read only: a copy would do too
         rows = x.reshape(-1, x.shape[-1])
         out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32, device=x.device) if widen else None
-        y = skinny_linear(rows, w, residual=r, norm=norm, out=out)
+        y = skinny_linear(rows, w, residual=r, norm=norm, out=out, gate=gate)
         return y.view(*x.shape[:-1], w.shape[0])
     y = F.linear(x if norm is None else rms_norm(x, norm[0], norm[1], offset=norm[2]), w, bias)
     y = y if residual is None else y + residual
     return y.float() if widen else y
+
+
+def _gated(o: Float[Tensor, "T H D"], gate: tuple) -> Float[Tensor, "T H D"]:
+    return gated_rms_norm_silu(o, *gate[1:]) if gate[0] == "silu_norm" else sigmoid_gate(o, gate[1])
+
+
+def _gate_fits(x: Tensor, gate: tuple) -> bool:
+    """Whether the GEMV over ``x [T, H * D]`` (contiguous rows) takes ``gate`` as it loads x: ``z [T, H, D]`` in
+    x's dtype with unit inner stride, and for the norm a power-of-two head dim within the K tile."""
+    from fnattn.kernels.skinny_linear import pick_config
+
+    z = gate[1]
+    if z.dtype != x.dtype or z.dim() != 3 or z.shape[0] != x.shape[0] or z.shape[1] * z.shape[2] != x.shape[-1] \
+            or z.stride(2) != 1 or not x.is_contiguous():
+        return False
+    if gate[0] == "sigmoid":
+        return True
+    D, weight = z.shape[2], gate[2]
+    block_k = pick_config(x.shape[0], 1, x.shape[-1], x.dtype).block_k
+    return not D & (D - 1) and block_k % D == 0 and weight.dtype == x.dtype and weight.shape == (D,)
+
+
+def gated_projection(o: Float[Tensor, "T H D"], gate: tuple, w: Float[Tensor, "N K"], project=None):
+    """``project(gate applied to o, as [T, H * D], w)``: ``gate`` is ``("silu_norm", z, weight, eps)``, GDN's
+    output norm (`gated_rms_norm_silu`), or ``("sigmoid", z)``, gated attention's (`sigmoid_gate`), with
+    ``z [T, H, D]`` as the input projection left it; ``project`` defaults to `linear`. Under `gate_prologue`
+    ``project`` gets o's rows ungated and ``gate=`` to pass to `linear` (as `project_add_norm` does), whose
+    GEMV applies it on load where it takes it."""
+    project = linear if project is None else project
+    o = o.to(gate[1].dtype)
+    T = o.shape[0]
+    if _GATE_PROLOGUE[-1] and _kernel("triton", o, gate[1]):
+        return project(o.reshape(T, -1), w, gate=gate)
+    return project(_gated(o, gate).reshape(T, -1), w)
 
 
 def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -345,7 +395,8 @@ def gate_up_silu(x: Float[Tensor, "T D"], gate_up: Float[Tensor, "I2 D"]) -> Flo
 
 
 def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual: Float[Tensor, "T D"],
-                     weight: Float[Tensor, " D"], eps: float) -> tuple[Float[Tensor, "T D"], Float[Tensor, "T D"]]:
+                     weight: Float[Tensor, " D"], eps: float, gate: tuple | None = None
+                     ) -> tuple[Float[Tensor, "T D"], Float[Tensor, "T D"]]:
     """An output projection, the residual add and the next block's input norm (Qwen's ``1 + weight``):
     ``-> (residual + linear(x, w), rms_norm_offset(that sum, weight, eps))``.
 
@@ -353,16 +404,16 @@ def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual:
     (`fnattn.tp.all_reduce`). Otherwise `linear` then `add_rms_norm_offset_`, which on CUDA writes the sum
     into ``residual`` (pass the step's own tensor). Under `add_norm_epilogue`, at decode sizes on CUDA and
     without TP, one launch: the GEMV's last tile adds the residual (the sum rounded once) and normalizes the
-    rounded sum.
+    rounded sum. ``gate``: as `linear`'s (the epilogue then stays apart).
     """
     group = current()
-    if (group is None or group.size == 1) and _EPILOGUE[-1] and x.dim() == 2 \
+    if gate is None and (group is None or group.size == 1) and _EPILOGUE[-1] and x.dim() == 2 \
             and _skinny(x, w, w.shape[-1], residual) and weight.dtype == x.dtype and weight.shape == (w.shape[0],) \
             and weight.is_contiguous():
         from fnattn.kernels.skinny_folds import skinny_linear_add_norm
 
         return skinny_linear_add_norm(x, w, residual, (weight, eps, 1.0))
-    return add_rms_norm_offset_(all_reduce(linear(x, w)), residual, weight, eps)
+    return add_rms_norm_offset_(all_reduce(linear(x, w, gate=gate)), residual, weight, eps)
 
 
 def qk_norm_rope(q: Float[Tensor, "T Hq D"], k: Float[Tensor, "T Hkv D"], v: Float[Tensor, "T Hkv Dv"],

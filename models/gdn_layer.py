@@ -40,7 +40,7 @@ from fnattn.kinds.delta_rule.math import RecurrentLayerOutput, gated_delta_chunk
 from fnattn.kinds.delta_rule.qkv import gdn_qkv
 
 from .common import rms_norm
-from .fused import gated_rms_norm_silu, gdn_gating, linear, project_and_gate  # kernels on CUDA; torch elsewhere
+from .fused import gated_projection, gdn_gating, linear, project_and_gate  # CUDA kernels
 
 __all__ = [
     "GDNWeights",
@@ -290,11 +290,11 @@ def gdn_project(
 
 def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V"], project=linear):
     """The gated RMSNorm and the output projection, in ``z.dtype`` (the activation dtype): ``[T, Dmodel]``.
-    ``project(x, weight)``: the projection (a model may fold the residual add and the next norm into it)."""
+    ``project(x, weight)``: the projection (a model may fold the residual add and the next norm into it; under
+    `fused.gate_prologue` it is also handed ``gate=``, `fused.gated_projection`)."""
     expect_shape("o", o, (None, w.num_v_heads, w.head_v_dim))
     expect_shape("z", z, (o.shape[0], w.num_v_heads, w.head_v_dim))
-    o = gated_rms_norm_silu(o, z, w.norm_weight, w.eps)
-    return project(o.reshape(o.shape[0], w.value_dim), w.out_proj)
+    return gated_projection(o, ("silu_norm", z, w.norm_weight, w.eps), w.out_proj, project)
 
 
 def gdn_layer(

@@ -50,11 +50,11 @@ from .common import (
 from .fused import (
     add_rms_norm_offset_,
     gate_up_silu,
+    gated_projection,
     linear,
     project_add_norm,
     qk_norm_rope,
     rms_norm_offset,
-    sigmoid_gate,
     step_rope_table,
 )
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
@@ -410,7 +410,8 @@ def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
 def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], cos: Tensor, sin: Tensor,
                     cfg: QwenConfig, table: Tensor | None = None, project=linear):
     """``-> (output [T, D], layer deltas)``; ``table``: the step's `rope_table` (FlashInfer's rope on CUDA);
-    ``project(x, weight)``: o_proj (`step_hidden` folds the residual add and the next norm into it)."""
+    ``project(x, weight)``: o_proj (`step_hidden` folds the residual add and the next norm into it; under
+    `fused.gate_prologue` it is also handed ``gate=``, `fused.gated_projection`)."""
     T, Dh = h.shape[0], cfg.head_dim
     qg, k, v = linear(h, w.qkv).split([w.qkv.shape[0] - 2 * w.kv_rows, w.kv_rows, w.kv_rows], dim=-1)
     q, gate = qg.view(T, -1, 2 * Dh).chunk(2, dim=-1)  # [T, Hq, Dh] each (Hq of this rank under TP)
@@ -420,8 +421,7 @@ def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], 
     # when they agree (the served case) these casts are no-ops.
     dt = cfg.dtype
     out, deltas = session.forward(layer, FullAttentionInputs(q=q.to(dt), k=k.to(dt), v=v.to(dt)))
-    o = sigmoid_gate(out.o.to(h.dtype), gate).reshape(T, -1)
-    return project(o, w.o_proj), deltas
+    return gated_projection(out.o.to(h.dtype), ("sigmoid", gate), w.o_proj, project), deltas
 
 
 def linear_attention(session, layer: int, w: GDNWeights, h: Float[Tensor, "T D"], cfg: QwenConfig,
@@ -461,7 +461,7 @@ def _mixer_and_post_norm(session, i: int, layer: Layer, x: Tensor, h: Tensor, co
     projection under TP). ``x`` must be the step's own tensor: on CUDA the fused residual add writes into it."""
     eps = cfg.rms_norm_eps
     (x, h), deltas = _mixer(session, i, layer, h, cos, sin, cfg, table,
-                            lambda o, w: project_add_norm(o, w, x, layer.post_norm, eps))
+                            lambda o, w, gate=None: project_add_norm(o, w, x, layer.post_norm, eps, gate=gate))
     return x, h, deltas
 
 

@@ -68,3 +68,38 @@ def test_every_kernel_path_gives_the_unfused_logits(monkeypatch):
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 2e-3 * scale
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+
+
+def test_gate_prologue_moves_both_output_gates_into_the_projections(monkeypatch):
+    """Under `fused.gate_prologue` the decode steps' GDN output norm and attention gate run inside the output
+    projections' GEMV (`skinny_linear(gate=...)`), not as launches of their own; the logits stay the
+    unfused model's."""
+    from fnattn.kernels import output_gate, skinny_linear
+
+    model = random_model("qwen3_5", dtype=torch.float16, device="cpu", seed=2)
+    ma = fa.ModelAttention(model.specs, device="cpu")
+    with fused.unfused():
+        want = _run(model, ma)
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton" and fused._ENABLED[-1]
+                        and ts[0].dtype in (torch.float16, torch.bfloat16) and all(t.dtype == ts[0].dtype for t in ts))
+    folded, apart = {}, {}
+    real_linear = skinny_linear.skinny_linear
+    monkeypatch.setattr(skinny_linear, "skinny_linear", lambda *a, **k: (
+        folded.__setitem__(k["gate"][0], folded.get(k["gate"][0], 0) + 1) if k.get("gate") else None,
+        real_linear(*a, **k))[1])
+    for name in ("gated_rms_norm_silu", "sigmoid_gate"):
+        real = getattr(output_gate, name)
+        monkeypatch.setattr(output_gate, name, lambda *a, real=real, name=name, **k: (
+            apart.__setitem__(name, apart.get(name, 0) + 1), real(*a, **k))[1])
+    with fused.gate_prologue(True), fused.output_gates(True):
+        got = _run(model, ma)
+    linear_layers = sum(s.kind == "gdn" for s in model.specs)
+    attention_layers = len(model.specs) - linear_layers
+    assert folded == {"silu_norm": 2 * linear_layers, "sigmoid": 2 * attention_layers}, folded  # 2 decode steps
+    assert apart == {"gated_rms_norm_silu": linear_layers, "sigmoid_gate": attention_layers}, apart  # the prefill
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 2e-3 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+    with pytest.raises(ValueError, match="gate_prologue: expected True or False"):
+        with fused.gate_prologue(None):
+            pass

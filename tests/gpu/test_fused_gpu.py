@@ -285,6 +285,32 @@ def test_fused_linear_routes_and_reshapes(rows, record):
     _check(record, f"fused.linear strided rows {rows}", fused.linear(wide, w), F.linear(wide, w), 1e-2)
 
 
+@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("kind", ["silu_norm", "sigmoid"])
+def test_skinny_linear_gate_prologue(M, kind, record):
+    """`fused.gate_prologue`'s GEMV at the 0.8B out_proj / o_proj (K 2048): GDN's gated norm (16 heads of 128,
+    z a column slice of the input projection) or attention's sigmoid gate (8 heads of 256, the gate the second
+    half of each q | gate pair) on load, against the own gate kernel then the GEMV (recorded: bitwise or not)."""
+    pytest.importorskip("triton")
+    from fnattn.kernels.output_gate import gated_rms_norm_silu, sigmoid_gate
+    from fnattn.kernels.skinny_linear import skinny_linear
+
+    H, D = (16, 128) if kind == "silu_norm" else (8, 256)
+    o = _randn(M, H, D, seed=24)
+    w = _randn(1024, H * D, seed=25, scale=(H * D) ** -0.5)
+    if kind == "silu_norm":
+        z = _randn(M, 3 * H * D, seed=26)[:, H * D:2 * H * D].view(M, H, D)
+        weight = (1 + 0.1 * _randn(D, seed=27).float()).to(BF16)
+        gate, apart = ("silu_norm", z, weight, 1e-6), gated_rms_norm_silu(o, z, weight, 1e-6)
+    else:
+        z = _randn(M, H, 2 * D, seed=26)[..., D:]
+        gate, apart = ("sigmoid", z), sigmoid_gate(o, z)
+    got, want = skinny_linear(o.reshape(M, -1), w, gate=gate), skinny_linear(apart.reshape(M, -1), w)
+    record({"case": f"skinny_linear gate {kind} M{M}", "backend": "fused", "reference": "gate kernel + GEMV",
+            "bitwise": torch.equal(got, want), "max_rel": _rel(got, want)})
+    _check(record, f"skinny_linear gate {kind} M{M}", got, want, 1e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 17])
 def test_fused_linear_widened_logits_are_the_float_of_the_product(rows, record):
     """``widen=True`` (the lm_head's logits): the GEMV stores its bf16-rounded sums as fp32 itself, the bits of
@@ -315,7 +341,7 @@ VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
             "own norm and act": fused.own_norm_act, "gating epilogue": fused.gating_epilogue,
             "swiglu epilogue": fused.swiglu_epilogue, "gemv early4": lambda on: configured(early=4 if on else 1),
             "attention merge in launch": paged_attention.merge_in_launch,
-            "gdn state first": gdn_decode_fused.state_first}
+            "gdn state first": gdn_decode_fused.state_first, "gate prologue": fused.gate_prologue}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -329,7 +355,8 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     gating in its input projection's GEMV), `fused.swiglu_epilogue` on (SiLU-and-mul in the gate / up
     GEMV's launch), the GEMVs' first load four K tiles wide (`SkinnyConfig.early`), attention's splits merged in
     its own launch (`kernels.paged_attention.merge_in_launch`), the fused GDN decode's state read before its
-    PDL wait (`kernels.gdn_decode_fused.state_first`)."""
+    PDL wait (`kernels.gdn_decode_fused.state_first`), the output gates in the output projections' GEMVs
+    (`fused.gate_prologue`)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
