@@ -13,21 +13,15 @@ rounds, in the same launch. Which piece arrives last depends on scheduling; the
 order of the sum does not, so the result is the same bits every time, and the
 same as ``SkinnyConfig(one_launch=False)``'s second reduce kernel gives.
 
-``act="silu_mul"`` fuses a SwiGLU MLP's activation into the down projection:
-``x [M, 2K]`` holds ``gate | up`` and the kernel loads ``silu(gate) * up``,
-computed in fp32 and rounded to ``x.dtype`` before the dot, which is what
-``silu_and_mul`` followed by a linear layer computes.
-
-Two more folds remove the residual-add + RMSNorm launch between a block's
-output projection and the next input projection. ``residual=`` (epilogue):
-``y = residual + x @ w.T``, the fp32 accumulator plus the residual in fp32,
-rounded once to ``x.dtype`` (with split-K, after the fixed-order sum of the
-partials). ``norm=(weight, eps, offset)`` (prologue): the rows of ``x`` are
-RMS-normalized on load with `models.common.rms_norm`'s roundings; every
-program (each split-K piece too) sums the squares of its rows over all of K
-itself, a second read of ``x`` that comes from L2. Measured on the H200 the
-folds lose to FlashInfer's fused add + RMSNorm launch between two GEMVs (one
-decode pair: 18.0 us folded against 14.1 us), so the models do not use them.
+Folds on load (prologues) and on store (epilogues): ``act="silu_mul"`` (``x [M, 2K]``
+is ``gate | up``: ``silu(gate) * up`` in fp32, rounded to ``x.dtype``, as
+``silu_and_mul`` then a linear layer compute it); ``gate=`` (a token mixer's output
+gate, `output_gate.gate_tile`); ``norm=(weight, eps, offset)`` (each program sums
+the squares of its rows over all of K itself, a second read of ``x`` from L2, then
+normalizes with `models.common.rms_norm`'s roundings); ``residual=`` (added to the
+fp32 accumulator, rounded once; with split-K after the fixed-order sum). The norm
+and residual folds lose on the H200 to FlashInfer's fused add + RMSNorm between two
+GEMVs (one decode pair: 18.0 us folded against 14.1 us): the models do not use them.
 
 `fnattn.kernels.skinny_folds` takes the op after the product into the same launch (SwiGLU's
 activation, GDN's gating, a residual add + RMSNorm) as an epilogue.
