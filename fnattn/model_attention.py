@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -126,12 +127,16 @@ class ModelAttention:
             raise NoBackendError(f"layer {layer} ({self.spec_by_layer[layer].kind}), phase {phase!r}: {why}")
         return choice.backend
 
-    def groups(self, phase: str) -> dict[int, tuple[LayerSpec, ...]]:
-        out: dict[int, list[LayerSpec]] = {}
-        for (layer, p), c in self.choices.items():
-            if p == phase and c.group is not None:
-                out.setdefault(c.group, []).append(self.spec_by_layer[layer])
-        return {g: tuple(s) for g, s in out.items()}
+    def groups(self, phase: str) -> Mapping[int, tuple[LayerSpec, ...]]:
+        """group -> the specs that share its plan in ``phase``, built once per phase (as `dispatch`)."""
+        cache = self.__dict__.setdefault("_groups", {})
+        if phase not in cache:
+            out: dict[int, list[LayerSpec]] = {}
+            for (layer, p), c in self.choices.items():
+                if p == phase and c.group is not None:
+                    out.setdefault(c.group, []).append(self.spec_by_layer[layer])
+            cache[phase] = MappingProxyType({g: tuple(s) for g, s in out.items()})
+        return cache[phase]
 
     def dispatch(self, phase: str) -> dict:
         """layer -> (spec, backend or None, the kind's input types, group) for ``phase``: what a session's

@@ -64,9 +64,16 @@ class AttentionSession:
         if batch.state_version != state.version:  # also raises if the state handle is stale
             fail("AttentionSession", "batch",
                  f"a batch built from this state (version {state.version})", f"version {batch.state_version}")
-        for spec in ma.specs:
-            if state.spec(spec.index) != spec:
-                fail("AttentionSession", "state", f"storage for layer {spec.index} as {spec}", state.spec(spec.index))
+        # A State's specs are its storage's for good (successor handles share the mapping): compared once.
+        checked, specs = ma.__dict__.setdefault("_storage_specs_checked", {}), state._spec_by_layer
+        if checked.get(id(specs)) is not specs:
+            for spec in ma.specs:
+                if state.spec(spec.index) != spec:
+                    fail("AttentionSession", "state", f"storage for layer {spec.index} as {spec}",
+                         state.spec(spec.index))
+            if len(checked) >= 8:  # the States a ModelAttention serves are few; keep the recent ones
+                checked.clear()
+            checked[id(specs)] = specs  # held: its id cannot be reused while it is here
         if batch.page_size != state.page_size:
             fail("AttentionSession", "batch.page_size", f"the state's page size {state.page_size}", batch.page_size)
         if batch.block_table.device != state.device:

@@ -159,3 +159,18 @@ def test_inputs_of_another_kind_are_refused_by_name():
     with ma.session(st, batch) as s:
         with pytest.raises(ValueError, match="`inputs` must be FullAttentionInputs"):
             s.forward(0, wrong)
+
+
+def test_a_state_of_other_specs_is_refused_after_one_that_matched():
+    """The session compares the State's specs with its ModelAttention's once per storage: a second State,
+    built for another layer config, is still compared (and refused, naming the layer)."""
+    spec, st, batch, ma = setup()
+    with ma.session(st, batch):
+        pass
+    st = st.reserve({0: 1})  # a successor handle of the same storage: no second comparison needed
+    with ma.session(st, fa.Batch.decode(st, [0])):
+        pass
+    st2 = nan_state([full_spec(0, hkv=1)]).admit(0).reserve({0: 3})  # one kv head, not two
+    with pytest.raises(ValueError, match="storage for layer 0"):
+        with ma.session(st2, fa.Batch.prefill(st2, {0: 3})):
+            pass
