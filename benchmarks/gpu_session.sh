@@ -148,6 +148,10 @@ case "${1:-}" in
     part 300 python -m fnattn bench linear --batch 1 --out "$out/bench_linear_b1.json"
     part 200 python -m fnattn bench linear --batch 8 16 --no-sweep --out "$out/bench_linear_b8_16.json"
     ;;
+  decode-sweep-small)  # the same tiles and the split counts at batch 1 and 8, where every attention layer is split
+    part 240 python benchmarks/decode_sweep.py --batch 1 8 --ctx 512 --hq 8 --hkv 2 --dim 256 --block-n 32 64 \
+        --warps 4 8 --stages 2 3 --out "$out/decode_sweep_d256_small.json"
+    ;;
   decode-sweep)  # the paged decode kernel's tiles at the Qwen3.5 attention shape (d256), against FlashInfer's decodes
     part 240 python benchmarks/decode_sweep.py --batch 32 128 --ctx 512 --hq 8 --hkv 2 --dim 256 --block-n 32 64 \
         --warps 4 8 --stages 2 3 --out "$out/decode_sweep_d256.json"
