@@ -45,29 +45,52 @@ def _run(model, ma):
     return torch.cat(out).float()
 
 
-def test_every_kernel_path_gives_the_unfused_logits(monkeypatch):
-    import importlib
-
+def _model_and_unfused_logits():
     model = random_model("qwen3_5", dtype=torch.float16, device="cpu", seed=2)
     ma = fa.ModelAttention(model.specs, device="cpu")
     with fused.unfused():
-        want = _run(model, ma)
-    # the Triton paths allowed on this CPU (the interpreter runs them); FlashInfer's and fla's are not
+        return model, ma, _run(model, ma)
+
+
+def _allow_triton_on_cpu(monkeypatch):
+    """The Triton paths allowed on this CPU (the interpreter runs them); FlashInfer's and fla's are not."""
     monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton" and fused._ENABLED[-1]
                         and ts[0].dtype in (torch.float16, torch.bfloat16) and all(t.dtype == ts[0].dtype for t in ts))
+
+
+def _count_calls(monkeypatch, module, name, calls, key):
+    """``module.name`` still runs, and each call counts in ``calls[key(...)]`` (a key of None: not counted)."""
+    real = getattr(module, name)
+
+    def counted(*a, **k):
+        which = key(*a, **k)
+        if which is not None:
+            calls[which] = calls.get(which, 0) + 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def _assert_close_logits(got, want):
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 2e-3 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+
+
+def test_every_kernel_path_gives_the_unfused_logits(monkeypatch):
+    import importlib
+
+    model, ma, want = _model_and_unfused_logits()
+    _allow_triton_on_cpu(monkeypatch)
     calls: dict[str, int] = {}
     for module_name, names in KERNELS.items():
         module = importlib.import_module(f"fnattn.kernels.{module_name}")
         for name in names:
-            real = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (
-                calls.__setitem__(name, calls.get(name, 0) + 1), real(*a, **k))[1])
+            _count_calls(monkeypatch, module, name, calls, key=lambda *a, name=name, **k: name)
     with fused.own_norm_act(True), fused.output_gates(True), fused.gating_epilogue(True), fused.swiglu_epilogue(True):
         got = _run(model, ma)
     assert sorted(calls) == sorted(n for names in KERNELS.values() for n in names), calls
-    scale = want.abs().max().item()
-    assert (got - want).abs().max().item() <= 2e-3 * scale
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+    _assert_close_logits(got, want)
 
 
 def test_gate_prologue_moves_both_output_gates_into_the_projections(monkeypatch):
@@ -76,30 +99,20 @@ def test_gate_prologue_moves_both_output_gates_into_the_projections(monkeypatch)
     unfused model's."""
     from fnattn.kernels import output_gate, skinny_linear
 
-    model = random_model("qwen3_5", dtype=torch.float16, device="cpu", seed=2)
-    ma = fa.ModelAttention(model.specs, device="cpu")
-    with fused.unfused():
-        want = _run(model, ma)
-    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton" and fused._ENABLED[-1]
-                        and ts[0].dtype in (torch.float16, torch.bfloat16) and all(t.dtype == ts[0].dtype for t in ts))
+    model, ma, want = _model_and_unfused_logits()
+    _allow_triton_on_cpu(monkeypatch)
     folded, apart = {}, {}
-    real_linear = skinny_linear.skinny_linear
-    monkeypatch.setattr(skinny_linear, "skinny_linear", lambda *a, **k: (
-        folded.__setitem__(k["gate"][0], folded.get(k["gate"][0], 0) + 1) if k.get("gate") else None,
-        real_linear(*a, **k))[1])
+    _count_calls(monkeypatch, skinny_linear, "skinny_linear", folded,
+                 key=lambda *a, **k: k["gate"][0] if k.get("gate") else None)
     for name in ("gated_rms_norm_silu", "sigmoid_gate"):
-        real = getattr(output_gate, name)
-        monkeypatch.setattr(output_gate, name, lambda *a, real=real, name=name, **k: (
-            apart.__setitem__(name, apart.get(name, 0) + 1), real(*a, **k))[1])
+        _count_calls(monkeypatch, output_gate, name, apart, key=lambda *a, name=name, **k: name)
     with fused.gate_prologue(True), fused.output_gates(True):
         got = _run(model, ma)
     linear_layers = sum(s.kind == "gdn" for s in model.specs)
     attention_layers = len(model.specs) - linear_layers
     assert folded == {"silu_norm": 2 * linear_layers, "sigmoid": 2 * attention_layers}, folded  # 2 decode steps
     assert apart == {"gated_rms_norm_silu": linear_layers, "sigmoid_gate": attention_layers}, apart  # the prefill
-    scale = want.abs().max().item()
-    assert (got - want).abs().max().item() <= 2e-3 * scale
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+    _assert_close_logits(got, want)
     with pytest.raises(ValueError, match="gate_prologue: expected True or False"):
         with fused.gate_prologue(None):
             pass

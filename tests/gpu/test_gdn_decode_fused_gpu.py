@@ -155,6 +155,20 @@ def test_supported_on_cuda_and_chosen_first_for_decode():
     assert two_launches.backend(0, "decode").name == "triton"
 
 
+def _switched_both_ways(switch, name, B, *, seed):
+    """One fused decode step of B requests with ``switch`` off, then on: ``-> (out, writes, states)`` of each."""
+    spec = _spec(name)
+    st = _state(spec, [1 + 37 * i for i in range(B)], ring=1)
+    batch = fa.Batch.decode(st, range(B))
+    inp = _inputs(spec, batch.num_tokens, seed=seed)
+    runs = []
+    for on in (False, True):
+        with switch(on):
+            out, w = _forward(FUSED, spec, st, batch, inp)
+        runs += [out, w, _states(w, st, batch)]
+    return tuple(runs)
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("B", [1, 4])
 def test_fill_device_tiles_match_the_usual_tiles(name, B, record):
@@ -163,15 +177,7 @@ def test_fill_device_tiles_match_the_usual_tiles(name, B, record):
     sums over K, so the last bits may differ; recorded)."""
     from fnattn.kernels import gdn_decode_fused
 
-    spec = _spec(name)
-    st = _state(spec, [1 + 37 * i for i in range(B)], ring=1)
-    batch = fa.Batch.decode(st, range(B))
-    inp = _inputs(spec, batch.num_tokens, seed=3)
-    with gdn_decode_fused.fill_device(False):
-        out, w = _forward(FUSED, spec, st, batch, inp)
-    with gdn_decode_fused.fill_device(True):
-        f_out, f_w = _forward(FUSED, spec, st, batch, inp)
-    s, f_s = _states(w, st, batch), _states(f_w, st, batch)
+    out, w, s, f_out, f_w, f_s = _switched_both_ways(gdn_decode_fused.fill_device, name, B, seed=3)
     errs = {"o": _rel(f_out.o, out.o), "state": _rel(f_s, s)}
     bitwise = torch.equal(f_out.o, out.o) and torch.equal(f_s, s)
     state_tol = 1e-5 if s.dtype == torch.float32 else 1e-2
@@ -189,15 +195,7 @@ def test_state_first_gives_the_same_bits(name, B, record):
     replayed graphs: tests/gpu/test_fused_gpu.py)."""
     from fnattn.kernels import gdn_decode_fused
 
-    spec = _spec(name)
-    st = _state(spec, [1 + 37 * i for i in range(B)], ring=1)
-    batch = fa.Batch.decode(st, range(B))
-    inp = _inputs(spec, batch.num_tokens, seed=5)
-    with gdn_decode_fused.state_first(False):
-        out, w = _forward(FUSED, spec, st, batch, inp)
-    with gdn_decode_fused.state_first(True):
-        f_out, f_w = _forward(FUSED, spec, st, batch, inp)
-    s, f_s = _states(w, st, batch), _states(f_w, st, batch)
+    out, w, s, f_out, f_w, f_s = _switched_both_ways(gdn_decode_fused.state_first, name, B, seed=5)
     ok = torch.equal(f_out.o, out.o) and torch.equal(f_s, s) and torch.equal(f_w["conv"], w["conv"])
     record({"case": f"fused decode {name} B{B} state_first", "phase": "decode", "backend": FUSED,
             "bitwise": ok, "ok": ok})
