@@ -328,19 +328,18 @@ def _gated(o: Float[Tensor, "T H D"], gate: tuple) -> Float[Tensor, "T H D"]:
 
 
 def _gate_fits(x: Tensor, gate: tuple) -> bool:
-    """Whether the GEMV over ``x [T, H * D]`` (contiguous rows) takes ``gate`` as it loads x: ``z [T, H, D]`` in
-    x's dtype with unit inner stride, and for the norm a power-of-two head dim within the K tile."""
+    """Whether the GEMV over ``x [T, H * D]`` (contiguous rows) takes ``gate`` as it loads x: what
+    `output_gate.check_gate` accepts for the table's K tile (asked at decode sizes only, where it does)."""
+    from fnattn.kernels.output_gate import check_gate
     from fnattn.kernels.skinny_linear import pick_config
 
-    z = gate[1]
-    if z.dtype != x.dtype or z.dim() != 3 or z.shape[0] != x.shape[0] or z.shape[1] * z.shape[2] != x.shape[-1] \
-            or z.stride(2) != 1 or not x.is_contiguous():
+    if not x.is_contiguous():
         return False
-    if gate[0] == "sigmoid":
-        return True
-    D, weight = z.shape[2], gate[2]
-    block_k = pick_config(x.shape[0], 1, x.shape[-1], x.dtype).block_k
-    return not D & (D - 1) and block_k % D == 0 and weight.dtype == x.dtype and weight.shape == (D,)
+    try:
+        check_gate(gate, x, pick_config(x.shape[0], 1, x.shape[-1], x.dtype).block_k)
+    except ValueError:
+        return False
+    return True
 
 
 def gated_projection(o: Float[Tensor, "T H D"], gate: tuple, w: Float[Tensor, "N K"], project=None):
