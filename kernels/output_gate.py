@@ -85,7 +85,7 @@ def gate_tile(x, z_rows, W, k, xm, szh, eps, KIND: tl.constexpr, HEAD: tl.conste
     return out
 
 
-def check_gate(gate, x, block_k: int | None = None):
+def check_gate(gate: tuple, x: Float[Tensor, "M K"], block_k: int | None = None) -> tuple:
     """``gate`` for a GEMV over ``x [M, K]`` (`skinny_linear`'s ``gate=``): ``("silu_norm", z, weight, eps)``
     or ``("sigmoid", z)``, ``z [M, H, D]`` with ``H * D = K``, unit inner stride, x's dtype and device; for
     the norm D a power of two (dividing the GEMV's K tile ``block_k``, where given: a tile's heads are
@@ -118,7 +118,7 @@ def check_gate(gate, x, block_k: int | None = None):
     return GATE_KINDS[kind], z, weight.contiguous(), float(eps), D
 
 
-def gate_ref(gate, x):
+def gate_ref(gate: tuple, x: Float[Tensor, "M K"]) -> Float[Tensor, "M K"]:
     """What ``gate`` makes of ``x [M, K]`` unfused: the `*_ref` below over its heads, ``-> [M, K]``."""
     z = gate[1]
     x3 = x.view(z.shape)

@@ -208,7 +208,8 @@ def rope_table(cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
 
 
-def step_rope_table(cos: Tensor, sin: Tensor, x: Tensor) -> Tensor | None:
+def step_rope_table(cos: Float[Tensor, "T Dr"], sin: Float[Tensor, "T Dr"], x: Float[Tensor, "T D"]
+                    ) -> Float[Tensor, "T Dr"] | None:
     """The step's `rope_table` where its attention layers will read it: on CUDA, unless `qk_one_launch`'s
     kernel, which reads ``cos`` / ``sin`` themselves, takes activations like ``x`` (then None: a launch saved)."""
     if not cos.is_cuda or (_QK_ONE_LAUNCH[-1] and _kernel("triton", x)):
