@@ -3,7 +3,8 @@
     python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8
     python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 3 --prefill
 
-Prints the functions taking the most host time of their own (tottime) and in all (cumtime). An eager step
+Prints the functions taking the most host time of their own (tottime) and in all (cumtime); ``--only REGEX``
+keeps those whose place matches (``--only fnattn/``: the session, the apply, the batch, the kinds). An eager step
 that the device finishes in ~1.5 ms but the host needs ~20 ms for is launch-bound: this says which calls.
 On CUDA it then runs one more step with torch's sync debug mode on and prints every place that made the host
 wait for the device (``.item()``, ``.tolist()``, a copy to the host): each one serializes the host's launches
@@ -32,6 +33,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--only", default=None, metavar="REGEX",
+                   help="print only the functions whose file:line(name) matches (the framework's: 'fnattn/')")
     p.add_argument("--prefill", action="store_true", help="profile prefill steps of --prompt tokens instead")
     a = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,7 +65,7 @@ def main() -> None:
     print(f"{a.family} {a.shape} {what}: eager step {sum(times) / len(times) * 1e3:.2f} ms under cProfile, "
           f"{a.steps} steps")
     for key in ("tottime", "cumtime"):
-        pstats.Stats(prof).sort_stats(key).print_stats(a.rows)
+        pstats.Stats(prof).sort_stats(key).print_stats(*([a.only] if a.only else []), a.rows)
     if dev.type == "cuda":
         print_syncs(lambda: steps(1))
 

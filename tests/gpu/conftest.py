@@ -24,9 +24,16 @@ def pytest_configure(config):
     signal.signal(signal.SIGTERM, stop)
 
 
+def _append(row: dict) -> None:
+    # The record counts passes from "ok": a row without it is the test's mistake, named here, not a crash at the end.
+    if not isinstance(row.get("ok"), bool):
+        raise ValueError(f"record: row {row.get('case')!r} needs a bool 'ok', got {row.get('ok')!r}")
+    ROWS.append(row)
+
+
 @pytest.fixture
 def record():
-    return ROWS.append
+    return _append
 
 
 def pytest_sessionfinish(session, exitstatus):

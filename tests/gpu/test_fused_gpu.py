@@ -26,10 +26,10 @@ def _rel(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
 
-def _check(record, case, got, want, tol):
+def _check(record, case, got, want, tol, reference="unfused torch", **extra):
     rel = _rel(got, want)
     ok = bool(torch.isfinite(got).all()) and rel <= tol
-    record({"case": case, "backend": "fused", "reference": "unfused torch", "max_rel": rel, "ok": ok})
+    record({"case": case, "backend": "fused", "reference": reference, "max_rel": rel, **extra, "ok": ok})
     assert ok, f"{case}: max rel {rel:.3e} > {tol}"
 
 
@@ -306,9 +306,8 @@ def test_skinny_linear_gate_prologue(M, kind, record):
         z = _randn(M, H, 2 * D, seed=26)[..., D:]
         gate, apart = ("sigmoid", z), sigmoid_gate(o, z)
     got, want = skinny_linear(o.reshape(M, -1), w, gate=gate), skinny_linear(apart.reshape(M, -1), w)
-    record({"case": f"skinny_linear gate {kind} M{M}", "backend": "fused", "reference": "gate kernel + GEMV",
-            "bitwise": torch.equal(got, want), "max_rel": _rel(got, want)})
-    _check(record, f"skinny_linear gate {kind} M{M}", got, want, 1e-2)
+    _check(record, f"skinny_linear gate {kind} M{M}", got, want, 1e-2, reference="gate kernel + GEMV",
+           bitwise=torch.equal(got, want))
 
 
 @pytest.mark.parametrize("rows", [1, 8, 17])
