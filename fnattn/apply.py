@@ -218,11 +218,14 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
         parts.append((extra, replay.batch, None, replay.batch.state_rows()))
     targets: list[_Target] = []
     layouts, spans, names = _layouts(state._storage), _spans(state._storage), _names(state, replay_mode)
+    # Per part, what every one of its writes is checked against, by index space (False: request, True: token):
+    # (the rows it goes to, how many, whether no row is skipped).
+    rows_by_space = [None if part is None else _part_rows(*part[1:]) for part in parts]
     for layer in owners:
-        for part, (want, order) in zip(parts, names[layer]):
+        for part, spaces, (want, order) in zip(parts, rows_by_space, names[layer]):
             if not want or part is None:
                 continue
-            writes, wb, tokens, rows = part
+            writes, wb = part[0], part[1]
             w = writes.get(layer)
             if w is None:
                 fail(where, "writes", f"a Writes for every layer that owns storage (layer {layer} writes "
@@ -230,10 +233,17 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
             if w.values.keys() != want:
                 fail(f"{where}: layer {layer}", "values", f"exactly the tensors {sorted(want)}", sorted(w.values))
             for name in order:
-                t = _target(state, layer, name, w, wb, tokens, rows, layouts, spans)
+                t = _target(state, layer, name, w, wb, spaces, layouts, spans)
                 if t is not None:
                     targets.append(t)
     return targets
+
+
+def _part_rows(batch, token_rows, state_rows) -> tuple:
+    """``(request space, token space)``, each ``(index, rows, every row written)``, for the writes of one batch."""
+    every_state = state_rows is batch.recurrent_write_rows and (batch.phase != "verify" or batch.ring > 0)
+    return ((state_rows, batch.recurrent_write_rows.shape[0], every_state),
+            (token_rows, batch.num_tokens, token_rows is batch.slot_mapping))
 
 
 class _Where:
@@ -250,13 +260,13 @@ class _Where:
 
 
 def _layouts(storage) -> dict:
-    """(layer, tensor name) -> (pool, its tensor, token space?, row shape as a tuple, the layer's position, the
-    tensor's device index, its device kind: 1 CUDA, 0 CPU, -1 another, its memory key), fixed for the life of a
-    storage: built once."""
+    """(layer, tensor name) -> (pool, its tensor, its dtype, token space?, row shape as a tuple, the layer's
+    position, the tensor's device index, its device kind: 1 CUDA, 0 CPU, -1 another, its memory key), fixed for
+    the life of a storage: built once."""
     layouts = storage.__dict__.get("_layouts")
     if layouts is None:
         layouts = storage._layouts = {
-            (lay, t): (pool, live, pool.index_space == "token",
+            (lay, t): (pool, live, live.dtype, pool.index_space == "token",
                        tuple(live.shape[3:] if pool.index_space == "token" else live.shape[2:]), pool.position(lay),
                        live.get_device(), 1 if live.is_cuda else 0 if live.is_cpu else -1, _memory_key(live))
             for lay, names in storage.layer_pools.items() for p in names
@@ -272,20 +282,19 @@ def _spans(storage) -> dict:
     return spans
 
 
-def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_rows, layouts, spans) -> _Target | None:
+_STRIDED = torch.strided
+
+
+def _target(state, layer: int, name: str, w: Writes, batch, spaces, layouts, spans) -> _Target | None:
     """The checked target of one written tensor; None: written in place (a ring batch's spare rows)."""
-    pool, live, token_space, row, position, device_index, kind, key = layouts[(layer, name)]
+    pool, live, dtype, token_space, row, position, device_index, kind, key = layouts[(layer, name)]
     value = w.values[name]
-    if token_space:
-        index, rows = token_rows, batch.num_tokens
-    else:
-        index, rows = state_rows, batch.recurrent_write_rows.shape[0]
+    index, rows, every_row = spaces[token_space]
     # The usual case in one test (the same checks as below, which name what is wrong when it fails): a CPU or
     # CUDA tensor, the device by kind and index without building device objects; any other device goes below.
-    usual = isinstance(value, Tensor) and value.dtype is live.dtype and value.layout is torch.strided \
-        and value.get_device() == device_index and (value.is_cuda if kind == 1 else kind == 0 and value.is_cpu) \
-        and value.shape == (rows, *row)
-    if usual:
+    if isinstance(value, Tensor) and value.dtype is dtype and value.layout is _STRIDED \
+            and value.get_device() == device_index and (value.is_cuda if kind == 1 else kind == 0 and value.is_cpu) \
+            and value.shape == (rows,) + row:
         if value.numel():  # its storage's span against the pools' (the device is the pool's: its key is known)
             found = spans.get(key)
             if found is not None:
@@ -295,31 +304,30 @@ def _target(state, layer: int, name: str, w: Writes, batch, token_rows, state_ro
                 if i > 0 and found[1][i - 1] > lo:
                     fail(_Where(layer), name, "a tensor that does not share memory with the State's storage "
                          "(clone it)", "memory of the storage")
-    else:
-        storage = state._storage
-        where = _Where(layer)  # formatted only when a check fails
-        if value is None:
-            if token_space or not batch.ring:
-                fail(where, name, "a tensor (only per-request states of a ring batch may be written in place)", None)
-            if storage.ring_lent != (batch.state_version, w.session):
-                raise StaleDeltasError(f"{where}: `{name}` was written in place into the spare ring rows of step "
-                                       f"{batch.step_id}, which were handed to another session since (open one "
-                                       "session per batch and apply it before the next)")
-            return None
-        if not isinstance(value, Tensor) or value.layout != torch.strided:
-            fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
-        shape = value.shape
-        if tuple(shape) != (rows, *row):
-            fail(where, name, f"shape {(rows, *row)}", tuple(shape))
-        if value.dtype != live.dtype:
-            fail(where, name, f"dtype {live.dtype} (no silent casts)", value.dtype)
-        if value.get_device() != live.get_device() or value.device.type != live.device.type:
-            fail(where, name, f"a tensor on {live.device}", value.device)
-        if value.numel() and _overlaps_storage(value, storage):
-            fail(where, name, "a tensor that does not share memory with the State's storage (clone it)",
-                 "memory of the storage")
-    every_row = index is batch.slot_mapping or (index is batch.recurrent_write_rows and (
-        batch.phase != "verify" or batch.ring > 0))
+        return _Target(pool.name, name, position, index, value.detach() if value.requires_grad else value, every_row)
+    # Not the usual case: the same checks one at a time, each naming what is wrong.
+    storage = state._storage
+    where = _Where(layer)  # formatted only when a check fails
+    if value is None:
+        if token_space or not batch.ring:
+            fail(where, name, "a tensor (only per-request states of a ring batch may be written in place)", None)
+        if storage.ring_lent != (batch.state_version, w.session):
+            raise StaleDeltasError(f"{where}: `{name}` was written in place into the spare ring rows of step "
+                                   f"{batch.step_id}, which were handed to another session since (open one "
+                                   "session per batch and apply it before the next)")
+        return None
+    if not isinstance(value, Tensor) or value.layout != torch.strided:
+        fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
+    shape = value.shape
+    if tuple(shape) != (rows, *row):
+        fail(where, name, f"shape {(rows, *row)}", tuple(shape))
+    if value.dtype != live.dtype:
+        fail(where, name, f"dtype {live.dtype} (no silent casts)", value.dtype)
+    if value.get_device() != live.get_device() or value.device.type != live.device.type:
+        fail(where, name, f"a tensor on {live.device}", value.device)
+    if value.numel() and _overlaps_storage(value, storage):
+        fail(where, name, "a tensor that does not share memory with the State's storage (clone it)",
+             "memory of the storage")
     return _Target(pool.name, name, position, index, value.detach() if value.requires_grad else value, every_row)
 
 

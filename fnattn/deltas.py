@@ -67,8 +67,7 @@ class Writes:
         # The values were checked when this Writes was made: a bound copy needs no second pass (a session
         # binds every layer's writes every step).
         out = object.__new__(Writes)
-        for name, value in (("values", self.values), ("layer", layer), ("step", step), ("session", session)):
-            object.__setattr__(out, name, value)
+        out.__dict__.update(values=self.values, layer=layer, step=step, session=session)  # frozen: no setattr
         return out
 
 

@@ -18,13 +18,17 @@ class StreamSync:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self._event = None
 
     def record(self):
         if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return None  # CPU work is complete when the call returns; a graph orders its own work
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        # One event, recorded again at each release: a stream's wait takes the record made before it, and the
+        # next lease waits before the next release records (building an event per step costs host time).
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(self.device))
+        return self._event
 
     def wait(self, marker) -> None:
         if marker is not None and not torch.cuda.is_current_stream_capturing():

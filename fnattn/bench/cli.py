@@ -39,9 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model", "fnattn bench model: a whole model (fnattn/bench/model.py)")
     m.add_argument("--family", default="qwen3_5", help="model family (default qwen3_5)")
     m.add_argument("--shape", default=None,
-                   help="tiny (CPU-sized) or a real shape of the family: qwen3_5 0.8b, deepseek_v32 2-layer, "
-                        "kimi_linear 4-layer (released layer shapes, fewer layers) (default tiny; overhead: tiny "
-                        "on CPU, 0.8b on CUDA)")
+                   help="tiny (CPU-sized), tiny-24 (its widths, 24 layers) or a real shape of the family: qwen3_5 "
+                        "0.8b, deepseek_v32 2-layer, kimi_linear 4-layer (released layer shapes, fewer layers) "
+                        "(default tiny; overhead: tiny on CPU, 0.8b on CUDA)")
     m.add_argument("--prompt", type=int, nargs="+", default=[512], help="prompt / cached tokens per request")
     m.add_argument("--steps", type=int, default=None,
                    help="decode steps timed per case (default 32; 64 for the CPU tiny end-to-end case)")

@@ -67,13 +67,22 @@ HF_CLASSES = {"qwen3_5": ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
 
 
 def config_for(family: str, shape: str) -> dict:
-    """The config dict of ``family`` at ``shape`` ("tiny": the family's tiny config)."""
+    """The config dict of ``family`` at ``shape`` ("tiny": the family's tiny config; "tiny-24": its widths
+    with the layer schedule repeated to 24 layers, Qwen3.5-0.8B's count, a CPU stand-in for the host work of
+    a real depth: the session, the apply and the launches scale with layers, not widths)."""
     from ..models.registry import family_named
 
     fam = family_named(family)
     if shape == "tiny":
         return fam.tiny_config()
-    known = sorted(SHAPES.get(family, {})) + ["tiny"]
+    if shape == "tiny-24":
+        cfg = fam.tiny_config()
+        schedule = cfg.get("layer_types") or [None] * cfg["num_hidden_layers"]
+        cfg["num_hidden_layers"] = 24
+        if cfg.get("layer_types"):
+            cfg["layer_types"] = [schedule[i % len(schedule)] for i in range(24)]
+        return cfg
+    known = sorted(SHAPES.get(family, {})) + ["tiny", "tiny-24"]
     if shape not in SHAPES.get(family, {}):
         raise ValueError(f"--shape: must be one of {known} for family {family!r}, got {shape!r}")
     return dict(SHAPES[family][shape])
