@@ -217,12 +217,13 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
     if replay is not None:
         parts.append((extra, replay.batch, None, replay.batch.state_rows()))
     targets: list[_Target] = []
-    layouts, spans, names = _layouts(state._storage), _spans(state._storage), _names(state, replay_mode)
+    storage = state._storage
+    spans, checks = _spans(storage), _checks(state, replay_mode)
     # Per part, what every one of its writes is checked against, by index space (False: request, True: token):
     # (the rows it goes to, how many, whether no row is skipped).
     rows_by_space = [None if part is None else _part_rows(*part[1:]) for part in parts]
     for layer in owners:
-        for part, spaces, (want, order) in zip(parts, rows_by_space, names[layer]):
+        for part, spaces, (want, entries) in zip(parts, rows_by_space, checks[layer]):
             if not want or part is None:
                 continue
             writes, wb = part[0], part[1]
@@ -230,13 +231,41 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
             if w is None:
                 fail(where, "writes", f"a Writes for every layer that owns storage (layer {layer} writes "
                      f"{sorted(want)})", sorted(writes))
-            if w.values.keys() != want:
-                fail(f"{where}: layer {layer}", "values", f"exactly the tensors {sorted(want)}", sorted(w.values))
-            for name in order:
-                t = _target(state, layer, name, w, wb, spaces, layouts, spans)
-                if t is not None:
-                    targets.append(t)
+            values = w.values
+            if values.keys() != want:
+                fail(f"{where}: layer {layer}", "values", f"exactly the tensors {sorted(want)}", sorted(values))
+            lent = wb.ring and storage.ring_lent == (wb.state_version, w.session)
+            for name, layout in entries:
+                value = values[name]
+                if value is None:  # written in place: a per-request state in the spare ring rows lent to w's session
+                    if layout[3] or not lent:
+                        _refuse_in_place(storage, layer, name, layout[3], wb)
+                    continue
+                targets.append(_target(storage, layer, name, value, layout, spaces, spans))
     return targets
+
+
+def _refuse_in_place(storage, layer: int, name: str, token_space: bool, batch) -> None:
+    where = _Where(layer)
+    if token_space or not batch.ring:
+        fail(where, name, "a tensor (only per-request states of a ring batch may be written in place)", None)
+    raise StaleDeltasError(f"{where}: `{name}` was written in place into the spare ring rows of step "
+                           f"{batch.step_id}, which were handed to another session since (open one "
+                           "session per batch and apply it before the next)")
+
+
+def _checks(state, replay_mode: bool) -> dict:
+    """layer -> per part of the step (its own writes, the replay's): (the names its writes must hold, and
+    each of them in order with its layout, `_layouts`); built once per storage and mode."""
+    storage = state._storage
+    cache = storage.__dict__.setdefault("_checks", {})
+    found = cache.get(replay_mode)
+    if found is None:
+        layouts = _layouts(storage)
+        found = cache[replay_mode] = {
+            layer: tuple((want, tuple((name, layouts[(layer, name)]) for name in order)) for want, order in parts)
+            for layer, parts in _names(state, replay_mode).items()}
+    return found
 
 
 def _part_rows(batch, token_rows, state_rows) -> tuple:
@@ -285,10 +314,9 @@ def _spans(storage) -> dict:
 _STRIDED = torch.strided
 
 
-def _target(state, layer: int, name: str, w: Writes, batch, spaces, layouts, spans) -> _Target | None:
-    """The checked target of one written tensor; None: written in place (a ring batch's spare rows)."""
-    pool, live, dtype, token_space, row, position, device_index, kind, key = layouts[(layer, name)]
-    value = w.values[name]
+def _target(storage, layer: int, name: str, value, layout: tuple, spaces: tuple, spans: dict) -> _Target:
+    """The checked target of one written tensor (not None: `validate_step` takes those)."""
+    pool, live, dtype, token_space, row, position, device_index, kind, key = layout
     index, rows, every_row = spaces[token_space]
     # The usual case in one test (the same checks as below, which name what is wrong when it fails): a CPU or
     # CUDA tensor, the device by kind and index without building device objects; any other device goes below.
@@ -306,16 +334,7 @@ def _target(state, layer: int, name: str, w: Writes, batch, spaces, layouts, spa
                          "(clone it)", "memory of the storage")
         return _Target(pool.name, name, position, index, value.detach() if value.requires_grad else value, every_row)
     # Not the usual case: the same checks one at a time, each naming what is wrong.
-    storage = state._storage
     where = _Where(layer)  # formatted only when a check fails
-    if value is None:
-        if token_space or not batch.ring:
-            fail(where, name, "a tensor (only per-request states of a ring batch may be written in place)", None)
-        if storage.ring_lent != (batch.state_version, w.session):
-            raise StaleDeltasError(f"{where}: `{name}` was written in place into the spare ring rows of step "
-                                   f"{batch.step_id}, which were handed to another session since (open one "
-                                   "session per batch and apply it before the next)")
-        return None
     if not isinstance(value, Tensor) or value.layout != torch.strided:
         fail(where, name, "a dense (strided) tensor", getattr(value, "layout", type(value).__name__))
     shape = value.shape

@@ -31,10 +31,11 @@ def fresh(model):
 
 def close(got, want, exact=True):
     """Bitwise when the shared rows were computed by a prefill of the same length as the cold run's; else
-    within 1e-6 (a 6-token prefill rounds a row's K/V a few ulp differently from a 9-token one)."""
+    within 1e-5 (a 6-token prefill rounds a row's K/V a few ulp differently from a 9-token one, and the layers
+    after carry that on: 1.3e-6 on logits of ~0.15 with one CPU's kernels, past the 1e-6 this once had)."""
     if exact:
         assert torch.equal(got, want), (got - want).abs().max()
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 FAMILIES = (*TRANSFER_FAMILIES, "llama", "qwen3", "qwen2")
