@@ -127,6 +127,18 @@ class ModelAttention:
             raise NoBackendError(f"layer {layer} ({self.spec_by_layer[layer].kind}), phase {phase!r}: {why}")
         return choice.backend
 
+    @property
+    def page_size(self) -> int | None:
+        """The page size the chosen backends need (one declares it, `fnattn.register`'s ``page_size``); None:
+        any. Two chosen backends that need different sizes cannot share a State: that raises, naming them."""
+        need = {(c.backend.name, c.backend.page_size) for c in self.choices.values()
+                if c.backend is not None and c.backend.page_size is not None}
+        sizes = {size for _, size in need}
+        if len(sizes) > 1:
+            fail("ModelAttention.page_size", "backends", "chosen backends that agree on a page size",
+                 sorted(need))
+        return next(iter(sizes), None)
+
     def groups(self, phase: str) -> Mapping[int, tuple[LayerSpec, ...]]:
         """group -> the specs that share its plan in ``phase``, built once per phase (as `dispatch`)."""
         cache = self.__dict__.setdefault("_groups", {})

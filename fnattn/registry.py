@@ -54,6 +54,7 @@ class Backend:
     source: Callable | None = field(default=None, repr=False)  # the function as written
     # reads no device value on the host and launches shapes fixed by the batch's shapes: a graph may hold it
     capturable: bool = False
+    page_size: int | None = None  # the one page size it serves (FlashMLA's 64); None: any
 
     def __post_init__(self):
         if self.phase not in PHASES:
@@ -66,12 +67,14 @@ _REGISTRY: dict[tuple[str, str, str], Backend] = {}
 
 
 def register(kind: str, phase: str, name: str, *, supports: Supports | None = None, plan: Planner | None = None,
-             replace: bool = False, capturable: bool = False):
+             replace: bool = False, capturable: bool = False, page_size: int | None = None):
     """Decorator: register ``fn`` as backend ``name`` for one (kind, phase).
 
     ``replace=True`` lets a notebook cell re-register its backend. ``capturable=True`` declares that the
     backend (and its ``plan``) never reads a device value on the host and launches work whose shapes depend
-    only on the batch's tensor shapes, so `fnattn.graph` may capture it in a CUDA graph.
+    only on the batch's tensor shapes, so `fnattn.graph` may capture it in a CUDA graph. ``page_size``: the
+    one page size the backend serves (its plan refuses any other); a State for it is built with that size
+    (`ModelAttention.page_size` says which a model's chosen backends need).
     """
     if kind not in known_kinds():
         fail("register", "kind", f"a registered kind (known: {list(known_kinds())}; add one with "
@@ -82,6 +85,8 @@ def register(kind: str, phase: str, name: str, *, supports: Supports | None = No
         fail("register", "name", "a non-empty string", name)
     if not isinstance(capturable, bool):
         fail("register", "capturable", "a bool", capturable)
+    if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
+        fail("register", "page_size", "a positive int or None", page_size)
     for what, f in (("supports", supports), ("plan", plan)):
         if f is not None and not callable(f):
             fail("register", what, "a callable or None", f)
@@ -95,7 +100,8 @@ def register(kind: str, phase: str, name: str, *, supports: Supports | None = No
             raise ValueError(f"register: backend {key} is already registered (by {old.source.__module__}); "
                              "pass replace=True to redefine it")
         builtin = getattr(fn, "__module__", "").startswith("fnattn.") and kind_info(kind).builtin
-        _REGISTRY[key] = Backend(kind, phase, name, checked(fn), supports or _always, plan, builtin, fn, capturable)
+        _REGISTRY[key] = Backend(kind, phase, name, checked(fn), supports or _always, plan, builtin, fn, capturable,
+                                 page_size)
         return _session_only(fn, key)
 
     return deco

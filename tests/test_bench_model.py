@@ -212,3 +212,15 @@ def test_every_record_names_the_switches_in_force():
                                                                                    "own_norm_act", "output_gates"}
     with fused.output_gates(False), configured(prefetch=True):
         assert environment()["switches"] == {**plain, "output_gates": False, "gemv_config": {"prefetch": True}}
+
+
+def test_tiny_24_repeats_the_tiny_schedule_to_24_layers():
+    from fnattn.bench.model import config_for
+
+    tiny, deep = config_for("qwen3_5", "tiny"), config_for("qwen3_5", "tiny-24")
+    assert deep["num_hidden_layers"] == 24 and deep["hidden_size"] == tiny["hidden_size"]
+    pattern = tiny["layer_types"]
+    assert deep["layer_types"] == [pattern[i % len(pattern)] for i in range(24)]
+    with pytest.raises(ValueError, match=r"--shape: must be one of \['0.8b', 'tiny', 'tiny-24'\] for family "
+                                         r"'qwen3_5', got 'huge'"):
+        config_for("qwen3_5", "huge")

@@ -93,6 +93,26 @@ def test_register_twice_needs_replace():
     assert registry.lookup("full", "decode", "test_twice").source is other
 
 
+def test_a_backend_declares_its_page_size_and_the_model_attention_reports_it():
+    """`register(page_size=)`: the one page size a backend serves; `ModelAttention.page_size` is what the chosen
+    backends need (None: any), and two chosen backends needing different sizes are refused by name."""
+    def backend(spec, views, inputs):  # pragma: no cover - never run
+        raise AssertionError
+
+    for bad in (0, -64, True, 64.0):
+        with pytest.raises(ValueError, match=r"register: `page_size` must be a positive int or None, got"):
+            fa.register("full", "decode", "test_paged", page_size=bad)
+    spec = full_spec(0)
+    assert fa.ModelAttention([spec]).page_size is None  # the built-in backends serve any page size
+    fa.register("full", "decode", "test_paged", page_size=64)(backend)
+    fa.register("full", "verify", "test_paged_32", page_size=32)(backend)
+    assert fa.ModelAttention([spec], prefer=("test_paged", "reference")).page_size == 64
+    both = fa.ModelAttention([spec], prefer=("test_paged", "test_paged_32", "reference"))
+    with pytest.raises(ValueError, match=r"ModelAttention.page_size: `backends` must be chosen backends that agree "
+                                         r"on a page size, got \[\('test_paged', 64\), \('test_paged_32', 32\)\]"):
+        _ = both.page_size
+
+
 def test_bad_arguments_do_not_depend_on_checks():
     """The same refusals with FNATTN_CHECKS=0 (decided at import, hence a fresh interpreter)."""
     script = textwrap.dedent("""

@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hq", type=int, default=32, help="query heads")
     p.add_argument("--hkv", type=int, default=8, help="key/value heads")
     p.add_argument("--dim", type=int, default=128, help="head dim")
-    p.add_argument("--page-size", type=int, default=None, help="tokens per page (default 16; MLA cases 64)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per page (default 16; MLA cases 64; model, overhead: the size the chosen backends "
+                        "need, else 16)")
     p.add_argument("--heads", type=int, default=128, help="MLA query heads (mla-decode, mla-sparse, indexer)")
     p.add_argument("--topk", type=int, default=2048, help="tokens each query attends (mla-sparse, indexer)")
     p.add_argument("--layers", type=int, nargs="+", default=[1],
@@ -97,7 +99,7 @@ def run_model(args) -> int:
     lead = group is None or group.rank == 0  # every rank times the same steps; rank 0 reports them
     try:
         run_model_bench(family=args.family, shape=args.shape, batches=args.batch, prompts=args.prompt, steps=steps,
-                        device=args.device, page_size=args.page_size or 16, prefill_tokens=args.prefill_tokens,
+                        device=args.device, page_size=args.page_size, prefill_tokens=args.prefill_tokens,
                         hf_tokens=args.hf_tokens, transformers=not args.no_transformers, graph=not args.eager,
                         records=records, log=lambda line: lead and print(line, file=sys.stderr), tp=group,
                         prefer=args.prefer, profile=args.profile)

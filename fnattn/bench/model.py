@@ -405,12 +405,14 @@ def build_model(family: str, shape: str, device, *, tp=None, prefer=None, keep_w
 
 
 def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, device: str | None = None,
-                    page_size: int = 16, prefill_tokens: int = 16384, hf_tokens: int = 65536,
+                    page_size: int | None = None, prefill_tokens: int = 16384, hf_tokens: int = 65536,
                     transformers: bool = True, graph: bool = True, records: list | None = None,
                     log=print, tp=None, prefer=None, profile: int = 0) -> list[dict]:
     """Every measurement of one model (module docstring); appends to ``records`` as it goes.
 
     ``prefer``: backend names in order of preference (`ModelAttention`'s ``prefer``; None: its default).
+
+    ``page_size``: None takes the one the chosen backends need (`ModelAttention.page_size`: FlashMLA's 64), else 16.
 
     ``profile``: also profile that many decode steps of each case, eager and replayed, and one prefill step
     (`fnattn.bench.profile`: kernels on CUDA, leaf torch ops on a CPU), as records of backend "... profile".
@@ -424,13 +426,14 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
     transformers = transformers and not sharded
     # the checkpoint outlives the load only for the transformers peer, which loads the same tensors by name
     model, ma, weights = build_model(family, shape, dev, tp=tp, prefer=prefer, keep_weights=transformers)
+    page_size = page_size or ma.page_size or 16
     cfg, dtype = model.config, model.config.dtype
     wbytes = weight_bytes(model.params)
     bw = copy_bandwidth(dev)
     name = f"{family} {shape}" + (f" tp{tp.size}" if sharded else "")
     log(f"{name}: {wbytes / 1e9:.3f} GB of weights, copy bandwidth {bw / 1e12:.2f} TB/s on {dev}")
     records.append({"case": name, "backend": "roofline weights", "phase": "decode", "weight_bytes": wbytes,
-                    "copy_bandwidth_tb_s": bw / 1e12, "time_us": wbytes / bw * 1e6,
+                    "copy_bandwidth_tb_s": bw / 1e12, "time_us": wbytes / bw * 1e6, "page_size": page_size,
                     "note": "every weight read once per decode step, over the copy bandwidth measured now (a MoE "
                             "step's own roofline counts the routed experts its tokens touch)"})
     skipped = f"--tp {tp.size} (the peer is the whole model)" if sharded else "--no-transformers"

@@ -275,7 +275,8 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
 
 
 def run_overhead_bench(*, family: str, shape: str | None, batches, prompts, steps: int, device=None,
-                       page_size: int = 16, graph: bool = True, records: list | None = None, log=print) -> list[dict]:
+                       page_size: int | None = None, graph: bool = True, records: list | None = None,
+                       log=print) -> list[dict]:
     """Every batch of one model; appends to ``records`` as it goes."""
     from ..model_attention import ModelAttention
     from ..models.registry import Model, _with_dtype, family_named, random_checkpoint
@@ -288,6 +289,7 @@ def run_overhead_bench(*, family: str, shape: str | None, batches, prompts, step
     cfg = _with_dtype(fam.adapt(config_for(family, shape)), dtype)
     model = Model(fam, cfg, fam.load(cfg, random_checkpoint(fam, cfg, dtype=dtype, device=dev)))
     ma = ModelAttention(model.specs, device=dev)
+    page_size = page_size or ma.page_size or 16  # what the chosen backends need (FlashMLA's 64), else 16
     name = f"{family} {shape}"
     log(f"{name} on {dev}, {dtype}: FNATTN_CHECKS {'ON (the target is with checks off)' if CHECKS_ENABLED else 'off'}"
         f", {torch.get_num_threads()} threads")
@@ -338,7 +340,7 @@ def run_overhead(args) -> int:
     records: list[dict] = []
     try:
         run_overhead_bench(family=args.family, shape=args.shape, batches=args.batch, prompts=args.prompt,
-                           steps=steps, device=args.device, page_size=args.page_size or 16, graph=not args.eager,
+                           steps=steps, device=args.device, page_size=args.page_size, graph=not args.eager,
                            records=records, log=lambda line: print(line, file=sys.stderr))
     except ValueError as e:
         if not records:  # a user mistake (family, shape): one line

@@ -77,5 +77,6 @@ def _step(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOu
     return AttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse), writes(latent=inputs.latent)
 
 
-register("mla", "decode", "flashmla", supports=supports, plan=plan, capturable=True)(_step)
-_step = register("mla", "verify", "flashmla", supports=supports, plan=plan, capturable=True)(_step)
+register("mla", "decode", "flashmla", supports=supports, plan=plan, capturable=True, page_size=PAGE_SIZE)(_step)
+_step = register("mla", "verify", "flashmla", supports=supports, plan=plan, capturable=True,
+                 page_size=PAGE_SIZE)(_step)
