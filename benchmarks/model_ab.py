@@ -4,6 +4,7 @@ and the other way round). From the repository root on a GPU machine:
 
     python benchmarks/model_ab.py --toggle pdl prefetch+own_norm_act --out ab.json [--batch 1 8] [--steps 64]
     python benchmarks/model_ab.py --toggle fla_direct --prefill 8192 --batch 1 --steps 16 --out ab.json
+    python benchmarks/model_ab.py --family deepseek_v32 --shape 2-layer --ctx 2048 --toggle grouped_experts --out x
 
 With ``--prefill P`` each step is an eager prefill of ``--batch`` prompts of P tokens (a fresh State each
 time, `fnattn.bench.model.time_prefill`), run under the variant's switches, the variants interleaved alike.
@@ -36,6 +37,8 @@ Switches:
   the default), or by a launch of their own after it.
 - ``own_norm_act``: the residual add + RMSNorm and SiLU-and-mul as fnattn's own kernels, which hand the
   stream over at their start under PDL (`models.fused.own_norm_act`, the default), or FlashInfer's.
+- ``grouped_experts``: a captured step's routed experts as grouped GEMMs over the experts its tokens picked
+  (`models.fused.grouped_experts`, off until timed), or every expert on every token (a MoE family's ``--family``).
 - ``fla_direct`` (prefill): the fla provider calls fla-core's chunk forward itself
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
@@ -104,6 +107,9 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                       {True: "output gates applied by the output projections' GEMVs", False: "output gates apart"}),
     "state_first": (gdn_decode_fused.state_first, lambda: gdn_decode_fused._STATE_FIRST[-1],
                     {True: "GDN decode reads its state before it waits", False: "GDN decode reads after it waits"}),
+    "grouped_experts": (fused.grouped_experts, lambda: fused._GROUPED_EXPERTS[-1],
+                        {True: "routed experts as grouped GEMMs over the picked ones",
+                         False: "every routed expert on every token"}),
     "fla_direct": (delta_rule.fla_direct, lambda: delta_rule._FLA_DIRECT[-1],
                    {True: "fla-core's chunk forward called itself", False: "fla-core's public function"}),
 }
@@ -143,16 +149,18 @@ def switched(values: dict):
     return stack
 
 
-def run_prefill_ab(plan, model, ma, dev, *, shape: str, batches, prompt: int, steps: int) -> list[dict]:
+def run_prefill_ab(plan, model, ma, dev, *, shape: str, batches, prompt: int, steps: int,
+                   family: str = "qwen3_5") -> list[dict]:
     """``--prefill``: eager prefill steps of every variant, interleaved (each under its switches)."""
     out = []
+    page = ma.page_size or 16
     for b in batches:
-        case = f"qwen3_5 {shape} prefill B{b} P{prompt}"
+        case = f"{family} {shape} prefill B{b} P{prompt}"
         times, live = {}, []
         for k, (label, values) in enumerate(plan):
             try:
                 with switched(values):  # compiles and warms up this variant's kernels
-                    time_prefill(model, ma, dev, b, prompt, page_size=16, reps=0)
+                    time_prefill(model, ma, dev, b, prompt, page_size=page, reps=0)
                 live.append(k)
                 times[k] = []
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result; the others still run
@@ -164,7 +172,7 @@ def run_prefill_ab(plan, model, ma, dev, *, shape: str, batches, prompt: int, st
             for j in range(len(live)):
                 k = live[(i + j) % len(live)]
                 with switched(plan[k][1]):
-                    times[k] += time_prefill(model, ma, dev, b, prompt, page_size=16, reps=1, warm=False)
+                    times[k] += time_prefill(model, ma, dev, b, prompt, page_size=page, reps=1, warm=False)
         for k in live:
             label, values = plan[k]
             out.append(_record(case, "fnattn eager", "prefill", statistics.median(times[k]), b * prompt,
@@ -173,7 +181,7 @@ def run_prefill_ab(plan, model, ma, dev, *, shape: str, batches, prompt: int, st
 
 
 def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "cuda",
-           prefill: int | None = None) -> list[dict]:
+           prefill: int | None = None, family: str = "qwen3_5", ctx: int = 512) -> list[dict]:
     """The records of every variant at every batch (module docstring). On CUDA the steps are graph replays,
     each graph captured under its variant's switches; elsewhere (a smoke run) the capture-free runner runs
     each step eagerly, under the same switches. ``prefill``: prefill steps of that many tokens instead."""
@@ -181,19 +189,20 @@ def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "
 
     plan = variants(toggles)
     dev = torch.device(device)
-    model, ma, _ = build_model("qwen3_5", shape, dev)
+    model, ma, _ = build_model(family, shape, dev)
     if prefill is not None:
-        return run_prefill_ab(plan, model, ma, dev, shape=shape, batches=batches, prompt=prefill, steps=steps)
+        return run_prefill_ab(plan, model, ma, dev, shape=shape, batches=batches, prompt=prefill, steps=steps,
+                              family=family)
     out = []
     for b in batches:
-        case = f"qwen3_5 {shape} B{b} ctx512"
+        case = f"{family} {shape} B{b} ctx{ctx}"
         room = 2 * len(plan) * (steps + 4)
-        st = decode_state(model, dev, b, 512, page_size=16, room=room)
+        st = decode_state(model, dev, b, ctx, page_size=ma.page_size or 16, room=room)
         runners, live = [], []
         for k, (label, values) in enumerate(plan):
             try:
                 with switched(values):  # the switches act while the step is traced: at capture
-                    runner, _ = _runner(model, ma, b, 512 + room, graph=True)
+                    runner, _ = _runner(model, ma, b, ctx + room, graph=True)
                     _, st = time_decode(model, ma, st, b, 1, runner=runner)  # captures (on CUDA), then one replay
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result; the others still run
                 if k == 0:
@@ -229,7 +238,9 @@ def main() -> None:
                    help=f"switches to flip, one variant each ({', '.join(sorted(TOGGLES))}; a+b: both at once)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=64, help="timed steps of each variant")
-    p.add_argument("--shape", default="0.8b", help="the Qwen3.5 shape (tiny: a CPU smoke run)")
+    p.add_argument("--family", default="qwen3_5", help="the model family (default qwen3_5)")
+    p.add_argument("--shape", default="0.8b", help="the family's shape (tiny: a CPU smoke run)")
+    p.add_argument("--ctx", type=int, default=512, help="cached tokens per request (decode)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--prefill", type=int, default=None, metavar="P", help="time prefills of P-token prompts")
     p.add_argument("--out", required=True)
@@ -237,7 +248,7 @@ def main() -> None:
     if args.prefill is not None and args.prefill < 1:
         raise SystemExit(f"model_ab.py: --prefill: expected a token count >= 1, got {args.prefill}")
     records = run_ab(args.toggle, batches=args.batch, steps=args.steps, shape=args.shape, device=args.device,
-                     prefill=args.prefill)
+                     prefill=args.prefill, family=args.family, ctx=args.ctx)
     for r in records:
         if "error" in r:
             print(f"{r['case']:<26}{r['variant']:<70}  failed: {r['error']}")
@@ -247,8 +258,9 @@ def main() -> None:
                   f"{r['ratio_to_defaults']:.3f}x  paired {r['paired_ratio']:.3f}x, faster in "
                   f"{r['faster_rounds']:.0%} of rounds")
     write_json(records, args.out, command="python benchmarks/model_ab.py " + " ".join(
-        ["--toggle", *args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--shape",
-         args.shape, "--device", args.device, *(["--prefill", str(args.prefill)] if args.prefill else []),
+        ["--toggle", *args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--family",
+         args.family, "--shape", args.shape, "--ctx", str(args.ctx), "--device", args.device,
+         *(["--prefill", str(args.prefill)] if args.prefill else []),
          "--out", args.out]))
 
 

@@ -9,7 +9,7 @@ DSA layers and the gated output norms of GDN / KDA call them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -230,6 +230,89 @@ class SwiGLU:
         return swiglu(x, self.gate, self.up, self.down)
 
 
+@dataclass(frozen=True, eq=False)
+class StackedExperts:
+    """A MoE layer's routed experts as two stacked weights; ``experts[e]`` is expert e's `SwiGLU`, views of them.
+
+    Stacked at load so a static-shape step can run the picked experts as grouped GEMMs (`grouped_moe`) while
+    the eager loop calls each expert as before, on the same memory."""
+
+    gate_up: Tensor  # [E, 2I, D]: expert e's gate rows, then its up rows
+    down: Tensor  # [E, D, I]
+
+    def __post_init__(self):
+        E, I2, D = self.gate_up.shape
+        if I2 % 2 or tuple(self.down.shape) != (E, D, I2 // 2):
+            fail("StackedExperts", "down", f"shape {(E, D, I2 // 2)} (gate_up is {tuple(self.gate_up.shape)})",
+                 tuple(self.down.shape))
+        inner = I2 // 2
+        each = tuple(SwiGLU(self.gate_up[e, :inner], self.gate_up[e, inner:], self.down[e]) for e in range(E))
+        object.__setattr__(self, "_each", each)  # not a field: the weights are the two stacked tensors
+
+    @classmethod
+    def stack(cls, experts: Sequence[tuple[Tensor, Tensor, Tensor]]) -> StackedExperts:
+        """From each expert's ``(gate [I, D], up [I, D], down [D, I])``, copied into the stacked weights."""
+        g0, _, d0 = experts[0]
+        gate_up = g0.new_empty(len(experts), 2 * g0.shape[0], g0.shape[1])
+        down = d0.new_empty(len(experts), *d0.shape)
+        for e, (g, u, d) in enumerate(experts):
+            gate_up[e, :g0.shape[0]].copy_(g)
+            gate_up[e, g0.shape[0]:].copy_(u)
+            down[e].copy_(d)
+        return cls(gate_up, down)
+
+    def __len__(self) -> int:
+        return len(self._each)
+
+    def __getitem__(self, e: int) -> SwiGLU:
+        return self._each[e]
+
+
+def grouped_moe(
+    x: Float[Tensor, "T D"],
+    ids: Int[Tensor, "T k"],
+    weights: Float[Tensor, "T k"],
+    gate_up: Float[Tensor, "E I2 D"],
+    down: Float[Tensor, "E D I"],
+    combine: Callable[[Tensor, Tensor], Tensor],
+    *,
+    limit: float | None = None,
+) -> Float[Tensor, "T D"]:
+    """`moe_sum` of SwiGLU experts without a host read: the (token, expert) pairs sorted by expert, two grouped
+    GEMMs over the stacked weights (each group one expert's pairs, its end counted on the device), then each
+    token's outputs added in ascending expert order, as `moe_sum`'s eager loop adds them."""
+    T, k = ids.shape
+    E = gate_up.shape[0]
+    ids, perm = ids.sort(dim=-1)  # each token's experts ascending: the order its outputs are added in
+    weights = weights.gather(-1, perm)
+    flat = ids.reshape(-1)  # [P]: pair p = t * k + j
+    order = torch.argsort(flat, stable=True)  # the pairs grouped by expert, tokens in order within one
+    ends = (flat.unsqueeze(1) == torch.arange(E, device=x.device)).sum(0).cumsum(0).to(torch.int32)  # [E]
+    h = torch._grouped_mm(x.index_select(0, order // k), gate_up.transpose(1, 2), offs=ends)  # [P, 2I]
+    g, u = h.chunk(2, dim=-1)
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)  # [P, D]
+    y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back in pair order (each row once)
+    out = torch.zeros_like(x)
+    for j in range(k):
+        out = out + combine(y[:, j], weights[:, j, None]).to(x.dtype)
+    return out
+
+
+def _grouped(x: Tensor, down: Tensor | None) -> bool:
+    """Whether a static-shape step takes `grouped_moe` (`fused.grouped_experts`): CUDA's grouped GEMM wants
+    bf16 rows of 16-byte multiples; on a CPU any float dtype."""
+    from .fused import _GROUPED_EXPERTS  # imported here: models.fused imports this module
+
+    if down is None or not _GROUPED_EXPERTS[-1] or not in_static_step():
+        return False
+    if not x.is_cuda:
+        return x.dtype.is_floating_point
+    D, inner = x.shape[-1], down.shape[-1]
+    return x.dtype is torch.bfloat16 and D % 8 == 0 and inner % 8 == 0
+
+
 def experts(
     x: Float[Tensor, "T D"],
     top_ids: Int[Tensor, "T k"],
@@ -251,7 +334,12 @@ def experts(
             g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         return F.linear(F.silu(g) * u, down[e])
 
-    return moe_sum(x, top_ids, top_weights, gate_up.shape[0], run, lambda y, w: y * w.to(y.dtype))
+    def combine(y, w):
+        return y * w.to(y.dtype)
+
+    if _grouped(x, down):
+        return grouped_moe(x, top_ids, top_weights, gate_up, down, combine, limit=limit)
+    return moe_sum(x, top_ids, top_weights, gate_up.shape[0], run, combine)
 
 
 def moe_sum(
@@ -261,6 +349,7 @@ def moe_sum(
     num_experts: int,
     run: Callable[[int, Tensor], Tensor],
     combine: Callable[[Tensor, Tensor], Tensor],
+    stacked: StackedExperts | None = None,
 ) -> Float[Tensor, "T D"]:
     """``sum_k combine(run(ids[t, k], x[t]), weights[t, k])`` per token (a token picks an expert at most once).
 
@@ -268,8 +357,11 @@ def moe_sum(
     static-shape step (`fnattn.lanes.static_shapes`: a captured or capturable step) every expert runs on
     every token with a weight that is zero where the token did not choose it: no host read, shapes fixed
     by the bucket, at ``num_experts`` times the expert FLOPs -- fine for small models; a large MoE wants a
-    grouped-GEMM kernel there.
+    grouped-GEMM kernel there: with the experts' ``stacked`` weights and `fused.grouped_experts` on, it is
+    `grouped_moe`.
     """
+    if _grouped(x, None if stacked is None else stacked.down):
+        return grouped_moe(x, ids, weights, stacked.gate_up, stacked.down, combine)
     out = torch.zeros_like(x)
     if in_static_step():
         for e in range(num_experts):

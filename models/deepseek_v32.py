@@ -40,6 +40,7 @@ from fnattn.lanes import Lane
 from fnattn.tp import all_reduce
 
 from .common import (
+    StackedExperts,
     SwiGLU,
     check_config_value,
     check_step_tokens,
@@ -357,7 +358,7 @@ def layer_shapes(cfg: DeepseekConfig, i: int) -> dict[str, tuple[int, ...]]:
 class MoE:
     router: Tensor  # [E, D]
     bias: Tensor  # [E] e_score_correction_bias: steers the choice, not the weights
-    experts: tuple[SwiGLU, ...]  # per expert, as the checkpoints store them (no fused copy)
+    experts: StackedExperts  # [E, 2I, D] / [E, D, I]; experts[e] is expert e's SwiGLU (views)
     shared: SwiGLU
 
 
@@ -402,7 +403,9 @@ def load_layer(cfg: DeepseekConfig, weights, i: int) -> Layer:
     if cfg.mlp_types[i] == "dense":
         mlp = SwiGLU.take(weights, m)
     else:
-        experts = tuple(SwiGLU.take(weights, f"{m}experts.{e}.") for e in range(cfg.moe.n_routed_experts))
+        names = ("gate", "up", "down")
+        experts = StackedExperts.stack([tuple(weights[f"{m}experts.{e}.{n}_proj.weight"] for n in names)
+                                        for e in range(cfg.moe.n_routed_experts)])
         mlp = MoE(weights[m + "gate.weight"], weights[m + "gate.e_score_correction_bias"], experts,
                   SwiGLU.take(weights, m + "shared_experts."))
     return Layer(weights[p + "input_layernorm.weight"], weights[p + "post_attention_layernorm.weight"],
@@ -420,7 +423,8 @@ def moe(block: MoE, cfg: MoEConfig, x: Float[Tensor, "T D"]) -> Float[Tensor, "T
     ids, w = grouped_topk(scores, block.bias.float(), cfg.num_experts_per_tok, n_group=cfg.n_group,
                           topk_group=cfg.topk_group, normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
     # fp32 weights, cast after, as HF does
-    out = moe_sum(x, ids, w, len(block.experts), lambda e, xs: block.experts[e](xs), lambda y, w: y * w)
+    out = moe_sum(x, ids, w, len(block.experts), lambda e, xs: block.experts[e](xs), lambda y, w: y * w,
+                  stacked=block.experts)
     return out + block.shared(x)
 
 

@@ -52,7 +52,8 @@ _OUTPUT_GATES = [True]  # timed on the H200 (`output_gates`)
 _OWN_NORM_ACT = [True]  # timed on the H200 (`own_norm_act`)
 _GATING_EPILOGUE = [True]  # timed on the H200 (`gating_epilogue`)
 _SWIGLU_EPILOGUE = [True]  # timed on the H200 (`swiglu_epilogue`)
-_GATE_PROLOGUE = [False]  # not yet timed on the H200 (`gate_prologue`)
+_GATE_PROLOGUE = [False]  # slower in the whole step on the H200 (`gate_prologue`)
+_GROUPED_EXPERTS = [False]  # not yet timed on the H200 (`grouped_experts`)
 
 
 def unfused():
@@ -116,9 +117,22 @@ def gate_prologue(enabled: bool):
     attention's sigmoid gate) to the output projection's GEMV, which applies it as it loads the mixer's
     output (`skinny_linear`'s ``gate=``), at decode sizes on CUDA: one launch fewer a layer. The norm's
     sums of squares are trees over each head in either kernel, in different orders, so the two may differ in
-    the last bit of fp32 before the rounding. Off until timed in a whole step on the H200
-    (``benchmarks/model_ab.py --toggle gate_prologue``)."""
+    the last bit of fp32 before the rounding. Off by default: on, the whole Qwen3.5-0.8B graph step on the H200
+    took 1.020x as long at batch 1 and 1.019x at batch 8, paired by round (``benchmarks/model_ab.py --toggle
+    gate_prologue``, benchmarks/results/bench_gate_prologue_ab.json at d708b38): every program of the GEMV
+    gates its own K tiles, so the norm's work repeats across the output columns' programs and sits in front of
+    each program's first weight load, which costs more than the launch it saves."""
     return switched(_GATE_PROLOGUE, "gate_prologue", enabled)
+
+
+def grouped_experts(enabled: bool):
+    """Within this block a static-shape step (a captured one) runs a MoE layer's routed experts as two grouped
+    GEMMs over the experts its tokens picked (`common.grouped_moe`: ``torch._grouped_mm`` over the stacked
+    weights, the groups counted on the device), in place of every expert on every token with a zero weight:
+    the picked experts' weights read once, not all of them. Each token's expert outputs are added in ascending
+    expert order, as the eager loop adds them. Off until timed on the H200 (``bench model --family
+    deepseek_v32 --shape 2-layer``, where the captured step runs 256 experts x 3 GEMMs a layer)."""
+    return switched(_GROUPED_EXPERTS, "grouped_experts", enabled)
 
 
 def switches() -> dict[str, bool]:
@@ -126,7 +140,7 @@ def switches() -> dict[str, bool]:
     return {"fused": _ENABLED[-1], "qk_one_launch": _QK_ONE_LAUNCH[-1], "add_norm_epilogue": _EPILOGUE[-1],
             "output_gates": _OUTPUT_GATES[-1], "own_norm_act": _OWN_NORM_ACT[-1],
             "gating_epilogue": _GATING_EPILOGUE[-1], "swiglu_epilogue": _SWIGLU_EPILOGUE[-1],
-            "gate_prologue": _GATE_PROLOGUE[-1]}
+            "gate_prologue": _GATE_PROLOGUE[-1], "grouped_experts": _GROUPED_EXPERTS[-1]}
 
 
 @cache

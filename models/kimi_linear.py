@@ -40,6 +40,7 @@ from fnattn.checks import checked, fail
 from fnattn.tp import all_reduce
 
 from .common import (
+    StackedExperts,
     SwiGLU,
     check_config_value,
     check_step_tokens,
@@ -316,7 +317,7 @@ class KDAParams:
 class MoEParams:
     router: Tensor  # [E, D]
     bias: Tensor  # [E] e_score_correction_bias: moves the choice, not the weights
-    experts: tuple[tuple[Tensor, Tensor, Tensor], ...]  # per expert: gate w1 [I, D], up w3 [I, D], down w2 [D, I]
+    experts: StackedExperts  # gate w1 | up w3 [E, 2I, D], down w2 [E, D, I]; experts[e]: expert e's SwiGLU
     shared: tuple[Tensor, Tensor, Tensor] | None  # gate [Is, D], up [Is, D], down [D, Is]
 
 
@@ -372,8 +373,8 @@ def load(cfg: KimiLinearConfig, weights) -> Params:
                       if cfg.n_shared_experts else None)
             mlp_params = MoEParams(
                 router=weights[m + "gate.weight"], bias=weights[m + "gate.e_score_correction_bias"],
-                experts=tuple(tuple(weights[f"{m}experts.{e}.{n}.weight"] for n in ("w1", "w3", "w2"))
-                              for e in range(cfg.num_experts)),
+                experts=StackedExperts.stack([tuple(weights[f"{m}experts.{e}.{n}.weight"] for n in ("w1", "w3", "w2"))
+                                              for e in range(cfg.num_experts)]),
                 shared=shared)
         layers.append(Layer(input_norm=weights[p + "input_layernorm.weight"],
                             post_norm=weights[p + "post_attention_layernorm.weight"], attn=attn_params, mlp=mlp_params))
@@ -396,7 +397,8 @@ def route(
 def _moe(h: Float[Tensor, "T D"], moe: MoEParams, cfg: KimiLinearConfig) -> Float[Tensor, "T D"]:
     ids, w = route(h, moe, cfg)  # [T, k], [T, k] fp32
     # Weighted in fp32 and rounded once, as transformers' experts do.
-    out = moe_sum(h, ids, w, len(moe.experts), lambda e, xs: swiglu(xs, *moe.experts[e]), lambda y, w: y * w)
+    out = moe_sum(h, ids, w, len(moe.experts), lambda e, xs: moe.experts[e](xs), lambda y, w: y * w,
+                  stacked=moe.experts)
     return out if moe.shared is None else out + swiglu(h, *moe.shared)
 
 

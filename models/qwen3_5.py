@@ -38,6 +38,7 @@ from fnattn.tp import all_reduce
 
 from .common import (
     REQUIRED,
+    StackedExperts,
     SwiGLU,
     check_step_tokens,
     config_field,
@@ -310,7 +311,7 @@ def _mlp_shapes(cfg: QwenConfig, i: int, p: str) -> dict:
 @dataclass(frozen=True, eq=False)
 class MoE:
     router: Tensor  # [E, D]
-    experts: tuple[SwiGLU, ...]  # E experts, kept as the checkpoint's per-expert tensors (no stacking copy)
+    experts: StackedExperts  # [E, 2I, D] / [E, D, I]; experts[e] is expert e's SwiGLU (views)
     shared: DenseMLP | None
     shared_gate: Tensor | None  # [1, D]
 
@@ -396,7 +397,9 @@ def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
     if cfg.moe_layers[i]:
         shared = cfg.shared_expert_intermediate_size > 0
         mlp = MoE(router=weights[m + "gate.weight"],
-                  experts=tuple(SwiGLU.take(weights, f"{m}experts.{e}.") for e in range(cfg.num_experts)),
+                  experts=StackedExperts.stack([tuple(weights[f"{m}experts.{e}.{n}_proj.weight"]
+                                                      for n in ("gate", "up", "down"))
+                                                for e in range(cfg.num_experts)]),
                   shared=DenseMLP.take(weights, m + "shared_expert.") if shared else None,
                   shared_gate=weights[m + "shared_expert_gate.weight"] if shared else None)
     else:
@@ -439,7 +442,8 @@ def moe(h: Float[Tensor, "T D"], m: MoE, cfg: QwenConfig) -> Float[Tensor, "T D"
     """Softmax top-k routed experts plus the sigmoid-gated shared expert."""
     ids, weights = softmax_topk(F.linear(h, m.router), cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
     weights = weights.to(h.dtype)  # [T, k], as the HF router hands them to the experts
-    out = moe_sum(h, ids, weights, len(m.experts), lambda e, xs: m.experts[e](xs), lambda y, w: y * w)
+    out = moe_sum(h, ids, weights, len(m.experts), lambda e, xs: m.experts[e](xs), lambda y, w: y * w,
+                  stacked=m.experts)
     if m.shared is not None:
         out = out + torch.sigmoid(F.linear(h, m.shared_gate)) * m.shared(h)
     return out

@@ -93,8 +93,10 @@ def config_for(family: str, shape: str) -> dict:
 
 def _tensors(x, experts: list | None = None):
     """The tensors under ``x`` (tuples, lists, dicts, dataclass fields). With ``experts`` (a list), a dataclass
-    field named ``experts`` (a tuple, one entry per routed expert) is not walked: each expert's tensors go
-    there, one list per MoE layer."""
+    field named ``experts`` (a tuple, one entry per routed expert, or a `StackedExperts`) is not walked: each
+    expert's tensors go there, one list per MoE layer."""
+    from ..models.common import StackedExperts
+
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (tuple, list)):
@@ -106,7 +108,7 @@ def _tensors(x, experts: list | None = None):
     elif hasattr(x, "__dataclass_fields__"):
         for name in x.__dataclass_fields__:
             value = getattr(x, name)
-            if experts is not None and name == "experts" and isinstance(value, tuple) and value:
+            if experts is not None and name == "experts" and isinstance(value, (tuple, StackedExperts)) and len(value):
                 experts.append([list(_tensors(expert)) for expert in value])
             else:
                 yield from _tensors(value, experts)
