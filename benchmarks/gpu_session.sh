@@ -123,8 +123,8 @@ case "${1:-}" in
         "$out/gate_prologue_gpu.json" -- tests/gpu/test_fused_gpu.py -k "gate_prologue or (whole_model and prologue)"
     part 290 python benchmarks/model_ab.py --toggle gate_prologue --batch 1 8 --out "$out/bench_gate_prologue_ab.json"
     # the fused GDN decode's switch tests read each way's states right after it (the record before predates that)
-    part 150 env FNATTN_GPU_RESULTS="$out/state_first_cases.json" python benchmarks/gpu_pytest_record.py \
-        "$out/state_first_gpu.json" -- tests/gpu/test_gdn_decode_fused_gpu.py -k "state_first or fill_device"
+    part 150 env FNATTN_GPU_RESULTS="$out/state_first_rerun_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/state_first_rerun_gpu.json" -- tests/gpu/test_gdn_decode_fused_gpu.py -k "state_first or fill_device"
     ;;
   conv)  # the GDN prefill conv's interior tiles: its launch shapes with and without them, then the prefill A/B
     part 200 python benchmarks/conv_sweep.py --out "$out/conv_sweep.json"
