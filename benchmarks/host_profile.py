@@ -43,14 +43,15 @@ def main() -> None:
     cfg = _with_dtype(fam.adapt(config_for(a.family, a.shape)), dtype)
     model = Model(fam, cfg, fam.load(cfg, random_checkpoint(fam, cfg, dtype=dtype, device=dev)))
     ma = ModelAttention(model.specs, device=dev)
+    page = ma.page_size or 16  # what the chosen backends need (FlashMLA's 64), else 16
     if a.prefill:
         def steps(n):
-            return time_prefill(model, ma, dev, a.batch, a.prompt, page_size=16, reps=n)
+            return time_prefill(model, ma, dev, a.batch, a.prompt, page_size=page, reps=n)
 
         steps(1)  # compile and warm up outside the profile
         what = f"prefill B{a.batch} P{a.prompt}"
     else:
-        st = [decode_state(model, dev, a.batch, a.prompt, page_size=16, room=3 * a.steps + 8)]
+        st = [decode_state(model, dev, a.batch, a.prompt, page_size=page, room=3 * a.steps + 8)]
 
         def steps(n):
             times, st[0] = time_decode(model, ma, st[0], a.batch, n, warmup=0)
