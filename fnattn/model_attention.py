@@ -127,16 +127,25 @@ class ModelAttention:
             raise NoBackendError(f"layer {layer} ({self.spec_by_layer[layer].kind}), phase {phase!r}: {why}")
         return choice.backend
 
+    def page_sizes(self, phase: str | None = None) -> tuple[tuple[str, int], ...]:
+        """(backend name, the one page size it serves) of the chosen backends that declare one
+        (`fnattn.register`'s ``page_size``), in ``phase`` or in every phase; built once per phase (the choices
+        never change after construction). A session refuses a batch of another page size."""
+        cache = self.__dict__.setdefault("_page_sizes", {})
+        if phase not in cache:
+            cache[phase] = tuple(sorted({(c.backend.name, c.backend.page_size) for (_, p), c in self.choices.items()
+                                         if c.backend is not None and c.backend.page_size is not None
+                                         and (phase is None or p == phase)}))
+        return cache[phase]
+
     @property
     def page_size(self) -> int | None:
-        """The page size the chosen backends need (one declares it, `fnattn.register`'s ``page_size``); None:
-        any. Two chosen backends that need different sizes cannot share a State: that raises, naming them."""
-        need = {(c.backend.name, c.backend.page_size) for c in self.choices.values()
-                if c.backend is not None and c.backend.page_size is not None}
+        """The page size the chosen backends need (`page_sizes`); None: any. Two chosen backends that need
+        different sizes cannot share a State: that raises, naming them."""
+        need = self.page_sizes()
         sizes = {size for _, size in need}
         if len(sizes) > 1:
-            fail("ModelAttention.page_size", "backends", "chosen backends that agree on a page size",
-                 sorted(need))
+            fail("ModelAttention.page_size", "backends", "chosen backends that agree on a page size", list(need))
         return next(iter(sizes), None)
 
     def groups(self, phase: str) -> Mapping[int, tuple[LayerSpec, ...]]:

@@ -73,8 +73,8 @@ def register(kind: str, phase: str, name: str, *, supports: Supports | None = No
     ``replace=True`` lets a notebook cell re-register its backend. ``capturable=True`` declares that the
     backend (and its ``plan``) never reads a device value on the host and launches work whose shapes depend
     only on the batch's tensor shapes, so `fnattn.graph` may capture it in a CUDA graph. ``page_size``: the
-    one page size the backend serves (its plan refuses any other); a State for it is built with that size
-    (`ModelAttention.page_size` says which a model's chosen backends need).
+    one page size the backend serves: a session refuses a batch of any other, naming it, and a State for it
+    is built with that size (`ModelAttention.page_size` says which a model's chosen backends need).
     """
     if kind not in known_kinds():
         fail("register", "kind", f"a registered kind (known: {list(known_kinds())}; add one with "

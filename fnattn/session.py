@@ -76,6 +76,10 @@ class AttentionSession:
             checked[id(specs)] = specs  # held: its id cannot be reused while it is here
         if batch.page_size != state.page_size:
             fail("AttentionSession", "batch.page_size", f"the state's page size {state.page_size}", batch.page_size)
+        for name, size in ma.page_sizes(batch.phase):  # a backend that serves one page size (FlashMLA: 64)
+            if batch.page_size != size:
+                fail("AttentionSession", "batch.page_size", f"{size}, the one page size backend {name!r} serves "
+                     f"(build the State with page_size={size} or prefer another backend)", batch.page_size)
         if batch.block_table.device != state.device:
             fail("AttentionSession", "batch", f"tensors on {state.device}", batch.block_table.device)
         self._dispatch = ma.dispatch(batch.phase)

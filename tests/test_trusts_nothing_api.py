@@ -95,7 +95,8 @@ def test_register_twice_needs_replace():
 
 def test_a_backend_declares_its_page_size_and_the_model_attention_reports_it():
     """`register(page_size=)`: the one page size a backend serves; `ModelAttention.page_size` is what the chosen
-    backends need (None: any), and two chosen backends needing different sizes are refused by name."""
+    backends need (None: any), two chosen backends needing different sizes are refused by name, and a session
+    refuses a batch of another page size for the phase such a backend serves, before anything runs."""
     def backend(spec, views, inputs):  # pragma: no cover - never run
         raise AssertionError
 
@@ -111,6 +112,14 @@ def test_a_backend_declares_its_page_size_and_the_model_attention_reports_it():
     with pytest.raises(ValueError, match=r"ModelAttention.page_size: `backends` must be chosen backends that agree "
                                          r"on a page size, got \[\('test_paged', 64\), \('test_paged_32', 32\)\]"):
         _ = both.page_size
+    st = nan_state([spec]).admit(0).reserve({0: 2})  # pages of 4
+    st = st.apply(run(fa.ModelAttention([spec]), st, fa.Batch.prefill(st, {0: 2}), {0: full_inputs(spec, 2)})[1])
+    st = st.reserve({0: 1})
+    paged = fa.ModelAttention([spec], prefer=("test_paged", "reference"))
+    assert paged.page_sizes("prefill") == () and paged.page_sizes("decode") == (("test_paged", 64),)
+    assert_refused(st, lambda: paged.session(st, fa.Batch.decode(st, [0])).__enter__(),
+                   r"AttentionSession: `batch.page_size` must be 64, the one page size backend 'test_paged' serves "
+                   r"\(build the State with page_size=64 or prefer another backend\), got 4")
 
 
 def test_bad_arguments_do_not_depend_on_checks():

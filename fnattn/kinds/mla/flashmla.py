@@ -13,7 +13,6 @@ served by the FlashInfer backend instead (`.flashinfer`).
 
 from __future__ import annotations
 
-from ...checks import fail
 from ...deltas import Writes, writes
 from ...registry import register
 from ...spec import LayerSpec
@@ -46,9 +45,6 @@ def supports(spec, device) -> list[str]:
 def plan(specs, batch, lease):
     from sgl_kernel.flash_mla import get_mla_metadata
 
-    if batch.page_size != PAGE_SIZE:
-        fail("mla flashmla", "page_size", f"{PAGE_SIZE} (FlashMLA's page size; build the State with "
-             f"page_size={PAGE_SIZE} or prefer 'flashinfer')", batch.page_size)
     n = uniform_new(batch, "mla flashmla")
     meta, splits = get_mla_metadata(batch.cache_lens, n * specs[0].config.mla.heads, 1)
     return {"meta": meta, "splits": splits, "n": n}
