@@ -261,6 +261,12 @@ class StackedExperts:
             down[e].copy_(d)
         return cls(gate_up, down)
 
+    @classmethod
+    def take(cls, weights, prefix: str, count: int) -> StackedExperts:
+        """Experts ``{prefix}{e}.`` for e < ``count``, each named as `SwiGLU.take` reads it, stacked."""
+        return cls.stack([(s.gate, s.up, s.down) for s in (SwiGLU.take(weights, f"{prefix}{e}.")
+                                                           for e in range(count))])
+
     def __len__(self) -> int:
         return len(self._each)
 

@@ -403,9 +403,7 @@ def load_layer(cfg: DeepseekConfig, weights, i: int) -> Layer:
     if cfg.mlp_types[i] == "dense":
         mlp = SwiGLU.take(weights, m)
     else:
-        names = ("gate", "up", "down")
-        experts = StackedExperts.stack([tuple(weights[f"{m}experts.{e}.{n}_proj.weight"] for n in names)
-                                        for e in range(cfg.moe.n_routed_experts)])
+        experts = StackedExperts.take(weights, m + "experts.", cfg.moe.n_routed_experts)
         mlp = MoE(weights[m + "gate.weight"], weights[m + "gate.e_score_correction_bias"], experts,
                   SwiGLU.take(weights, m + "shared_experts."))
     return Layer(weights[p + "input_layernorm.weight"], weights[p + "post_attention_layernorm.weight"],

@@ -397,9 +397,7 @@ def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
     if cfg.moe_layers[i]:
         shared = cfg.shared_expert_intermediate_size > 0
         mlp = MoE(router=weights[m + "gate.weight"],
-                  experts=StackedExperts.stack([tuple(weights[f"{m}experts.{e}.{n}_proj.weight"]
-                                                      for n in ("gate", "up", "down"))
-                                                for e in range(cfg.num_experts)]),
+                  experts=StackedExperts.take(weights, m + "experts.", cfg.num_experts),
                   shared=DenseMLP.take(weights, m + "shared_expert.") if shared else None,
                   shared_gate=weights[m + "shared_expert_gate.weight"] if shared else None)
     else:
