@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .checks import CHECKS_ENABLED, fail
+from .checks import _STRIDED, CHECKS_ENABLED, fail
 from .deltas import StepDeltas, Writes
 from .errors import StaleDeltasError
 
@@ -309,9 +309,6 @@ def _spans(storage) -> dict:
     if spans is None:
         spans = storage._spans = _disjoint_spans(storage)
     return spans
-
-
-_STRIDED = torch.strided
 
 
 def _target(storage, layer: int, name: str, value, layout: tuple, spaces: tuple, spans: dict) -> _Target:
