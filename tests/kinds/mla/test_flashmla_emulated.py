@@ -82,7 +82,7 @@ def emulated(monkeypatch):
         for kind, phases in (("mla", ("decode", "verify")), ("sparse_mla", ("prefill", "decode", "verify"))):
             for phase in phases:
                 b = lookup(kind, phase, "flashmla")
-                fa.register(kind, phase, "emulated", plan=b.plan, replace=True)(b.source)
+                fa.register(kind, phase, "emulated", plan=b.plan, page_size=b.page_size, replace=True)(b.source)
         yield "emulated"
 
 
