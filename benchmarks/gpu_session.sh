@@ -11,7 +11,8 @@
 #   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles; early: wider first GEMV loads;
 #   merge: attention's splits merged in its own launch (merge-state: with the GDN decode's state_first);
 #   fused-now: the whole model fused against unfused at today's defaults; gates: the output gates in the GEMVs; conv: the GDN conv's interior tiles
-#   moe-grouped: the MoE families' captured routed experts as grouped GEMMs; kimi-profile: Kimi Linear's eager step
+#   moe-grouped: the MoE families' captured routed experts as grouped GEMMs (moe-now: with it on, then model-moe);
+#   kimi-profile: Kimi Linear's eager step
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -153,6 +154,14 @@ case "${1:-}" in
         "$out/grouped_experts_gpu.json" -- tests/gpu/test_grouped_experts_gpu.py
     part 300 python benchmarks/model_ab.py --family deepseek_v32 --shape 2-layer --ctx 2048 --batch 1 8 32 \
         --steps 16 --toggle grouped_experts --out "$out/bench_grouped_experts_ab.json"
+    ;;
+  moe-now)  # grouped_experts on (the default): its parity, eager and captured, then the MoE families' model bench
+    part 200 env FNATTN_GPU_RESULTS="$out/grouped_experts_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/grouped_experts_gpu.json" -- tests/gpu/test_grouped_experts_gpu.py
+    part 170 python -m fnattn bench model --family deepseek_v32 --shape 2-layer --batch 1 8 32 --prompt 2048 \
+        --no-transformers --out "$out/bench_model_deepseek_v32_2-layer.json"
+    part 200 python -m fnattn bench model --family kimi_linear --shape 4-layer --batch 1 8 32 --prompt 2048 \
+        --no-transformers --out "$out/bench_model_kimi_linear_4-layer.json"
     ;;
   kimi-profile)  # where Kimi Linear's eager batch-1 step goes (28.7 ms for 4 layers at 435f10f): kernels, then host
     part 300 python -m fnattn bench model --family kimi_linear --shape 4-layer --batch 1 --prompt 2048 --steps 8 \

@@ -307,14 +307,16 @@ def grouped_moe(
 
 
 def _grouped(x: Tensor, down: Tensor | None) -> bool:
-    """Whether a static-shape step takes `grouped_moe` (`fused.grouped_experts`): CUDA's grouped GEMM wants
-    bf16 rows of 16-byte multiples; on a CPU any float dtype."""
+    """Whether a MoE layer takes `grouped_moe` (`fused.grouped_experts`, on by default): on CUDA every step,
+    eager or static, in bf16 with rows of 16-byte multiples (what CUDA's grouped GEMM takes), so no step reads
+    the routing back to the host; on a CPU a static-shape step in any float dtype, while the eager step keeps
+    the loop over the picked experts (no device to wait for there, and the loop is the plain reading)."""
     from .fused import _GROUPED_EXPERTS  # imported here: models.fused imports this module
 
-    if down is None or not _GROUPED_EXPERTS[-1] or not in_static_step():
+    if down is None or not _GROUPED_EXPERTS[-1]:
         return False
     if not x.is_cuda:
-        return x.dtype.is_floating_point
+        return in_static_step() and x.dtype.is_floating_point
     D, inner = x.shape[-1], down.shape[-1]
     return x.dtype is torch.bfloat16 and D % 8 == 0 and inner % 8 == 0
 
@@ -359,12 +361,12 @@ def moe_sum(
 ) -> Float[Tensor, "T D"]:
     """``sum_k combine(run(ids[t, k], x[t]), weights[t, k])`` per token (a token picks an expert at most once).
 
-    Eager, each expert runs on the tokens that chose it (reading the routing back to the host). Inside a
-    static-shape step (`fnattn.lanes.static_shapes`: a captured or capturable step) every expert runs on
-    every token with a weight that is zero where the token did not choose it: no host read, shapes fixed
-    by the bucket, at ``num_experts`` times the expert FLOPs -- fine for small models; a large MoE wants a
-    grouped-GEMM kernel there: with the experts' ``stacked`` weights and `fused.grouped_experts` on, it is
-    `grouped_moe`.
+    With the experts' ``stacked`` weights and `fused.grouped_experts` on (the default), it is `grouped_moe`
+    wherever `_grouped` says so: every CUDA bf16 step, and a CPU static-shape step. Otherwise, eager, each
+    expert runs on the tokens that chose it (reading the routing back to the host); inside a static-shape step
+    (`fnattn.lanes.static_shapes`: a captured or capturable step) every expert runs on every token with a
+    weight that is zero where the token did not choose it: no host read, shapes fixed by the bucket, at
+    ``num_experts`` times the expert FLOPs.
     """
     if _grouped(x, None if stacked is None else stacked.down):
         return grouped_moe(x, ids, weights, stacked.gate_up, stacked.down, combine)
