@@ -37,8 +37,9 @@ Switches:
   the default), or by a launch of their own after it.
 - ``own_norm_act``: the residual add + RMSNorm and SiLU-and-mul as fnattn's own kernels, which hand the
   stream over at their start under PDL (`models.fused.own_norm_act`, the default), or FlashInfer's.
-- ``grouped_experts``: a captured step's routed experts as grouped GEMMs over the experts its tokens picked
-  (`models.fused.grouped_experts`, off until timed), or every expert on every token (a MoE family's ``--family``).
+- ``grouped_experts``: a MoE step's routed experts as grouped GEMMs over the experts its tokens picked
+  (`models.fused.grouped_experts`, the default), or, captured, every expert on every token (a MoE family's
+  ``--family``).
 - ``fla_direct`` (prefill): the fla provider calls fla-core's chunk forward itself
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)

@@ -111,7 +111,7 @@ def test_a_variant_whose_step_fails_leaves_the_state_live_for_the_others(monkeyp
 
 def test_another_family_runs_its_own_shape_with_grouped_experts():
     """``--family deepseek_v32 --shape tiny``: its records name the family and context; the grouped experts'
-    variant ran under its switch (on a CPU its static steps take `grouped_moe` too)."""
+    variant (on by default, so the flipped one is off: every expert on every token) ran under its switch."""
     import torch
 
     torch.set_num_threads(1)
@@ -119,5 +119,5 @@ def test_another_family_runs_its_own_shape_with_grouped_experts():
     records = ab.run_ab(["grouped_experts"], batches=[1], steps=2, shape="tiny", device="cpu",
                         family="deepseek_v32", ctx=32)
     assert [(r["case"], r["variant"].split(":")[0]) for r in records] == [
-        ("deepseek_v32 tiny B1 ctx32", "defaults"), ("deepseek_v32 tiny B1 ctx32", "grouped_experts=on")]
-    assert records[1]["switches"] == {"grouped_experts": True}
+        ("deepseek_v32 tiny B1 ctx32", "defaults"), ("deepseek_v32 tiny B1 ctx32", "grouped_experts=off")]
+    assert records[1]["switches"] == {"grouped_experts": False}
