@@ -54,7 +54,7 @@ Switches:
 - ``state_first``: the fused GDN decode reads its state tile, conv window and batch rows before it waits for
   the input projection (`fnattn.kernels.gdn_decode_fused.state_first`, the default), or after it.
 - ``interior_tiles`` (prefill): the GDN conv's tiles inside one request read x alone
-  (`fnattn.kernels.gdn_conv.interior_tiles`), or every tile takes the general path (the default).
+  (`fnattn.kernels.gdn_conv.interior_tiles`, the default), or every tile takes the general path.
 - ``merge_in_launch``: a split attention decode's splits merged by its last split of each tile
   (`fnattn.kernels.paged_attention.merge_in_launch`), or by a merge kernel after it (the default).
 - ``early2``, ``early4``: each GEMV's first load 2 or 4 K tiles wide (`SkinnyConfig.early`), in registers

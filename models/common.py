@@ -8,8 +8,9 @@ DSA layers and the gated output norms of GDN / KDA call them.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -285,25 +286,22 @@ def grouped_moe(
     limit: float | None = None,
 ) -> Float[Tensor, "T D"]:
     """`moe_sum` of SwiGLU experts without a host read: the (token, expert) pairs sorted by expert, two grouped
-    GEMMs over the stacked weights (each group one expert's pairs, its end counted on the device), then each
-    token's outputs added in ascending expert order, as `moe_sum`'s eager loop adds them."""
+    GEMMs over the stacked weights (each group one expert's pairs, its end found on the device), then each
+    token's k weighted outputs summed in one reduction (fp32 accumulation, one rounding to ``x.dtype``): about
+    fifteen launches a layer whatever k is."""
     T, k = ids.shape
     E = gate_up.shape[0]
-    ids, perm = ids.sort(dim=-1)  # each token's experts ascending: the order its outputs are added in
-    weights = weights.gather(-1, perm)
     flat = ids.reshape(-1)  # [P]: pair p = t * k + j
-    order = torch.argsort(flat, stable=True)  # the pairs grouped by expert, tokens in order within one
-    ends = (flat.unsqueeze(1) == torch.arange(E, device=x.device)).sum(0).cumsum(0).to(torch.int32)  # [E]
+    picked, order = flat.sort(stable=True)  # the pairs grouped by expert, tokens in order within one
+    every = torch.arange(E, device=x.device, dtype=picked.dtype)
+    ends = torch.searchsorted(picked, every, right=True).to(torch.int32)  # [E]: one past each expert's last pair
     h = torch._grouped_mm(x.index_select(0, order // k), gate_up.transpose(1, 2), offs=ends)  # [P, 2I]
     g, u = h.chunk(2, dim=-1)
     if limit is not None:
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
     y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)  # [P, D]
     y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back in pair order (each row once)
-    out = torch.zeros_like(x)
-    for j in range(k):
-        out = out + combine(y[:, j], weights[:, j, None]).to(x.dtype)
-    return out
+    return combine(y, weights[..., None]).to(x.dtype).sum(1)  # [T, D]
 
 
 def _grouped(x: Tensor, down: Tensor | None) -> bool:
@@ -319,6 +317,27 @@ def _grouped(x: Tensor, down: Tensor | None) -> bool:
         return in_static_step() and x.dtype.is_floating_point
     D, inner = x.shape[-1], down.shape[-1]
     return x.dtype is torch.bfloat16 and D % 8 == 0 and inner % 8 == 0
+
+
+_ROUTED_COUNTS: list[list[int]] = []  # innermost `counting_routed_experts` block last
+
+
+@contextlib.contextmanager
+def counting_routed_experts() -> Iterator[list[int]]:
+    """Within this block each MoE layer call appends how many distinct experts its tokens picked, in call order:
+    what a step's routed experts really read (a bench's roofline). Each count reads the routing back to the
+    host, so this is for an untimed, uncaptured step only."""
+    counts: list[int] = []
+    _ROUTED_COUNTS.append(counts)
+    try:
+        yield counts
+    finally:
+        _ROUTED_COUNTS.remove(counts)
+
+
+def _count_routed(ids: Tensor) -> None:
+    if _ROUTED_COUNTS:
+        _ROUTED_COUNTS[-1].append(int(ids.unique().numel()))
 
 
 def experts(
@@ -345,6 +364,7 @@ def experts(
     def combine(y, w):
         return y * w.to(y.dtype)
 
+    _count_routed(top_ids)
     if _grouped(x, down):
         return grouped_moe(x, top_ids, top_weights, gate_up, down, combine, limit=limit)
     return moe_sum(x, top_ids, top_weights, gate_up.shape[0], run, combine)
@@ -368,6 +388,7 @@ def moe_sum(
     weight that is zero where the token did not choose it: no host read, shapes fixed by the bucket, at
     ``num_experts`` times the expert FLOPs.
     """
+    _count_routed(ids)
     if _grouped(x, None if stacked is None else stacked.down):
         return grouped_moe(x, ids, weights, stacked.gate_up, stacked.down, combine)
     out = torch.zeros_like(x)

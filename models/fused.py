@@ -127,14 +127,14 @@ def gate_prologue(enabled: bool):
 
 def grouped_experts(enabled: bool):
     """Within this block a MoE layer's routed experts run as two grouped GEMMs over the experts its tokens
-    picked (`common.grouped_moe`: ``torch._grouped_mm`` over the weights stacked at load, the groups counted on
-    the device) when ``enabled``: on CUDA in every bf16 step, eager or captured, and on a CPU in static-shape
-    steps (`common._grouped`). Off, a captured step runs every expert on every token with a zero weight and an
-    eager one loops over the picked experts, reading the routing back to the host. Each token's expert outputs
-    are added in ascending expert order either way. On by default: on, DeepSeek-V3.2's 2-layer graph step at
-    its released shape on the H200 took 0.154x / 0.192x / 0.219x as long at batch 1 / 8 / 32, paired by round
-    (``benchmarks/model_ab.py --family deepseek_v32 --shape 2-layer --ctx 2048 --toggle grouped_experts``,
-    benchmarks/results/bench_grouped_experts_ab.json at 41e6c56)."""
+    picked (`common.grouped_moe`: ``torch._grouped_mm`` over the weights stacked at load, the groups found on
+    the device, a token's k outputs summed in one fp32 reduction) when ``enabled``: on CUDA in every bf16 step,
+    eager or captured, and on a CPU in static-shape steps (`common._grouped`). Off, a captured step runs every
+    expert on every token with a zero weight and an eager one loops over the picked experts, reading the
+    routing back to the host and adding each expert's outputs in turn. On by default: on, DeepSeek-V3.2's
+    2-layer graph step at its released shape on the H200 took 0.154x / 0.192x / 0.219x as long at batch 1 / 8 /
+    32, paired by round (``benchmarks/model_ab.py --family deepseek_v32 --shape 2-layer --ctx 2048 --toggle
+    grouped_experts``, benchmarks/results/bench_grouped_experts_ab.json at 41e6c56)."""
     return switched(_GROUPED_EXPERTS, "grouped_experts", enabled)
 
 

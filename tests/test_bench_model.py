@@ -224,3 +224,34 @@ def test_tiny_24_repeats_the_tiny_schedule_to_24_layers():
     with pytest.raises(ValueError, match=r"--shape: must be one of \['0.8b', 'tiny', 'tiny-24'\] for family "
                                          r"'qwen3_5', got 'huge'"):
         config_for("qwen3_5", "huge")
+
+
+def test_a_moe_step_roofline_counts_the_experts_its_tokens_picked():
+    """The roofline step of a MoE case reads the routed experts one real step picked (counted per layer), not
+    the uniform estimate: the record names the counts, and its weight bytes follow them."""
+    from fnattn.models.common import StackedExperts, counting_routed_experts, moe_sum
+
+    from fnattn.bench.model import config_for, run_model_bench
+
+    torch.set_num_threads(1)
+    records = run_model_bench(family="deepseek_v32", shape="tiny", batches=[1, 4], prompts=[16], steps=2,
+                              device="cpu", transformers=False, graph=False, log=lambda *a: None)
+    roofs = [r for r in records if r["backend"] == "roofline step"]
+    assert len(roofs) == 2
+    k = config_for("deepseek_v32", "tiny")["num_experts_per_tok"]
+    for r, b in zip(roofs, [1, 4]):
+        touched = r["experts_touched"]
+        assert len(touched) == 2  # the tiny model's two MoE layers
+        assert all(k <= n <= min(8, b * k) for n in touched)  # each token picks k distinct experts of 8
+    assert roofs[0]["experts_touched"] == [k, k]  # one token: exactly its k experts a layer
+    # bytes follow the counts: more experts picked at batch 4 read more weights, and as many per expert
+    extra = sum(roofs[1]["experts_touched"]) - 2 * k
+    w1, w4 = roofs[0]["bytes"]["weights"], roofs[1]["bytes"]["weights"]
+    assert (w4 > w1) == (extra > 0) and (extra == 0 or (w4 - w1) % extra <= 2)
+    # the counter sees each call's distinct experts, and nothing outside its block
+    stacked = StackedExperts.stack([tuple(torch.randn(*s) for s in ((4, 8), (4, 8), (8, 4))) for _ in range(6)])
+    ids = torch.tensor([[0, 3], [3, 5], [0, 5]])
+    with counting_routed_experts() as counts:
+        moe_sum(torch.randn(3, 8), ids, torch.rand(3, 2), 6, lambda e, xs: stacked[e](xs), lambda y, w: y * w)
+    moe_sum(torch.randn(3, 8), ids, torch.rand(3, 2), 6, lambda e, xs: stacked[e](xs), lambda y, w: y * w)
+    assert counts == [3]

@@ -12,7 +12,9 @@ bf16 on CUDA and fp32 on CPU. For each prompt length P and batch B:
 - transformers' causal LM with the same tensors loaded by name (sdpa attention; fla's kernels when
   installed), prefill and decode, when B * P fits ``--hf-tokens``;
 - the roofline: the weights read per step, and per step the weights plus every K/V row read and
-  written and every recurrent row read and written, each over the device copy bandwidth measured now.
+  written and every recurrent row read and written, each over the device copy bandwidth measured now. A MoE
+  step's routed experts count as many as its tokens picked in one untimed eager step before the timed ones
+  (``experts_touched``: the distinct experts of each MoE layer).
 
 Every decode record carries ``x_roofline`` (its step over its own roofline) and ``ratio_to_peer``
 (transformers' step over this one, > 1: faster). ``--shape tiny`` runs on CPU in seconds; its
@@ -24,6 +26,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -114,26 +117,44 @@ def _tensors(x, experts: list | None = None):
                 yield from _tensors(value, experts)
 
 
-def weight_bytes(params, *, tokens: int | None = None, experts_per_token: int | None = None) -> int:
+def weight_bytes(params, *, tokens: int | None = None, experts_per_token: int | None = None,
+                 touched: Sequence[int] | None = None) -> int:
     """Bytes of every distinct tensor storage the params hold (views and tied weights counted once).
 
-    With ``tokens`` and ``experts_per_token`` (a MoE model's decode step): each MoE layer's routed experts
-    count as many as ``tokens`` tokens touch on average when each picks ``experts_per_token`` of the ``E``
-    distinct experts uniformly, ``E * (1 - (1 - k / E) ** tokens)``: the experts a step reads, not all.
+    A MoE model's decode step reads only the routed experts its tokens pick: with ``touched``, each MoE layer's
+    count of distinct picked experts in layer order (`models.common.counting_routed_experts` over a real step);
+    else, with ``tokens`` and ``experts_per_token``, as many as ``tokens`` tokens touch on average when each
+    picks ``experts_per_token`` of the ``E`` experts uniformly, ``E * (1 - (1 - k / E) ** tokens)``.
     """
     experts: list[list[list[torch.Tensor]]] = []  # per MoE layer, each routed expert's tensors
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(params, experts)}
     total = sum(storages.values())
-    for layer in experts:
+    if touched is not None and len(touched) != len(experts):
+        raise ValueError(f"touched: expected a count for each of the {len(experts)} MoE layers, got {len(touched)}")
+    for i, layer in enumerate(experts):
         # by the tensors' own sizes: experts may be views of one stacked storage
         per_expert = sum(t.numel() * t.element_size() for expert in layer for t in expert) / len(layer)
         E = len(layer)
-        if tokens is None or experts_per_token is None:
-            touched = E
+        if touched is not None:
+            count = min(touched[i], E)
+        elif tokens is None or experts_per_token is None:
+            count = E
         else:
-            touched = E * (1 - (1 - min(experts_per_token, E) / E) ** tokens)
-        total += round(touched * per_expert)
+            count = E * (1 - (1 - min(experts_per_token, E) / E) ** tokens)
+        total += round(count * per_expert)
     return total
+
+
+def routed_experts_touched(model, ma, state, batch: int) -> tuple[list[int] | None, object]:
+    """``-> (distinct experts each MoE layer's tokens picked in one eager decode step, the state after)``, or
+    None for a model without routed experts (or whose expert layers `weight_bytes` does not see one by one)."""
+    from fnattn.models.common import counting_routed_experts
+
+    with counting_routed_experts() as counts:
+        _, state = time_decode(model, ma, state, batch, 1, warmup=0)
+    experts: list = []
+    list(_tensors(model.params, experts))
+    return (list(counts) if counts and len(counts) == len(experts) else None), state
 
 
 def experts_per_token(config) -> int | None:
@@ -437,7 +458,7 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
     records.append({"case": name, "backend": "roofline weights", "phase": "decode", "weight_bytes": wbytes,
                     "copy_bandwidth_tb_s": bw / 1e12, "time_us": wbytes / bw * 1e6, "page_size": page_size,
                     "note": "every weight read once per decode step, over the copy bandwidth measured now (a MoE "
-                            "step's own roofline counts the routed experts its tokens touch)"})
+                            "step's own roofline counts the routed experts its tokens picked)"})
     skipped = f"--tp {tp.size} (the peer is the whole model)" if sharded else "--no-transformers"
     hf, hf_why = (None, skipped) if not transformers else (None, None)
     if transformers:
@@ -471,13 +492,17 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
                     records.append({"case": f"{name} prefill B{b} P{prompt}", "backend": "fnattn eager profile",
                                     "phase": "prefill", "profile": result})
                     print_profile(f"{name} prefill B{b} P{prompt} fnattn eager", result, log=log)
-            room = 2 * (steps + 8 + profile)  # eager then graph steps, each after warm-up (and profiled) steps
+            # eager then graph steps, each after warm-up (and profiled) steps, and one counting the routed experts
+            room = 2 * (steps + 8 + profile) + 1
             st = decode_state(model, dev, b, prompt, page_size=page_size, room=room)
             moved = step_bytes(st, b, prompt)
-            read = weight_bytes(model.params, tokens=b, experts_per_token=experts_per_token(model.config))
+            k = experts_per_token(model.config)
+            touched, st = routed_experts_touched(model, ma, st, b) if k is not None else (None, st)
+            read = weight_bytes(model.params, tokens=b, experts_per_token=k, touched=touched)
             per_step = read + sum(moved.values())
             records.append({"case": case, "backend": "roofline step", "phase": "decode", "time_us": per_step / bw * 1e6,
-                            "bytes": {"weights": read, **moved}, "tok_s": b / (per_step / bw)})
+                            "bytes": {"weights": read, **moved}, "tok_s": b / (per_step / bw),
+                            **({"experts_touched": touched} if touched is not None else {})})
             times, st = time_decode(model, ma, st, b, steps)
             records.append(_record(case, "fnattn eager", "decode", statistics.median(times), b))
             if profile:

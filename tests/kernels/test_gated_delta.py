@@ -322,8 +322,8 @@ def test_conv_matches_ref(dtype, per_pos, activation, with_bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("per_pos", [False, True], ids=["final", "per_pos"])
 def test_conv_interior_tiles_give_the_general_paths_bits(dtype, per_pos):
-    """`gdn_conv.interior_tiles`: tiles of 32 tokens inside one request past its first taps read x alone;
-    the ones at a request's start or across two requests (and a pad-free short request) take the general
+    """`gdn_conv.interior_tiles` (on by default): tiles of 32 tokens inside one request past its first taps read x
+    alone; the ones at a request's start or across two requests (and a pad-free short request) take the general
     path. The same bits either way, and the reference's values (per-position windows keep the general path)."""
     from fnattn.kernels import gdn_conv
 
@@ -334,7 +334,8 @@ def test_conv_interior_tiles_give_the_general_paths_bits(dtype, per_pos):
     bias = torch.randn(CONV_C, generator=gen).to(DEV, dtype)
     pool = make_pool(6, (CONV_C, CONV_W - 1), live=[0, 2, 5], dtype=dtype)
     args = (x, w, bias, pool, slots_of([5, -1, 0, 2]), cu_of(lens))
-    plain = causal_conv1d(*args, per_position_states=per_pos)
+    with gdn_conv.interior_tiles(False):
+        plain = causal_conv1d(*args, per_position_states=per_pos)
     with gdn_conv.interior_tiles(True):
         inner = causal_conv1d(*args, per_position_states=per_pos)
     for a, b in zip(inner, plain):
