@@ -364,8 +364,8 @@ def experts(
     def combine(y, w):
         return y * w.to(y.dtype)
 
-    _count_routed(top_ids)
     if _grouped(x, down):
+        _count_routed(top_ids)
         return grouped_moe(x, top_ids, top_weights, gate_up, down, combine, limit=limit)
     return moe_sum(x, top_ids, top_weights, gate_up.shape[0], run, combine)
 

@@ -28,7 +28,7 @@ from fnattn.kinds.dsv4 import DSV4Config
 from fnattn.kinds.dsv4.math import rms_norm_fp32w
 from fnattn.tp import all_reduce
 
-from .common import check_config_value, check_step_tokens, experts, grouped_topk, logit_rows
+from .common import StackedExperts, check_config_value, check_step_tokens, experts, grouped_topk, logit_rows
 from .deepseek_v32 import get_field, rope_tables
 from .dsv4_layer import AttnWeights, attention_inputs, output_projection, unweighted_norm
 from .dsv4_layer import rope_tables as cos_sin
@@ -296,8 +296,7 @@ class MoE:
     router: Tensor  # [E, D]
     bias: Tensor | None  # [E] fp32 (learned routing only)
     tid2eid: Tensor | None  # [vocab, k] int64 (hash routing only)
-    gate_up: Tensor  # [E, 2I, D]
-    down: Tensor  # [E, D, I]
+    experts: StackedExperts  # the routed experts: gate_up [E, 2I, D] (w1 rows, then w3), down [E, D, I] (w2)
     shared: tuple[Tensor, Tensor, Tensor]  # gate [I, D], up [I, D], down [D, I]
 
 
@@ -326,12 +325,11 @@ class Params:
 def load_layer(cfg: DeepseekV4Config, w, p: str, c: DSV4Config, mlp_type: str) -> Layer:
     """One decoder block from the tensors under ``p``."""
     m, hashed = p + "ffn.", mlp_type == "hash_moe"
-    E = range(cfg.n_routed_experts)
-    # One fused [E, 2I, D] / [E, D, I] copy for `common.experts`, as transformers merges them on load.
-    gate_up = torch.stack([torch.cat((w[f"{m}experts.{e}.w1.weight"], w[f"{m}experts.{e}.w3.weight"])) for e in E])
-    down = torch.stack([w[f"{m}experts.{e}.w2.weight"] for e in E])
+    # stacked [E, 2I, D] / [E, D, I] for `common.experts`, as transformers merges them on load
+    routed = StackedExperts.stack([tuple(w[f"{m}experts.{e}.{n}.weight"] for n in ("w1", "w3", "w2"))
+                                   for e in range(cfg.n_routed_experts)])
     mlp = MoE(w[m + "gate.weight"], None if hashed else w[m + "gate.bias"].float(),
-              w[m + "gate.tid2eid"].long() if hashed else None, gate_up, down,
+              w[m + "gate.tid2eid"].long() if hashed else None, routed,
               tuple(w[m + f"shared_experts.{n}.weight"] for n in ("w1", "w3", "w2")))
     return Layer(AttnWeights.take(w, p + "attn.", c), w[p + "attn_norm.weight"].float(),
                  w[p + "ffn_norm.weight"].float(), HC.take(w, p + "hc_attn"), HC.take(w, p + "hc_ffn"), mlp)
@@ -387,7 +385,7 @@ def moe(block: MoE, cfg: DeepseekV4Config, x: Float[Tensor, "T D"], tokens: Tens
         ids = block.tid2eid.index_select(0, tokens)
         w = scores.gather(1, ids)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
-    routed = experts(x, ids, w, block.gate_up, block.down, limit=cfg.swiglu_limit)
+    routed = experts(x, ids, w, block.experts.gate_up, block.experts.down, limit=cfg.swiglu_limit)
     g, u, d = block.shared
     lim = cfg.swiglu_limit
     shared = F.linear(F.silu(F.linear(x, g).clamp(max=lim)) * F.linear(x, u).clamp(min=-lim, max=lim), d)

@@ -255,3 +255,27 @@ def test_a_moe_step_roofline_counts_the_experts_its_tokens_picked():
         moe_sum(torch.randn(3, 8), ids, torch.rand(3, 2), 6, lambda e, xs: stacked[e](xs), lambda y, w: y * w)
     moe_sum(torch.randn(3, 8), ids, torch.rand(3, 2), 6, lambda e, xs: stacked[e](xs), lambda y, w: y * w)
     assert counts == [3]
+    # `experts` counts each call once, on the grouped path (a static step) and through the loop alike
+    from fnattn.models.common import experts
+
+    from fnattn.lanes import static_shapes
+
+    with counting_routed_experts() as counts:
+        experts(torch.randn(3, 8), ids, torch.rand(3, 2), stacked.gate_up, stacked.down)
+        with static_shapes():
+            experts(torch.randn(3, 8), ids[:1], torch.rand(1, 2), stacked.gate_up, stacked.down)
+    assert counts == [3, 2]
+
+
+def test_deepseek_v4_experts_are_counted_as_every_moe_family_s():
+    """DeepSeek-V4's routed experts are a `StackedExperts` too, so its roofline counts the picked ones (hash-routed
+    layers included: a token's fixed experts)."""
+    from fnattn.bench.model import config_for, run_model_bench
+
+    torch.set_num_threads(1)
+    records = run_model_bench(family="deepseek_v4", shape="tiny", batches=[1], prompts=[16], steps=2,
+                              device="cpu", transformers=False, graph=False, log=lambda *a: None)
+    (roof,) = [r for r in records if r["backend"] == "roofline step"]
+    raw = config_for("deepseek_v4", "tiny")
+    assert len(roof["experts_touched"]) == raw["num_hidden_layers"]  # every V4 block is a MoE
+    assert all(1 <= n <= raw["num_experts_per_tok"] for n in roof["experts_touched"])
