@@ -301,7 +301,7 @@ def grouped_moe(
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
     y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)  # [P, D]
     y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back in pair order (each row once)
-    return combine(y, weights[..., None]).to(x.dtype).sum(1)  # [T, D]
+    return combine(y, weights[..., None]).sum(1).to(x.dtype)  # [T, D]: summed in fp32, then rounded once
 
 
 def _grouped(x: Tensor, down: Tensor | None) -> bool:
