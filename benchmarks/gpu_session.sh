@@ -127,9 +127,12 @@ case "${1:-}" in
     part 150 env FNATTN_GPU_RESULTS="$out/state_first_rerun_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/state_first_rerun_gpu.json" -- tests/gpu/test_gdn_decode_fused_gpu.py -k "state_first or fill_device"
     ;;
-  conv)  # the GDN prefill conv's interior tiles: its launch shapes with and without them, then the prefill A/B
+  conv)  # the GDN prefill conv: its launch shapes with and without interior tiles, q / k / v written apart
+    # (qkv_apart: parity), then the 8192-token prefill A/B of both
     part 200 python benchmarks/conv_sweep.py --out "$out/conv_sweep.json"
-    part 250 python benchmarks/model_ab.py --toggle interior_tiles --prefill 8192 --batch 1 --steps 16 \
+    part 250 env FNATTN_GPU_RESULTS="$out/qkv_apart_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/qkv_apart_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py -k qkv_apart
+    part 300 python benchmarks/model_ab.py --toggle interior_tiles qkv_apart --prefill 8192 --batch 1 --steps 16 \
         --out "$out/bench_conv_ab.json"
     ;;
   prefill)  # fla-core's GDN prefill with fla_direct (the default): bitwise against the public function, then timed

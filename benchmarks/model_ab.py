@@ -42,6 +42,8 @@ Switches:
   ``--family``).
 - ``fla_direct`` (prefill): the fla provider calls fla-core's chunk forward itself
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
+- ``qkv_apart`` (prefill): the fla provider's conv writes q, k and v each contiguous
+  (`fnattn.kinds.delta_rule.triton.qkv_apart`), or one output whose slices fla-core copies (the default).
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
   or FlashInfer's norms and rope.
 - ``swiglu_epilogue``: SwiGLU's SiLU-and-mul written by the gate / up GEMV (`models.fused.swiglu_epilogue`,
@@ -113,6 +115,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                          False: "every routed expert on every token"}),
     "fla_direct": (delta_rule.fla_direct, lambda: delta_rule._FLA_DIRECT[-1],
                    {True: "fla-core's chunk forward called itself", False: "fla-core's public function"}),
+    "qkv_apart": (delta_rule.qkv_apart, lambda: delta_rule._QKV_APART[-1],
+                  {True: "the conv writes q, k, v each contiguous", False: "q, k, v copied out of one conv output"}),
 }
 
 

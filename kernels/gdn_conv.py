@@ -36,6 +36,7 @@ def _conv_kernel(
     sx_t, sw_c, sw_w, sp_n, sp_c, sp_w, sy_t, so_t, so_c, so_w,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PER_POS: tl.constexpr, INTERIOR: tl.constexpr = False,
+    c1=0, c2=0, SPLIT: tl.constexpr = False,
 ):
     rt = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # T * C may pass 2^31
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -73,7 +74,13 @@ def _conv_kernel(
         acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(y_ptr + rt[:, None] * sy_t + rc[None, :], acc.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+    if SPLIT:  # y is three row-major blocks: channels [0, c1) as [T, c1], then [c1, c2) and [c2, C)
+        r, c, n = rt[:, None], rc[None, :].to(tl.int64), (rt * 0 + T)[:, None]  # int64 (T may be a constexpr 1)
+        off = tl.where(c < c1, r * c1 + c,
+                       tl.where(c < c2, n * c1 + r * (c2 - c1) + (c - c1), n * c2 + r * (C - c2) + (c - c2)))
+    else:
+        off = rt[:, None] * sy_t + rc[None, :]
+    tl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -148,7 +155,7 @@ def _check_conv_args(x, weight, bias, conv_state_pool, slots, cu_seqlens, activa
 
 def causal_conv1d(
     x, weight, bias, conv_state_pool, slots, cu_seqlens, *,
-    activation="silu", per_position_states=False, out_states=None,
+    activation="silu", per_position_states=False, out_states=None, split=None,
 ):
     """Depthwise causal conv over packed requests; left context from conv_state_pool[slots].
 
@@ -157,15 +164,22 @@ def causal_conv1d(
     Returns (y [T, C] in x.dtype, windows): windows is [B, C, W-1] (after each request)
     or, with per_position_states, [T, C, W-1] (after every token); written to
     `out_states` when given, else to a new tensor of conv_state_pool.dtype.
+    With ``split=(c1, c2)`` (0 < c1 < c2 < C) y comes as three contiguous tensors, channels [0, c1),
+    [c1, c2) and [c2, C): ``((y0 [T, c1], y1 [T, c2 - c1], y2 [T, C - c2]), windows)``, the same values as
+    y's column slices (GDN's q, k and v, which fla-core's chunk takes contiguous, with no copy).
     """
     require_triton()
     T, C, W, B = _check_conv_args(x, weight, bias, conv_state_pool, slots, cu_seqlens, activation)
+    if split is not None:
+        if (not isinstance(split, tuple) or len(split) != 2 or not all(isinstance(c, int) for c in split)
+                or not 0 < split[0] < split[1] < C):
+            raise ValueError(f"split: expected (c1, c2) with 0 < c1 < c2 < {C} (the channels), got {split!r}")
     rows = T if per_position_states else B
     if out_states is None:
         out_states = torch.empty(rows, C, W - 1, dtype=conv_state_pool.dtype, device=x.device)
     else:
         check_out("out_states", out_states, (rows, C, W - 1), x.device)
-    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * C if split else (T, C), dtype=x.dtype, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     BC = min(pow2(C), 128)
@@ -174,10 +188,11 @@ def causal_conv1d(
         _conv_kernel[(cdiv(T, BT), cdiv(C, BC))](
             x, weight, bias if bias is not None else weight, conv_state_pool, slots, cu_seqlens, y, out_states,
             T, C, B, B.bit_length(),
-            x.stride(0), weight.stride(0), weight.stride(1), *conv_state_pool.stride(), y.stride(0),
+            x.stride(0), weight.stride(0), weight.stride(1), *conv_state_pool.stride(), C,
             *(out_states.stride() if per_position_states else (0, 0, 0)),
             W=W, BT=BT, BC=BC, HAS_BIAS=bias is not None, SILU=activation is not None,
             PER_POS=bool(per_position_states), INTERIOR=_INTERIOR[-1] and not per_position_states,
+            c1=split[0] if split else 0, c2=split[1] if split else 0, SPLIT=split is not None,
         )
     if not per_position_states and B > 0:
         _conv_final_window_kernel[(B, cdiv(C, BC))](
@@ -185,6 +200,9 @@ def causal_conv1d(
             C, x.stride(0), *conv_state_pool.stride(), *out_states.stride(),
             W=W, BC=BC, BW=pow2(W - 1, lo=2),
         )
+    if split:
+        c1, c2 = split
+        y = (y[: T * c1].view(T, c1), y[T * c1 : T * c2].view(T, c2 - c1), y[T * c2 :].view(T, C - c2))
     return y, out_states
 
 

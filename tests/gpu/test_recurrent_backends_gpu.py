@@ -145,12 +145,38 @@ def test_fla_direct_is_the_public_function_bitwise(name, prefix, record):
     batch = fa.Batch.prefill(st, dict(enumerate(new)))
     inp = _inputs(spec, batch.num_tokens, seed=3)
     assert backend._fla_gdn_forward() is not None, "this fla-core's forward is not in the form fla_direct knows"
-    public_out, public_w = _forward("fla", spec, st, batch, inp)
+    with backend.fla_direct(False):  # fla_direct is the default: the public function is the flipped way
+        public_out, public_w = _forward("fla", spec, st, batch, inp)
     with backend.fla_direct(True):
         out, w = _forward("fla", spec, st, batch, inp)
     same = {"o": torch.equal(out.o, public_out.o), "ssm": torch.equal(w["ssm"], public_w["ssm"]),
             "conv": torch.equal(w["conv"], public_w["conv"])}
     record({"case": f"fla_direct {name} prefix={prefix}", "phase": "prefill", "backend": "fla", **same,
+            "ok": all(same.values())})
+    assert all(same.values()), same
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core not installed")
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("prefix", [False, True])
+def test_qkv_apart_gives_the_one_output_paths_bits(name, prefix, record):
+    """`qkv_apart(True)`: the conv writes q, k and v each contiguous, so fla-core's chunk copies none of them;
+    the same values in, so the output, the states and the windows must be the one-output path's bits (GDN
+    through fla_direct, KDA through fla-core's public function)."""
+    from fnattn.kinds.delta_rule import triton as backend
+
+    spec = _spec(name)
+    new = [1, 63, 130, 200]
+    st = _state(spec, [5, 0, 64, 129] if prefix else [0, 0, 0, 0], extra=max(new))
+    batch = fa.Batch.prefill(st, dict(enumerate(new)))
+    inp = _inputs(spec, batch.num_tokens, seed=4)
+    with backend.qkv_apart(False):
+        one_out, one_w = _forward("fla", spec, st, batch, inp)
+    with backend.qkv_apart(True):
+        out, w = _forward("fla", spec, st, batch, inp)
+    same = {"o": torch.equal(out.o, one_out.o), "ssm": torch.equal(w["ssm"], one_w["ssm"]),
+            "conv": torch.equal(w["conv"], one_w["conv"])}
+    record({"case": f"qkv_apart {name} prefix={prefix}", "phase": "prefill", "backend": "fla", **same,
             "ok": all(same.values())})
     assert all(same.values()), same
 

@@ -98,9 +98,10 @@ def conv_cases():
 
     ptr = {p: "*bf16" for p in ("x_ptr", "w_ptr", "bias_ptr", "pool_ptr", "y_ptr", "out_ptr")}
     ptr.update(slots_ptr="*i64", cu_ptr="*i32")
-    base = dict(W=4, BT=32, BC=128, HAS_BIAS=False, SILU=True, PER_POS=False, INTERIOR=False)
+    base = dict(W=4, BT=32, BC=128, HAS_BIAS=False, SILU=True, PER_POS=False, INTERIOR=False, SPLIT=False)
     for name, change in {"gdn conv": {}, "gdn conv, interior tiles": dict(INTERIOR=True),
-                         "gdn conv, per-position windows": dict(PER_POS=True)}.items():
+                         "gdn conv, per-position windows": dict(PER_POS=True),
+                         "gdn conv, q / k / v apart": dict(INTERIOR=True, SPLIT=True)}.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(_conv_kernel, c, ptr)
 
 

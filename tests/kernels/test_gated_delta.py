@@ -345,6 +345,37 @@ def test_conv_interior_tiles_give_the_general_paths_bits(dtype, per_pos):
     assert torch.equal(inner[1], s_ref)
 
 
+@pytest.mark.parametrize("interior", [False, True], ids=["general", "interior"])
+@pytest.mark.parametrize("split", [(16, 32), (5, 41), (1, 47)], ids=["even", "uneven", "edges"])
+def test_conv_split_outputs_are_the_column_slices_contiguous(split, interior):
+    """``split=(c1, c2)``: the conv's output as three contiguous tensors (GDN's q, k, v for fla-core's chunk),
+    bit for bit y's column slices, on the general path and the interior tiles; the windows unchanged; tiles
+    of channels that straddle c1 or c2 store each column into its own part."""
+    from fnattn.kernels import gdn_conv
+
+    gen = torch.Generator().manual_seed(32)
+    lens = [70, 5, 1, 33]
+    x = torch.randn(sum(lens), CONV_C, generator=gen).to(DEV, torch.float32)
+    w = (torch.randn(CONV_C, CONV_W, generator=gen) * 0.5).to(DEV)
+    pool = make_pool(6, (CONV_C, CONV_W - 1), live=[0, 2, 5])
+    args = (x, w, None, pool, slots_of([5, -1, 0, 2]), cu_of(lens))
+    with gdn_conv.interior_tiles(interior):
+        y, windows = causal_conv1d(*args)
+        parts, windows_split = causal_conv1d(*args, split=split)
+    c1, c2 = split
+    for part, want in zip(parts, (y[:, :c1], y[:, c1:c2], y[:, c2:])):
+        assert part.is_contiguous() and torch.equal(part, want)
+    assert parts[1].untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr()  # one buffer
+    assert torch.equal(windows_split, windows)
+
+
+@pytest.mark.parametrize("split", [(0, 8), (8, 8), (8, 48), [8, 16], (8.0, 16)])
+def test_conv_split_refuses_channels_out_of_order(split):
+    x, w, bias, pool, _, _ = conv_inputs(torch.float32)
+    with pytest.raises(ValueError, match=r"split: expected \(c1, c2\) with 0 < c1 < c2 < 48"):
+        causal_conv1d(x[:9], w, bias, pool, slots_of([-1]), cu_of([9]), split=split)
+
+
 def test_conv_ref_matches_torch_conv1d():
     x, w, bias, pool, _, _ = conv_inputs(torch.float32)
     x = x[:9]

@@ -59,6 +59,18 @@ def fla_direct(enabled: bool):
     return switched(_FLA_DIRECT, "fla_direct", enabled)
 
 
+_QKV_APART = [False]  # not yet timed on the H200 (`qkv_apart`)
+
+
+def qkv_apart(enabled: bool):
+    """Within this block the "fla" prefill provider has the conv write q, k and v as three contiguous tensors
+    (`kernels.causal_conv1d`'s ``split``) when ``enabled``, in place of one [T, C] output whose column slices
+    fla-core's chunk copies to contiguous: three launches fewer a GDN / KDA layer (54 a Qwen3.5-0.8B prefill,
+    whose copies took 2.26 ms of an 8192-token prefill on the H200), the same values. Off until timed
+    (``benchmarks/model_ab.py --toggle qkv_apart --prefill 8192``)."""
+    return switched(_QKV_APART, "qkv_apart", enabled)
+
+
 @dataclass(frozen=True)
 class RecurrentPlan:
     read_slots: Tensor  # [B] int64: the row each request starts from, -1: fresh (zero states)
@@ -102,23 +114,34 @@ def _plan_of(spec, inputs) -> RecurrentPlan:
     return meta.plan if meta.plan is not None else plan((spec,), meta.batch, meta.workspace)
 
 
-def _conv(spec, views, inputs, p: RecurrentPlan, *, per_token: bool):
-    """``-> (mixed [T, C], windows)``: windows [B, C, W - 1], or [T, C, W - 1] per token."""
+def _conv(spec, views, inputs, p: RecurrentPlan, *, per_token: bool, split=None):
+    """``-> (mixed [T, C], windows)``: windows [B, C, W - 1], or [T, C, W - 1] per token; with ``split``
+    (`kernels.causal_conv1d`'s) mixed is its three contiguous parts."""
     from ...kernels import causal_conv1d
 
     return causal_conv1d(inputs.x, inputs.conv_weight, inputs.conv_bias, views.conv, p.read_slots,
-                         inputs.meta.batch.cu_seqlens, activation="silu", per_position_states=per_token)
+                         inputs.meta.batch.cu_seqlens, activation="silu", per_position_states=per_token,
+                         split=split)
 
 
-def _split(spec, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Views of the conv output: q, k [T, Hk, K] (GDN's key heads, not repeated) and v [T, H, V]."""
+def _split(spec, mixed: Tensor | tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Views of the conv output (or of its three parts, `_qkv_channels`): q, k [T, Hk, K] (GDN's key heads,
+    not repeated) and v [T, H, V]."""
     c = spec.config
     hk = c.num_qk_heads
-    qk = hk * c.head_k_dim
-    q = mixed[:, :qk].unflatten(1, (hk, c.head_k_dim))
-    k = mixed[:, qk : 2 * qk].unflatten(1, (hk, c.head_k_dim))
-    v = mixed[:, 2 * qk :].unflatten(1, (c.num_state_heads, c.head_v_dim))
-    return q, k, v
+    if isinstance(mixed, tuple):
+        q, k, v = mixed
+    else:
+        qk = hk * c.head_k_dim
+        q, k, v = mixed[:, :qk], mixed[:, qk : 2 * qk], mixed[:, 2 * qk :]
+    return (q.unflatten(1, (hk, c.head_k_dim)), k.unflatten(1, (hk, c.head_k_dim)),
+            v.unflatten(1, (c.num_state_heads, c.head_v_dim)))
+
+
+def _qkv_channels(spec) -> tuple[int, int]:
+    """Where k's and v's channels start in the conv output."""
+    qk = spec.config.num_qk_heads * spec.config.head_k_dim
+    return qk, 2 * qk
 
 
 def _write(states: Tensor | None, windows: Tensor) -> Writes:
@@ -220,7 +243,8 @@ def _fla_prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tupl
 
     check_inputs(spec, inputs)
     c, p = spec.config, _plan_of(spec, inputs)
-    mixed, windows = _conv(spec, views, inputs, p, per_token=False)  # [T, C], [B, C, W - 1]
+    split = _qkv_channels(spec) if _QKV_APART[-1] else None
+    mixed, windows = _conv(spec, views, inputs, p, per_token=False, split=split)  # [T, C], [B, C, W - 1]
     q, k, v = _split(spec, mixed)
     # fla-core takes dense initial states, one per request, not a pool and slots: gather
     # them, and zero fresh requests (masked_fill, so a NaN in a stale slot cannot leak).

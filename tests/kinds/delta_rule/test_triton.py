@@ -420,3 +420,50 @@ def test_fla_direct_is_on_by_default_and_takes_only_a_bool():
     with pytest.raises(ValueError, match="fla_direct: expected True or False, got 1"):
         with triton_backend.fla_direct(1):
             pass
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_the_fla_prefill_hands_q_k_v_contiguous_with_qkv_apart(monkeypatch, apart):
+    """`qkv_apart(True)`: the conv writes q, k and v as three contiguous tensors, so fla-core's chunk gets
+    them as they are (no copies), with the values of the one-output path's column slices."""
+    import sys
+    import types
+
+    seen = {}
+
+    def recorder(q, k, v, g, beta, scale, h0, cu, chunks):
+        seen.update(q=q, k=k, v=v)
+        return v.clone(), h0.clone()  # o [1, T, H, V] (GDN 2 key heads read by 4 value heads), states
+
+    fla_ops = types.ModuleType("fla.ops.gated_delta_rule")
+    fla_ops.chunk_gated_delta_rule = None
+    kda = types.ModuleType("fla.ops.kda")
+    kda.chunk_kda = None
+    for name, module in {"fla": types.ModuleType("fla"), "fla.ops": types.ModuleType("fla.ops"),
+                         "fla.ops.gated_delta_rule": fla_ops, "fla.ops.kda": kda}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(triton_backend, "_fla_gdn_forward", lambda: recorder)
+    spec = spec_of("gdn")
+    counts = {0: 3, 1: 20}
+    st = nan_state([spec], num_pages=64)
+    for r in counts:
+        st = st.admit(r)
+    st = st.reserve(counts)
+    batch = fa.Batch.prefill(st, counts)
+    inp = recurrent_inputs(spec, batch.num_tokens)
+    with torch.no_grad(), triton_backend.qkv_apart(False):  # the direct forward runs without autograd
+        forward("fla", spec, st, batch, inp)
+    one = dict(seen)
+    with torch.no_grad(), triton_backend.qkv_apart(apart):
+        forward("fla", spec, st, batch, inp)
+    for name in ("q", "k", "v"):
+        assert seen[name].is_contiguous() == apart  # the one output's slices are strided
+        assert torch.equal(seen[name], one[name])
+
+
+def test_qkv_apart_is_off_by_default_and_recorded_with_the_switches():
+    from fnattn.bench import environment
+
+    assert triton_backend._QKV_APART[-1] is False and environment()["switches"]["qkv_apart"] is False
+    with triton_backend.qkv_apart(True):
+        assert environment()["switches"]["qkv_apart"] is True
