@@ -135,6 +135,9 @@ case "${1:-}" in
     part 300 python benchmarks/model_ab.py --toggle interior_tiles qkv_apart --prefill 8192 --batch 1 --steps 16 \
         --out "$out/bench_conv_ab.json"
     ;;
+  gdn-prefill)  # one GDN layer's prefill against fla-core's conv + chunk (the 1.0x target), q / k / v apart too
+    part 200 python -m fnattn bench gdn-prefill --out "$out/bench_gdn_prefill.json"
+    ;;
   prefill)  # fla-core's GDN prefill with fla_direct (the default): bitwise against the public function, then timed
     # (on a fresh machine the tests' fla-core autotuning took 184 s; the A/B's first prefill compiles more)
     part 240 env FNATTN_GPU_RESULTS="$out/fla_prefill_cases.json" python benchmarks/gpu_pytest_record.py \
