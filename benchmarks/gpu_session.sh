@@ -187,6 +187,9 @@ case "${1:-}" in
     part 240 python benchmarks/decode_sweep.py --batch 32 128 --ctx 512 --hq 8 --hkv 2 --dim 256 --block-n 32 64 \
         --warps 4 8 --stages 2 3 --out "$out/decode_sweep_d256.json"
     ;;
+  indexer-sweep)  # the DSA indexer's scores kernel over its tiles, and torch.topk's share of the indexer's time
+    part 240 python benchmarks/indexer_sweep.py --batch 64 --ctx 32768 --out "$out/indexer_sweep.json"
+    ;;
   mla)  # MLA / sparse MLA fast paths against the references
     part 200 env FNATTN_GPU_RESULTS="$out/mla_parity_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/mla_parity.json" -- tests/gpu/test_mla_backends_gpu.py

@@ -16,12 +16,14 @@ Di indexer head dim, P pages, S page size, B requests, M pages per request, N = 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from ._triton import next_pow2, require_triton, tl, triton
 
-__all__ = ["indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk", "indexer_topk_ref"]
+__all__ = ["configured", "indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk", "indexer_topk_ref"]
 
 
 def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions):
@@ -65,38 +67,67 @@ def indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, c
 def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr, pos_ptr, out_ptr,
                    N, S, HI, DI, scale,
                    s_qt, s_qh, s_wt, s_kp, s_ks, s_knt, s_bt, s_ot,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr = 1):
     t = tl.program_id(0)
-    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.load(req_ptr + t)
     c = tl.load(cl_ptr + r).to(tl.int64)
     p = tl.load(pos_ptr + t).to(tl.int64)
     start = tl.load(cu_ptr + r).to(tl.int64)
-    visible = (j < N) & (j <= p)
-    cached = visible & (j < c)
-    fresh = visible & (j >= c)
     d = tl.arange(0, BLOCK_D)
     dm = d < DI
-    page = tl.load(bt_ptr + r * s_bt + j // S, mask=cached, other=0).to(tl.int64)
-    kc = tl.load(kc_ptr + page[:, None] * s_kp + (j % S)[:, None] * s_ks + d[None, :],
-                 mask=cached[:, None] & dm[None, :], other=0.0)
-    row = tl.where(fresh, start + j - c, 0)
-    kn = tl.load(kn_ptr + row[:, None] * s_knt + d[None, :], mask=fresh[:, None] & dm[None, :], other=0.0)
-    k = kc + kn  # [BLOCK_N, BLOCK_D]: each position comes from exactly one of the two
     h = tl.arange(0, BLOCK_H)
     hm = h < HI
+    # the token's queries and head weights once, for every block of positions this program scores
     q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
     wt = tl.load(w_ptr + t * s_wt + h, mask=hm, other=0.0).to(tl.float32)
-    s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N] fp32
-    s = tl.maximum(s * scale, 0.0)
-    score = tl.sum(s * wt[:, None], axis=0)
-    score = tl.where(visible, score, float("-inf"))
-    tl.store(out_ptr + t * s_ot + j, score, mask=j < N)
+    for i in tl.static_range(BLOCKS):
+        j = (tl.program_id(1) * BLOCKS + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        visible = (j < N) & (j <= p)
+        cached = visible & (j < c)
+        fresh = visible & (j >= c)
+        page = tl.load(bt_ptr + r * s_bt + j // S, mask=cached, other=0).to(tl.int64)
+        kc = tl.load(kc_ptr + page[:, None] * s_kp + (j % S)[:, None] * s_ks + d[None, :],
+                     mask=cached[:, None] & dm[None, :], other=0.0)
+        row = tl.where(fresh, start + j - c, 0)
+        kn = tl.load(kn_ptr + row[:, None] * s_knt + d[None, :], mask=fresh[:, None] & dm[None, :], other=0.0)
+        k = kc + kn  # [BLOCK_N, BLOCK_D]: each position comes from exactly one of the two
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N] fp32
+        s = tl.maximum(s * scale, 0.0)
+        score = tl.sum(s * wt[:, None], axis=0)
+        score = tl.where(visible, score, float("-inf"))
+        tl.store(out_ptr + t * s_ot + j, score, mask=j < N)
+
+
+_TILE_FIELDS = ("block_n", "blocks", "num_warps", "num_stages")
+_DEFAULT_TILE = {"block_n": 64, "blocks": 1, "num_warps": 4, "num_stages": 3}  # Triton's warps and stages
+_OVERRIDES: list[dict] = [{}]
+
+
+@contextlib.contextmanager
+def configured(**fields):
+    """Within this block `indexer_scores_paged` launches with ``fields`` (some of block_n: positions a dot,
+    blocks: dots a program, each over the next block_n positions with the token's queries loaded once,
+    num_warps, num_stages) in place of the defaults (64, 1, 4, 3): for sweeps and A/B timings
+    (``benchmarks/indexer_sweep.py``). Every field a power of two (stages 1..8)."""
+    for name, v in fields.items():
+        if name not in _TILE_FIELDS:
+            raise ValueError(f"configured: {name}: expected one of {', '.join(_TILE_FIELDS)}")
+        lo, hi = (1, 8) if name == "num_stages" else ((16, 512) if name == "block_n" else (1, 64))
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi or (
+                name != "num_stages" and v & (v - 1)):
+            want = f"an int in {lo}..{hi}" if name == "num_stages" else f"a power of two in {lo}..{hi}"
+            raise ValueError(f"configured: {name}: expected {want}, got {v!r}")
+    _OVERRIDES.append({**_OVERRIDES[-1], **fields})
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop()
 
 
 def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
                          *, scale: float):
-    """``indexer_scores_paged_ref`` in one Triton launch of ``T x ceil(N / 64)`` programs."""
+    """``indexer_scores_paged_ref`` in one Triton launch of ``T x ceil(N / (block_n * blocks))`` programs
+    (`configured`)."""
     require_triton()
     _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions)
     T, Hi, Di = q.shape
@@ -105,14 +136,15 @@ def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache
     if cache_k.stride(2) != 1 or new_k.stride(1) != 1 or q.stride(2) != 1 or block_table.stride(1) != 1:
         raise ValueError("indexer_scores_paged: the head dim of q / cache_k / new_k and block_table rows must be "
                          "contiguous")
+    tile = {**_DEFAULT_TILE, **_OVERRIDES[-1]}
     out = torch.empty(T, N, dtype=torch.float32, device=q.device)
-    BLOCK_N = 64
-    grid = (T, triton.cdiv(N, BLOCK_N))
+    grid = (T, triton.cdiv(N, tile["block_n"] * tile["blocks"]))
     _scores_kernel[grid](q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions, out,
                          N, S, Hi, Di, float(scale),
                          q.stride(0), q.stride(1), w.stride(0), cache_k.stride(0), cache_k.stride(1),
                          new_k.stride(0), block_table.stride(0), out.stride(0),
-                         BLOCK_H=max(16, next_pow2(Hi)), BLOCK_D=max(16, next_pow2(Di)), BLOCK_N=BLOCK_N)
+                         BLOCK_H=max(16, next_pow2(Hi)), BLOCK_D=max(16, next_pow2(Di)), BLOCK_N=tile["block_n"],
+                         BLOCKS=tile["blocks"], num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     return out
 
 

@@ -105,9 +105,22 @@ def conv_cases():
         yield name, lambda c={**base, **change}: compile_for_hopper(_conv_kernel, c, ptr)
 
 
+def indexer_cases():
+    from fnattn.kernels.indexer import _scores_kernel
+
+    ptr = {p: "*bf16" for p in ("q_ptr", "kc_ptr", "kn_ptr")}
+    ptr.update(w_ptr="*fp32", bt_ptr="*i32", req_ptr="*i64", cl_ptr="*i32", cu_ptr="*i32", pos_ptr="*i64",
+               out_ptr="*fp32")
+    base = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_N=64, BLOCKS=1)  # DeepSeek-V3.2's 64 heads of 128
+    for name, change in {"indexer scores": {}, "indexer scores, 128 x 4 a program": dict(BLOCK_N=128, BLOCKS=4),
+                         "indexer scores, 256 a dot": dict(BLOCK_N=256)}.items():
+        yield name, lambda c={**base, **change}: compile_for_hopper(_scores_kernel, c, ptr, floats=("scale",))
+
+
 def main() -> int:
     failed = 0
-    for name, build in [*skinny_cases(), *gdn_decode_cases(), *paged_decode_cases(), *conv_cases()]:
+    for name, build in [*skinny_cases(), *gdn_decode_cases(), *paged_decode_cases(), *conv_cases(),
+                        *indexer_cases()]:
         try:
             build()
             print(f"ok {name}")

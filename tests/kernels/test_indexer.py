@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from fnattn.kernels.indexer import (  # noqa: E402
+    configured,
     indexer_scores_paged,
     indexer_scores_paged_ref,
     indexer_topk,
@@ -97,3 +98,31 @@ def test_bad_shapes_are_refused():
         indexer_scores_paged_ref(*bad, scale=1.0)
     with pytest.raises(ValueError, match="topk"):
         indexer_topk_ref(*args, scale=1.0, topk=0)
+
+
+@pytest.mark.parametrize("tile", [dict(block_n=16, blocks=4), dict(block_n=32, blocks=2, num_warps=8),
+                                  dict(block_n=128, num_stages=2)])
+def test_other_tiles_score_as_the_default(tile):
+    """`configured`: more positions a dot, or several dots a program with the token's queries loaded once; the
+    last program's blocks past N are masked, the causal limit holds in every block."""
+    args, _ = case([37, 0, 5], [2, 3, 1], Hi=5, Di=24, S=4, spare_pages=3)
+    scale = args[0].shape[-1] ** -0.5
+    want = indexer_scores_paged(*args, scale=scale)
+    with configured(**tile):
+        got = indexer_scores_paged(*args, scale=scale)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(block_m=16), "configured: block_m: expected one of block_n, blocks, num_warps, num_stages"),
+    (dict(block_n=8), "configured: block_n: expected a power of two in 16..512, got 8"),
+    (dict(blocks=3), "configured: blocks: expected a power of two in 1..64, got 3"),
+    (dict(num_stages=0), "configured: num_stages: expected an int in 1..8, got 0"),
+    (dict(num_warps=True), "configured: num_warps: expected a power of two in 1..64, got True"),
+])
+def test_configured_refuses_a_bad_tile_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        with configured(**fields):
+            pass

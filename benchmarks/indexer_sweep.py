@@ -1,0 +1,85 @@
+"""The DSA indexer's scores kernel over its tiles, and where the indexer's time goes: the scores against
+``torch.topk`` over them, at DeepSeek-V3.2's decode shape (64 indexer heads of 128, top-k 2048).
+
+    python benchmarks/indexer_sweep.py [--batch 64] [--ctx 32768] [--out indexer_sweep.json]
+
+Each tile (`kernels.indexer.configured`: positions a dot, dots a program, warps, stages) is checked against
+the shipped tile's scores first (the same -inf pattern, values within 1e-3 relative), then timed with
+``triton.testing.do_bench``; TB/s counts the index keys read once. The last rows time ``torch.topk`` alone over
+the shipped scores and the whole `kernels.indexer_topk`.
+"""
+
+import argparse
+import itertools
+import json
+
+import torch
+from fnattn.kernels.indexer import configured, indexer_scores_paged, indexer_topk
+
+from fnattn.bench import environment
+
+
+def inputs(batch: int, ctx: int, *, heads: int, dim: int, page: int, device: str = "cuda"):
+    """One decode token a request, each with ``ctx`` cached keys in shuffled pages (page 0 unused)."""
+    dev, g = torch.device(device), torch.Generator(device=device).manual_seed(0)
+    pages_each = -(-(ctx + 1) // page)
+    total = batch * pages_each + 1
+    table = (torch.randperm(total - 1, device=dev, generator=g) + 1)[: batch * pages_each]
+    table = table.view(batch, pages_each).to(torch.int32)
+    r = lambda *s: torch.randn(*s, device=dev, generator=g).to(torch.bfloat16)  # noqa: E731
+    q, w = r(batch, heads, dim), torch.randn(batch, heads, device=dev, generator=g)
+    cache_k, new_k = r(total, page, dim), r(batch, dim)
+    every = torch.arange(batch, device=dev)
+    cache_lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+    positions = torch.full((batch,), ctx, device=dev, dtype=torch.long)
+    return q, w, cache_k, new_k, table, every, cache_lens, cu, positions
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--ctx", type=int, default=32768)
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    from triton.testing import do_bench
+
+    heads, dim = 64, 128
+    args = inputs(a.batch, a.ctx, heads=heads, dim=dim, page=64)
+    scale = dim ** -0.5
+    keys = a.batch * (a.ctx + 1) * dim * 2
+    want = indexer_scores_paged(*args, scale=scale)
+    finite = torch.isfinite(want)
+    records = []
+    tiles = [dict(block_n=n, blocks=b, num_warps=wp, num_stages=st)
+             for n, b, wp, st in itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (2, 3))]
+    tiles += [dict(block_n=256, blocks=b, num_warps=8, num_stages=st) for b, st in itertools.product((1, 2), (2, 3))]
+    for tile in tiles:
+        try:
+            with configured(**tile):
+                got = indexer_scores_paged(*args, scale=scale)
+                torch.cuda.synchronize()
+                same = bool(torch.equal(torch.isfinite(got), finite)) and bool(torch.allclose(
+                    got[finite], want[finite], rtol=1e-3, atol=1e-3))
+                us = do_bench(lambda: indexer_scores_paged(*args, scale=scale)) * 1e3
+        except Exception as e:  # a tile the compiler refuses (registers, shared memory): recorded, not fatal
+            records.append({**tile, "error": str(e)[:200]})
+            print(f"{tile}: {str(e)[:80]}")
+            continue
+        records.append({**tile, "time_us": us, "tb_s": keys / us / 1e6, "matches_shipped": same})
+        print(f"{tile}: {us:8.1f} us  {keys / us / 1e6:5.2f} TB/s  {'same' if same else 'DIFFERENT'}")
+    shipped = do_bench(lambda: indexer_scores_paged(*args, scale=scale)) * 1e3
+    topk_alone = do_bench(lambda: want.topk(a.topk, dim=-1)) * 1e3
+    whole = do_bench(lambda: indexer_topk(*args, scale=scale, topk=a.topk)) * 1e3
+    print(f"shipped scores {shipped:.1f} us, torch.topk over them {topk_alone:.1f} us, indexer_topk {whole:.1f} us")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"command": f"python benchmarks/indexer_sweep.py --batch {a.batch} --ctx {a.ctx} "
+                                  f"--topk {a.topk} --out {a.out}",
+                       "environment": environment(), "shipped_scores_us": shipped, "topk_alone_us": topk_alone,
+                       "indexer_topk_us": whole, "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
