@@ -5,7 +5,9 @@ For new token ``t`` of request ``r`` (absolute position ``p``), key position ``j
     score[t, j] = sum_h w[t, h] * relu(scale * q[t, h] . k_j)      for j <= p, else -inf
 
 where ``k_j`` is read from the paged cache for ``j < cache_lens[r]`` and from this step's new keys
-(``new_k[cu_seqlens[r] + j - cache_lens[r]]``) above it: the step's keys are not in the cache yet.
+(``new_k[cu_seqlens[r] + j - cache_lens[r]]``) above it: the step's keys are not in the cache yet. FP8 keys
+(float8 e4m3, one fp32 scale per key, ``cache_scale`` / ``new_scale``) score ``scale_j * sum_h w[t, h] *
+relu(scale * q[t, h] . k8_j)``: the positive scale leaves the relu.
 Scores cover ``N = block_table.shape[1] * page_size`` positions, a bound fixed by the batch's shapes, so
 the launch never depends on a cache length read on the host (CUDA-graph safe).
 
@@ -26,7 +28,8 @@ from ._triton import next_pow2, require_triton, tl, triton
 __all__ = ["configured", "indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk", "indexer_topk_ref"]
 
 
-def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions):
+def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
+           cache_scale=None, new_scale=None):
     T, Hi, Di = q.shape
     if w.shape != (T, Hi):
         raise ValueError(f"w: expected shape {(T, Hi)}, got {tuple(w.shape)}")
@@ -34,8 +37,17 @@ def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seql
         raise ValueError(f"cache_k: expected shape [P, S, {Di}], got {tuple(cache_k.shape)}")
     if new_k.shape != (T, Di):
         raise ValueError(f"new_k: expected shape {(T, Di)}, got {tuple(new_k.shape)}")
-    if cache_k.dtype != new_k.dtype or q.dtype != new_k.dtype:
+    fp8 = cache_k.dtype == torch.float8_e4m3fn
+    if cache_k.dtype != new_k.dtype or (q.dtype != new_k.dtype and not fp8):
         raise ValueError(f"q / cache_k / new_k: expected one dtype, got {q.dtype}, {cache_k.dtype}, {new_k.dtype}")
+    if fp8:  # FP8 keys: a scale per cached and per new key
+        P, S = cache_k.shape[:2]
+        for name, t, shape in (("cache_scale", cache_scale, (P, S, 1)), ("new_scale", new_scale, (T, 1))):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32:
+                got = "None" if t is None else f"{tuple(t.shape)} {t.dtype}"
+                raise ValueError(f"{name}: expected a float32 tensor of shape {shape} with FP8 keys, got {got}")
+    elif cache_scale is not None or new_scale is not None:
+        raise ValueError(f"cache_scale / new_scale: expected None with {cache_k.dtype} keys (they scale FP8 keys)")
     B = block_table.shape[0]
     for name, t, shape in (("token_request", token_request, (T,)), ("cache_lens", cache_lens, (B,)),
                            ("cu_seqlens", cu_seqlens, (B + 1,)), ("positions", positions, (T,))):
@@ -44,9 +56,12 @@ def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seql
 
 
 def indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                             *, scale: float):
-    """``[T, N]`` fp32 scores, ``-inf`` where a position is not visible; torch, same arguments."""
-    _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions)
+                             *, scale: float, cache_scale=None, new_scale=None):
+    """``[T, N]`` fp32 scores, ``-inf`` where a position is not visible; torch, same arguments. FP8 keys
+    (``cache_k`` and ``new_k`` float8 e4m3, with their ``[P, S, 1]`` / ``[T, 1]`` fp32 scales) score as
+    ``scale[j] * sum_h w[h] * relu(q[h] . k8[j])``."""
+    _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions, cache_scale,
+           new_scale)
     S, M = cache_k.shape[1], block_table.shape[1]
     N = M * S
     req = token_request.long()  # [T]
@@ -57,9 +72,11 @@ def indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, c
     pages = block_table.long()[req][:, j // S]  # [T, N]
     k_cached = cache_k[pages, (j % S)[None, :]]  # [T, N, Di]
     row = (cu_seqlens.long()[req][:, None] + j[None, :] - c).clamp(0, new_k.shape[0] - 1)  # [T, N]
-    k = torch.where(cached[..., None], k_cached, new_k[row]).float()  # [T, N, Di]
+    k = torch.where(cached[..., None], k_cached.float(), new_k[row].float())  # [T, N, Di]
     per_head = F.relu(torch.einsum("thd,tnd->thn", q.float(), k) * scale)  # [T, Hi, N]
     scores = torch.einsum("th,thn->tn", w.float(), per_head)
+    if cache_scale is not None:
+        scores = scores * torch.where(cached, cache_scale[pages, (j % S)[None, :], 0], new_scale[row, 0])
     return scores.masked_fill(~visible, float("-inf"))
 
 
@@ -67,7 +84,8 @@ def indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, c
 def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr, pos_ptr, out_ptr,
                    N, S, HI, DI, scale,
                    s_qt, s_qh, s_wt, s_kp, s_ks, s_knt, s_bt, s_ot,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr = 1):
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr = 1,
+                   cs_ptr=None, ns_ptr=None, s_cp=0, s_cs=0, s_nst=0, FP8: tl.constexpr = False):
     t = tl.program_id(0)
     r = tl.load(req_ptr + t)
     c = tl.load(cl_ptr + r).to(tl.int64)
@@ -90,10 +108,14 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
                      mask=cached[:, None] & dm[None, :], other=0.0)
         row = tl.where(fresh, start + j - c, 0)
         kn = tl.load(kn_ptr + row[:, None] * s_knt + d[None, :], mask=fresh[:, None] & dm[None, :], other=0.0)
-        k = kc + kn  # [BLOCK_N, BLOCK_D]: each position comes from exactly one of the two
+        k = kc.to(q.dtype) + kn.to(q.dtype)  # [BLOCK_N, BLOCK_D]: each position from exactly one of the two
         s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N] fp32
         s = tl.maximum(s * scale, 0.0)
         score = tl.sum(s * wt[:, None], axis=0)
+        if FP8:  # each key's scale is positive: it leaves the relu and the sum over heads
+            ks = tl.load(cs_ptr + page * s_cp + (j % S) * s_cs, mask=cached, other=0.0) + \
+                tl.load(ns_ptr + row * s_nst, mask=fresh, other=0.0)
+            score = score * ks
         score = tl.where(visible, score, float("-inf"))
         tl.store(out_ptr + t * s_ot + j, score, mask=j < N)
 
@@ -125,11 +147,12 @@ def configured(**fields):
 
 
 def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                         *, scale: float):
+                         *, scale: float, cache_scale=None, new_scale=None):
     """``indexer_scores_paged_ref`` in one Triton launch of ``T x ceil(N / (block_n * blocks))`` programs
-    (`configured`)."""
+    (`configured`); FP8 keys are read as they are stored, in half the bytes, and widened to q's dtype."""
     require_triton()
-    _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions)
+    _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions, cache_scale,
+           new_scale)
     T, Hi, Di = q.shape
     S, M = cache_k.shape[1], block_table.shape[1]
     N = M * S
@@ -144,7 +167,10 @@ def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache
                          q.stride(0), q.stride(1), w.stride(0), cache_k.stride(0), cache_k.stride(1),
                          new_k.stride(0), block_table.stride(0), out.stride(0),
                          BLOCK_H=max(16, next_pow2(Hi)), BLOCK_D=max(16, next_pow2(Di)), BLOCK_N=tile["block_n"],
-                         BLOCKS=tile["blocks"], num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                         BLOCKS=tile["blocks"], num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+                         **(dict(cs_ptr=cache_scale, ns_ptr=new_scale, s_cp=cache_scale.stride(0),
+                                 s_cs=cache_scale.stride(1), s_nst=new_scale.stride(0), FP8=True)
+                            if cache_scale is not None else {}))
     return out
 
 
@@ -158,14 +184,14 @@ def _topk(scores, topk: int):
 
 
 def indexer_topk_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                     *, scale: float, topk: int):
+                     *, scale: float, topk: int, cache_scale=None, new_scale=None):
     """``[T, topk]`` int64 positions (best first, -1 padded) from the torch scores."""
     return _topk(indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens,
-                                          positions, scale=scale), topk)
+                                          positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale), topk)
 
 
 def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                 *, scale: float, topk: int):
+                 *, scale: float, topk: int, cache_scale=None, new_scale=None):
     """``indexer_topk_ref`` with the Triton scores; the selection is ``torch.topk`` (no host sync)."""
     return _topk(indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens,
-                                      positions, scale=scale), topk)
+                                      positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale), topk)

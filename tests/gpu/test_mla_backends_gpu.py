@@ -128,9 +128,17 @@ def test_sparse_mla_matches_reference(family, shape, phase, k, one_pass, record)
         _sparse_case(family, shape, phase, k, " one-pass" if one_pass else "", record)
 
 
-def _sparse_case(family, shape, phase, k, what, record):
+@pytest.mark.parametrize("shape", ["tiny", "real"])
+@pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 2)])
+def test_sparse_mla_with_fp8_index_keys_matches_reference(shape, phase, k, record):
+    """FP8 index keys (`IndexerConfig.key_dtype`): the Triton indexer reads the stored e4m3 keys and their
+    scales; the reference scores the dequantized keys; the same picks (within the usual tie tolerance)."""
+    _sparse_case("v32", shape, phase, k, " fp8 index keys", record, key_dtype="fp8_e4m3")
+
+
+def _sparse_case(family, shape, phase, k, what, record, key_dtype=None):
     layer, Hi, topk, cached = SPARSE[shape]
-    specs = sparse_specs(topk=topk, Hi=Hi, Di=128, shared=family == "glm5", **layer)
+    specs = sparse_specs(topk=topk, Hi=Hi, Di=128, shared=family == "glm5", key_dtype=key_dtype, **layer)
     page = 64 if family == "v32" else 16
     extra = 300 if phase == "prefill" else 8
     st = filled_state(specs, cached, page_size=page, extra=extra, device=DEV)

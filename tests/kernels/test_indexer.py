@@ -126,3 +126,48 @@ def test_configured_refuses_a_bad_tile_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         with configured(**fields):
             pass
+
+
+def fp8_case(cached, new, **kw):
+    """`case`'s keys stored as float8 e4m3 with a per-key fp32 scale (cached and new), q kept in fp32."""
+    args, layout = case(cached, new, **kw)
+    q, w, cache_k, new_k = args[:4]
+    finite = torch.nan_to_num(cache_k, nan=0.0)
+    cache_scale = finite.abs().amax(-1, keepdim=True).clamp_min(1e-3) / 448  # [P, S, 1]
+    cache_8 = (finite / cache_scale).to(torch.float8_e4m3fn)
+    new_scale = new_k.abs().amax(-1, keepdim=True) / 448  # [T, 1]
+    new_8 = (new_k / new_scale).to(torch.float8_e4m3fn)
+    return (q, w, cache_8, new_8, *args[4:]), dict(cache_scale=cache_scale, new_scale=new_scale), layout
+
+
+@pytest.mark.parametrize("tile", [{}, dict(block_n=16, blocks=4)])
+@pytest.mark.parametrize("cached, new", [([0], [5]), ([3, 0, 9], [1, 1, 1]), ([5, 2], [3, 4])])
+def test_fp8_keys_score_as_their_scaled_values(cached, new, tile):
+    """FP8 keys: the kernel reads them as stored and scales each key's score; the reference does the same, and
+    both equal the scores of the dequantized keys (the scale is positive, so it leaves the relu)."""
+    args, scales, _ = fp8_case(cached, new)
+    scale = args[0].shape[-1] ** -0.5
+    ref = indexer_scores_paged_ref(*args, scale=scale, **scales)
+    with configured(**tile):
+        got = indexer_scores_paged(*args, scale=scale, **scales)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), fin)
+    torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    q, w, cache_8, new_8 = args[:4]
+    plain = (q, w, cache_8.float() * scales["cache_scale"], new_8.float() * scales["new_scale"], *args[4:])
+    dequantized = indexer_scores_paged_ref(*plain, scale=scale)
+    torch.testing.assert_close(ref[fin], dequantized[fin], rtol=1e-5, atol=1e-5)
+    picks = indexer_topk(*args, scale=scale, topk=4, **scales)
+    assert torch.equal(picks, indexer_topk_ref(*args, scale=scale, topk=4, **scales))
+
+
+def test_fp8_keys_need_their_scales_and_plain_keys_refuse_them():
+    args, scales, _ = fp8_case([3], [2])
+    with pytest.raises(ValueError, match=r"cache_scale: expected a float32 tensor of shape \(\d+, 4, 1\) with FP8 "
+                                         r"keys, got None"):
+        indexer_scores_paged_ref(*args, scale=1.0)
+    with pytest.raises(ValueError, match=r"new_scale: expected a float32 tensor of shape \(2, 1\)"):
+        indexer_scores_paged(*args, scale=1.0, cache_scale=scales["cache_scale"], new_scale=scales["new_scale"][:1])
+    plain, _ = case([3], [2])
+    with pytest.raises(ValueError, match="cache_scale / new_scale: expected None with torch.float32 keys"):
+        indexer_scores_paged(*plain, scale=1.0, **scales)

@@ -93,6 +93,9 @@ class DSV4Config:
             fail("DSV4Config", "indexer", "an IndexerConfig for the compressed sparse (csa) branch", self.indexer)
         if self.compressor != "csa" and self.indexer is not None:
             fail("DSV4Config", "indexer", "None unless the compressor is csa", self.indexer)
+        if self.indexer is not None and self.indexer.fp8_keys:
+            fail("DSV4Config", "indexer.key_dtype", "None (the compressed indexer keeps its entries in the layer "
+                 "dtype)", self.indexer.key_dtype)
         if self.qk_rope_head_dim > self.head_dim or self.qk_rope_head_dim % 2:
             fail("DSV4Config", "qk_rope_head_dim", f"an even int <= head_dim={self.head_dim}",
                  self.qk_rope_head_dim)

@@ -131,4 +131,15 @@ def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi
     tb = lambda us: {"tb_s": batch * (ctx + 1) * Di * 2 / (us * 1e-6) / 1e12}  # noqa: E731
     records.append(_record(case, "fnattn indexer (triton scores + topk)", "fnattn flashmla (attention, shared top-k)",
                            shape, lambda: timed(run, graph=graph), tb))
+    # the same keys cached as FP8 e4m3 with a scale per token (`IndexerConfig.key_dtype`): half the bytes read
+    ix = IndexerConfig(num_heads=Hi, head_dim=Di, topk=topk, key_dtype="fp8_e4m3")
+    stored, scales = ix.encode_keys(pages.flatten(0, 1))
+    pages8, scales8 = stored.view(pages.shape), scales.view(*pages.shape[:2], 1)
+    k8, ks = ix.encode_keys(k)
+    run8 = lambda: indexer_topk(q, w, pages8, k8, b.block_table, sparse.request_of_token, b.cache_lens,  # noqa: E731
+                                b.cu_seqlens, b.positions, scale=Di ** -0.5, topk=topk, cache_scale=scales8,
+                                new_scale=ks)
+    tb8 = lambda us: {"tb_s": batch * (ctx + 1) * (Di + 4) / (us * 1e-6) / 1e12}  # noqa: E731
+    records.append(_record(case, "fnattn indexer (triton scores + topk, fp8 keys)",
+                           "fnattn flashmla (attention, shared top-k)", shape, lambda: timed(run8, graph=graph), tb8))
     return records

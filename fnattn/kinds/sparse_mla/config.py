@@ -12,7 +12,9 @@ from torch import Tensor
 from ...checks import check_tensor, fail
 from ...declare import per_token, static_pytree, tensor_pytree
 from ...spec import non_negative, positive
-from ..mla.config import MLAConfig, MLAInputs
+from ..mla.config import FP8_MAX, MLAConfig, MLAInputs
+
+KEY_DTYPES = (None, "fp8_e4m3")
 
 
 @static_pytree
@@ -24,11 +26,34 @@ class IndexerConfig:
     head_dim: int
     topk: int
     rope_head_dim: int = 64
+    #: ``"fp8_e4m3"`` caches the index keys as float8 e4m3 with one fp32 scale per token (its largest magnitude
+    #: over 448, as DeepSeek-V3.2's own inference keeps them): half the bytes the indexer reads. A token's
+    #: score is then ``scale[j] * sum_h w[h] * relu(q[h] . k8[j])`` (the scale is positive, so it leaves the
+    #: relu), and a step scores its own keys as the cache will hold them. None caches them in the layer dtype.
+    key_dtype: str | None = None
 
     def __post_init__(self):
         positive(self, "num_heads", "head_dim", "topk", "rope_head_dim")
         if self.rope_head_dim > self.head_dim:
             fail("IndexerConfig", "rope_head_dim", f"<= head_dim={self.head_dim}", self.rope_head_dim)
+        if self.key_dtype not in KEY_DTYPES:
+            fail("IndexerConfig", "key_dtype", f"one of {KEY_DTYPES}", self.key_dtype)
+
+    @property
+    def fp8_keys(self) -> bool:
+        return self.key_dtype is not None
+
+    def encode_keys(self, keys: Float[Tensor, "T Di"]) -> tuple[Tensor, Tensor]:
+        """``-> (keys as float8 e4m3 [T, Di], scales [T, 1] fp32)``: each row over its largest magnitude / 448
+        (a zero row keeps scale 1)."""
+        amax = keys.float().abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        return (keys.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+    @staticmethod
+    def decode_keys(stored: Tensor, scale: Tensor) -> Tensor:
+        """Stored keys back in fp32 (``stored * scale``, row by row)."""
+        return stored.float() * scale
 
 
 
@@ -56,9 +81,21 @@ class SparseMLAConfig:
             non_negative(self, "index_source_layer")
 
     def storage(self, dtype: torch.dtype):
-        """The MLA latent rows, and the indexer's keys when this layer runs its own indexer."""
-        own = (per_token("index_k", (self.indexer.head_dim,), dtype, pool="index"),)
+        """The MLA latent rows, and the indexer's keys when this layer runs its own indexer (FP8 keys: with
+        each token's scale beside them)."""
+        if self.indexer.fp8_keys:
+            own = (per_token("index_k", (self.indexer.head_dim,), torch.float8_e4m3fn, pool="index"),
+                   per_token("index_k_scale", (1,), torch.float32, pool="index"))
+        else:
+            own = (per_token("index_k", (self.indexer.head_dim,), dtype, pool="index"),)
         return self.mla.storage(dtype) + (own if self.index_source_layer is None else ())
+
+    def index_writes(self, keys: Tensor) -> dict[str, Tensor]:
+        """The write values of this step's new index keys ``[T, Di]`` (layer dtype), as the cache stores them."""
+        if not self.indexer.fp8_keys:
+            return {"index_k": keys}
+        stored, scale = self.indexer.encode_keys(keys)
+        return {"index_k": stored, "index_k_scale": scale}
 
 
 

@@ -60,8 +60,10 @@ def supports(spec, device) -> list[str]:
     return reasons
 
 
-def select(spec, views: Views, inputs: SparseMLAInputs) -> torch.Tensor:
-    """The step's top-k positions ``[T, topk]`` int64 (-1 padded): the layer's own indexer, or the reused ones."""
+def select(spec, views: Views, inputs: SparseMLAInputs, index_values: dict | None) -> torch.Tensor:
+    """The step's top-k positions ``[T, topk]`` int64 (-1 padded): the layer's own indexer over its cached keys
+    and ``index_values`` (the step's keys as the cache will store them: `SparseMLAConfig.index_writes`), or the
+    reused ones."""
     if spec.config.index_source_layer is not None:
         # The check reads device values on the host; a captured step skips it (its eager warm-up ran it).
         # (and a static-shape step, captured or not, reads nothing back: both give the same bits)
@@ -69,9 +71,10 @@ def select(spec, views: Views, inputs: SparseMLAInputs) -> torch.Tensor:
     from ...kernels import indexer_topk
 
     b, ix = inputs.meta.batch, spec.config.indexer
-    return indexer_topk(inputs.index_q, inputs.index_w, views.index_k, inputs.index_k, b.block_table,
+    scales = dict(cache_scale=views.index_k_scale, new_scale=index_values["index_k_scale"]) if ix.fp8_keys else {}
+    return indexer_topk(inputs.index_q, inputs.index_w, views.index_k, index_values["index_k"], b.block_table,
                         inputs.sparse.request_of_token, b.cache_lens, b.cu_seqlens, b.positions,
-                        scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk)
+                        scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk, **scales)
 
 
 def sparse_kernel(q, kv, indices, scale, R, *, natural: bool = True):
@@ -92,7 +95,9 @@ def sparse_kernel(q, kv, indices, scale, R, *, natural: bool = True):
 def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str):
     m, batch = spec.config.mla, inputs.meta.batch
     R = m.kv_lora_rank
-    selected = select(spec, views, inputs)  # [T, topk]
+    owns_indexer = spec.config.index_source_layer is None
+    index_values = spec.config.index_writes(inputs.index_k) if owns_indexer else None
+    selected = select(spec, views, inputs, index_values)  # [T, topk]
     n = 0 if phase == "prefill" else uniform_new(batch, "sparse_mla flashmla")
     # pool slots of the cached positions, rows of the step's own ones (prefill), and which of its request's
     # new rows each token picked (decode / verify): one launch, or the same in torch ops
@@ -112,8 +117,8 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
         o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=n, scale=m.scale, allowed=picked,
                                    lse_base2=LSE_BASE2)
     out = SparseAttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse, topk_indices=selected)
-    if spec.config.index_source_layer is None:
-        return out, writes(latent=inputs.latent, index_k=inputs.index_k)
+    if owns_indexer:
+        return out, writes(latent=inputs.latent, **index_values)
     return out, writes(latent=inputs.latent)
 
 

@@ -23,19 +23,36 @@ from ...lanes import debug_check
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
+from ..full.reference import cached_tokens
 from ..mla.reference import paged_mla, request_rows
 from .config import SparseAttentionOutput, SparseMLAInputs
 from .indexer import indexer_scores, topk_indices
 
 
-def select(views: Views, inputs: SparseMLAInputs) -> Tensor:
+def request_keys(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, b: int, rows: slice) -> Tensor:
+    """Request ``b``'s index keys, cached then new, ``[N, Di]``: FP8 keys dequantized with their scales, the
+    step's own keys as the cache will hold them."""
+    batch, ix = inputs.meta.batch, spec.config.indexer
+    if not ix.fp8_keys:
+        return request_rows(views.index_k, inputs.index_k[rows], batch, b)
+    stored, scale = ix.encode_keys(inputs.index_k[rows])
+    new = ix.decode_keys(stored, scale)  # [n, Di] fp32
+    n_cached = batch.host_cache_lens[b]
+    if not n_cached:
+        return new
+    cached = ix.decode_keys(cached_tokens(views.index_k, batch.block_table[b], n_cached, batch.page_size),
+                            cached_tokens(views.index_k_scale, batch.block_table[b], n_cached, batch.page_size))
+    return torch.cat((cached, new))
+
+
+def select(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> Tensor:
     """The indexer's top-k of every new token: ``[T, topk]`` int64 positions, -1 padded."""
     batch = inputs.meta.batch
     cu = batch.host_cu_seqlens
     picked = []
     for b, n_cached in enumerate(batch.host_cache_lens):
         rows = slice(cu[b], cu[b + 1])
-        keys = request_rows(views.index_k, inputs.index_k[rows], batch, b)  # [N, Di]
+        keys = request_keys(spec, views, inputs, b, rows)  # [N, Di]
         scores = indexer_scores(inputs.index_q[rows], inputs.index_w[rows], keys)  # [n, N] fp32
         picked.append(topk_indices(scores, n_cached=n_cached, topk=inputs.sparse.topk))  # [n, topk]
     return torch.cat(picked)
@@ -62,11 +79,12 @@ def check_reused(spec: LayerSpec, inputs: SparseMLAInputs) -> Tensor:
 
 def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str):
     owns_indexer = spec.config.index_source_layer is None
-    selected = select(views, inputs) if owns_indexer else check_reused(spec, inputs)
+    selected = select(spec, views, inputs) if owns_indexer else check_reused(spec, inputs)
     att = paged_mla(spec, views, inputs, phase=phase, selected=selected)
     out = SparseAttentionOutput(o=att.o, lse=att.lse, topk_indices=selected)
     if owns_indexer:
-        return out, writes(latent=spec.config.mla.encode_latent(inputs.latent), index_k=inputs.index_k)
+        return out, writes(latent=spec.config.mla.encode_latent(inputs.latent),
+                           **spec.config.index_writes(inputs.index_k))
     return out, writes(latent=spec.config.mla.encode_latent(inputs.latent))
 
 

@@ -124,8 +124,17 @@ def test_sparse_flashmla_wiring(emulated, shared, phase, k, one_pass):
         _sparse_wiring(emulated, shared, phase, k)
 
 
-def _sparse_wiring(emulated, shared, phase, k):
-    specs = sparse_specs(topk=5, Hi=HI, Di=16, shared=shared, H=2, padded=4, dtype=torch.float32, **SMALL)
+@pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 2)])
+def test_sparse_flashmla_wiring_with_fp8_index_keys(emulated, phase, k):
+    """FP8 index keys: the Triton indexer (the interpreter here) reads the stored keys and their scales and
+    picks what the reference picks from the dequantized keys; both write the same FP8 rows and scales."""
+    pytest.importorskip("triton")
+    _sparse_wiring(emulated, True, phase, k, key_dtype="fp8_e4m3")
+
+
+def _sparse_wiring(emulated, shared, phase, k, key_dtype=None):
+    specs = sparse_specs(topk=5, Hi=HI, Di=16, shared=shared, H=2, padded=4, dtype=torch.float32, key_dtype=key_dtype,
+                         **SMALL)
     st = filled_state(specs, [0, 1, 9, 17], page_size=4, extra=12)
     ids = list(range(4))
     if phase == "prefill":
