@@ -275,6 +275,9 @@ class StackedExperts:
         return self._each[e]
 
 
+GROUPED_TOKENS = 4096  # tokens a `grouped_moe` pass takes: a long prefill's pair buffers stay bounded
+
+
 def grouped_moe(
     x: Float[Tensor, "T D"],
     ids: Int[Tensor, "T k"],
@@ -288,9 +291,14 @@ def grouped_moe(
     """`moe_sum` of SwiGLU experts without a host read: the (token, expert) pairs sorted by expert, two grouped
     GEMMs over the stacked weights (each group one expert's pairs, its end found on the device), then each
     token's k weighted outputs summed in one reduction (fp32 accumulation, one rounding to ``x.dtype``): about
-    fifteen launches a layer whatever k is."""
-    T, k = ids.shape
-    E = gate_up.shape[0]
+    fifteen launches a layer whatever k is. Past `GROUPED_TOKENS` tokens (a long prefill) the tokens go in
+    passes of that many, so the [tokens x k, D] buffers of a pass stay bounded (a decode step is one pass)."""
+    T = ids.shape[0]
+    if T > GROUPED_TOKENS:
+        return torch.cat([grouped_moe(x[i:i + GROUPED_TOKENS], ids[i:i + GROUPED_TOKENS],
+                                      weights[i:i + GROUPED_TOKENS], gate_up, down, combine, limit=limit)
+                          for i in range(0, T, GROUPED_TOKENS)])
+    k, E = ids.shape[1], gate_up.shape[0]
     flat = ids.reshape(-1)  # [P]: pair p = t * k + j
     picked, order = flat.sort(stable=True)  # the pairs grouped by expert, tokens in order within one
     every = torch.arange(E, device=x.device, dtype=picked.dtype)

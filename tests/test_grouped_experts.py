@@ -41,6 +41,24 @@ def test_grouped_moe_matches_the_loop_over_picked_experts(T, limit):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_long_prefill_goes_in_passes_with_each_token_s_result(monkeypatch):
+    """Past `common.GROUPED_TOKENS` tokens the pairs are grouped a pass at a time: each token's result is the
+    one-pass result (bounded buffers for a long prefill)."""
+    _, stacked = _experts()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(11, 16, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(11)])
+    w = torch.rand(11, 3, generator=g)
+    whole = grouped_moe(x, ids, w, stacked.gate_up, stacked.down, lambda y, v: y * v)
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(common, "GROUPED_TOKENS", 4)
+    passes = grouped_moe(x, ids, w, stacked.gate_up, stacked.down, lambda y, v: y * v)
+    assert calls == [12, 12, 12, 12, 9, 9]  # 4 + 4 + 3 tokens, 3 pairs each, two GEMMs a pass
+    torch.testing.assert_close(passes, whole, rtol=1e-6, atol=1e-6)
+
+
 def test_stacked_experts_index_as_views_and_refuse_a_mismatched_down():
     parts, stacked = _experts()
     assert len(stacked) == 6
