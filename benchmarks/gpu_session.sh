@@ -189,6 +189,7 @@ case "${1:-}" in
     ;;
   indexer-sweep)  # the DSA indexer's scores kernel over its tiles, and torch.topk's share of the indexer's time
     part 240 python benchmarks/indexer_sweep.py --batch 64 --ctx 32768 --out "$out/indexer_sweep.json"
+    part 240 python benchmarks/indexer_sweep.py --batch 64 --ctx 32768 --keys fp8 --out "$out/indexer_sweep_fp8.json"
     ;;
   mla)  # MLA / sparse MLA fast paths against the references
     part 200 env FNATTN_GPU_RESULTS="$out/mla_parity_cases.json" python benchmarks/gpu_pytest_record.py \

@@ -1,11 +1,12 @@
 """The DSA indexer's scores kernel over its tiles, and where the indexer's time goes: the scores against
 ``torch.topk`` over them, at DeepSeek-V3.2's decode shape (64 indexer heads of 128, top-k 2048).
 
-    python benchmarks/indexer_sweep.py [--batch 64] [--ctx 32768] [--out indexer_sweep.json]
+    python benchmarks/indexer_sweep.py [--batch 64] [--ctx 32768] [--keys bf16|fp8] [--out indexer_sweep.json]
 
 Each tile (`kernels.indexer.configured`: positions a dot, dots a program, warps, stages) is checked against
 the shipped tile's scores first (the same -inf pattern, values within 1e-3 relative), then timed with
-``triton.testing.do_bench``; TB/s counts the index keys read once. The last rows time ``torch.topk`` alone over
+``triton.testing.do_bench``; TB/s counts the index keys read once (``--keys fp8``: FP8 e4m3 keys with a scale
+per token, `IndexerConfig.key_dtype`, 132 bytes a key). The last rows time ``torch.topk`` alone over
 the shipped scores and the whole `kernels.indexer_topk`.
 """
 
@@ -41,15 +42,26 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--keys", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     from triton.testing import do_bench
 
     heads, dim = 64, 128
     args = inputs(a.batch, a.ctx, heads=heads, dim=dim, page=64)
-    scale = dim ** -0.5
+    scale, scales = dim ** -0.5, {}
     keys = a.batch * (a.ctx + 1) * dim * 2
-    want = indexer_scores_paged(*args, scale=scale)
+    if a.keys == "fp8":
+        from fnattn.kinds.sparse_mla.config import IndexerConfig
+
+        ix = IndexerConfig(num_heads=heads, head_dim=dim, topk=a.topk, key_dtype="fp8_e4m3")
+        cache_k, new_k = args[2], args[3]
+        stored, cache_scale = ix.encode_keys(cache_k.flatten(0, 1))
+        new8, new_scale = ix.encode_keys(new_k)
+        args = (*args[:2], stored.view(cache_k.shape), new8, *args[4:])
+        scales = dict(cache_scale=cache_scale.view(*cache_k.shape[:2], 1), new_scale=new_scale)
+        keys = a.batch * (a.ctx + 1) * (dim + 4)
+    want = indexer_scores_paged(*args, scale=scale, **scales)
     finite = torch.isfinite(want)
     records = []
     tiles = [dict(block_n=n, blocks=b, num_warps=wp, num_stages=st)
@@ -58,25 +70,25 @@ def main() -> None:
     for tile in tiles:
         try:
             with configured(**tile):
-                got = indexer_scores_paged(*args, scale=scale)
+                got = indexer_scores_paged(*args, scale=scale, **scales)
                 torch.cuda.synchronize()
                 same = bool(torch.equal(torch.isfinite(got), finite)) and bool(torch.allclose(
                     got[finite], want[finite], rtol=1e-3, atol=1e-3))
-                us = do_bench(lambda: indexer_scores_paged(*args, scale=scale)) * 1e3
+                us = do_bench(lambda: indexer_scores_paged(*args, scale=scale, **scales)) * 1e3
         except Exception as e:  # a tile the compiler refuses (registers, shared memory): recorded, not fatal
             records.append({**tile, "error": str(e)[:200]})
             print(f"{tile}: {str(e)[:80]}")
             continue
         records.append({**tile, "time_us": us, "tb_s": keys / us / 1e6, "matches_shipped": same})
         print(f"{tile}: {us:8.1f} us  {keys / us / 1e6:5.2f} TB/s  {'same' if same else 'DIFFERENT'}")
-    shipped = do_bench(lambda: indexer_scores_paged(*args, scale=scale)) * 1e3
+    shipped = do_bench(lambda: indexer_scores_paged(*args, scale=scale, **scales)) * 1e3
     topk_alone = do_bench(lambda: want.topk(a.topk, dim=-1)) * 1e3
-    whole = do_bench(lambda: indexer_topk(*args, scale=scale, topk=a.topk)) * 1e3
+    whole = do_bench(lambda: indexer_topk(*args, scale=scale, topk=a.topk, **scales)) * 1e3
     print(f"shipped scores {shipped:.1f} us, torch.topk over them {topk_alone:.1f} us, indexer_topk {whole:.1f} us")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"command": f"python benchmarks/indexer_sweep.py --batch {a.batch} --ctx {a.ctx} "
-                                  f"--topk {a.topk} --out {a.out}",
+                                  f"--topk {a.topk} --keys {a.keys} --out {a.out}",
                        "environment": environment(), "shipped_scores_us": shipped, "topk_alone_us": topk_alone,
                        "indexer_topk_us": whole, "records": records}, f, indent=1)
 
