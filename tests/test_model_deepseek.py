@@ -216,6 +216,43 @@ def test_sparse_selection_changes_the_result(case):
     close(dense[:6], hf_sparse[:6], "tokens that see at most top-k keys")
 
 
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm5"])
+def test_fp8_index_keys_run_the_whole_model(name):
+    """`IndexerConfig(key_dtype="fp8_e4m3")` through a whole model: prefill in two chunks, then decode steps.
+    With a top-k that covers every key the selection cannot differ, so the logits equal the plain keys' run
+    bit for bit (the keys only choose); with the usual top-k the FP8 run stays finite and its cache holds the
+    keys as e4m3 rows with a scale each."""
+    from fnattn.driver import prefill
+
+    base = random_model(name)
+    cfg = base.config
+
+    def run(key_dtype, topk):
+        ix = dataclasses.replace(cfg.indexer, key_dtype=key_dtype, topk=topk)
+        c = dataclasses.replace(cfg, indexer=ix)
+        params = dataclasses.replace(base.params, config=c)
+        ma = fa.ModelAttention(c.specs)
+        st = fa.State(c.specs, num_pages=16, page_size=4, max_requests=2)
+        for r in (0, 1):
+            st = st.admit(r)
+        st, last = prefill(base.family.step, params, ma, st, {0: list(range(3, 22)), 1: [5, 9, 2]}, chunk=8)
+        seen = [torch.stack([last[0], last[1]])]
+        for i in range(3):
+            st = st.reserve({0: 1, 1: 1})
+            st, logits = run_step(base.family.step, params, ma, st, fa.Batch.decode(st, [0, 1]),
+                                  torch.tensor([7 + i, 11 + i]))
+            seen.append(logits)
+        return st, seen
+
+    _, plain = run(None, 64)
+    st, fp8 = run("fp8_e4m3", 64)
+    assert all(torch.equal(a, b) for a, b in zip(plain, fp8))
+    owner = next(s.index for s in cfg.specs if s.config.index_source_layer is None)
+    assert st.views(owner).index_k.dtype == torch.float8_e4m3fn and st.views(owner).index_k_scale.dtype == torch.float32
+    _, usual = run("fp8_e4m3", cfg.indexer.topk)
+    assert all(bool(torch.isfinite(x).all()) for x in usual)
+
+
 # --------------------------------------------------------------------------- #
 # layout, routing and config reading
 # --------------------------------------------------------------------------- #
