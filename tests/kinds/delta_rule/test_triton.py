@@ -422,10 +422,12 @@ def test_fla_direct_is_on_by_default_and_takes_only_a_bool():
             pass
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("apart", [False, True])
-def test_the_fla_prefill_hands_q_k_v_contiguous_with_qkv_apart(monkeypatch, apart):
+def test_the_fla_prefill_hands_q_k_v_contiguous_with_qkv_apart(monkeypatch, kind, apart):
     """`qkv_apart(True)`: the conv writes q, k and v as three contiguous tensors, so fla-core's chunk gets
-    them as they are (no copies), with the values of the one-output path's column slices."""
+    them as they are (no copies), with the values of the one-output path's column slices (GDN through the
+    direct forward, KDA through fla-core's public function)."""
     import sys
     import types
 
@@ -435,15 +437,18 @@ def test_the_fla_prefill_hands_q_k_v_contiguous_with_qkv_apart(monkeypatch, apar
         seen.update(q=q, k=k, v=v)
         return v.clone(), h0.clone()  # o [1, T, H, V] (GDN 2 key heads read by 4 value heads), states
 
+    def public(q, k, v, g, beta, *, initial_state, **kw):
+        return recorder(q, k, v, g, beta, None, initial_state, None, None)
+
     fla_ops = types.ModuleType("fla.ops.gated_delta_rule")
     fla_ops.chunk_gated_delta_rule = None
     kda = types.ModuleType("fla.ops.kda")
-    kda.chunk_kda = None
+    kda.chunk_kda = public
     for name, module in {"fla": types.ModuleType("fla"), "fla.ops": types.ModuleType("fla.ops"),
                          "fla.ops.gated_delta_rule": fla_ops, "fla.ops.kda": kda}.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(triton_backend, "_fla_gdn_forward", lambda: recorder)
-    spec = spec_of("gdn")
+    spec = spec_of(kind)
     counts = {0: 3, 1: 20}
     st = nan_state([spec], num_pages=64)
     for r in counts:
