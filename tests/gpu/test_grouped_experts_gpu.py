@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 
 
-@pytest.mark.parametrize("T", [1, 8, 64])
+@pytest.mark.parametrize("T", [1, 8, 64, 5000])  # 5000: past common.GROUPED_TOKENS, two passes
 def test_grouped_moe_on_cuda_matches_the_loop(T, record):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
