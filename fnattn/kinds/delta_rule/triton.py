@@ -81,6 +81,8 @@ class RecurrentPlan:
     cu_seqlens_long: Tensor | None = None  # [B + 1] int64 (fla-core's cu_seqlens)
     cu_seqlens_cpu: Tensor | None = None  # [B + 1] int64 on the host: fla-core then needs no sync
     fla_chunks: Tensor | None = None  # prefill: [chunks, 2] int64 (request, chunk of request): fla-core's chunk_indices
+    start_rows: Tensor | None = None  # prefill: [B] int64, read_slots with fresh requests at row 0 (gathered, zeroed)
+    fresh: Tensor | None = None  # prefill: [B, 1, 1, 1] bool, the requests that start from zero states
 
 
 def _chunk_list(batch, chunk_size: int) -> tuple[Tensor, Tensor]:
@@ -106,7 +108,8 @@ def plan(specs, batch, lease) -> RecurrentPlan:
     chunks = _chunk_list(batch, CHUNK_SIZE)
     return RecurrentPlan(read_slots=read, write_slots=write, in_ring=in_ring, chunks=chunks, chunk_size=CHUNK_SIZE,
                          cu_seqlens_long=batch.cu_seqlens.long(), cu_seqlens_cpu=cu_cpu,
-                         fla_chunks=torch.stack(chunks, 1).long())
+                         fla_chunks=torch.stack(chunks, 1).long(), start_rows=read.clamp(min=0),
+                         fresh=(read < 0)[:, None, None, None])
 
 
 def _plan_of(spec, inputs) -> RecurrentPlan:
@@ -248,8 +251,8 @@ def _fla_prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tupl
     q, k, v = _split(spec, mixed)
     # fla-core takes dense initial states, one per request, not a pool and slots: gather
     # them, and zero fresh requests (masked_fill, so a NaN in a stale slot cannot leak).
-    h0 = views.ssm.index_select(0, p.read_slots.clamp(min=0)).float()  # [B, H, K, V]
-    h0 = h0.masked_fill((p.read_slots < 0)[:, None, None, None], 0.0)
+    # (the rows and the mask come from the plan: once a step, not once a layer)
+    h0 = views.ssm.index_select(0, p.start_rows).float().masked_fill(p.fresh, 0.0)  # [B, H, K, V]
     forward = _fla_gdn_forward() if _FLA_DIRECT[-1] and spec.kind == "gdn" and p.fla_chunks is not None else None
     if forward is not None and not torch.is_grad_enabled():
         o, final = forward(q[None], k[None], v[None], inputs.g[None], inputs.beta[None], c.scale, h0,

@@ -434,7 +434,7 @@ def test_the_fla_prefill_hands_q_k_v_contiguous_with_qkv_apart(monkeypatch, kind
     seen = {}
 
     def recorder(q, k, v, g, beta, scale, h0, cu, chunks):
-        seen.update(q=q, k=k, v=v)
+        seen.update(q=q, k=k, v=v, h0=h0)
         return v.clone(), h0.clone()  # o [1, T, H, V] (GDN 2 key heads read by 4 value heads), states
 
     def public(q, k, v, g, beta, *, initial_state, **kw):
@@ -464,6 +464,8 @@ def test_the_fla_prefill_hands_q_k_v_contiguous_with_qkv_apart(monkeypatch, kind
     for name in ("q", "k", "v"):
         assert seen[name].is_contiguous() == apart  # the one output's slices are strided
         assert torch.equal(seen[name], one[name])
+    # fresh requests start from zeros, never from their slots' NaN (the plan's rows and mask)
+    assert torch.equal(seen["h0"], torch.zeros_like(seen["h0"]))
 
 
 def test_qkv_apart_is_off_by_default_and_recorded_with_the_switches():
