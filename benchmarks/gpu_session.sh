@@ -10,7 +10,9 @@
 #   one call; model-moe: DeepSeek-V3.2 / Kimi Linear layers; decode-sweep: the paged decode kernel's tiles;
 #   epilogues: SwiGLU in the gate / up GEMV, the fused GDN decode's narrow tiles; early: wider first GEMV loads;
 #   merge: attention's splits merged in its own launch (merge-state: with the GDN decode's state_first);
-#   fused-now: the whole model fused against unfused at today's defaults; gates: the output gates in the GEMVs; conv: the GDN conv's interior tiles
+#   fused-now: the whole model fused against unfused at today's defaults; gates: the output gates in the GEMVs; conv: the GDN prefill
+#   (qkv_apart, interior tiles; conv-sweep: the conv's launch shapes); gdn-prefill: one GDN layer against fla-core;
+#   indexer-sweep: the DSA indexer's tiles
 #   moe-grouped: the MoE families' captured routed experts as grouped GEMMs (moe-now: with it on, then model-moe);
 #   kimi-profile: Kimi Linear's eager step
 # Each part has its own time limit, so one slow compile cannot take the rest down.
@@ -127,13 +129,16 @@ case "${1:-}" in
     part 150 env FNATTN_GPU_RESULTS="$out/state_first_rerun_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/state_first_rerun_gpu.json" -- tests/gpu/test_gdn_decode_fused_gpu.py -k "state_first or fill_device"
     ;;
-  conv)  # the GDN prefill conv: its launch shapes with and without interior tiles, q / k / v written apart
-    # (qkv_apart: parity), then the 8192-token prefill A/B of both
-    part 200 python benchmarks/conv_sweep.py --out "$out/conv_sweep.json"
-    part 250 env FNATTN_GPU_RESULTS="$out/qkv_apart_cases.json" python benchmarks/gpu_pytest_record.py \
-        "$out/qkv_apart_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py -k qkv_apart
-    part 300 python benchmarks/model_ab.py --toggle interior_tiles qkv_apart --prefill 8192 --batch 1 --steps 16 \
+  conv)  # the GDN prefill: parity of q / k / v written apart (qkv_apart) and of the fla provider's prefill (its
+    # initial states' rows from the plan), then the 8192-token prefill A/B of interior_tiles and qkv_apart
+    # (`conv-sweep`: the conv's launch shapes with and without interior tiles)
+    part 300 env FNATTN_GPU_RESULTS="$out/gdn_prefill_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/gdn_prefill_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py -k "qkv_apart or prefill or fla_direct"
+    part 280 python benchmarks/model_ab.py --toggle interior_tiles qkv_apart --prefill 8192 --batch 1 --steps 16 \
         --out "$out/bench_conv_ab.json"
+    ;;
+  conv-sweep)
+    part 200 python benchmarks/conv_sweep.py --out "$out/conv_sweep.json"
     ;;
   gdn-prefill)  # one GDN layer's prefill against fla-core's conv + chunk (the 1.0x target), q / k / v apart too
     part 200 python -m fnattn bench gdn-prefill --out "$out/bench_gdn_prefill.json"
