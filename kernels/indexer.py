@@ -18,11 +18,10 @@ Di indexer head dim, P pages, S page size, B requests, M pages per request, N = 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
+from ._tiles import overridden
 from ._triton import next_pow2, require_triton, tl, triton
 
 __all__ = ["configured", "indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk", "indexer_topk_ref"]
@@ -120,30 +119,17 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
         tl.store(out_ptr + t * s_ot + j, score, mask=j < N)
 
 
-_TILE_FIELDS = ("block_n", "blocks", "num_warps", "num_stages")
 _DEFAULT_TILE = {"block_n": 64, "blocks": 1, "num_warps": 4, "num_stages": 3}  # Triton's warps and stages
 _OVERRIDES: list[dict] = [{}]
 
 
-@contextlib.contextmanager
 def configured(**fields):
     """Within this block `indexer_scores_paged` launches with ``fields`` (some of block_n: positions a dot,
     blocks: dots a program, each over the next block_n positions with the token's queries loaded once,
     num_warps, num_stages) in place of the defaults (64, 1, 4, 3): for sweeps and A/B timings
     (``benchmarks/indexer_sweep.py``). Every field a power of two (stages 1..8)."""
-    for name, v in fields.items():
-        if name not in _TILE_FIELDS:
-            raise ValueError(f"configured: {name}: expected one of {', '.join(_TILE_FIELDS)}")
-        lo, hi = (1, 8) if name == "num_stages" else ((16, 512) if name == "block_n" else (1, 64))
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi or (
-                name != "num_stages" and v & (v - 1)):
-            want = f"an int in {lo}..{hi}" if name == "num_stages" else f"a power of two in {lo}..{hi}"
-            raise ValueError(f"configured: {name}: expected {want}, got {v!r}")
-    _OVERRIDES.append({**_OVERRIDES[-1], **fields})
-    try:
-        yield
-    finally:
-        _OVERRIDES.pop()
+    return overridden(_OVERRIDES, fields, {"block_n": (16, 512, True), "blocks": (1, 64, True),
+                                           "num_warps": (1, 64, True), "num_stages": (1, 8, False)})
 
 
 def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,

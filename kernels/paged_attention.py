@@ -19,12 +19,12 @@ or, under `merge_in_launch`, the last split of each tile to finish does.
 Nothing here writes into its arguments (see `scatter.py` for the writes).
 """
 
-import contextlib
 
 import torch
 
 from ._counters import tile_counters
 from ._switch import switched
+from ._tiles import overridden
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
 from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_rows_when_last, merge_splits  # noqa: F401
 from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
@@ -321,23 +321,11 @@ _TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 _OVERRIDES: list[dict] = [{}]
 
 
-@contextlib.contextmanager
 def configured(**fields):
     """Within this block every launch takes ``fields`` (some of block_m, block_n, num_warps, num_stages:
     powers of two, stages 1..8) in place of `_config`'s choice: for config sweeps and A/B timings."""
-    for name, v in fields.items():
-        if name not in _TILE_FIELDS:
-            raise ValueError(f"configured: {name}: expected one of {', '.join(_TILE_FIELDS)}")
-        lo, hi = (1, 8) if name == "num_stages" else (1, 256)
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi or (
-                name != "num_stages" and v & (v - 1)):
-            want = f"an int in {lo}..{hi}" if name == "num_stages" else f"a power of two in {lo}..{hi}"
-            raise ValueError(f"configured: {name}: expected {want}, got {v!r}")
-    _OVERRIDES.append({**_OVERRIDES[-1], **fields})
-    try:
-        yield
-    finally:
-        _OVERRIDES.pop()
+    return overridden(_OVERRIDES, fields, {f: (1, 8, False) if f == "num_stages" else (1, 256, True)
+                                           for f in _TILE_FIELDS})
 
 
 def _config(d_pad, dv_pad, g_pad, q_len, dtype, wide=False):

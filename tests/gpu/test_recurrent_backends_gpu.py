@@ -131,6 +131,15 @@ def test_prefill(name, prefix, record):
     _check(spec, st, batch, record, f"prefill {name} new={new} cached={cached}")
 
 
+def _prefill_case(name, prefix, *, seed):
+    """Four requests' prefill (1 to 200 new tokens, after cached prefixes when ``prefix``) and its inputs."""
+    spec = _spec(name)
+    new = [1, 63, 130, 200]
+    st = _state(spec, [5, 0, 64, 129] if prefix else [0, 0, 0, 0], extra=max(new))
+    batch = fa.Batch.prefill(st, dict(enumerate(new)))
+    return spec, st, batch, _inputs(spec, batch.num_tokens, seed=seed)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core not installed")
 @pytest.mark.parametrize("name", [n for n in SPECS if n.startswith("gdn")])
 @pytest.mark.parametrize("prefix", [False, True])
@@ -139,20 +148,20 @@ def test_fla_direct_is_the_public_function_bitwise(name, prefix, record):
     on the same inputs, so the output, the states and the windows must be the public path's bits."""
     from fnattn.kinds.delta_rule import triton as backend
 
-    spec = _spec(name)
-    new = [1, 63, 130, 200]
-    st = _state(spec, [5, 0, 64, 129] if prefix else [0, 0, 0, 0], extra=max(new))
-    batch = fa.Batch.prefill(st, dict(enumerate(new)))
-    inp = _inputs(spec, batch.num_tokens, seed=3)
     assert backend._fla_gdn_forward() is not None, "this fla-core's forward is not in the form fla_direct knows"
-    with backend.fla_direct(False):  # fla_direct is the default: the public function is the flipped way
-        public_out, public_w = _forward("fla", spec, st, batch, inp)
-    with backend.fla_direct(True):
+    _same_bits_either_way(backend.fla_direct, f"fla_direct {name} prefix={prefix}", name, prefix, 3, record)
+
+
+def _same_bits_either_way(switch, label, name, prefix, seed, record):
+    """The fla provider's prefill with ``switch`` off, then on (the default is either): the same bits."""
+    spec, st, batch, inp = _prefill_case(name, prefix, seed=seed)
+    with switch(False):
+        off_out, off_w = _forward("fla", spec, st, batch, inp)
+    with switch(True):
         out, w = _forward("fla", spec, st, batch, inp)
-    same = {"o": torch.equal(out.o, public_out.o), "ssm": torch.equal(w["ssm"], public_w["ssm"]),
-            "conv": torch.equal(w["conv"], public_w["conv"])}
-    record({"case": f"fla_direct {name} prefix={prefix}", "phase": "prefill", "backend": "fla", **same,
-            "ok": all(same.values())})
+    same = {"o": torch.equal(out.o, off_out.o), "ssm": torch.equal(w["ssm"], off_w["ssm"]),
+            "conv": torch.equal(w["conv"], off_w["conv"])}
+    record({"case": label, "phase": "prefill", "backend": "fla", **same, "ok": all(same.values())})
     assert all(same.values()), same
 
 
@@ -165,20 +174,7 @@ def test_qkv_apart_gives_the_one_output_paths_bits(name, prefix, record):
     through fla_direct, KDA through fla-core's public function)."""
     from fnattn.kinds.delta_rule import triton as backend
 
-    spec = _spec(name)
-    new = [1, 63, 130, 200]
-    st = _state(spec, [5, 0, 64, 129] if prefix else [0, 0, 0, 0], extra=max(new))
-    batch = fa.Batch.prefill(st, dict(enumerate(new)))
-    inp = _inputs(spec, batch.num_tokens, seed=4)
-    with backend.qkv_apart(False):
-        one_out, one_w = _forward("fla", spec, st, batch, inp)
-    with backend.qkv_apart(True):
-        out, w = _forward("fla", spec, st, batch, inp)
-    same = {"o": torch.equal(out.o, one_out.o), "ssm": torch.equal(w["ssm"], one_w["ssm"]),
-            "conv": torch.equal(w["conv"], one_w["conv"])}
-    record({"case": f"qkv_apart {name} prefix={prefix}", "phase": "prefill", "backend": "fla", **same,
-            "ok": all(same.values())})
-    assert all(same.values()), same
+    _same_bits_either_way(backend.qkv_apart, f"qkv_apart {name} prefix={prefix}", name, prefix, 4, record)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
