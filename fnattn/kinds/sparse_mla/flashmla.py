@@ -32,7 +32,7 @@ from ..availability import needs_cuda, needs_dtype, package_missing
 from ..mla.flashmla import latent_shape_reasons
 from ..mla.latent import absorbed_query, fold_own_rows, merge, no_keys_as_neg_inf, uniform_new, values_out
 from .config import SparseAttentionOutput, SparseMLAInputs
-from .reference import check_reused
+from .reference import check_reused, own_index_values
 
 LN2 = math.log(2.0)
 TOPK_BLOCK = 128  # top-k lists are padded to a multiple of this (the kernel walks them in blocks)
@@ -60,7 +60,7 @@ def supports(spec, device) -> list[str]:
     return reasons
 
 
-def select(spec, views: Views, inputs: SparseMLAInputs, index_values: dict | None) -> torch.Tensor:
+def select(spec, views: Views, inputs: SparseMLAInputs, index_values: dict) -> torch.Tensor:
     """The step's top-k positions ``[T, topk]`` int64 (-1 padded): the layer's own indexer over its cached keys
     and ``index_values`` (the step's keys as the cache will store them: `SparseMLAConfig.index_writes`), or the
     reused ones."""
@@ -95,8 +95,7 @@ def sparse_kernel(q, kv, indices, scale, R, *, natural: bool = True):
 def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str):
     m, batch = spec.config.mla, inputs.meta.batch
     R = m.kv_lora_rank
-    owns_indexer = spec.config.index_source_layer is None
-    index_values = spec.config.index_writes(inputs.index_k) if owns_indexer else None
+    index_values = own_index_values(spec, inputs)
     selected = select(spec, views, inputs, index_values)  # [T, topk]
     n = 0 if phase == "prefill" else uniform_new(batch, "sparse_mla flashmla")
     # pool slots of the cached positions, rows of the step's own ones (prefill), and which of its request's
@@ -117,9 +116,7 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
         o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=n, scale=m.scale, allowed=picked,
                                    lse_base2=LSE_BASE2)
     out = SparseAttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse, topk_indices=selected)
-    if owns_indexer:
-        return out, writes(latent=inputs.latent, **index_values)
-    return out, writes(latent=inputs.latent)
+    return out, writes(latent=inputs.latent, **index_values)
 
 
 @register("sparse_mla", "prefill", "flashmla", supports=supports)

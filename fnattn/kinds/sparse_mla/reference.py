@@ -23,36 +23,32 @@ from ...lanes import debug_check
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
-from ..full.reference import cached_tokens
 from ..mla.reference import paged_mla, request_rows
 from .config import SparseAttentionOutput, SparseMLAInputs
 from .indexer import indexer_scores, topk_indices
 
 
-def request_keys(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, b: int, rows: slice) -> Tensor:
-    """Request ``b``'s index keys, cached then new, ``[N, Di]``: FP8 keys dequantized with their scales, the
-    step's own keys as the cache will hold them."""
-    batch, ix = inputs.meta.batch, spec.config.indexer
-    if not ix.fp8_keys:
-        return request_rows(views.index_k, inputs.index_k[rows], batch, b)
-    stored, scale = ix.encode_keys(inputs.index_k[rows])
-    new = ix.decode_keys(stored, scale)  # [n, Di] fp32
-    n_cached = batch.host_cache_lens[b]
-    if not n_cached:
-        return new
-    cached = ix.decode_keys(cached_tokens(views.index_k, batch.block_table[b], n_cached, batch.page_size),
-                            cached_tokens(views.index_k_scale, batch.block_table[b], n_cached, batch.page_size))
-    return torch.cat((cached, new))
+def request_keys(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, index_values: dict, b: int,
+                 rows: slice) -> Tensor:
+    """Request ``b``'s index keys, cached then new, ``[N, Di]``: the step's own keys as the cache will hold them
+    (``index_values``, `SparseMLAConfig.index_writes`), FP8 keys dequantized with their scales."""
+    batch = inputs.meta.batch
+    keys = request_rows(views.index_k, index_values["index_k"][rows], batch, b)
+    if not spec.config.indexer.fp8_keys:
+        return keys
+    scales = request_rows(views.index_k_scale, index_values["index_k_scale"][rows], batch, b)
+    return spec.config.indexer.decode_keys(keys, scales)
 
 
-def select(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> Tensor:
-    """The indexer's top-k of every new token: ``[T, topk]`` int64 positions, -1 padded."""
+def select(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, index_values: dict) -> Tensor:
+    """The indexer's top-k of every new token: ``[T, topk]`` int64 positions, -1 padded, over the cached keys
+    and the step's ``index_values`` (its keys as they will be written)."""
     batch = inputs.meta.batch
     cu = batch.host_cu_seqlens
     picked = []
     for b, n_cached in enumerate(batch.host_cache_lens):
         rows = slice(cu[b], cu[b + 1])
-        keys = request_keys(spec, views, inputs, b, rows)  # [N, Di]
+        keys = request_keys(spec, views, inputs, index_values, b, rows)  # [N, Di]
         scores = indexer_scores(inputs.index_q[rows], inputs.index_w[rows], keys)  # [n, N] fp32
         picked.append(topk_indices(scores, n_cached=n_cached, topk=inputs.sparse.topk))  # [n, topk]
     return torch.cat(picked)
@@ -78,14 +74,17 @@ def check_reused(spec: LayerSpec, inputs: SparseMLAInputs) -> Tensor:
 
 
 def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str):
-    owns_indexer = spec.config.index_source_layer is None
-    selected = select(spec, views, inputs) if owns_indexer else check_reused(spec, inputs)
+    index_values = own_index_values(spec, inputs)
+    selected = select(spec, views, inputs, index_values) if index_values else check_reused(spec, inputs)
     att = paged_mla(spec, views, inputs, phase=phase, selected=selected)
     out = SparseAttentionOutput(o=att.o, lse=att.lse, topk_indices=selected)
-    if owns_indexer:
-        return out, writes(latent=spec.config.mla.encode_latent(inputs.latent),
-                           **spec.config.index_writes(inputs.index_k))
-    return out, writes(latent=spec.config.mla.encode_latent(inputs.latent))
+    return out, writes(latent=spec.config.mla.encode_latent(inputs.latent), **index_values)
+
+
+def own_index_values(spec: LayerSpec, inputs: SparseMLAInputs) -> dict:
+    """The write values of the step's index keys, encoded once for both the selection and the writes; empty
+    for a layer that reuses another layer's top-k."""
+    return spec.config.index_writes(inputs.index_k) if spec.config.index_source_layer is None else {}
 
 
 # One function per phase, as the registry wants; the reference math is shared.

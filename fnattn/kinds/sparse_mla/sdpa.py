@@ -16,20 +16,18 @@ from ...state import Views
 from ..cpu_sdpa import supports
 from ..mla.sdpa import NAME, paged_decode_sdpa, paged_mla_sdpa
 from .config import SparseAttentionOutput, SparseMLAInputs
-from .reference import check_reused, select
+from .reference import check_reused, own_index_values, select
 
 
 def _step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str) -> tuple[SparseAttentionOutput, Writes]:
-    owns_indexer = spec.config.index_source_layer is None
-    selected = select(spec, views, inputs) if owns_indexer else check_reused(spec, inputs)
+    index_values = own_index_values(spec, inputs)
+    selected = select(spec, views, inputs, index_values) if index_values else check_reused(spec, inputs)
     if phase == "decode":
         att = paged_decode_sdpa(spec, views, inputs, selected)
     else:
         att = paged_mla_sdpa(spec, views, inputs, phase=phase, selected=selected)
     out = SparseAttentionOutput(o=att.o, lse=att.lse, topk_indices=selected)
-    latent = spec.config.mla.encode_latent(inputs.latent)
-    return out, (writes(latent=latent, **spec.config.index_writes(inputs.index_k)) if owns_indexer
-                 else writes(latent=latent))
+    return out, writes(latent=spec.config.mla.encode_latent(inputs.latent), **index_values)
 
 
 @register("sparse_mla", "prefill", NAME, supports=supports)
