@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from .roofline import _tensors, copy_bandwidth, experts_per_token, step_bytes, weight_bytes
+from .roofline import copy_bandwidth, expert_layers, experts_per_token, step_bytes, weight_bytes
 
 QWEN3_5_0_8B = {  # the Qwen3.5-0.8B text decoder's shape
     "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "num_hidden_layers": 24,
@@ -102,9 +102,10 @@ def routed_experts_touched(model, ma, state, batch: int) -> tuple[list[int] | No
 
     with counting_routed_experts() as counts:
         _, state = time_decode(model, ma, state, batch, 1, warmup=0)
-    experts: list = []
-    list(_tensors(model.params, experts))
-    return (list(counts) if counts and len(counts) == len(experts) else None), state
+    return (list(counts) if counts and len(counts) == len(expert_layers(model.params)) else None), state
+
+
+# ------------------------------------------------------------------------------------------ timing
 
 
 def _sync(device):

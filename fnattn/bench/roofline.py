@@ -33,6 +33,14 @@ def _tensors(x, experts: list | None = None):
                 yield from _tensors(value, experts)
 
 
+def expert_layers(params) -> list[list[list[torch.Tensor]]]:
+    """Each MoE layer's routed experts under ``params``, in layer order: one list of tensors per expert."""
+    experts: list = []
+    for _ in _tensors(params, experts):
+        pass
+    return experts
+
+
 def weight_bytes(params, *, tokens: int | None = None, experts_per_token: int | None = None,
                  touched: Sequence[int] | None = None) -> int:
     """Bytes of every distinct tensor storage the params hold (views and tied weights counted once).
@@ -104,6 +112,3 @@ def copy_bandwidth(device: torch.device) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return 2 * n / min(times)
-
-
-# ------------------------------------------------------------------------------------------ timing
