@@ -10,6 +10,7 @@ from fnattn.models.common import StackedExperts, grouped_moe, moe_sum
 from test_graph_gpu import build, decode_run, prefill, state
 
 import fnattn as fa
+from fnattn.driver import run_step
 
 MOE = ["deepseek_v32", "kimi_linear", "deepseek_v4"]
 
@@ -76,10 +77,7 @@ def eager_run(name, steps=6):
     seen, tokens = [], [[last[0], last[1]]] + [[(3 * i + 1) % 50, (5 * i + 2) % 50] for i in range(steps - 1)]
     for tok in tokens:
         st = st.reserve({0: 1, 1: 1})
-        b = fa.Batch.decode(st, [0, 1])
-        with attn.session(st, b) as s:
-            logits, d = fam.step(params, s, torch.tensor(tok, device="cuda"))
-        st = st.apply(d)
+        st, logits = run_step(fam.step, params, attn, st, fa.Batch.decode(st, [0, 1]), torch.tensor(tok, device="cuda"))
         seen.append(logits.float())
     return seen
 
