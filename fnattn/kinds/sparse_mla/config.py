@@ -51,7 +51,7 @@ class IndexerConfig:
         return (keys.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
     @staticmethod
-    def decode_keys(stored: Tensor, scale: Tensor) -> Tensor:
+    def decode_keys(stored: Float[Tensor, "N Di"], scale: Float[Tensor, "N 1"]) -> Float[Tensor, "N Di"]:
         """Stored keys back in fp32 (``stored * scale``, row by row)."""
         return stored.float() * scale
 
@@ -90,7 +90,7 @@ class SparseMLAConfig:
             own = (per_token("index_k", (self.indexer.head_dim,), dtype, pool="index"),)
         return self.mla.storage(dtype) + (own if self.index_source_layer is None else ())
 
-    def index_writes(self, keys: Tensor) -> dict[str, Tensor]:
+    def index_writes(self, keys: Float[Tensor, "T Di"]) -> dict[str, Tensor]:
         """The write values of this step's new index keys ``[T, Di]`` (layer dtype), as the cache stores them."""
         if not self.indexer.fp8_keys:
             return {"index_k": keys}
