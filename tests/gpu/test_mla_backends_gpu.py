@@ -252,3 +252,21 @@ def test_tiny_model_logits_through_the_fast_paths(name, topk, record):
     record({"case": f"model {name} topk {topk} padded 64", "logits_rel": err, "argmax_agree": agree,
             "first_layer_topk_same": same_first, "ok": ok})
     assert ok, f"{name} topk {topk}: rel {err:.3e}, argmax agreement {agree:.2f}, layer-0 top-k same {same_first:.3f}"
+
+
+def test_sparse_bench_layers_agree(record):
+    """The sparse bench's rows do the same work: the usual layer over precomputed slots, the usual layer that
+    translates the top-k each step and fnattn's layer give the same output (the two usual ones bit for bit)."""
+    from fnattn.kinds.sparse_mla.bench import sparse_decode_setup, usual_sparse_layer, usual_sparse_layer_translating
+
+    specs, state, b, inputs, _, slots = sparse_decode_setup(batch=5, ctx=700, heads=128, topk=256)
+    scale = specs[1].config.mla.scale
+    ma = fa.ModelAttention(specs, prefer=("flashmla",), device=DEV, phases=("decode",))
+    with ma.session(state, b) as s:
+        ours = s.forward(1, inputs)[0].o.float()
+    usual = usual_sparse_layer(state, b, inputs, slots, scale)().float()
+    translating = usual_sparse_layer_translating(state, b, inputs, inputs.topk_indices, scale)().float()
+    rel = float((ours - usual).abs().max() / usual.abs().max())
+    ok = torch.equal(usual, translating) and rel <= TOL
+    record({"case": "sparse bench rows B5 ctx700 topk256", "o_rel": rel, "usual_rows_equal": ok, "ok": ok})
+    assert ok, f"usual rows equal {torch.equal(usual, translating)}, fnattn vs usual {rel:.3e}"

@@ -4,9 +4,10 @@
 fnattn's FlashMLA backend (index translation to pool slots, the kernel over the cache, the new row
 beside it, LSE merge, ``W_UV``) against the kernel alone on precomputed slots over caches that
 already hold the new token, and against the usual layer (the latent written into the pool first, then the
-absorption, the kernel and ``W_UV``: the same work as fnattn's but the merge). "indexer": the Triton
-indexer scores plus ``torch.topk`` at the given context, reported next to the sparse attention time of the
-same shape.
+absorption, the kernel and ``W_UV``: the same work as fnattn's but the merge and the slot translation, which
+its precomputed slots leave out; a second usual row translates the top-k positions each step). "indexer":
+the Triton indexer scores plus ``torch.topk`` at the given context, reported next to the sparse attention time
+of the same shape.
 """
 
 from __future__ import annotations
@@ -88,11 +89,38 @@ def usual_sparse_layer(state, b, inputs, kernel_indices, scale):
     return run
 
 
+def usual_sparse_layer_translating(state, b, inputs, positions, scale):
+    """`usual_sparse_layer` that also turns the top-k positions into pool slots each step, as a real layer must
+    (the indexer picks positions; the kernel reads slots): fnattn's one-launch translation over the caches as
+    they are after the append (the new row counted as cached), so its only difference from fnattn's layer is
+    where the own row is read."""
+    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
+
+    from ...kernels.sparse_slots import topk_slots
+
+    pool = state.views(1).latent
+    rows = pool.view(-1, pool.shape[-1])
+    lens_after = b.cache_lens + 1  # the append below puts each request's new row at cache_lens
+    request_of_token = inputs.sparse.request_of_token
+
+    def run():
+        rows.index_copy_(0, b.slot_mapping, inputs.latent)
+        slots, _, _ = topk_slots(positions, request_of_token, lens_after, b.cu_seqlens, b.block_table,
+                                 page_size=b.page_size, pad_to=TOPK_BLOCK)
+        out, _, _ = flash_mla_sparse_fwd(absorbed_query(inputs), pool.view(-1, 1, pool.shape[-1]),
+                                         slots.unsqueeze(1), scale, 512)
+        return values_out(out, inputs.w_uv)
+
+    return run
+
+
 def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, page_size: int = 64,
                        graph: bool = True) -> list[dict]:
     specs, state, b, inputs, kernel, slots = sparse_decode_setup(batch=batch, ctx=ctx, heads=heads, topk=topk,
                                                                  page_size=page_size)
     usual = usual_sparse_layer(state, b, inputs, slots, specs[1].config.mla.scale)
+    usual_translating = usual_sparse_layer_translating(state, b, inputs, inputs.topk_indices,
+                                                       specs[1].config.mla.scale)
     ma = ModelAttention(specs, prefer=("flashmla",), device=DEVICE, phases=("decode",))
     peer = "flash_mla_sparse_fwd (raw)"
     case = f"sparse mla decode B{batch} ctx{ctx} h{heads} topk{topk}" + (" graph" if graph else " eager")
@@ -105,6 +133,8 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
     return [_record(case, peer, peer, shape, lambda: timed(kernel, graph=graph), flops),
             _record(case, "usual (append + absorb + kernel + W_UV)", peer, shape, lambda: timed(usual, graph=graph),
                     flops),
+            _record(case, "usual + slot translation (append + slots + absorb + kernel + W_UV)", peer, shape,
+                    lambda: timed(usual_translating, graph=graph), flops),
             _record(case, "fnattn flashmla (attention, shared top-k)", peer, shape, lambda: through_fnattn(False),
                     flops),
             _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots)", peer, shape,
