@@ -43,7 +43,7 @@ Switches:
 - ``fla_direct`` (prefill): the fla provider calls fla-core's chunk forward itself
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
 - ``qkv_apart`` (prefill): the fla provider's conv writes q, k and v each contiguous
-  (`fnattn.kinds.delta_rule.triton.qkv_apart`), or one output whose slices fla-core copies (the default).
+  (`fnattn.kinds.delta_rule.triton.qkv_apart`, the default), or one output whose slices fla-core copies.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
   or FlashInfer's norms and rope.
 - ``swiglu_epilogue``: SwiGLU's SiLU-and-mul written by the gate / up GEMV (`models.fused.swiglu_epilogue`,

@@ -123,7 +123,7 @@ def prefill_case(kind: str, *, requests: int, length: int, hk: int, hv: int, dim
     heads = f"{hk}qk/{hv}v" if kind == "gdn" else f"{hv}h"
     case = f"{kind} prefill {requests}x{length} (T={T}) {heads} d{dim}"
     shape = {"requests": requests, "length": length, "tokens": T, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype)}
-    names = ("fnattn triton", "fnattn fla", "fnattn fla, q/k/v apart", peer,
+    names = ("fnattn triton", "fnattn fla", "fnattn fla, one conv output", peer,
              "fla-core conv + " + peer[len("fla-core "):])
     try:
         spec = _spec(kind, hk=hk, hv=hv, dim=dim, dtype=dtype)
@@ -171,19 +171,20 @@ def prefill_case(kind: str, *, requests: int, length: int, hk: int, hv: int, dim
     runs = {
         "fnattn triton": lambda: _session_run("triton", spec, state, batch, inputs, graph=False),
         "fnattn fla": lambda: _session_run("fla", spec, state, batch, inputs, graph=False),
-        "fnattn fla, q/k/v apart": lambda: _apart(lambda: _session_run("fla", spec, state, batch, inputs,
-                                                                        graph=False)),
+        "fnattn fla, one conv output": lambda: _one_output(lambda: _session_run("fla", spec, state, batch, inputs,
+                                                                                 graph=False)),
         peer: fla_peer,
         names[4]: fla_layer_peer,
     }
     return _measure(case, peer, shape, runs, lambda us: {"mtok_s": T / us})
 
 
-def _apart(run):
-    """``run()`` with the fla provider's conv writing q, k and v apart (`triton.qkv_apart`, off by default)."""
+def _one_output(run):
+    """``run()`` with the fla provider's conv writing one [T, C] output whose q, k and v slices fla-core copies
+    (`triton.qkv_apart(False)`; the default writes them apart)."""
     from .triton import qkv_apart
 
-    with qkv_apart(True):
+    with qkv_apart(False):
         return run()
 
 

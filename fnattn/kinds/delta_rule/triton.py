@@ -59,15 +59,16 @@ def fla_direct(enabled: bool):
     return switched(_FLA_DIRECT, "fla_direct", enabled)
 
 
-_QKV_APART = [False]  # not yet timed on the H200 (`qkv_apart`)
+_QKV_APART = [True]  # on since 023a285 (`qkv_apart`)
 
 
 def qkv_apart(enabled: bool):
     """Within this block the "fla" prefill provider has the conv write q, k and v as three contiguous tensors
     (`kernels.causal_conv1d`'s ``split``) when ``enabled``, in place of one [T, C] output whose column slices
     fla-core's chunk copies to contiguous: three launches fewer a GDN / KDA layer (54 a Qwen3.5-0.8B prefill,
-    whose copies took 2.26 ms of an 8192-token prefill on the H200), the same values. Off until timed
-    (``benchmarks/model_ab.py --toggle qkv_apart --prefill 8192``)."""
+    whose copies took 2.26 ms of an 8192-token prefill on the H200), the same bits
+    (``tests/gpu_results/gdn_prefill_gpu.json``). On by default: the 8192-token prefill step with it off took
+    1.011x as long, paired by round (``benchmarks/results/bench_conv_ab.json``, a host-bound step)."""
     return switched(_QKV_APART, "qkv_apart", enabled)
 
 

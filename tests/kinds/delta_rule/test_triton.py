@@ -468,9 +468,9 @@ def test_the_fla_prefill_hands_q_k_v_contiguous_with_qkv_apart(monkeypatch, kind
     assert torch.equal(seen["h0"], torch.zeros_like(seen["h0"]))
 
 
-def test_qkv_apart_is_off_by_default_and_recorded_with_the_switches():
+def test_qkv_apart_is_on_by_default_and_recorded_with_the_switches():
     from fnattn.bench import environment
 
-    assert triton_backend._QKV_APART[-1] is False and environment()["switches"]["qkv_apart"] is False
-    with triton_backend.qkv_apart(True):
-        assert environment()["switches"]["qkv_apart"] is True
+    assert triton_backend._QKV_APART[-1] is True and environment()["switches"]["qkv_apart"] is True
+    with triton_backend.qkv_apart(False):
+        assert environment()["switches"]["qkv_apart"] is False
