@@ -59,7 +59,7 @@ def fla_direct(enabled: bool):
     return switched(_FLA_DIRECT, "fla_direct", enabled)
 
 
-_QKV_APART = [True]  # on since 023a285 (`qkv_apart`)
+_QKV_APART = [True]  # on since 4979952, timed at 023a285 (`qkv_apart`)
 
 
 def qkv_apart(enabled: bool):
