@@ -279,3 +279,30 @@ def test_deepseek_v4_experts_are_counted_as_every_moe_family_s():
     raw = config_for("deepseek_v4", "tiny")
     assert len(roof["experts_touched"]) == raw["num_hidden_layers"]  # every V4 block is a MoE
     assert all(1 <= n <= raw["num_experts_per_tok"] for n in roof["experts_touched"])
+
+
+def test_commit_names_a_tree_whose_files_differ_from_its_head(tmp_path, monkeypatch):
+    """A record's commit: FNATTN_COMMIT when set; else git's HEAD, marked ``+changes`` when tracked files differ
+    from it (a copied tree with older git metadata must not name code that did not run)."""
+    import shutil
+    import subprocess
+
+    import fnattn.bench as bench
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    monkeypatch.delenv("FNATTN_COMMIT", raising=False)
+    monkeypatch.setattr(bench, "__file__", str(pkg / "__init__.py"))
+    assert bench.commit() == head
+    (pkg / "__init__.py").write_text("x = 2\n")
+    assert bench.commit() == head + "+changes"
+    monkeypatch.setenv("FNATTN_COMMIT", "abc")
+    assert bench.commit() == "abc"

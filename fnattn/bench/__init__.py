@@ -120,17 +120,24 @@ def switches() -> dict:
 
 
 def commit() -> str | None:
-    """The source commit: FNATTN_COMMIT when set (copies without git history), else git's answer."""
+    """The source commit: FNATTN_COMMIT when set (copies without git history), else git's answer, with
+    ``+changes`` appended when the tracked files differ from it (a copied tree whose git metadata is older than
+    its files reports an older HEAD: the suffix keeps a record from naming code that did not run)."""
     import os
 
     if os.environ.get("FNATTN_COMMIT"):
         return os.environ["FNATTN_COMMIT"]
+    here = Path(__file__).parent
     try:
         out = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent).stdout.strip()
+                             cwd=here).stdout.strip()
+        if len(out) != 40:
+            return None
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=here)
     except OSError:
         return None
-    return out if len(out) == 40 else None
+    return out + "+changes" if changed.returncode != 0 or changed.stdout.strip() else out
 
 
 def write_json(records: list[dict], path: str | Path, *, command: str) -> dict:
