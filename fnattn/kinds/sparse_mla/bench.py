@@ -74,7 +74,8 @@ def sparse_decode_setup(*, batch: int, ctx: int, heads: int = 128, topk: int = 2
 
 def usual_sparse_layer(state, b, inputs, kernel_indices, scale):
     """The usual design of the same layer: write the new latent row into the pool, absorb ``W_UK`` into the query,
-    the kernel over the top-k slots (the new row among them), ``W_UV`` out."""
+    the kernel over the top-k slots (the new row among them), ``W_UV`` out. ``kernel_indices``: the kernel's
+    int32 slot lists, or a function that builds them inside each step (`usual_sparse_layer_translating`)."""
     from sgl_kernel.flash_mla import flash_mla_sparse_fwd
 
     pool = state.views(1).latent
@@ -82,7 +83,8 @@ def usual_sparse_layer(state, b, inputs, kernel_indices, scale):
 
     def run():
         rows.index_copy_(0, b.slot_mapping, inputs.latent)
-        out, _, _ = flash_mla_sparse_fwd(absorbed_query(inputs), pool.view(-1, 1, pool.shape[-1]), kernel_indices,
+        indices = kernel_indices() if callable(kernel_indices) else kernel_indices
+        out, _, _ = flash_mla_sparse_fwd(absorbed_query(inputs), pool.view(-1, 1, pool.shape[-1]), indices,
                                          scale, 512)
         return values_out(out, inputs.w_uv)
 
@@ -94,24 +96,17 @@ def usual_sparse_layer_translating(state, b, inputs, positions, scale):
     (the indexer picks positions; the kernel reads slots): fnattn's one-launch translation over the caches as
     they are after the append (the new row counted as cached), so its only difference from fnattn's layer is
     where the own row is read."""
-    from sgl_kernel.flash_mla import flash_mla_sparse_fwd
-
     from ...kernels.sparse_slots import topk_slots
 
-    pool = state.views(1).latent
-    rows = pool.view(-1, pool.shape[-1])
-    lens_after = b.cache_lens + 1  # the append below puts each request's new row at cache_lens
+    lens_after = b.cache_lens + 1  # the append puts each request's new row at cache_lens
     request_of_token = inputs.sparse.request_of_token
 
-    def run():
-        rows.index_copy_(0, b.slot_mapping, inputs.latent)
-        slots, _, _ = topk_slots(positions, request_of_token, lens_after, b.cu_seqlens, b.block_table,
+    def slots():
+        found, _, _ = topk_slots(positions, request_of_token, lens_after, b.cu_seqlens, b.block_table,
                                  page_size=b.page_size, pad_to=TOPK_BLOCK)
-        out, _, _ = flash_mla_sparse_fwd(absorbed_query(inputs), pool.view(-1, 1, pool.shape[-1]),
-                                         slots.unsqueeze(1), scale, 512)
-        return values_out(out, inputs.w_uv)
+        return found.unsqueeze(1)
 
-    return run
+    return usual_sparse_layer(state, b, inputs, slots, scale)
 
 
 def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, page_size: int = 64,
