@@ -12,7 +12,7 @@
 #   merge: attention's splits merged in its own launch (merge-state: with the GDN decode's state_first);
 #   fused-now: the whole model fused against unfused at today's defaults; gates: the output gates in the GEMVs; conv: the GDN prefill
 #   (qkv_apart, interior tiles; conv-sweep: the conv's launch shapes); gdn-prefill: one GDN layer against fla-core;
-#   indexer-sweep: the DSA indexer's tiles
+#   indexer-sweep: the DSA indexer's tiles; radix: sgl_kernel's radix select for the indexer's top-k;
 #   moe-grouped: the MoE families' captured routed experts as grouped GEMMs (moe-now: with it on, then model-moe);
 #   kimi-profile: Kimi Linear's eager step
 # Each part has its own time limit, so one slow compile cannot take the rest down.
@@ -191,6 +191,11 @@ case "${1:-}" in
   decode-sweep)  # the paged decode kernel's tiles at the Qwen3.5 attention shape (d256), against FlashInfer's decodes
     part 240 python benchmarks/decode_sweep.py --batch 32 128 --ctx 512 --hq 8 --hkv 2 --dim 256 --block-n 32 64 \
         --warps 4 8 --stages 2 3 --out "$out/decode_sweep_d256.json"
+    ;;
+  radix)  # sgl_kernel's radix select for the top-k 2048 (radix_select): its sets and the sparse layer, then timed
+    part 150 env FNATTN_GPU_RESULTS="$out/radix_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/radix_gpu.json" -- tests/gpu/test_mla_backends_gpu.py -k radix
+    part 120 python -m fnattn bench indexer --batch 64 --ctx 32768 --out "$out/bench_mla_sparse_indexer.json"
     ;;
   indexer-sweep)  # the DSA indexer's scores kernel over its tiles, and torch.topk's share of the indexer's time
     part 240 python benchmarks/indexer_sweep.py --batch 64 --ctx 32768 --out "$out/indexer_sweep.json"

@@ -7,7 +7,8 @@ Each tile (`kernels.indexer.configured`: positions a dot, dots a program, warps,
 the shipped tile's scores first (the same -inf pattern, values within 1e-3 relative), then timed with
 ``triton.testing.do_bench``; TB/s counts the index keys read once (``--keys fp8``: FP8 e4m3 keys with a scale
 per token, `IndexerConfig.key_dtype`, 132 bytes a key). The last rows time ``torch.topk`` alone over
-the shipped scores and the whole `kernels.indexer_topk`.
+the shipped scores and the whole `kernels.indexer_topk`, then sgl_kernel's radix select (`kernels.radix_topk`) alone,
+its set against ``torch.topk``'s, and the whole indexer with it.
 """
 
 import argparse
@@ -15,7 +16,7 @@ import itertools
 import json
 
 import torch
-from fnattn.kernels.indexer import configured, indexer_scores_paged, indexer_topk
+from fnattn.kernels.indexer import _topk, configured, indexer_scores_paged, indexer_topk, radix_reasons, radix_topk
 
 from fnattn.bench import environment
 
@@ -65,7 +66,7 @@ def main() -> None:
     finite = torch.isfinite(want)
     records = []
     tiles = [dict(block_n=n, blocks=b, num_warps=wp, num_stages=st)
-             for n, b, wp, st in itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (2, 3))]
+             for n, b, wp, st in itertools.product((64, 128), (1, 4, 8, 16, 32), (4, 8), (2, 3))]
     tiles += [dict(block_n=256, blocks=b, num_warps=8, num_stages=st) for b, st in itertools.product((1, 2), (2, 3))]
     for tile in tiles:
         try:
@@ -85,12 +86,23 @@ def main() -> None:
     topk_alone = do_bench(lambda: want.topk(a.topk, dim=-1)) * 1e3
     whole = do_bench(lambda: indexer_topk(*args, scale=scale, topk=a.topk, **scales)) * 1e3
     print(f"shipped scores {shipped:.1f} us, torch.topk over them {topk_alone:.1f} us, indexer_topk {whole:.1f} us")
+    radix = {}
+    if not radix_reasons(want, a.topk):  # sgl_kernel's radix select: alone, its set against torch.topk's, whole
+        positions = args[-1]
+        picked = radix_topk(want, positions, a.topk)
+        same_set = bool(torch.equal(picked.sort(dim=-1).values, _topk(want, a.topk).sort(dim=-1).values))
+        radix = {"radix_alone_us": do_bench(lambda: radix_topk(want, positions, a.topk)) * 1e3,
+                 "radix_same_set": same_set,
+                 "indexer_topk_radix_us": do_bench(lambda: indexer_topk(*args, scale=scale, topk=a.topk, radix=True,
+                                                                        **scales)) * 1e3}
+        print(f"radix select alone {radix['radix_alone_us']:.1f} us ({'same set' if same_set else 'DIFFERENT set'}), "
+              f"indexer_topk with it {radix['indexer_topk_radix_us']:.1f} us")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"command": f"python benchmarks/indexer_sweep.py --batch {a.batch} --ctx {a.ctx} "
                                   f"--topk {a.topk} --keys {a.keys} --out {a.out}",
                        "environment": environment(), "shipped_scores_us": shipped, "topk_alone_us": topk_alone,
-                       "indexer_topk_us": whole, "records": records}, f, indent=1)
+                       "indexer_topk_us": whole, **radix, "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ _EXPORTS = {
     "indexer_scores_paged_ref": "indexer",
     "indexer_topk": "indexer",
     "indexer_topk_ref": "indexer",
+    "radix_topk": "indexer",
     "causal_conv1d_seq": "gdn_naive",
     "gated_delta_recurrent_seq": "gdn_naive",
     "gated_delta_chunked_seq": "gdn_naive",

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from ._tiles import overridden
 from ._triton import next_pow2, require_triton, tl, triton
 
-__all__ = ["configured", "indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk", "indexer_topk_ref"]
+__all__ = ["configured", "indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk", "indexer_topk_ref",
+           "radix_topk"]
 
 
 def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
@@ -97,7 +98,8 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
     # the token's queries and head weights once, for every block of positions this program scores
     q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
     wt = tl.load(w_ptr + t * s_wt + h, mask=hm, other=0.0).to(tl.float32)
-    for i in tl.static_range(BLOCKS):
+    # a loop, not unrolled: Triton pipelines the next block's page and key loads (num_stages) under this dot
+    for i in tl.range(0, BLOCKS):
         j = (tl.program_id(1) * BLOCKS + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         visible = (j < N) & (j <= p)
         cached = visible & (j < c)
@@ -176,8 +178,53 @@ def indexer_topk_ref(q, w, cache_k, new_k, block_table, token_request, cache_len
                                           positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale), topk)
 
 
+RADIX_TOPK = 2048  # the one top-k sgl_kernel's radix select serves (DeepSeek-V3.2's and GLM-5's)
+
+
+def radix_reasons(scores, topk: int) -> list[str]:
+    """Why `radix_topk` cannot select ``topk`` of ``scores`` here (empty: it can)."""
+    reasons = []
+    if topk != RADIX_TOPK:
+        reasons.append(f"sgl_kernel's radix select keeps {RADIX_TOPK} positions, not {topk}")
+    if not scores.is_cuda:
+        reasons.append("sgl_kernel's radix select runs on CUDA only")
+    try:
+        import sgl_kernel  # noqa: F401
+    except ImportError:
+        reasons.append("sgl_kernel is not installed")
+    return reasons
+
+
+def radix_topk(scores, positions, topk: int):
+    """`_topk`'s set of positions through sgl_kernel's radix select (``fast_topk``, the DSA top-k of DeepSeek-V3.2
+    in sglang-kernel): ``[T, topk]`` int64, each row's positions latest first, ``-1`` after them.
+
+    Row ``t`` selects among its first ``min(positions[t] + 1, N)`` scores: the visible ones, all finite. The
+    kernel's own order comes from its atomics; sorting the row makes the result (and the sparse attention's
+    sums over it) the same every run. Two limits of the kernel, both on ties: scores equal at the 2048th best
+    are kept in an order its scheduling picks, and a row whose threshold bin (8 bits of the score as fp16)
+    holds more than 16384 positions keeps only the first 16384 it meets. The buffer starts at ``-1``, so a
+    position the kernel does not write is no key, never a stray index."""
+    bad = radix_reasons(scores, topk)
+    if bad:
+        raise ValueError(f"radix_topk: {'; '.join(bad)}")
+    T, N = scores.shape
+    if positions.shape != (T,):
+        raise ValueError(f"positions: expected shape {(T,)}, got {tuple(positions.shape)}")
+    if scores.dtype != torch.float32 or scores.stride(1) != 1:
+        raise ValueError(f"scores: expected float32 rows of unit stride, got {scores.dtype}, strides {scores.stride()}")
+    lengths = (positions + 1).clamp(max=N).to(torch.int32)  # [T] visible positions per row
+    picked = torch.full((T, topk), -1, dtype=torch.int32, device=scores.device)
+    torch.ops.sgl_kernel.fast_topk(scores, picked, lengths, None)
+    return picked.to(torch.int64).sort(dim=-1, descending=True).values
+
+
 def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                 *, scale: float, topk: int, cache_scale=None, new_scale=None):
-    """``indexer_topk_ref`` with the Triton scores; the selection is ``torch.topk`` (no host sync)."""
-    return _topk(indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens,
-                                      positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale), topk)
+                 *, scale: float, topk: int, cache_scale=None, new_scale=None, radix: bool = False):
+    """``indexer_topk_ref`` with the Triton scores; the selection is ``torch.topk`` (no host sync), or with
+    ``radix`` where `radix_reasons` finds none, `radix_topk`'s (the same set, ordered by position)."""
+    scores = indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
+                                  scale=scale, cache_scale=cache_scale, new_scale=new_scale)
+    if radix and not radix_reasons(scores, topk):
+        return radix_topk(scores, positions, topk)
+    return _topk(scores, topk)

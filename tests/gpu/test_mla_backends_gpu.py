@@ -136,6 +136,48 @@ def test_sparse_mla_with_fp8_index_keys_matches_reference(shape, phase, k, recor
     _sparse_case("v32", shape, phase, k, " fp8 index keys", record, key_dtype="fp8_e4m3")
 
 
+@pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 2)])
+@pytest.mark.parametrize("key_dtype", [None, "fp8_e4m3"], ids=["bf16 keys", "fp8 keys"])
+def test_sparse_mla_with_radix_select_matches_reference(phase, k, key_dtype, record):
+    """`radix_select`: the real shape's top-k 2048 through sgl_kernel's radix select, the same picks as the
+    reference's ``torch.topk`` (within the usual tie tolerance) and the same attention."""
+    from fnattn.kinds.sparse_mla.flashmla import radix_select
+
+    with radix_select(True):
+        _sparse_case("v32", "real", phase, k, f" radix select{' fp8 keys' if key_dtype else ''}", record,
+                     key_dtype=key_dtype)
+
+
+@pytest.mark.parametrize("spread", ["normal", "narrow"])
+def test_radix_topk_sets(spread, record):
+    """`kernels.radix_topk` against ``torch.topk`` over scores whose rows see 1 .. 32768 positions: the same set
+    where the scores spread out, every row sorted latest first with -1 after, the same bits twice. ``narrow``:
+    every score in [1, 1.1), one bin of the kernel's first pass for all 32768 (more than the 16384 it holds):
+    the picks may differ from torch's there, but are distinct visible positions, 2048 of them."""
+    from fnattn.kernels.indexer import _topk, radix_topk
+
+    g = torch.Generator(device=DEV).manual_seed(7)
+    N, lengths = 32768, [1, 100, 2048, 2049, 5000, 20000, 32768]
+    positions = torch.tensor([n - 1 for n in lengths], device=DEV)
+    j = torch.arange(N, device=DEV)
+    if spread == "normal":
+        scores = torch.randn(len(lengths), N, device=DEV, generator=g) * 3
+    else:
+        scores = 1 + 0.1 * torch.rand(len(lengths), N, device=DEV, generator=g)
+    scores = scores.masked_fill(j[None, :] > positions[:, None], float("-inf"))
+    got, again = radix_topk(scores, positions, 2048), radix_topk(scores, positions, 2048)
+    want = _topk(scores, 2048)
+    ordered = bool(((got[:, :-1] > got[:, 1:]) | (got[:, 1:] == -1)).all())  # distinct, latest first, -1 last
+    kept = (got >= 0).sum(dim=1)
+    counts_ok = bool(torch.equal(kept, torch.tensor([min(n, 2048) for n in lengths], device=DEV)))
+    visible = bool(((got < positions[:, None] + 1) | (got == -1)).all())
+    same = bool(torch.equal(got.sort(dim=1).values, want.sort(dim=1).values))
+    ok = ordered and counts_ok and visible and torch.equal(got, again) and (same or spread == "narrow")
+    record({"case": f"radix_topk {spread} scores", "same_set_as_torch": same, "ordered": ordered,
+            "counts_ok": counts_ok, "visible": visible, "ok": ok})
+    assert ok, f"same {same}, ordered {ordered}, counts {kept.tolist()}, visible {visible}"
+
+
 def _sparse_case(family, shape, phase, k, what, record, key_dtype=None):
     layer, Hi, topk, cached = SPARSE[shape]
     specs = sparse_specs(topk=topk, Hi=Hi, Di=128, shared=family == "glm5", key_dtype=key_dtype, **layer)

@@ -171,3 +171,20 @@ def test_fp8_keys_need_their_scales_and_plain_keys_refuse_them():
     plain, _ = case([3], [2])
     with pytest.raises(ValueError, match="cache_scale / new_scale: expected None with torch.float32 keys"):
         indexer_scores_paged(*plain, scale=1.0, **scales)
+
+
+def test_radix_select_where_it_cannot_serve():
+    """`radix_topk` names why it cannot select (top-k other than 2048, a CPU tensor, no sgl_kernel);
+    `indexer_topk(radix=True)` keeps ``torch.topk`` there, with the same picks."""
+    from fnattn.kernels.indexer import radix_reasons, radix_topk
+
+    args, layout = case([6, 0, 11], [2, 3, 1], Hi=5, Di=24, S=4)
+    scale = args[0].shape[-1] ** -0.5
+    scores = indexer_scores_paged_ref(*args, scale=scale)
+    reasons = radix_reasons(scores, 3)
+    assert any("2048" in r for r in reasons)
+    with pytest.raises(ValueError, match="radix_topk: .*2048"):
+        radix_topk(scores, args[-1], 3)
+    if not torch.cuda.is_available():
+        assert any("CUDA" in r for r in radix_reasons(scores, 2048))
+    assert torch.equal(indexer_topk(*args, scale=scale, topk=3, radix=True), indexer_topk_ref(*args, scale=scale, topk=3))

@@ -139,6 +139,7 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
 def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi: int = 64, Di: int = 128,
                  page_size: int = 64, graph: bool = True) -> list[dict]:
     from ...kernels import indexer_topk
+    from ...kernels.indexer import RADIX_TOPK
 
     specs, state, b, _ = _setup(batch, ctx, heads, topk, Hi, Di, page_size)
     sparse = SparseQueryMetadata.build(b, topk=topk)
@@ -167,4 +168,11 @@ def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi
     tb8 = lambda us: {"tb_s": batch * (ctx + 1) * (Di + 4) / (us * 1e-6) / 1e12}  # noqa: E731
     records.append(_record(case, "fnattn indexer (triton scores + topk, fp8 keys)",
                            "fnattn flashmla (attention, shared top-k)", shape, lambda: timed(run8, graph=graph), tb8))
+    # the same scores, the selection by sgl_kernel's radix select (`radix_select`; top-k 2048 only)
+    if topk == RADIX_TOPK:
+        radix = lambda: indexer_topk(q, w, pages, k, b.block_table, sparse.request_of_token, b.cache_lens,  # noqa: E731
+                                     b.cu_seqlens, b.positions, scale=Di ** -0.5, topk=topk, radix=True)
+        records.append(_record(case, "fnattn indexer (triton scores + radix select)",
+                               "fnattn flashmla (attention, shared top-k)", shape, lambda: timed(radix, graph=graph),
+                               tb))
     return records

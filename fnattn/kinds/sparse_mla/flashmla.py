@@ -40,6 +40,16 @@ LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (its docstring; i
 _ONE_PASS = [True]  # bench_mla_sparse.json (2be8144): 113.5 against 165.2 us a B64 layer through the torch form
 
 
+_RADIX = [False]  # not yet timed in a whole step on the H200
+
+
+def radix_select(enabled: bool):
+    """Within this block a layer's own top-k (2048) is selected by sgl_kernel's radix select
+    (`fnattn.kernels.radix_topk`: the same set as ``torch.topk``'s, ordered by position) instead of
+    ``torch.topk``; other top-k sizes keep ``torch.topk``."""
+    return switched(_RADIX, "radix_select", enabled)
+
+
 def one_pass_slots(enabled: bool):
     """Within this block the top-k positions become pool slots, own-row indices and the picked mask in one
     launch (`fnattn.kernels.topk_slots`, the default) or through its torch form `topk_slots_ref` (the same
@@ -74,7 +84,7 @@ def select(spec, views: Views, inputs: SparseMLAInputs, index_values: dict) -> t
     scales = dict(cache_scale=views.index_k_scale, new_scale=index_values["index_k_scale"]) if ix.fp8_keys else {}
     return indexer_topk(inputs.index_q, inputs.index_w, views.index_k, index_values["index_k"], b.block_table,
                         inputs.sparse.request_of_token, b.cache_lens, b.cu_seqlens, b.positions,
-                        scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk, **scales)
+                        scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk, radix=_RADIX[-1], **scales)
 
 
 def sparse_kernel(q, kv, indices, scale, R, *, natural: bool = True):
