@@ -7,7 +7,10 @@ For new token ``t`` of request ``r`` (absolute position ``p``), key position ``j
 where ``k_j`` is read from the paged cache for ``j < cache_lens[r]`` and from this step's new keys
 (``new_k[cu_seqlens[r] + j - cache_lens[r]]``) above it: the step's keys are not in the cache yet. FP8 keys
 (float8 e4m3, one fp32 scale per key, ``cache_scale`` / ``new_scale``) score ``scale_j * sum_h w[t, h] *
-relu(scale * q[t, h] . k8_j)``: the positive scale leaves the relu.
+relu(scale * q[t, h] . k8_j)``: the positive scale leaves the relu. With ``fp8_queries`` (FP8 keys only) each
+query row ``q[t, h]`` is quantized to e4m3 too (`quantize_rows`: its largest magnitude / 448, as DeepSeek-V3.2's
+inference does), its scale joins the head weight, and the dot runs on FP8 tensor cores: ``scale_j * sum_h
+w[t, h] * qs[t, h] * relu(scale * q8[t, h] . k8_j)``.
 Scores cover ``N = block_table.shape[1] * page_size`` positions, a bound fixed by the batch's shapes, so
 the launch never depends on a cache length read on the host (CUDA-graph safe).
 
@@ -29,7 +32,7 @@ __all__ = ["configured", "indexer_scores_paged", "indexer_scores_paged_ref", "in
 
 
 def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-           cache_scale=None, new_scale=None):
+           cache_scale=None, new_scale=None, fp8_queries=False):
     T, Hi, Di = q.shape
     if w.shape != (T, Hi):
         raise ValueError(f"w: expected shape {(T, Hi)}, got {tuple(w.shape)}")
@@ -48,6 +51,9 @@ def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seql
                 raise ValueError(f"{name}: expected a float32 tensor of shape {shape} with FP8 keys, got {got}")
     elif cache_scale is not None or new_scale is not None:
         raise ValueError(f"cache_scale / new_scale: expected None with {cache_k.dtype} keys (they scale FP8 keys)")
+    if not isinstance(fp8_queries, bool) or (fp8_queries and not fp8):
+        raise ValueError(f"fp8_queries: expected False, or True with float8 e4m3 keys (the dot is FP8 x FP8), got "
+                         f"{fp8_queries!r} with {cache_k.dtype} keys")
     B = block_table.shape[0]
     for name, t, shape in (("token_request", token_request, (T,)), ("cache_lens", cache_lens, (B,)),
                            ("cu_seqlens", cu_seqlens, (B + 1,)), ("positions", positions, (T,))):
@@ -55,13 +61,28 @@ def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seql
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
+FP8_MAX = 448.0  # the largest finite float8 e4m3 (fn) value
+
+
+def quantize_rows(x):
+    """``x [..., D] -> (x8 float8 e4m3, scales [..., 1] fp32)``: each row over its largest magnitude / 448 (a zero
+    row keeps scale 1), as `fnattn.kinds.sparse_mla.config.IndexerConfig.encode_keys` (a test holds them equal)."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                             *, scale: float, cache_scale=None, new_scale=None):
+                             *, scale: float, cache_scale=None, new_scale=None, fp8_queries: bool = False):
     """``[T, N]`` fp32 scores, ``-inf`` where a position is not visible; torch, same arguments. FP8 keys
     (``cache_k`` and ``new_k`` float8 e4m3, with their ``[P, S, 1]`` / ``[T, 1]`` fp32 scales) score as
-    ``scale[j] * sum_h w[h] * relu(q[h] . k8[j])``."""
+    ``scale[j] * sum_h w[h] * relu(q[h] . k8[j])``; ``fp8_queries``: with each ``q[h]`` as `quantize_rows` gives
+    it back (``q8 * qs``)."""
     _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions, cache_scale,
-           new_scale)
+           new_scale, fp8_queries)
+    if fp8_queries:
+        q8, qs = quantize_rows(q)
+        q = q8.float() * qs
     S, M = cache_k.shape[1], block_table.shape[1]
     N = M * S
     req = token_request.long()  # [T]
@@ -85,7 +106,8 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
                    N, S, HI, DI, scale,
                    s_qt, s_qh, s_wt, s_kp, s_ks, s_knt, s_bt, s_ot,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr = 1,
-                   cs_ptr=None, ns_ptr=None, s_cp=0, s_cs=0, s_nst=0, FP8: tl.constexpr = False):
+                   cs_ptr=None, ns_ptr=None, s_cp=0, s_cs=0, s_nst=0, FP8: tl.constexpr = False,
+                   Q8: tl.constexpr = False):
     t = tl.program_id(0)
     r = tl.load(req_ptr + t)
     c = tl.load(cl_ptr + r).to(tl.int64)
@@ -98,6 +120,12 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
     # the token's queries and head weights once, for every block of positions this program scores
     q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
     wt = tl.load(w_ptr + t * s_wt + h, mask=hm, other=0.0).to(tl.float32)
+    if Q8:  # each head's query row as e4m3, its scale folded into the head's weight (positive: it leaves the relu)
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.abs(qf), axis=1)  # [BLOCK_H]
+        qs = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        q = tl.clamp(tl.div_rn(qf, qs[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+        wt = wt * qs
     # a loop, not unrolled: Triton pipelines the next block's page and key loads (num_stages) under this dot
     for i in tl.range(0, BLOCKS):
         j = (tl.program_id(1) * BLOCKS + i) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,7 +137,10 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
                      mask=cached[:, None] & dm[None, :], other=0.0)
         row = tl.where(fresh, start + j - c, 0)
         kn = tl.load(kn_ptr + row[:, None] * s_knt + d[None, :], mask=fresh[:, None] & dm[None, :], other=0.0)
-        k = kc.to(q.dtype) + kn.to(q.dtype)  # [BLOCK_N, BLOCK_D]: each position from exactly one of the two
+        if Q8:  # [BLOCK_N, BLOCK_D] e4m3, as stored: each position from exactly one of the two
+            k = tl.where(cached[:, None], kc, kn)
+        else:
+            k = kc.to(q.dtype) + kn.to(q.dtype)  # [BLOCK_N, BLOCK_D]: each position from exactly one of the two
         s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N] fp32
         s = tl.maximum(s * scale, 0.0)
         score = tl.sum(s * wt[:, None], axis=0)
@@ -121,26 +152,29 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
         tl.store(out_ptr + t * s_ot + j, score, mask=j < N)
 
 
-_DEFAULT_TILE = {"block_n": 64, "blocks": 1, "num_warps": 4, "num_stages": 3}  # Triton's warps and stages
+# indexer_sweep.json (3d3456e, B64 ctx 32k, bf16 keys): 128 positions a program 243.5 us, 64 271.7; more blocks a
+# program (the queries loaded once for all) 311-450 us: more programs hide the key loads better
+_DEFAULT_TILE = {"block_n": 128, "blocks": 1, "num_warps": 4, "num_stages": 3}  # Triton's warps and stages
 _OVERRIDES: list[dict] = [{}]
 
 
 def configured(**fields):
     """Within this block `indexer_scores_paged` launches with ``fields`` (some of block_n: positions a dot,
     blocks: dots a program, each over the next block_n positions with the token's queries loaded once,
-    num_warps, num_stages) in place of the defaults (64, 1, 4, 3): for sweeps and A/B timings
+    num_warps, num_stages) in place of the defaults (128, 1, 4, 3): for sweeps and A/B timings
     (``benchmarks/indexer_sweep.py``). Every field a power of two (stages 1..8)."""
     return overridden(_OVERRIDES, fields, {"block_n": (16, 512, True), "blocks": (1, 64, True),
                                            "num_warps": (1, 64, True), "num_stages": (1, 8, False)})
 
 
 def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                         *, scale: float, cache_scale=None, new_scale=None):
+                         *, scale: float, cache_scale=None, new_scale=None, fp8_queries: bool = False):
     """``indexer_scores_paged_ref`` in one Triton launch of ``T x ceil(N / (block_n * blocks))`` programs
-    (`configured`); FP8 keys are read as they are stored, in half the bytes, and widened to q's dtype."""
+    (`configured`); FP8 keys are read as they are stored, in half the bytes, and widened to q's dtype, or with
+    ``fp8_queries`` dotted as they are against the queries quantized in the launch."""
     require_triton()
     _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions, cache_scale,
-           new_scale)
+           new_scale, fp8_queries)
     T, Hi, Di = q.shape
     S, M = cache_k.shape[1], block_table.shape[1]
     N = M * S
@@ -157,7 +191,7 @@ def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache
                          BLOCK_H=max(16, next_pow2(Hi)), BLOCK_D=max(16, next_pow2(Di)), BLOCK_N=tile["block_n"],
                          BLOCKS=tile["blocks"], num_warps=tile["num_warps"], num_stages=tile["num_stages"],
                          **(dict(cs_ptr=cache_scale, ns_ptr=new_scale, s_cp=cache_scale.stride(0),
-                                 s_cs=cache_scale.stride(1), s_nst=new_scale.stride(0), FP8=True)
+                                 s_cs=cache_scale.stride(1), s_nst=new_scale.stride(0), FP8=True, Q8=fp8_queries)
                             if cache_scale is not None else {}))
     return out
 
@@ -172,10 +206,11 @@ def _topk(scores, topk: int):
 
 
 def indexer_topk_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                     *, scale: float, topk: int, cache_scale=None, new_scale=None):
+                     *, scale: float, topk: int, cache_scale=None, new_scale=None, fp8_queries: bool = False):
     """``[T, topk]`` int64 positions (best first, -1 padded) from the torch scores."""
     return _topk(indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens,
-                                          positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale), topk)
+                                          positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale,
+                                          fp8_queries=fp8_queries), topk)
 
 
 RADIX_TOPK = 2048  # the one top-k sgl_kernel's radix select serves (DeepSeek-V3.2's and GLM-5's)
@@ -220,11 +255,12 @@ def radix_topk(scores, positions, topk: int):
 
 
 def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                 *, scale: float, topk: int, cache_scale=None, new_scale=None, radix: bool = False):
+                 *, scale: float, topk: int, cache_scale=None, new_scale=None, fp8_queries: bool = False,
+                 radix: bool = False):
     """``indexer_topk_ref`` with the Triton scores; the selection is ``torch.topk`` (no host sync), or with
     ``radix`` where `radix_reasons` finds none, `radix_topk`'s (the same set, ordered by position)."""
     scores = indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                                  scale=scale, cache_scale=cache_scale, new_scale=new_scale)
+                                  scale=scale, cache_scale=cache_scale, new_scale=new_scale, fp8_queries=fp8_queries)
     if radix and not radix_reasons(scores, topk):
         return radix_topk(scores, positions, topk)
     return _topk(scores, topk)

@@ -136,6 +136,15 @@ def test_sparse_mla_with_fp8_index_keys_matches_reference(shape, phase, k, recor
     _sparse_case("v32", shape, phase, k, " fp8 index keys", record, key_dtype="fp8_e4m3")
 
 
+@pytest.mark.parametrize("shape", ["tiny", "real"])
+@pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 2)])
+def test_sparse_mla_with_fp8_index_queries_matches_reference(shape, phase, k, record):
+    """FP8 index queries too (`IndexerConfig.query_dtype`): the Triton indexer quantizes each query head row in
+    its launch and dots e4m3 against e4m3; the reference scores the dequantized rows; the same picks."""
+    _sparse_case("v32", shape, phase, k, " fp8 index keys + queries", record, key_dtype="fp8_e4m3",
+                 query_dtype="fp8_e4m3")
+
+
 @pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 2)])
 @pytest.mark.parametrize("key_dtype", [None, "fp8_e4m3"], ids=["bf16 keys", "fp8 keys"])
 def test_sparse_mla_with_radix_select_matches_reference(phase, k, key_dtype, record):
@@ -178,9 +187,10 @@ def test_radix_topk_sets(spread, record):
     assert ok, f"same {same}, ordered {ordered}, counts {kept.tolist()}, visible {visible}"
 
 
-def _sparse_case(family, shape, phase, k, what, record, key_dtype=None):
+def _sparse_case(family, shape, phase, k, what, record, key_dtype=None, query_dtype=None):
     layer, Hi, topk, cached = SPARSE[shape]
-    specs = sparse_specs(topk=topk, Hi=Hi, Di=128, shared=family == "glm5", key_dtype=key_dtype, **layer)
+    specs = sparse_specs(topk=topk, Hi=Hi, Di=128, shared=family == "glm5", key_dtype=key_dtype,
+                         query_dtype=query_dtype, **layer)
     page = 64 if family == "v32" else 16
     extra = 300 if phase == "prefill" else 8
     st = filled_state(specs, cached, page_size=page, extra=extra, device=DEV)
