@@ -201,7 +201,7 @@ case "${1:-}" in
   indexer-fp8)  # FP8 index queries (IndexerConfig.query_dtype) beside FP8 keys: checked, swept, timed
     part 200 env FNATTN_GPU_RESULTS="$out/indexer_fp8_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/indexer_fp8_gpu.json" -- tests/gpu/test_mla_backends_gpu.py tests/kernels/test_indexer.py \
-        -k "fp8_index or radix or test_indexer"
+        -k "sparse or radix or test_indexer"
     part 200 python benchmarks/indexer_sweep.py --batch 64 --ctx 32768 --keys fp8 --fp8-queries \
         --out "$out/indexer_sweep_fp8_queries.json"
     part 200 python benchmarks/indexer_sweep.py --batch 64 --ctx 32768 --keys fp8 --out "$out/indexer_sweep_fp8.json"
