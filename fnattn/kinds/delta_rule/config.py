@@ -144,15 +144,16 @@ class RecurrentInputs:
     meta: StepMeta | None = field(default=None, repr=False)
 
     def validate(self, spec, batch, device) -> None:
-        c, T, where = spec.config, batch.num_tokens, f"layer {spec.index} inputs"
-        H = c.num_state_heads
-        check_tensor(where, "x", self.x, (T, c.conv_dim), spec.dtype, device)
-        check_tensor(where, "conv_weight", self.conv_weight, (c.conv_dim, c.conv_kernel), spec.dtype, device)
+        c, T, where, dtype = spec.config, batch.num_tokens, f"layer {spec.index} inputs", spec.dtype
+        C = c.conv_dim  # a property: read once
+        check_tensor(where, "x", self.x, (T, C), dtype, device)
+        check_tensor(where, "conv_weight", self.conv_weight, (C, c.conv_kernel), dtype, device)
         if self.conv_bias is not None:
-            check_tensor(where, "conv_bias", self.conv_bias, (c.conv_dim,), spec.dtype, device)
+            check_tensor(where, "conv_bias", self.conv_bias, (C,), dtype, device)
         check_tensor(where, "g", self.g, c.gate_shape(T), torch.float32, device)
-        beta_dtype = self.beta.dtype if self.beta.dtype in (spec.dtype, torch.float32) else spec.dtype
-        check_tensor(where, "beta", self.beta, (T, H), beta_dtype, device)
+        beta = self.beta
+        beta_dtype = beta.dtype if isinstance(beta, Tensor) and beta.dtype in (dtype, torch.float32) else dtype
+        check_tensor(where, "beta", beta, (T, c.num_state_heads), beta_dtype, device)
 
 
 @tensor_pytree
