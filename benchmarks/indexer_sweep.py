@@ -1,7 +1,8 @@
 """The DSA indexer's scores kernel over its tiles, and where the indexer's time goes: the scores against
 ``torch.topk`` over them, at DeepSeek-V3.2's decode shape (64 indexer heads of 128, top-k 2048).
 
-    python benchmarks/indexer_sweep.py [--batch 64] [--ctx 32768] [--keys bf16|fp8] [--fp8-queries] [--out indexer_sweep.json]
+    python benchmarks/indexer_sweep.py [--batch 64] [--ctx 32768] [--keys bf16|fp8] [--fp8-queries]
+        [--out indexer_sweep.json]
 
 Each tile (`kernels.indexer.configured`: positions a dot, dots a program, warps, stages) is checked against
 the shipped tile's scores first (the same -inf pattern, values within 1e-3 relative), then timed with
@@ -106,8 +107,9 @@ def main() -> None:
               f"indexer_topk with it {radix['indexer_topk_radix_us']:.1f} us")
     if a.out:
         with open(a.out, "w") as f:
+            queries = " --fp8-queries" if a.fp8_queries else ""
             json.dump({"command": f"python benchmarks/indexer_sweep.py --batch {a.batch} --ctx {a.ctx} "
-                                  f"--topk {a.topk} --keys {a.keys}{' --fp8-queries' if a.fp8_queries else ''} --out {a.out}",
+                                  f"--topk {a.topk} --keys {a.keys}{queries} --out {a.out}",
                        "environment": environment(), "shipped_scores_us": shipped, "topk_alone_us": topk_alone,
                        "indexer_topk_us": whole, **radix, "records": records}, f, indent=1)
 

@@ -117,7 +117,11 @@ def indexer_cases():
             "indexer scores": ({}, ptr), "indexer scores, 128 x 4 a program": (dict(BLOCK_N=128, BLOCKS=4), ptr),
             "indexer scores, 256 a dot": (dict(BLOCK_N=256), ptr),
             "indexer scores, fp8 keys": (dict(FP8=True), fp8),
-            "indexer scores, fp8 keys + queries": (dict(FP8=True, Q8=True), fp8)}.items():
+            "indexer scores, fp8 keys + queries": (dict(FP8=True, Q8=True), fp8),
+            "indexer scores, fp8 keys + queries, 16 heads of 32 (the kernel tests' tile)":
+                (dict(FP8=True, Q8=True, BLOCK_H=16, BLOCK_D=32, BLOCK_N=16), {**fp8, "q_ptr": "*fp32"}),
+            "indexer scores, fp8 keys + queries from fp32":
+                (dict(FP8=True, Q8=True), {**fp8, "q_ptr": "*fp32"})}.items():
         yield name, lambda c={**base, **change}, p=pointers: compile_for_hopper(_scores_kernel, c, p,
                                                                                floats=("scale",))
 

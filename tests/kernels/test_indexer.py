@@ -180,7 +180,8 @@ def test_fp8_queries_score_as_their_dequantized_values(cached, new):
     want = indexer_scores_paged_ref(*kernel_args, scale=scale, fp8_queries=True, **scales)
     fin = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), fin)
-    torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-4)
+    # exact on the CPU; on a GPU the FP8 dot's accumulator keeps fewer bits than an fp32 FMA chain
+    torch.testing.assert_close(got[fin], want[fin], rtol=2e-3, atol=2e-3)
     q8, qs = quantize_rows(args[0])
     plain = (q8.float() * qs, *args[1:])
     torch.testing.assert_close(ref, indexer_scores_paged_ref(*plain, scale=scale, **scales))
@@ -188,6 +189,7 @@ def test_fp8_queries_score_as_their_dequantized_values(cached, new):
 
 def test_quantize_rows_is_the_key_encoding():
     from fnattn.kernels.indexer import quantize_rows
+
     from fnattn.kinds.sparse_mla.config import IndexerConfig
 
     x = torch.randn(7, 32) * torch.tensor([0.0, 1.0, 1e-3, 30.0, 1.0, 2.0, 5.0])[:, None]
@@ -228,4 +230,5 @@ def test_radix_select_where_it_cannot_serve():
         radix_topk(scores, args[-1], 3)
     if not torch.cuda.is_available():
         assert any("CUDA" in r for r in radix_reasons(scores, 2048))
-    assert torch.equal(indexer_topk(*args, scale=scale, topk=3, radix=True), indexer_topk_ref(*args, scale=scale, topk=3))
+    want = indexer_topk_ref(*args, scale=scale, topk=3)
+    assert torch.equal(indexer_topk(*args, scale=scale, topk=3, radix=True), want)
