@@ -13,7 +13,6 @@
 #   fused-now: the whole model fused against unfused at today's defaults; gates: the output gates in the GEMVs; conv: the GDN prefill
 #   (qkv_apart, interior tiles; conv-sweep: the conv's launch shapes); gdn-prefill: one GDN layer against fla-core;
 #   indexer-sweep: the DSA indexer's tiles; radix: sgl_kernel's radix select for the indexer's top-k;
-#   indexer-fp8: FP8 index queries beside FP8 keys;
 #   moe-grouped: the MoE families' captured routed experts as grouped GEMMs (moe-now: with it on, then model-moe);
 #   kimi-profile: Kimi Linear's eager step
 # Each part has its own time limit, so one slow compile cannot take the rest down.
@@ -198,13 +197,10 @@ case "${1:-}" in
         "$out/radix_gpu.json" -- tests/gpu/test_mla_backends_gpu.py -k radix
     part 120 python -m fnattn bench indexer --batch 64 --ctx 32768 --out "$out/bench_mla_sparse_indexer.json"
     ;;
-  indexer-fp8)  # FP8 index queries (IndexerConfig.query_dtype) beside FP8 keys: checked, swept, timed
-    part 200 env FNATTN_GPU_RESULTS="$out/indexer_fp8_cases.json" python benchmarks/gpu_pytest_record.py \
-        "$out/indexer_fp8_gpu.json" -- tests/gpu/test_mla_backends_gpu.py tests/kernels/test_indexer.py \
+  indexer)  # the indexer's kernel tests and every sparse MLA case on the GPU, then the indexer's timing
+    part 200 env FNATTN_GPU_RESULTS="$out/indexer_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/indexer_gpu.json" -- tests/gpu/test_mla_backends_gpu.py tests/kernels/test_indexer.py \
         -k "sparse or radix or test_indexer"
-    part 200 python benchmarks/indexer_sweep.py --batch 64 --ctx 32768 --keys fp8 --fp8-queries \
-        --out "$out/indexer_sweep_fp8_queries.json"
-    part 200 python benchmarks/indexer_sweep.py --batch 64 --ctx 32768 --keys fp8 --out "$out/indexer_sweep_fp8.json"
     part 120 python -m fnattn bench indexer --batch 64 --ctx 32768 --out "$out/bench_mla_sparse_indexer.json"
     ;;
   indexer-sweep)  # the DSA indexer's scores kernel over its tiles, and torch.topk's share of the indexer's time

@@ -1,14 +1,12 @@
 """The DSA indexer's scores kernel over its tiles, and where the indexer's time goes: the scores against
 ``torch.topk`` over them, at DeepSeek-V3.2's decode shape (64 indexer heads of 128, top-k 2048).
 
-    python benchmarks/indexer_sweep.py [--batch 64] [--ctx 32768] [--keys bf16|fp8] [--fp8-queries]
-        [--out indexer_sweep.json]
+    python benchmarks/indexer_sweep.py [--batch 64] [--ctx 32768] [--keys bf16|fp8] [--out indexer_sweep.json]
 
 Each tile (`kernels.indexer.configured`: positions a dot, dots a program, warps, stages) is checked against
 the shipped tile's scores first (the same -inf pattern, values within 1e-3 relative), then timed with
 ``triton.testing.do_bench``; TB/s counts the index keys read once (``--keys fp8``: FP8 e4m3 keys with a scale
-per token, `IndexerConfig.key_dtype`, 132 bytes a key; ``--fp8-queries``: the queries quantized in the launch too,
-`IndexerConfig.query_dtype`). The last rows time ``torch.topk`` alone over
+per token, `IndexerConfig.key_dtype`, 132 bytes a key). The last rows time ``torch.topk`` alone over
 the shipped scores and the whole `kernels.indexer_topk`, then sgl_kernel's radix select (`kernels.radix_topk`) alone,
 its set against ``torch.topk``'s, and the whole indexer with it.
 """
@@ -46,8 +44,6 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--keys", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument("--fp8-queries", action="store_true", help="with --keys fp8: the queries quantized in the launch, "
-                   "an FP8 x FP8 dot (IndexerConfig.query_dtype)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     from triton.testing import do_bench
@@ -66,10 +62,6 @@ def main() -> None:
         args = (*args[:2], stored.view(cache_k.shape), new8, *args[4:])
         scales = dict(cache_scale=cache_scale.view(*cache_k.shape[:2], 1), new_scale=new_scale)
         keys = a.batch * (a.ctx + 1) * (dim + 4)
-        if a.fp8_queries:
-            scales["fp8_queries"] = True
-    elif a.fp8_queries:
-        p.error("--fp8-queries: expected --keys fp8 beside it (FP8 queries dot FP8 keys)")
     want = indexer_scores_paged(*args, scale=scale, **scales)
     finite = torch.isfinite(want)
     records = []
@@ -107,9 +99,8 @@ def main() -> None:
               f"indexer_topk with it {radix['indexer_topk_radix_us']:.1f} us")
     if a.out:
         with open(a.out, "w") as f:
-            queries = " --fp8-queries" if a.fp8_queries else ""
             json.dump({"command": f"python benchmarks/indexer_sweep.py --batch {a.batch} --ctx {a.ctx} "
-                                  f"--topk {a.topk} --keys {a.keys}{queries} --out {a.out}",
+                                  f"--topk {a.topk} --keys {a.keys} --out {a.out}",
                        "environment": environment(), "shipped_scores_us": shipped, "topk_alone_us": topk_alone,
                        "indexer_topk_us": whole, **radix, "records": records}, f, indent=1)
 

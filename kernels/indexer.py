@@ -7,10 +7,7 @@ For new token ``t`` of request ``r`` (absolute position ``p``), key position ``j
 where ``k_j`` is read from the paged cache for ``j < cache_lens[r]`` and from this step's new keys
 (``new_k[cu_seqlens[r] + j - cache_lens[r]]``) above it: the step's keys are not in the cache yet. FP8 keys
 (float8 e4m3, one fp32 scale per key, ``cache_scale`` / ``new_scale``) score ``scale_j * sum_h w[t, h] *
-relu(scale * q[t, h] . k8_j)``: the positive scale leaves the relu. With ``fp8_queries`` (FP8 keys only) each
-query row ``q[t, h]`` is quantized to e4m3 too (`quantize_rows`: its largest magnitude / 448, as DeepSeek-V3.2's
-inference does), its scale joins the head weight, and the dot runs on FP8 tensor cores: ``scale_j * sum_h
-w[t, h] * qs[t, h] * relu(scale * q8[t, h] . k8_j)``.
+relu(scale * q[t, h] . k8_j)``: the positive scale leaves the relu.
 Scores cover ``N = block_table.shape[1] * page_size`` positions, a bound fixed by the batch's shapes, so
 the launch never depends on a cache length read on the host (CUDA-graph safe).
 
@@ -32,7 +29,7 @@ __all__ = ["configured", "indexer_scores_paged", "indexer_scores_paged_ref", "in
 
 
 def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-           cache_scale=None, new_scale=None, fp8_queries=False):
+           cache_scale=None, new_scale=None):
     T, Hi, Di = q.shape
     if w.shape != (T, Hi):
         raise ValueError(f"w: expected shape {(T, Hi)}, got {tuple(w.shape)}")
@@ -51,9 +48,6 @@ def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seql
                 raise ValueError(f"{name}: expected a float32 tensor of shape {shape} with FP8 keys, got {got}")
     elif cache_scale is not None or new_scale is not None:
         raise ValueError(f"cache_scale / new_scale: expected None with {cache_k.dtype} keys (they scale FP8 keys)")
-    if not isinstance(fp8_queries, bool) or (fp8_queries and not fp8):
-        raise ValueError(f"fp8_queries: expected False, or True with float8 e4m3 keys (the dot is FP8 x FP8), got "
-                         f"{fp8_queries!r} with {cache_k.dtype} keys")
     B = block_table.shape[0]
     for name, t, shape in (("token_request", token_request, (T,)), ("cache_lens", cache_lens, (B,)),
                            ("cu_seqlens", cu_seqlens, (B + 1,)), ("positions", positions, (T,))):
@@ -61,28 +55,13 @@ def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seql
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
-FP8_MAX = 448.0  # the largest finite float8 e4m3 (fn) value
-
-
-def quantize_rows(x):
-    """``x [..., D] -> (x8 float8 e4m3, scales [..., 1] fp32)``: each row over its largest magnitude / 448 (a zero
-    row keeps scale 1), as `fnattn.kinds.sparse_mla.config.IndexerConfig.encode_keys` (a test holds them equal)."""
-    amax = x.float().abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
 def indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                             *, scale: float, cache_scale=None, new_scale=None, fp8_queries: bool = False):
+                             *, scale: float, cache_scale=None, new_scale=None):
     """``[T, N]`` fp32 scores, ``-inf`` where a position is not visible; torch, same arguments. FP8 keys
     (``cache_k`` and ``new_k`` float8 e4m3, with their ``[P, S, 1]`` / ``[T, 1]`` fp32 scales) score as
-    ``scale[j] * sum_h w[h] * relu(q[h] . k8[j])``; ``fp8_queries``: with each ``q[h]`` as `quantize_rows` gives
-    it back (``q8 * qs``)."""
+    ``scale[j] * sum_h w[h] * relu(q[h] . k8[j])``."""
     _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions, cache_scale,
-           new_scale, fp8_queries)
-    if fp8_queries:
-        q8, qs = quantize_rows(q)
-        q = q8.float() * qs
+           new_scale)
     S, M = cache_k.shape[1], block_table.shape[1]
     N = M * S
     req = token_request.long()  # [T]
@@ -107,7 +86,7 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
                    s_qt, s_qh, s_wt, s_kp, s_ks, s_knt, s_bt, s_ot,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr = 1,
                    cs_ptr=None, ns_ptr=None, s_cp=0, s_cs=0, s_nst=0, FP8: tl.constexpr = False,
-                   Q8: tl.constexpr = False):
+                   PRECISION: tl.constexpr = "tf32"):
     t = tl.program_id(0)
     r = tl.load(req_ptr + t)
     c = tl.load(cl_ptr + r).to(tl.int64)
@@ -120,12 +99,6 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
     # the token's queries and head weights once, for every block of positions this program scores
     q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
     wt = tl.load(w_ptr + t * s_wt + h, mask=hm, other=0.0).to(tl.float32)
-    if Q8:  # each head's query row as e4m3, its scale folded into the head's weight (positive: it leaves the relu)
-        qf = q.to(tl.float32)
-        amax = tl.max(tl.abs(qf), axis=1)  # [BLOCK_H]
-        qs = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
-        q = tl.clamp(tl.div_rn(qf, qs[:, None]), -448.0, 448.0).to(tl.float8e4nv)
-        wt = wt * qs
     # a loop, not unrolled: Triton pipelines the next block's page and key loads (num_stages) under this dot
     for i in tl.range(0, BLOCKS):
         j = (tl.program_id(1) * BLOCKS + i) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,11 +110,8 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
                      mask=cached[:, None] & dm[None, :], other=0.0)
         row = tl.where(fresh, start + j - c, 0)
         kn = tl.load(kn_ptr + row[:, None] * s_knt + d[None, :], mask=fresh[:, None] & dm[None, :], other=0.0)
-        if Q8:  # [BLOCK_N, BLOCK_D] e4m3, as stored: each position from exactly one of the two
-            k = tl.where(cached[:, None], kc, kn)
-        else:
-            k = kc.to(q.dtype) + kn.to(q.dtype)  # [BLOCK_N, BLOCK_D]: each position from exactly one of the two
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N] fp32
+        k = kc.to(q.dtype) + kn.to(q.dtype)  # [BLOCK_N, BLOCK_D]: each position from exactly one of the two
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N] fp32
         s = tl.maximum(s * scale, 0.0)
         score = tl.sum(s * wt[:, None], axis=0)
         if FP8:  # each key's scale is positive: it leaves the relu and the sum over heads
@@ -152,8 +122,9 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
         tl.store(out_ptr + t * s_ot + j, score, mask=j < N)
 
 
-# indexer_sweep.json (3d3456e, B64 ctx 32k, bf16 keys): 128 positions a program 243.5 us, 64 271.7; more blocks a
-# program (the queries loaded once for all) 311-450 us: more programs hide the key loads better
+# indexer_sweep.json (3d3456e, B64 ctx 32k, bf16 keys): 128 positions a program 243.5 us, 64 271.7; more dots a
+# program (the queries loaded once for all) 311-450 us: more programs hide the key loads better. FP8 keys
+# (indexer_sweep_fp8.json, c87f563): 128 positions 255.5 us, 64 positions 483.8.
 _DEFAULT_TILE = {"block_n": 128, "blocks": 1, "num_warps": 4, "num_stages": 3}  # Triton's warps and stages
 _OVERRIDES: list[dict] = [{}]
 
@@ -168,13 +139,12 @@ def configured(**fields):
 
 
 def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                         *, scale: float, cache_scale=None, new_scale=None, fp8_queries: bool = False):
+                         *, scale: float, cache_scale=None, new_scale=None):
     """``indexer_scores_paged_ref`` in one Triton launch of ``T x ceil(N / (block_n * blocks))`` programs
-    (`configured`); FP8 keys are read as they are stored, in half the bytes, and widened to q's dtype, or with
-    ``fp8_queries`` dotted as they are against the queries quantized in the launch."""
+    (`configured`); FP8 keys are read as they are stored, in half the bytes, and widened to q's dtype."""
     require_triton()
     _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions, cache_scale,
-           new_scale, fp8_queries)
+           new_scale)
     T, Hi, Di = q.shape
     S, M = cache_k.shape[1], block_table.shape[1]
     N = M * S
@@ -190,8 +160,10 @@ def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache
                          new_k.stride(0), block_table.stride(0), out.stride(0),
                          BLOCK_H=max(16, next_pow2(Hi)), BLOCK_D=max(16, next_pow2(Di)), BLOCK_N=tile["block_n"],
                          BLOCKS=tile["blocks"], num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+                         # fp32 queries get an fp32 dot, not TF32's 10-bit mantissas (half precision ignores it)
+                         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                          **(dict(cs_ptr=cache_scale, ns_ptr=new_scale, s_cp=cache_scale.stride(0),
-                                 s_cs=cache_scale.stride(1), s_nst=new_scale.stride(0), FP8=True, Q8=fp8_queries)
+                                 s_cs=cache_scale.stride(1), s_nst=new_scale.stride(0), FP8=True)
                             if cache_scale is not None else {}))
     return out
 
@@ -206,11 +178,10 @@ def _topk(scores, topk: int):
 
 
 def indexer_topk_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                     *, scale: float, topk: int, cache_scale=None, new_scale=None, fp8_queries: bool = False):
+                     *, scale: float, topk: int, cache_scale=None, new_scale=None):
     """``[T, topk]`` int64 positions (best first, -1 padded) from the torch scores."""
     return _topk(indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens,
-                                          positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale,
-                                          fp8_queries=fp8_queries), topk)
+                                          positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale), topk)
 
 
 RADIX_TOPK = 2048  # the one top-k sgl_kernel's radix select serves (DeepSeek-V3.2's and GLM-5's)
@@ -236,10 +207,11 @@ def radix_topk(scores, positions, topk: int):
 
     Row ``t`` selects among its first ``min(positions[t] + 1, N)`` scores: the visible ones, all finite. The
     kernel's own order comes from its atomics; sorting the row makes the result (and the sparse attention's
-    sums over it) the same every run. Two limits of the kernel, both on ties: scores equal at the 2048th best
-    are kept in an order its scheduling picks, and a row whose threshold bin (8 bits of the score as fp16)
-    holds more than 16384 positions keeps only the first 16384 it meets. The buffer starts at ``-1``, so a
-    position the kernel does not write is no key, never a stray index."""
+    sums over it) the same every run. Two limits of the kernel: of scores equal at the 2048th best, which are
+    kept is the order its threads arrive in, and a row whose threshold bin (8 bits of the score as fp16) holds
+    more than 16384 positions selects among the first 16384 its threads meet (another set than ``torch.topk``'s,
+    and not the same every run). The buffer starts at ``-1``, so a position the kernel does not write is no key,
+    never a stray index."""
     bad = radix_reasons(scores, topk)
     if bad:
         raise ValueError(f"radix_topk: {'; '.join(bad)}")
@@ -255,12 +227,11 @@ def radix_topk(scores, positions, topk: int):
 
 
 def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                 *, scale: float, topk: int, cache_scale=None, new_scale=None, fp8_queries: bool = False,
-                 radix: bool = False):
+                 *, scale: float, topk: int, cache_scale=None, new_scale=None, radix: bool = False):
     """``indexer_topk_ref`` with the Triton scores; the selection is ``torch.topk`` (no host sync), or with
     ``radix`` where `radix_reasons` finds none, `radix_topk`'s (the same set, ordered by position)."""
     scores = indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
-                                  scale=scale, cache_scale=cache_scale, new_scale=new_scale, fp8_queries=fp8_queries)
+                                  scale=scale, cache_scale=cache_scale, new_scale=new_scale)
     if radix and not radix_reasons(scores, topk):
         return radix_topk(scores, positions, topk)
     return _topk(scores, topk)

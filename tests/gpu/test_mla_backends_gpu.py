@@ -136,15 +136,6 @@ def test_sparse_mla_with_fp8_index_keys_matches_reference(shape, phase, k, recor
     _sparse_case("v32", shape, phase, k, " fp8 index keys", record, key_dtype="fp8_e4m3")
 
 
-@pytest.mark.parametrize("shape", ["tiny", "real"])
-@pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 2)])
-def test_sparse_mla_with_fp8_index_queries_matches_reference(shape, phase, k, record):
-    """FP8 index queries too (`IndexerConfig.query_dtype`): the Triton indexer quantizes each query head row in
-    its launch and dots e4m3 against e4m3; the reference scores the dequantized rows; the same picks."""
-    _sparse_case("v32", shape, phase, k, " fp8 index keys + queries", record, key_dtype="fp8_e4m3",
-                 query_dtype="fp8_e4m3")
-
-
 @pytest.mark.parametrize("phase, k", [("prefill", 0), ("decode", 0), ("verify", 2)])
 @pytest.mark.parametrize("key_dtype", [None, "fp8_e4m3"], ids=["bf16 keys", "fp8 keys"])
 def test_sparse_mla_with_radix_select_matches_reference(phase, k, key_dtype, record):
@@ -162,7 +153,8 @@ def test_radix_topk_sets(spread, record):
     """`kernels.radix_topk` against ``torch.topk`` over scores whose rows see 1 .. 32768 positions: the same set
     where the scores spread out, every row sorted latest first with -1 after, the same bits twice. ``narrow``:
     every score in [1, 1.1), one bin of the kernel's first pass for all 32768 (more than the 16384 it holds):
-    the picks may differ from torch's there, but are distinct visible positions, 2048 of them."""
+    the picks may differ from torch's there, and from one run to the next (which 16384 it keeps is the order its
+    threads arrive in), but are distinct visible positions, 2048 of them."""
     from fnattn.kernels.indexer import _topk, radix_topk
 
     g = torch.Generator(device=DEV).manual_seed(7)
@@ -181,16 +173,16 @@ def test_radix_topk_sets(spread, record):
     counts_ok = bool(torch.equal(kept, torch.tensor([min(n, 2048) for n in lengths], device=DEV)))
     visible = bool(((got < positions[:, None] + 1) | (got == -1)).all())
     same = bool(torch.equal(got.sort(dim=1).values, want.sort(dim=1).values))
-    ok = ordered and counts_ok and visible and torch.equal(got, again) and (same or spread == "narrow")
-    record({"case": f"radix_topk {spread} scores", "same_set_as_torch": same, "ordered": ordered,
-            "counts_ok": counts_ok, "visible": visible, "ok": ok})
-    assert ok, f"same {same}, ordered {ordered}, counts {kept.tolist()}, visible {visible}"
+    repeated = bool(torch.equal(got, again))
+    ok = ordered and counts_ok and visible and ((same and repeated) or spread == "narrow")
+    record({"case": f"radix_topk {spread} scores", "same_set_as_torch": same, "same_twice": repeated,
+            "ordered": ordered, "counts_ok": counts_ok, "visible": visible, "ok": ok})
+    assert ok, f"same {same}, twice {repeated}, ordered {ordered}, counts {kept.tolist()}, visible {visible}"
 
 
-def _sparse_case(family, shape, phase, k, what, record, key_dtype=None, query_dtype=None):
+def _sparse_case(family, shape, phase, k, what, record, key_dtype=None):
     layer, Hi, topk, cached = SPARSE[shape]
-    specs = sparse_specs(topk=topk, Hi=Hi, Di=128, shared=family == "glm5", key_dtype=key_dtype,
-                         query_dtype=query_dtype, **layer)
+    specs = sparse_specs(topk=topk, Hi=Hi, Di=128, shared=family == "glm5", key_dtype=key_dtype, **layer)
     page = 64 if family == "v32" else 16
     extra = 300 if phase == "prefill" else 8
     st = filled_state(specs, cached, page_size=page, extra=extra, device=DEV)

@@ -161,49 +161,6 @@ def test_fp8_keys_score_as_their_scaled_values(cached, new, tile):
     assert torch.equal(picks, indexer_topk_ref(*args, scale=scale, topk=4, **scales))
 
 
-@pytest.mark.parametrize("cached, new", [([0], [5]), ([3, 0, 9], [1, 1, 1])])
-def test_fp8_queries_score_as_their_dequantized_values(cached, new):
-    """``fp8_queries``: each query row quantized to e4m3 in the launch (its scale in the head weight), the dot in
-    FP8; the reference scores the dequantized queries against the dequantized keys, and both agree."""
-    from fnattn.kernels.indexer import quantize_rows
-
-    args, scales, _ = fp8_case(cached, new)
-    scale = args[0].shape[-1] ** -0.5
-    ref = indexer_scores_paged_ref(*args, scale=scale, fp8_queries=True, **scales)
-    if torch.cuda.is_available():
-        kernel_args = args
-    else:  # Triton's interpreter rounds fp32 in [120, 128) to e4m3 64, not 128: here every row's scale is 1
-        q = (args[0] * 100).clamp(-440, 440).to(torch.float8_e4m3fn).float()
-        q[..., 0] = 448.0
-        kernel_args = (q, *args[1:])
-    got = indexer_scores_paged(*kernel_args, scale=scale, fp8_queries=True, **scales)
-    want = indexer_scores_paged_ref(*kernel_args, scale=scale, fp8_queries=True, **scales)
-    fin = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), fin)
-    # exact on the CPU; on a GPU the FP8 dot's accumulator keeps fewer bits than an fp32 FMA chain
-    torch.testing.assert_close(got[fin], want[fin], rtol=2e-3, atol=2e-3)
-    q8, qs = quantize_rows(args[0])
-    plain = (q8.float() * qs, *args[1:])
-    torch.testing.assert_close(ref, indexer_scores_paged_ref(*plain, scale=scale, **scales))
-
-
-def test_quantize_rows_is_the_key_encoding():
-    from fnattn.kernels.indexer import quantize_rows
-
-    from fnattn.kinds.sparse_mla.config import IndexerConfig
-
-    x = torch.randn(7, 32) * torch.tensor([0.0, 1.0, 1e-3, 30.0, 1.0, 2.0, 5.0])[:, None]
-    ix = IndexerConfig(num_heads=1, head_dim=32, topk=4, rope_head_dim=8, key_dtype="fp8_e4m3")
-    (a8, a_s), (b8, b_s) = quantize_rows(x), ix.encode_keys(x)
-    assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)) and torch.equal(a_s, b_s)
-
-
-def test_fp8_queries_need_fp8_keys():
-    plain, _ = case([3], [2])
-    with pytest.raises(ValueError, match="fp8_queries: expected False, or True with float8 e4m3 keys"):
-        indexer_scores_paged_ref(*plain, scale=1.0, fp8_queries=True)
-
-
 def test_fp8_keys_need_their_scales_and_plain_keys_refuse_them():
     args, scales, _ = fp8_case([3], [2])
     with pytest.raises(ValueError, match=r"cache_scale: expected a float32 tensor of shape \(\d+, 4, 1\) with FP8 "

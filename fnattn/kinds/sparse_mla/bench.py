@@ -168,12 +168,6 @@ def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi
     tb8 = lambda us: {"tb_s": batch * (ctx + 1) * (Di + 4) / (us * 1e-6) / 1e12}  # noqa: E731
     records.append(_record(case, "fnattn indexer (triton scores + topk, fp8 keys)",
                            "fnattn flashmla (attention, shared top-k)", shape, lambda: timed(run8, graph=graph), tb8))
-    # the FP8 keys against the queries quantized in the launch (`IndexerConfig.query_dtype`): an FP8 x FP8 dot
-    run8q = lambda: indexer_topk(q, w, pages8, k8, b.block_table, sparse.request_of_token, b.cache_lens,  # noqa: E731
-                                 b.cu_seqlens, b.positions, scale=Di ** -0.5, topk=topk, cache_scale=scales8,
-                                 new_scale=ks, fp8_queries=True)
-    records.append(_record(case, "fnattn indexer (triton scores + topk, fp8 keys + queries)",
-                           "fnattn flashmla (attention, shared top-k)", shape, lambda: timed(run8q, graph=graph), tb8))
     # the same scores, the selection by sgl_kernel's radix select (`radix_select`; top-k 2048 only)
     if topk == RADIX_TOPK:
         radix = lambda: indexer_topk(q, w, pages, k, b.block_table, sparse.request_of_token, b.cache_lens,  # noqa: E731

@@ -31,10 +31,6 @@ class IndexerConfig:
     #: score is then ``scale[j] * sum_h w[h] * relu(q[h] . k8[j])`` (the scale is positive, so it leaves the
     #: relu), and a step scores its own keys as the cache will hold them. None caches them in the layer dtype.
     key_dtype: str | None = None
-    #: ``"fp8_e4m3"`` (with FP8 keys) also quantizes each query head row when it is scored, its scale (largest
-    #: magnitude over 448) joining the head weight, as DeepSeek-V3.2's inference does: the dot runs FP8 x FP8.
-    #: Nothing more is stored. None scores the queries as the model gives them.
-    query_dtype: str | None = None
 
     def __post_init__(self):
         positive(self, "num_heads", "head_dim", "topk", "rope_head_dim")
@@ -42,37 +38,20 @@ class IndexerConfig:
             fail("IndexerConfig", "rope_head_dim", f"<= head_dim={self.head_dim}", self.rope_head_dim)
         if self.key_dtype not in KEY_DTYPES:
             fail("IndexerConfig", "key_dtype", f"one of {KEY_DTYPES}", self.key_dtype)
-        if self.query_dtype not in KEY_DTYPES:
-            fail("IndexerConfig", "query_dtype", f"one of {KEY_DTYPES}", self.query_dtype)
-        if self.query_dtype is not None and self.key_dtype is None:
-            fail("IndexerConfig", "query_dtype", "None while key_dtype is None (FP8 queries are scored against "
-                 "FP8 keys)", self.query_dtype)
 
     @property
     def fp8_keys(self) -> bool:
         return self.key_dtype is not None
 
-    @property
-    def fp8_queries(self) -> bool:
-        return self.query_dtype is not None
-
-    def scored_queries(self, q: Float[Tensor, "T Hi Di"]) -> Tensor:
-        """The queries as the indexer scores them: as given, or with ``query_dtype`` each head row back from
-        its e4m3 form (``q8 * scale``, fp32)."""
-        if not self.fp8_queries:
-            return q
-        q8, scale = self.encode_keys(q)
-        return self.decode_keys(q8, scale)
-
-    def encode_keys(self, keys: Float[Tensor, "*T Di"]) -> tuple[Tensor, Tensor]:
-        """``-> (keys as float8 e4m3 [*T, Di], scales [*T, 1] fp32)``: each row over its largest magnitude / 448
+    def encode_keys(self, keys: Float[Tensor, "T Di"]) -> tuple[Tensor, Tensor]:
+        """``-> (keys as float8 e4m3 [T, Di], scales [T, 1] fp32)``: each row over its largest magnitude / 448
         (a zero row keeps scale 1)."""
         amax = keys.float().abs().amax(dim=-1, keepdim=True)
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         return (keys.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
     @staticmethod
-    def decode_keys(stored: Float[Tensor, "*N Di"], scale: Float[Tensor, "*N 1"]) -> Float[Tensor, "*N Di"]:
+    def decode_keys(stored: Float[Tensor, "N Di"], scale: Float[Tensor, "N 1"]) -> Float[Tensor, "N Di"]:
         """Stored keys back in fp32 (``stored * scale``, row by row)."""
         return stored.float() * scale
 

@@ -84,8 +84,7 @@ def select(spec, views: Views, inputs: SparseMLAInputs, index_values: dict) -> t
     scales = dict(cache_scale=views.index_k_scale, new_scale=index_values["index_k_scale"]) if ix.fp8_keys else {}
     return indexer_topk(inputs.index_q, inputs.index_w, views.index_k, index_values["index_k"], b.block_table,
                         inputs.sparse.request_of_token, b.cache_lens, b.cu_seqlens, b.positions,
-                        scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk, fp8_queries=ix.fp8_queries,
-                        radix=_RADIX[-1], **scales)
+                        scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk, radix=_RADIX[-1], **scales)
 
 
 def sparse_kernel(q, kv, indices, scale, R, *, natural: bool = True):

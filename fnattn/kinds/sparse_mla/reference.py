@@ -49,8 +49,7 @@ def select(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, index_values:
     for b, n_cached in enumerate(batch.host_cache_lens):
         rows = slice(cu[b], cu[b + 1])
         keys = request_keys(spec, views, inputs, index_values, b, rows)  # [N, Di]
-        q = spec.config.indexer.scored_queries(inputs.index_q[rows])  # [n, Hi, Di]
-        scores = indexer_scores(q, inputs.index_w[rows], keys)  # [n, N] fp32
+        scores = indexer_scores(inputs.index_q[rows], inputs.index_w[rows], keys)  # [n, N] fp32
         picked.append(topk_indices(scores, n_cached=n_cached, topk=inputs.sparse.topk))  # [n, topk]
     return torch.cat(picked)
 

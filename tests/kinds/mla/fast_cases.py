@@ -24,12 +24,10 @@ def mla_config(*, H=4, padded=None, R=512, Dr=64, Dn=128, Dv=128, cache_dtype=No
                         q_lora_rank=None, padded_heads=padded, cache_dtype=cache_dtype, cache_scale=cache_scale)
 
 
-def sparse_specs(*, topk, Hi=8, Di=128, shared=False, dtype=torch.bfloat16, key_dtype=None, query_dtype=None,
-                 **mla_kw):
+def sparse_specs(*, topk, Hi=8, Di=128, shared=False, dtype=torch.bfloat16, key_dtype=None, **mla_kw):
     """One layer with its own indexer, then (``shared``) one reusing its top-k (GLM-5)."""
     mla = mla_config(**mla_kw)
-    ix = fa.IndexerConfig(num_heads=Hi, head_dim=Di, topk=topk, rope_head_dim=min(64, Di), key_dtype=key_dtype,
-                          query_dtype=query_dtype)
+    ix = fa.IndexerConfig(num_heads=Hi, head_dim=Di, topk=topk, rope_head_dim=min(64, Di), key_dtype=key_dtype)
     specs = [fa.LayerSpec(0, fa.SparseMLAConfig(mla, ix), dtype)]
     if shared:
         specs.append(fa.LayerSpec(1, fa.SparseMLAConfig(mla, ix, index_source_layer=0), dtype))

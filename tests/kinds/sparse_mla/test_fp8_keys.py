@@ -72,32 +72,3 @@ def test_the_reference_selects_over_the_stored_keys_and_writes_them_encoded():
     dst = [int(moved.requests[rid].pages[p // 8]) * 8 + p % 8 for p in range(moved.requests[rid].length)]
     assert torch.equal(a.index_k_scale.flatten(0, 1)[src], m.index_k_scale.flatten(0, 1)[dst])
     assert torch.equal(a.index_k.flatten(0, 1)[src].float(), m.index_k.flatten(0, 1)[dst].float())
-
-
-def test_fp8_queries_need_fp8_keys_and_score_their_dequantized_rows():
-    """`IndexerConfig.query_dtype`: each query head row scored as its e4m3 form gives it back; refused without
-    FP8 keys (the dot is FP8 x FP8) or with another name."""
-    with pytest.raises(ValueError, match="IndexerConfig: `query_dtype` must be None while key_dtype is None"):
-        fa.IndexerConfig(num_heads=2, head_dim=16, topk=4, rope_head_dim=8, query_dtype="fp8_e4m3")
-    with pytest.raises(ValueError, match=r"IndexerConfig: `query_dtype` must be one of \(None, 'fp8_e4m3'\)"):
-        fa.IndexerConfig(num_heads=2, head_dim=16, topk=4, rope_head_dim=8, key_dtype="fp8_e4m3", query_dtype="e4m3")
-    specs = sparse_specs(topk=3, Hi=4, Di=16, dtype=torch.float32, key_dtype="fp8_e4m3", query_dtype="fp8_e4m3",
-                         **SMALL)
-    st = filled_state(specs, [6, 9], page_size=4, extra=4)
-    b = fa.Batch.decode(st, [0, 1])
-    ma = fa.ModelAttention(specs, prefer=("reference",), phases=("decode",))
-    outs, _ = forward_all(ma, st, b, specs, seed=3)
-    inp = step_inputs(specs[0], b, seed=3)
-    ix = specs[0].config.indexer
-    q8, qs = ix.encode_keys(inp.index_q)  # [T, Hi, Di] rows, a scale each
-    assert q8.shape == inp.index_q.shape and qs.shape == (*inp.index_q.shape[:2], 1)
-    assert torch.equal(ix.scored_queries(inp.index_q), q8.float() * qs)
-    stored, scale = ix.encode_keys(inp.index_k)
-    views = st.views(0)
-    for r, n in enumerate(b.host_cache_lens):
-        slots = [int(b.block_table[r, p // 4]) * 4 + p % 4 for p in range(n)]
-        keys = torch.cat((ix.decode_keys(views.index_k.flatten(0, 1)[slots], views.index_k_scale.flatten(0, 1)[slots]),
-                          ix.decode_keys(stored[r:r + 1], scale[r:r + 1])))
-        q = q8[r:r + 1].float() * qs[r:r + 1]
-        want = topk_indices(indexer_scores(q, inp.index_w[r:r + 1], keys), n_cached=n, topk=3)
-        assert torch.equal(outs[0].topk_indices[r:r + 1], want)
