@@ -68,6 +68,9 @@ def main() -> None:
     tiles = [dict(block_n=n, blocks=b, num_warps=wp, num_stages=st)
              for n, b, wp, st in itertools.product((64, 128), (1, 4, 8, 16, 32), (4, 8), (2, 3))]
     tiles += [dict(block_n=256, blocks=b, num_warps=8, num_stages=st) for b, st in itertools.product((1, 2), (2, 3))]
+    # one dot a program (the best shape at 3d3456e) at more widths and fewer warps
+    tiles += [dict(block_n=n, blocks=1, num_warps=wp, num_stages=2) for n, wp in ((32, 2), (32, 4), (64, 2), (128, 2),
+                                                                                  (256, 4), (512, 8))]
     for tile in tiles:
         try:
             with configured(**tile):
