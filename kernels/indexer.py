@@ -99,7 +99,7 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
     # the token's queries and head weights once, for every block of positions this program scores
     q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
     wt = tl.load(w_ptr + t * s_wt + h, mask=hm, other=0.0).to(tl.float32)
-    # a loop, not unrolled: Triton pipelines the next block's page and key loads (num_stages) under this dot
+    # a loop, not unrolled, which Triton may pipeline (num_stages); the shipped tile runs it once (one dot a program)
     for i in tl.range(0, BLOCKS):
         j = (tl.program_id(1) * BLOCKS + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         visible = (j < N) & (j <= p)

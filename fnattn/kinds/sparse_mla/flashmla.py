@@ -40,7 +40,9 @@ LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (its docstring; i
 _ONE_PASS = [True]  # bench_mla_sparse.json (2be8144): 113.5 against 165.2 us a B64 layer through the torch form
 
 
-_RADIX = [False]  # not yet timed in a whole step on the H200
+# bench_mla_sparse_indexer.json (988bab1): the indexer 311.5 against 353.6 us with it, but where more than 16384 of a
+# row's scores share its first pass's bin it keeps another set than torch.topk, not the same every run: off
+_RADIX = [False]
 
 
 def radix_select(enabled: bool):
