@@ -70,7 +70,7 @@ def main() -> None:
     tiles += [dict(block_n=256, blocks=b, num_warps=8, num_stages=st) for b, st in itertools.product((1, 2), (2, 3))]
     # one dot a program (the best shape at 3d3456e) at more widths and fewer warps
     tiles += [dict(block_n=n, blocks=1, num_warps=wp, num_stages=2) for n, wp in ((32, 2), (32, 4), (64, 2), (128, 2),
-                                                                                  (256, 4), (512, 8))]
+                                                                                  (256, 4))]
     for tile in tiles:
         try:
             with configured(**tile):

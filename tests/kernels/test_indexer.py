@@ -117,7 +117,8 @@ def test_other_tiles_score_as_the_default(tile):
 
 @pytest.mark.parametrize("fields, message", [
     (dict(block_m=16), "configured: block_m: expected one of block_n, blocks, num_warps, num_stages"),
-    (dict(block_n=8), "configured: block_n: expected a power of two in 16..512, got 8"),
+    (dict(block_n=8), "configured: block_n: expected a power of two in 16..256, got 8"),
+    (dict(block_n=512), "configured: block_n: expected a power of two in 16..256, got 512"),
     (dict(blocks=3), "configured: blocks: expected a power of two in 1..64, got 3"),
     (dict(num_stages=0), "configured: num_stages: expected an int in 1..8, got 0"),
     (dict(num_warps=True), "configured: num_warps: expected a power of two in 1..64, got True"),
