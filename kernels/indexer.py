@@ -18,8 +18,13 @@ Di indexer head dim, P pages, S page size, B requests, M pages per request, N = 
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
 
 from ._tiles import overridden
 from ._triton import next_pow2, require_triton, tl, triton
@@ -188,6 +193,11 @@ def indexer_topk_ref(q, w, cache_k, new_k, block_table, token_request, cache_len
 RADIX_TOPK = 2048  # the one top-k sgl_kernel's radix select serves (DeepSeek-V3.2's and GLM-5's)
 
 
+@functools.cache
+def _sgl_kernel_installed() -> bool:  # asked on every step that may take the radix select: found once
+    return importlib.util.find_spec("sgl_kernel") is not None
+
+
 def radix_reasons(scores, topk: int) -> list[str]:
     """Why `radix_topk` cannot select ``topk`` of ``scores`` here (empty: it can)."""
     reasons = []
@@ -195,14 +205,12 @@ def radix_reasons(scores, topk: int) -> list[str]:
         reasons.append(f"sgl_kernel's radix select keeps {RADIX_TOPK} positions, not {topk}")
     if not scores.is_cuda:
         reasons.append("sgl_kernel's radix select runs on CUDA only")
-    try:
-        import sgl_kernel  # noqa: F401
-    except ImportError:
+    if not _sgl_kernel_installed():
         reasons.append("sgl_kernel is not installed")
     return reasons
 
 
-def radix_topk(scores, positions, topk: int):
+def radix_topk(scores: Float[Tensor, "T N"], positions: Int[Tensor, " T"], topk: int) -> Int[Tensor, "T topk"]:
     """`_topk`'s set of positions through sgl_kernel's radix select (``fast_topk``, the DSA top-k of DeepSeek-V3.2
     in sglang-kernel): ``[T, topk]`` int64, each row's positions latest first, ``-1`` after them.
 
@@ -216,11 +224,19 @@ def radix_topk(scores, positions, topk: int):
     bad = radix_reasons(scores, topk)
     if bad:
         raise ValueError(f"radix_topk: {'; '.join(bad)}")
+    if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(1) != 1:
+        raise ValueError(f"scores: expected [T, N] float32 rows of unit stride, got {tuple(scores.shape)} "
+                         f"{scores.dtype}, strides {scores.stride()}")
+    T = scores.shape[0]
+    if positions.shape != (T,) or positions.is_floating_point() or positions.device != scores.device:
+        raise ValueError(f"positions: expected an integer tensor of shape {(T,)} on {scores.device}, got "
+                         f"{tuple(positions.shape)} {positions.dtype} on {positions.device}")
+    return _radix_select(scores, positions, topk)
+
+
+def _radix_select(scores, positions, topk: int):
+    """`radix_topk` over checked arguments."""
     T, N = scores.shape
-    if positions.shape != (T,):
-        raise ValueError(f"positions: expected shape {(T,)}, got {tuple(positions.shape)}")
-    if scores.dtype != torch.float32 or scores.stride(1) != 1:
-        raise ValueError(f"scores: expected float32 rows of unit stride, got {scores.dtype}, strides {scores.stride()}")
     lengths = (positions + 1).clamp(max=N).to(torch.int32)  # [T] visible positions per row
     picked = torch.full((T, topk), -1, dtype=torch.int32, device=scores.device)
     torch.ops.sgl_kernel.fast_topk(scores, picked, lengths, None)
@@ -231,8 +247,10 @@ def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, c
                  *, scale: float, topk: int, cache_scale=None, new_scale=None, radix: bool = False):
     """``indexer_topk_ref`` with the Triton scores; the selection is ``torch.topk`` (no host sync), or with
     ``radix`` where `radix_reasons` finds none, `radix_topk`'s (the same set, ordered by position)."""
+    if not isinstance(radix, bool):
+        raise ValueError(f"radix: expected True or False, got {radix!r}")
     scores = indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
                                   scale=scale, cache_scale=cache_scale, new_scale=new_scale)
-    if radix and not radix_reasons(scores, topk):
-        return radix_topk(scores, positions, topk)
+    if radix and not radix_reasons(scores, topk):  # the scores are the launch's own, positions checked with them
+        return _radix_select(scores, positions, topk)
     return _topk(scores, topk)

@@ -190,3 +190,5 @@ def test_radix_select_where_it_cannot_serve():
         assert any("CUDA" in r for r in radix_reasons(scores, 2048))
     want = indexer_topk_ref(*args, scale=scale, topk=3)
     assert torch.equal(indexer_topk(*args, scale=scale, topk=3, radix=True), want)
+    with pytest.raises(ValueError, match="radix: expected True or False, got 'yes'"):
+        indexer_topk(*args, scale=scale, topk=3, radix="yes")
