@@ -19,7 +19,6 @@ Di indexer head dim, P pages, S page size, B requests, M pages per request, N = 
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -194,8 +193,14 @@ RADIX_TOPK = 2048  # the one top-k sgl_kernel's radix select serves (DeepSeek-V3
 
 
 @functools.cache
-def _sgl_kernel_installed() -> bool:  # asked on every step that may take the radix select: found once
-    return importlib.util.find_spec("sgl_kernel") is not None
+def _sgl_kernel_loaded() -> bool:
+    """Whether sgl_kernel imports: once, not on every step that may take the radix select. The import itself is
+    needed, not only the package's presence: it registers ``torch.ops.sgl_kernel``."""
+    try:
+        import sgl_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def radix_reasons(scores, topk: int) -> list[str]:
@@ -205,7 +210,7 @@ def radix_reasons(scores, topk: int) -> list[str]:
         reasons.append(f"sgl_kernel's radix select keeps {RADIX_TOPK} positions, not {topk}")
     if not scores.is_cuda:
         reasons.append("sgl_kernel's radix select runs on CUDA only")
-    if not _sgl_kernel_installed():
+    if not _sgl_kernel_loaded():
         reasons.append("sgl_kernel is not installed")
     return reasons
 
