@@ -14,7 +14,8 @@
 #   (qkv_apart, interior tiles; conv-sweep: the conv's launch shapes); gdn-prefill: one GDN layer against fla-core;
 #   indexer-sweep: the DSA indexer's tiles; radix: sgl_kernel's radix select for the indexer's top-k;
 #   moe-grouped: the MoE families' captured routed experts as grouped GEMMs (moe-now: with it on, then model-moe);
-#   kimi-profile: Kimi Linear's eager step
+#   kimi-profile: Kimi Linear's eager step; gdn-prefill-profile: the GDN prefill's pieces against fla-core;
+#   gemv-chain: the decode GEMVs alone, each launch option
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -142,6 +143,12 @@ case "${1:-}" in
     ;;
   gdn-prefill)  # one GDN layer's prefill against fla-core's conv + chunk (the 1.0x target), q / k / v apart too
     part 200 python -m fnattn bench gdn-prefill --out "$out/bench_gdn_prefill.json"
+    ;;
+  gdn-prefill-profile)  # where the provider's prefill goes against fla-core's conv + chunk: times, kernels, pieces
+    part 300 python benchmarks/gdn_prefill_profile.py --out "$out/gdn_prefill_profile.json"
+    ;;
+  gemv-chain)  # the 0.8B's 96 decode GEMVs alone in one graph, each launch option and a side stream filling L2
+    part 240 python benchmarks/gemv_chain.py --rows 1 8 --out "$out/gemv_chain.json"
     ;;
   prefill)  # fla-core's GDN prefill with fla_direct (the default): bitwise against the public function, then timed
     # (on a fresh machine the tests' fla-core autotuning took 184 s; the A/B's first prefill compiles more)
