@@ -14,7 +14,7 @@ import json
 import time
 
 import torch
-from fnattn.kernels import causal_conv1d
+from fnattn.kernels import causal_conv1d, gdn_conv
 
 from fnattn import Batch, ModelAttention
 from fnattn.bench import environment, timed
@@ -52,8 +52,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--chunk-tiles", action="store_true", help="the conv tiled by the plan's chunks (chunk_tiles)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    with gdn_conv.chunk_tiles(a.chunk_tiles):
+        run(a)
+
+
+def run(a) -> None:
     from fla.modules.causal_conv1d import causal_conv1d as fla_conv
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -122,8 +128,10 @@ def main() -> None:
             print(f"     {r['us_a_call']:9.1f} us  x{r['count_a_call']:.0f}  {r['name'][:90]}")
     if a.out:
         with open(a.out, "w") as f:
-            cmd = f"python benchmarks/gdn_prefill_profile.py --requests {a.requests} --length {a.length}"
+            cmd = (f"python benchmarks/gdn_prefill_profile.py --requests {a.requests} --length {a.length}"
+                   f"{' --chunk-tiles' if a.chunk_tiles else ''}")
             json.dump({"command": cmd + f" --out {a.out}", "environment": environment(), "tokens": T,
+                       "chunk_tiles": a.chunk_tiles,
                        "records": records}, f, indent=1)
 
 

@@ -20,9 +20,9 @@ import json
 import statistics
 
 import torch
-from fnattn.kernels import pdl, skinny_linear
+from fnattn.kernels import pdl
 from fnattn.kernels._triton import tl, triton
-from fnattn.kernels.skinny_linear import _prefetch_l2, configured
+from fnattn.kernels.skinny_linear import _prefetch_l2, configured, skinny_linear
 
 from fnattn.bench import environment
 
@@ -141,6 +141,8 @@ def main() -> None:
             variants["hot"] = capture(hot_ops)
         except Exception as e:  # noqa: BLE001
             records.append({"rows": rows, "variant": "hot", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        if not variants:
+            continue
         times = {n: [] for n in variants}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         names = list(variants)

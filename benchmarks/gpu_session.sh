@@ -15,7 +15,7 @@
 #   indexer-sweep: the DSA indexer's tiles; radix: sgl_kernel's radix select for the indexer's top-k;
 #   moe-grouped: the MoE families' captured routed experts as grouped GEMMs (moe-now: with it on, then model-moe);
 #   kimi-profile: Kimi Linear's eager step; gdn-prefill-profile: the GDN prefill's pieces against fla-core;
-#   gemv-chain: the decode GEMVs alone, each launch option
+#   gemv-chain: the decode GEMVs alone, each launch option; conv-chunks: the GDN conv tiled by chunks
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -146,6 +146,14 @@ case "${1:-}" in
     ;;
   gdn-prefill-profile)  # where the provider's prefill goes against fla-core's conv + chunk: times, kernels, pieces
     part 300 python benchmarks/gdn_prefill_profile.py --out "$out/gdn_prefill_profile.json"
+    ;;
+  conv-chunks)  # the GDN conv tiled by the plan's chunks: its kernel tests on the GPU, its sweeps, the layer profile
+    part 200 python benchmarks/gpu_pytest_record.py "$out/conv_chunks_gpu.json" -- tests/kernels/test_gated_delta.py \
+        -k "conv"
+    part 150 python benchmarks/conv_sweep.py --split --out "$out/conv_sweep_chunks_0.8b.json"
+    part 150 python benchmarks/conv_sweep.py --requests 16 --tokens 4096 --channels 8192 --split \
+        --out "$out/conv_sweep_chunks_16x4096.json"
+    part 200 python benchmarks/gdn_prefill_profile.py --chunk-tiles --out "$out/gdn_prefill_profile_chunks.json"
     ;;
   gemv-chain)  # the 0.8B's 96 decode GEMVs alone in one graph, each launch option and a side stream filling L2
     part 240 python benchmarks/gemv_chain.py --rows 1 8 --out "$out/gemv_chain.json"

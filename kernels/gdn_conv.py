@@ -17,6 +17,10 @@ from .gdn_common import cdiv, check_out, check_varlen, pow2
 from .gdn_naive import causal_conv1d_seq
 
 _INTERIOR = [True]  # timed on the H200 (`interior_tiles`)
+_CHUNK_TILES = [False]
+# The chunk tiles' launch: channels a program, warps, and whether neighbouring programs take the same tokens'
+# next channels (True) or the next tokens' same channels.
+CHUNK_LAUNCH = {"block_c": 128, "num_warps": 4, "channels_first": True}
 
 
 def interior_tiles(enabled: bool):
@@ -27,6 +31,15 @@ def interior_tiles(enabled: bool):
     an 8192-token prefill took 134 us with them against 202 us without on the H200, bit for bit the same
     output (``python benchmarks/conv_sweep.py``, benchmarks/results/conv_sweep.json at 8cb76cd)."""
     return switched(_INTERIOR, "interior_tiles", enabled)
+
+
+def chunk_tiles(enabled: bool):
+    """Within this block `causal_conv1d` given a request's chunk list (``chunks=``, prefill) tiles the tokens
+    by those chunks: each program one chunk of one request, its bounds and slot read once, every chunk but a
+    request's first reading x alone (`_conv_chunks_kernel`). Without it the tiles are ``BT`` tokens of the
+    packed batch, each token's request found by a binary search over ``cu_seqlens``. The same products in the
+    same order, so the same bits."""
+    return switched(_CHUNK_TILES, "chunk_tiles", enabled)
 
 
 @triton.jit
@@ -106,6 +119,59 @@ def _conv_taps(x_ptr, w_ptr, pool_ptr, out_ptr, rt, rc, mt, mc, bos, slot, acc, 
 
 
 @triton.jit
+def _conv_chunks_kernel(
+    x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, seq_ptr, idx_ptr, y_ptr,
+    T, C, sx_t, sw_c, sw_w, sp_n, sp_c, sp_w, sy_t, c1, c2,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    SPLIT: tl.constexpr, CHANNELS_FIRST: tl.constexpr,
+):
+    """One chunk of one request (``BT`` tokens, `chunk_indices`' pairs) x ``BC`` channels: the request and its
+    bounds are scalars of the program, and every chunk but a request's first reads x alone (``BT >= W - 1``)."""
+    if CHANNELS_FIRST:  # neighbouring programs: the same tokens' next channels
+        pid_c, pid_t = tl.program_id(0), tl.program_id(1)
+    else:
+        pid_t, pid_c = tl.program_id(0), tl.program_id(1)
+    req = tl.load(seq_ptr + pid_t)
+    j = tl.load(idx_ptr + pid_t).to(tl.int64)
+    bos = tl.load(cu_ptr + req).to(tl.int64)
+    eos = tl.load(cu_ptr + req + 1).to(tl.int64)
+    rt = bos + j * BT + tl.arange(0, BT)  # [BT] int64 (T * C may pass 2^31)
+    rc = pid_c * BC + tl.arange(0, BC)  # [BC]
+    mt = rt < eos
+    mc = rc < C
+    m = mt[:, None] & mc[None, :]
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    if j > 0:  # every tap reaches back into this request's own tokens
+        for w in tl.static_range(W):
+            xv = tl.load(x_ptr + (rt - (W - 1) + w)[:, None] * sx_t + rc[None, :], mask=m, other=0.0)
+            wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
+            acc += xv.to(tl.float32) * wt[None, :]
+    else:  # the request's first chunk: taps before its first token read its saved window (zero without a slot)
+        slot = tl.load(slots_ptr + req).to(tl.int64)
+        for w in tl.static_range(W):
+            p = rt - (W - 1) + w  # [BT] input position feeding tap w
+            from_x = (mt & (p >= bos))[:, None] & mc[None, :]
+            from_s = (mt & (p < bos) & ((p * 0 + slot) >= 0))[:, None] & mc[None, :]
+            xv = tl.load(x_ptr + p[:, None] * sx_t + rc[None, :], mask=from_x, other=0.0)
+            sv = tl.load(pool_ptr + slot * sp_n + rc[None, :] * sp_c + (p - bos + (W - 1))[:, None] * sp_w,
+                         mask=from_s, other=0.0)
+            val = tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))  # [BT, BC]
+            wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
+            acc += val * wt[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    if SPLIT:  # y is three row-major blocks: channels [0, c1) as [T, c1], then [c1, c2) and [c2, C)
+        r, c, n = rt[:, None], rc[None, :].to(tl.int64), (rt * 0 + T)[:, None]
+        off = tl.where(c < c1, r * c1 + c,
+                       tl.where(c < c2, n * c1 + r * (c2 - c1) + (c - c1), n * c2 + r * (C - c2) + (c - c2)))
+    else:
+        off = rt[:, None] * sy_t + rc[None, :]
+    tl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _conv_final_window_kernel(
     x_ptr, pool_ptr, slots_ptr, cu_ptr, out_ptr,
     C, sx_t, sp_n, sp_c, sp_w, so_n, so_c, so_w,
@@ -153,9 +219,27 @@ def _check_conv_args(x, weight, bias, conv_state_pool, slots, cu_seqlens, activa
     return T, C, W, B
 
 
+def _check_chunks(chunks, chunk_size, W, T, device):
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < max(16, W - 1) \
+            or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size: expected a power of two >= {max(16, W - 1)} (16 and the window's W - 1), "
+                         f"got {chunk_size!r}")
+    if not isinstance(chunks, tuple) or len(chunks) != 2 or not all(isinstance(t, torch.Tensor) for t in chunks):
+        raise ValueError(f"chunks: expected a (request, chunk of request) pair of tensors, got "
+                         f"{type(chunks).__name__}")
+    seq, idx = chunks
+    for name, t in (("chunks[0] (requests)", seq), ("chunks[1] (chunk of request)", idx)):
+        if t.dim() != 1 or t.dtype != torch.int32 or t.device != device:
+            raise ValueError(f"{name}: expected a 1-D int32 tensor on {device}, got {tuple(t.shape)} {t.dtype} "
+                             f"on {t.device}")
+    if seq.numel() != idx.numel() or seq.numel() < -(-T // chunk_size):
+        raise ValueError(f"chunks: expected two lists of one length, at least {-(-T // chunk_size)} "
+                         f"({T} tokens in chunks of {chunk_size}), got {seq.numel()} and {idx.numel()}")
+
+
 def causal_conv1d(
     x, weight, bias, conv_state_pool, slots, cu_seqlens, *,
-    activation="silu", per_position_states=False, out_states=None, split=None,
+    activation="silu", per_position_states=False, out_states=None, split=None, chunks=None, chunk_size=64,
 ):
     """Depthwise causal conv over packed requests; left context from conv_state_pool[slots].
 
@@ -167,6 +251,9 @@ def causal_conv1d(
     With ``split=(c1, c2)`` (0 < c1 < c2 < C) y comes as three contiguous tensors, channels [0, c1),
     [c1, c2) and [c2, C): ``((y0 [T, c1], y1 [T, c2 - c1], y2 [T, C - c2]), windows)``, the same values as
     y's column slices (GDN's q, k and v, which fla-core's chunk takes contiguous, with no copy).
+    ``chunks``: the requests' chunks of ``chunk_size`` tokens, `chunk_indices`' ``(request, chunk of request)``
+    pair of int32 tensors for these ``cu_seqlens`` (a prefill's plan has them); under `chunk_tiles` the tokens
+    are tiled by them (not with ``per_position_states``), the same output.
     """
     require_triton()
     T, C, W, B = _check_conv_args(x, weight, bias, conv_state_pool, slots, cu_seqlens, activation)
@@ -174,6 +261,8 @@ def causal_conv1d(
         if (not isinstance(split, tuple) or len(split) != 2 or not all(isinstance(c, int) for c in split)
                 or not 0 < split[0] < split[1] < C):
             raise ValueError(f"split: expected (c1, c2) with 0 < c1 < c2 < {C} (the channels), got {split!r}")
+    if chunks is not None:
+        _check_chunks(chunks, chunk_size, W, T, x.device)
     rows = T if per_position_states else B
     if out_states is None:
         out_states = torch.empty(rows, C, W - 1, dtype=conv_state_pool.dtype, device=x.device)
@@ -183,7 +272,20 @@ def causal_conv1d(
     if x.stride(1) != 1:
         x = x.contiguous()
     BC = min(pow2(C), 128)
-    if T > 0:
+    if T > 0 and chunks is not None and _CHUNK_TILES[-1] and not per_position_states:
+        seq, idx = chunks
+        bc = min(pow2(C), CHUNK_LAUNCH["block_c"])
+        n = seq.numel()
+        grid = (cdiv(C, bc), n) if CHUNK_LAUNCH["channels_first"] else (n, cdiv(C, bc))
+        _conv_chunks_kernel[grid](
+            x, weight, bias if bias is not None else weight, conv_state_pool, slots, cu_seqlens, seq, idx, y,
+            T, C, x.stride(0), weight.stride(0), weight.stride(1), *conv_state_pool.stride(), C,
+            split[0] if split else 0, split[1] if split else 0,
+            W=W, BT=chunk_size, BC=bc, HAS_BIAS=bias is not None, SILU=activation is not None,
+            SPLIT=split is not None, CHANNELS_FIRST=CHUNK_LAUNCH["channels_first"],
+            num_warps=CHUNK_LAUNCH["num_warps"],
+        )
+    elif T > 0:
         BT = min(pow2(T), 32)
         _conv_kernel[(cdiv(T, BT), cdiv(C, BC))](
             x, weight, bias if bias is not None else weight, conv_state_pool, slots, cu_seqlens, y, out_states,

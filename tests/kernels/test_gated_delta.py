@@ -428,3 +428,52 @@ def test_bad_shapes_raise():
         causal_conv1d(x, w, bias, cpool[:, :, :2], cslots, ccu)
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d(x, w, bias, cpool, cslots, ccu, activation="relu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("split", [None, (16, 32), (5, 41)], ids=["one output", "split even", "split uneven"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
+def test_conv_chunk_tiles_give_the_packed_tiles_bits(chunk_size, split, with_bias, dtype):
+    """``chunks=`` under `chunk_tiles`: each program one chunk of one request (its bounds and slot read once),
+    the same output bits as the packed tiles and the same windows: requests of 1, 15 / 16 / 17, 63 / 64 / 65
+    and 130 tokens, with saved windows, without (a fresh request) and NaN in every pool row not read."""
+    from fnattn.kernels import gdn_conv
+
+    gen = torch.Generator().manual_seed(33)
+    lens = [1, 17, 64, 130, 15, 63, 16, 65]
+    x = torch.randn(sum(lens), CONV_C, generator=gen).to(DEV, dtype)
+    w = (torch.randn(CONV_C, CONV_W, generator=gen) * 0.5).to(DEV, dtype)
+    bias = torch.randn(CONV_C, generator=gen).to(DEV, dtype) if with_bias else None
+    pool = make_pool(9, (CONV_C, CONV_W - 1), live=[0, 2, 3, 5, 7, 8], dtype=dtype)
+    pool[[1, 4, 6]] = float("nan")  # rows no request reads
+    args = (x, w, bias, pool, slots_of([5, -1, 0, 2, 7, 3, -1, 8]), cu_of(lens))
+    chunks = chunk_indices(cu_of(lens), chunk_size)
+    with gdn_conv.chunk_tiles(False):
+        want = causal_conv1d(*args, split=split, chunks=chunks, chunk_size=chunk_size)
+    with gdn_conv.chunk_tiles(True):
+        got = causal_conv1d(*args, split=split, chunks=chunks, chunk_size=chunk_size)
+    for a, b in zip(got[0] if split else got[:1], want[0] if split else want[:1]):
+        assert not a.isnan().any() and torch.equal(a, b)
+    assert torch.equal(got[1], want[1])
+    y_ref, _ = causal_conv1d_ref(*args)
+    y = torch.cat(got[0], 1) if split else got[0]  # the parts side by side: channel order
+    if dtype == torch.float32:
+        close(y, y_ref, dtype)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(chunk_size=24), r"chunk_size: expected a power of two >= 16"),
+    (dict(chunk_size=8), r"chunk_size: expected a power of two >= 16"),
+    (dict(chunks=[0, 0]), r"chunks: expected a \(request, chunk of request\) pair of tensors, got list"),
+    (dict(chunks="int64"), r"chunks\[0\] \(requests\): expected a 1-D int32 tensor"),
+    (dict(chunks="short"), r"chunks: expected two lists of one length, at least 2 \(20 tokens in chunks of 16\)"),
+])
+def test_conv_refuses_bad_chunks(bad, match):
+    x, w, bias, pool, _, _ = conv_inputs(torch.float32)
+    seq, idx = chunk_indices(cu_of([20]), 16)
+    chunks = bad.get("chunks")
+    chunks = {"int64": (seq.long(), idx), "short": (seq[:1], idx[:1])}[chunks] if isinstance(chunks, str) else chunks
+    kw = dict(chunks=(seq, idx) if chunks is None else chunks, chunk_size=bad.get("chunk_size", 16))
+    with pytest.raises(ValueError, match=match):
+        causal_conv1d(x[:20], w, bias, pool, slots_of([-1]), cu_of([20]), **kw)

@@ -87,14 +87,17 @@ class RecurrentPlan:
 
 
 def _chunk_list(batch, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """`kernels.chunk_indices` from the host lengths: no device read-back."""
+    """`kernels.chunk_indices` from the host lengths: no device read-back, and on CUDA one copy from pinned
+    memory, which does not wait for the work queued before it (a copy from pageable memory does)."""
     seq, idx = [], []
     for b, n in enumerate(batch.host_new_lens):
         count = -(-n // chunk_size)
         seq += [b] * count
         idx += range(count)
     device = batch.cu_seqlens.device
-    return (torch.tensor(seq, dtype=torch.int32, device=device), torch.tensor(idx, dtype=torch.int32, device=device))
+    both = torch.tensor([seq, idx], dtype=torch.int32)  # [2, chunks]
+    both = both.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else both.to(device)
+    return both[0], both[1]
 
 
 def plan(specs, batch, lease) -> RecurrentPlan:
@@ -123,9 +126,10 @@ def _conv(spec, views, inputs, p: RecurrentPlan, *, per_token: bool, split=None)
     (`kernels.causal_conv1d`'s) mixed is its three contiguous parts."""
     from ...kernels import causal_conv1d
 
+    tiles = dict(chunks=p.chunks, chunk_size=p.chunk_size) if p.chunks is not None else {}
     return causal_conv1d(inputs.x, inputs.conv_weight, inputs.conv_bias, views.conv, p.read_slots,
                          inputs.meta.batch.cu_seqlens, activation="silu", per_position_states=per_token,
-                         split=split)
+                         split=split, **tiles)
 
 
 def _split(spec, mixed: Tensor | tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
