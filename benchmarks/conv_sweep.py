@@ -6,7 +6,8 @@ at ``--requests R --tokens T --channels C`` (`fnattn bench gdn-prefill`'s 16 x 4
 
 The packed tiles: each (BT, BC, num_warps), with and without interior tiles (`kernels.gdn_conv.interior_tiles`:
 a tile inside one request reads x alone). The chunk tiles (`kernels.gdn_conv.chunk_tiles`: one chunk of 64
-tokens of one request a program): each channel width, warp count and program order. fla-core's conv on the
+tokens of one request a program, the requests' first chunks in a second launch): each channel width and warp
+count, both program orders at a few. fla-core's conv on the
 same input, when installed. Each launch is checked against the shipped path's output first, then timed with
 ``triton.testing.do_bench``; TB/s counts x read once, y written once. ``--split``: q / k / v written apart
 (the fla provider's form).
@@ -115,8 +116,8 @@ def main() -> None:
                         records.append(_one(x, weight, pool, slots, cu, want, moved, bt, bc, warps, interior,
                                             do_bench))
     for bc in (32, 64, 128, 256):
-        for warps in (2, 4, 8):
-            for first in (True, False):
+        for warps in (4, 8, 16, 32):
+            for first in (True, False) if bc in (64, 128) and warps in (8, 16) else (True,):
                 records.append(_chunked(shipped, want, moved, bc, warps, first, do_bench))
     with gdn_conv.chunk_tiles(False):
         packed_us = do_bench(shipped) * 1e3
@@ -132,8 +133,11 @@ def main() -> None:
         xc = x.contiguous()  # fla-core's conv takes [1, T, C]
         fla_us = do_bench(lambda: fla_conv(xc[None], weight, None, activation="silu", cu_seqlens=cu_long,
                                            cu_seqlens_cpu=cu_cpu)) * 1e3
-        fla = {"time_us": fla_us, "tb_s": moved / fla_us / 1e6}
-        print(f"fla-core causal_conv1d: {fla_us:.1f} us {moved / fla_us / 1e6:.2f} TB/s")
+        from fla.modules.causal_conv1d.ops import causal_conv1d_fwd_kernel
+
+        best = getattr(causal_conv1d_fwd_kernel, "best_config", None)  # its autotuner's pick for this shape
+        fla = {"time_us": fla_us, "tb_s": moved / fla_us / 1e6, "best_config": str(best)}
+        print(f"fla-core causal_conv1d: {fla_us:.1f} us {moved / fla_us / 1e6:.2f} TB/s ({best})")
     except Exception as e:  # noqa: BLE001 - the peer is optional
         fla = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     if a.out:

@@ -53,8 +53,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--chunk-tiles", action="store_true", help="the conv tiled by the plan's chunks (chunk_tiles)")
+    p.add_argument("--chunk-launch", type=int, nargs=2, metavar=("BLOCK_C", "WARPS"), default=None,
+                   help="the chunk tiles' channels a program and warps (default: kernels.gdn_conv.CHUNK_LAUNCH)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.chunk_launch:
+        gdn_conv.CHUNK_LAUNCH.update(block_c=a.chunk_launch[0], num_warps=a.chunk_launch[1])
     with gdn_conv.chunk_tiles(a.chunk_tiles):
         run(a)
 
@@ -89,13 +93,15 @@ def run(a) -> None:
                                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                                       cu_seqlens_cpu=cu_cpu)
 
+    tiles = dict(chunks=pl.chunks, chunk_size=pl.chunk_size)  # as the provider passes them
+
     def our_conv():
         return causal_conv1d(inputs.x, inputs.conv_weight, inputs.conv_bias, views.conv, pl.read_slots,
-                             batch.cu_seqlens, activation="silu", split=_qkv_channels(spec))
+                             batch.cu_seqlens, activation="silu", split=_qkv_channels(spec), **tiles)
 
     def our_conv_one_output():
         return causal_conv1d(inputs.x, inputs.conv_weight, inputs.conv_bias, views.conv, pl.read_slots,
-                             batch.cu_seqlens, activation="silu")
+                             batch.cu_seqlens, activation="silu", **tiles)
 
     def peer_conv():
         return fla_conv(inputs.x[None], inputs.conv_weight, inputs.conv_bias, activation="silu", cu_seqlens=cu,
@@ -129,9 +135,10 @@ def run(a) -> None:
     if a.out:
         with open(a.out, "w") as f:
             cmd = (f"python benchmarks/gdn_prefill_profile.py --requests {a.requests} --length {a.length}"
-                   f"{' --chunk-tiles' if a.chunk_tiles else ''}")
+                   + (" --chunk-tiles" if a.chunk_tiles else "")
+                   + (" --chunk-launch {} {}".format(*a.chunk_launch) if a.chunk_launch else ""))
             json.dump({"command": cmd + f" --out {a.out}", "environment": environment(), "tokens": T,
-                       "chunk_tiles": a.chunk_tiles,
+                       "chunk_tiles": a.chunk_tiles, "chunk_launch": dict(gdn_conv.CHUNK_LAUNCH),
                        "records": records}, f, indent=1)
 
 

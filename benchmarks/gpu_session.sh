@@ -15,7 +15,8 @@
 #   indexer-sweep: the DSA indexer's tiles; radix: sgl_kernel's radix select for the indexer's top-k;
 #   moe-grouped: the MoE families' captured routed experts as grouped GEMMs (moe-now: with it on, then model-moe);
 #   kimi-profile: Kimi Linear's eager step; gdn-prefill-profile: the GDN prefill's pieces against fla-core;
-#   gemv-chain: the decode GEMVs alone, each launch option; conv-chunks: the GDN conv tiled by chunks
+#   gemv-chain: the decode GEMVs alone, each launch option; conv-chunks: the GDN conv tiled by chunks;
+#   conv-even: the chunk tiles with first chunks apart; gemv-stages: the step's GEMVs at 3 stages / 2 early tiles
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -154,6 +155,19 @@ case "${1:-}" in
     part 150 python benchmarks/conv_sweep.py --requests 16 --tokens 4096 --channels 8192 --split \
         --out "$out/conv_sweep_chunks_16x4096.json"
     part 200 python benchmarks/gdn_prefill_profile.py --chunk-tiles --out "$out/gdn_prefill_profile_chunks.json"
+    ;;
+  conv-even)  # the GDN conv's chunk tiles with their first chunks apart, even channels: tests, sweeps, the layer
+    part 150 python benchmarks/gpu_pytest_record.py "$out/conv_even_gpu.json" -- tests/kernels/test_gated_delta.py \
+        -k "conv"
+    part 150 python benchmarks/conv_sweep.py --split --out "$out/conv_sweep_even_0.8b.json"
+    part 150 python benchmarks/conv_sweep.py --requests 16 --tokens 4096 --channels 8192 --split \
+        --out "$out/conv_sweep_even_16x4096.json"
+    part 200 python benchmarks/gdn_prefill_profile.py --chunk-tiles --chunk-launch 128 16 \
+        --out "$out/gdn_prefill_profile_even.json"
+    ;;
+  gemv-stages)  # the whole decode step with the GEMVs at 3 pipeline stages and / or 2 early K tiles
+    part 300 python benchmarks/model_ab.py --toggle stages3 early2 stages3+early2 --batch 1 8 --steps 64 \
+        --out "$out/bench_gemv_stages_ab.json"
     ;;
   gemv-chain)  # the 0.8B's 96 decode GEMVs alone in one graph, each launch option and a side stream filling L2
     part 240 python benchmarks/gemv_chain.py --rows 1 8 --out "$out/gemv_chain.json"

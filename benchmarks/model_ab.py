@@ -87,6 +87,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                {True: "GEMVs load 2 K tiles before they wait", False: "one tile"}),
     "early4": (lambda on: skinny.configured(early=4 if on else 1), lambda: False,
                {True: "GEMVs load 4 K tiles before they wait", False: "one tile"}),
+    "stages3": (lambda on: skinny.configured(num_stages=3) if on else contextlib.nullcontext(), lambda: False,
+                {True: "GEMVs pipeline 3 K tiles", False: "the table's stages (4 up to 32 rows)"}),
     "prefetch": (lambda on: skinny.configured(prefetch=on), lambda: False,
                  {True: "GEMVs ask L2 for their weight slab before they wait", False: "first weight tile only"}),
     "pdl": (_triton.pdl, lambda: _triton._PDL[-1],

@@ -120,49 +120,97 @@ def _conv_taps(x_ptr, w_ptr, pool_ptr, out_ptr, rt, rc, mt, mc, bos, slot, acc, 
 
 @triton.jit
 def _conv_chunks_kernel(
-    x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, seq_ptr, idx_ptr, y_ptr,
-    T, C, sx_t, sw_c, sw_w, sp_n, sp_c, sp_w, sy_t, c1, c2,
+    x_ptr, w_ptr, bias_ptr, seq_ptr, idx_ptr, cu_ptr, y_ptr,
+    T, C, sx_t, sw_c, sw_w, sy_t, c1, c2,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    SPLIT: tl.constexpr, CHANNELS_FIRST: tl.constexpr,
+    SPLIT: tl.constexpr, CHANNELS_FIRST: tl.constexpr, EVEN_C: tl.constexpr = False,
 ):
-    """One chunk of one request (``BT`` tokens, `chunk_indices`' pairs) x ``BC`` channels: the request and its
-    bounds are scalars of the program, and every chunk but a request's first reads x alone (``BT >= W - 1``)."""
+    """One chunk of one request (``BT`` tokens, `chunk_indices`' pairs) x ``BC`` channels, every chunk but a
+    request's first (`_conv_first_chunks_kernel` takes those): each tap reaches back into the request's own
+    tokens (``BT >= W - 1``), so x alone is read. Apart from the first chunks, whose saved-window loads would
+    raise every program's registers (~1.6x, ptxas) and so lower the occupancy the loads need."""
     if CHANNELS_FIRST:  # neighbouring programs: the same tokens' next channels
         pid_c, pid_t = tl.program_id(0), tl.program_id(1)
     else:
         pid_t, pid_c = tl.program_id(0), tl.program_id(1)
-    req = tl.load(seq_ptr + pid_t)
     j = tl.load(idx_ptr + pid_t).to(tl.int64)
-    bos = tl.load(cu_ptr + req).to(tl.int64)
-    eos = tl.load(cu_ptr + req + 1).to(tl.int64)
-    rt = bos + j * BT + tl.arange(0, BT)  # [BT] int64 (T * C may pass 2^31)
-    rc = pid_c * BC + tl.arange(0, BC)  # [BC]
-    mt = rt < eos
-    mc = rc < C
-    m = mt[:, None] & mc[None, :]
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    if j > 0:  # every tap reaches back into this request's own tokens
+    if j > 0:
+        req = tl.load(seq_ptr + pid_t)
+        bos = tl.load(cu_ptr + req).to(tl.int64)
+        eos = tl.load(cu_ptr + req + 1).to(tl.int64)
+        rt = bos + j * BT + tl.arange(0, BT)  # [BT] int64 (T * C may pass 2^31)
+        rc = pid_c * BC + tl.arange(0, BC)  # [BC]
+        mc = _channel_mask(rc, C, BC, EVEN_C)
+        m = (rt < eos)[:, None] & mc[None, :]
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
         for w in tl.static_range(W):
             xv = tl.load(x_ptr + (rt - (W - 1) + w)[:, None] * sx_t + rc[None, :], mask=m, other=0.0)
             wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
             acc += xv.to(tl.float32) * wt[None, :]
-    else:  # the request's first chunk: taps before its first token read its saved window (zero without a slot)
-        slot = tl.load(slots_ptr + req).to(tl.int64)
-        for w in tl.static_range(W):
-            p = rt - (W - 1) + w  # [BT] input position feeding tap w
-            from_x = (mt & (p >= bos))[:, None] & mc[None, :]
-            from_s = (mt & (p < bos) & ((p * 0 + slot) >= 0))[:, None] & mc[None, :]
-            xv = tl.load(x_ptr + p[:, None] * sx_t + rc[None, :], mask=from_x, other=0.0)
-            sv = tl.load(pool_ptr + slot * sp_n + rc[None, :] * sp_c + (p - bos + (W - 1))[:, None] * sp_w,
-                         mask=from_s, other=0.0)
-            val = tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))  # [BT, BC]
-            wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
-            acc += val * wt[None, :]
+        _conv_chunk_out(acc, bias_ptr, y_ptr, rt, rc, pid_c, m, mc, bos, T, C, sy_t, c1, c2,
+                        BC, HAS_BIAS, SILU, SPLIT, EVEN_C)
+
+
+@triton.jit
+def _conv_first_chunks_kernel(
+    x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, y_ptr,
+    T, C, sx_t, sw_c, sw_w, sp_n, sp_c, sp_w, sy_t, c1, c2,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_C: tl.constexpr = False,
+):
+    """The first ``BT`` tokens of request ``program_id(1)`` x ``BC`` channels: taps before its first token read
+    its saved window (zero without a slot)."""
+    pid_c, req = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(cu_ptr + req).to(tl.int64)
+    eos = tl.load(cu_ptr + req + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    rt = bos + tl.arange(0, BT)  # [BT] int64
+    rc = pid_c * BC + tl.arange(0, BC)  # [BC]
+    mt = rt < eos
+    mc = _channel_mask(rc, C, BC, EVEN_C)
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for w in tl.static_range(W):
+        p = rt - (W - 1) + w  # [BT] input position feeding tap w
+        from_x = (mt & (p >= bos))[:, None] & mc[None, :]
+        from_s = (mt & (p < bos) & ((p * 0 + slot) >= 0))[:, None] & mc[None, :]
+        xv = tl.load(x_ptr + p[:, None] * sx_t + rc[None, :], mask=from_x, other=0.0)
+        sv = tl.load(pool_ptr + slot * sp_n + rc[None, :] * sp_c + (p - bos + (W - 1))[:, None] * sp_w,
+                     mask=from_s, other=0.0)
+        val = tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))  # [BT, BC]
+        wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
+        acc += val * wt[None, :]
+    _conv_chunk_out(acc, bias_ptr, y_ptr, rt, rc, pid_c, mt[:, None] & mc[None, :], mc, bos, T, C, sy_t, c1, c2,
+                    BC, HAS_BIAS, SILU, SPLIT, EVEN_C)
+
+
+@triton.jit
+def _channel_mask(rc, C, BC: tl.constexpr, EVEN_C: tl.constexpr):
+    if EVEN_C:
+        return tl.full([BC], 1, tl.int1)  # a constant: the masks stay whole rows, the accesses wide
+    else:
+        return rc < C
+
+
+@triton.jit
+def _conv_chunk_out(acc, bias_ptr, y_ptr, rt, rc, pid_c, m, mc, bos, T, C, sy_t, c1, c2, BC: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr, EVEN_C: tl.constexpr):
+    """Bias, activation and the store of a chunk tile. EVEN_C (``BC`` divides C and, with SPLIT, c1 and c2):
+    the tile lies in one of y's three blocks, whose base, row length and first column are then scalars."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    if SPLIT:  # y is three row-major blocks: channels [0, c1) as [T, c1], then [c1, c2) and [c2, C)
+    if SPLIT and EVEN_C:
+        c0 = pid_c * BC
+        r = rt[:, None]
+        n = bos * 0 + T  # int64 (T may be a constexpr 1)
+        if c0 < c1:
+            off = r * c1 + rc[None, :]
+        elif c0 < c2:
+            off = n * c1 + r * (c2 - c1) + (rc - c1)[None, :]
+        else:
+            off = n * c2 + r * (C - c2) + (rc - c2)[None, :]
+    elif SPLIT:  # y is three row-major blocks: channels [0, c1) as [T, c1], then [c1, c2) and [c2, C)
         r, c, n = rt[:, None], rc[None, :].to(tl.int64), (rt * 0 + T)[:, None]
         off = tl.where(c < c1, r * c1 + c,
                        tl.where(c < c2, n * c1 + r * (c2 - c1) + (c - c1), n * c2 + r * (C - c2) + (c - c2)))
@@ -275,16 +323,19 @@ def causal_conv1d(
     if T > 0 and chunks is not None and _CHUNK_TILES[-1] and not per_position_states:
         seq, idx = chunks
         bc = min(pow2(C), CHUNK_LAUNCH["block_c"])
+        c1, c2 = split if split else (0, 0)
+        even = C % bc == 0 and c1 % bc == 0 and c2 % bc == 0
+        common = dict(W=W, BT=chunk_size, BC=bc, HAS_BIAS=bias is not None, SILU=activation is not None,
+                      SPLIT=split is not None, EVEN_C=even, num_warps=CHUNK_LAUNCH["num_warps"])
+        bias_ptr = bias if bias is not None else weight  # read only with HAS_BIAS
         n = seq.numel()
         grid = (cdiv(C, bc), n) if CHUNK_LAUNCH["channels_first"] else (n, cdiv(C, bc))
         _conv_chunks_kernel[grid](
-            x, weight, bias if bias is not None else weight, conv_state_pool, slots, cu_seqlens, seq, idx, y,
-            T, C, x.stride(0), weight.stride(0), weight.stride(1), *conv_state_pool.stride(), C,
-            split[0] if split else 0, split[1] if split else 0,
-            W=W, BT=chunk_size, BC=bc, HAS_BIAS=bias is not None, SILU=activation is not None,
-            SPLIT=split is not None, CHANNELS_FIRST=CHUNK_LAUNCH["channels_first"],
-            num_warps=CHUNK_LAUNCH["num_warps"],
-        )
+            x, weight, bias_ptr, seq, idx, cu_seqlens, y, T, C, x.stride(0), weight.stride(0), weight.stride(1), C,
+            c1, c2, CHANNELS_FIRST=CHUNK_LAUNCH["channels_first"], **common)
+        _conv_first_chunks_kernel[(cdiv(C, bc), B)](
+            x, weight, bias_ptr, conv_state_pool, slots, cu_seqlens, y, T, C, x.stride(0), weight.stride(0),
+            weight.stride(1), *conv_state_pool.stride(), C, c1, c2, **common)
     elif T > 0:
         BT = min(pow2(T), 32)
         _conv_kernel[(cdiv(T, BT), cdiv(C, BC))](

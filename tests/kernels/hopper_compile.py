@@ -94,7 +94,7 @@ def paged_decode_cases():
 
 
 def conv_cases():
-    from fnattn.kernels.gdn_conv import _conv_chunks_kernel, _conv_kernel
+    from fnattn.kernels.gdn_conv import _conv_chunks_kernel, _conv_first_chunks_kernel, _conv_kernel
 
     ptr = {p: "*bf16" for p in ("x_ptr", "w_ptr", "bias_ptr", "pool_ptr", "y_ptr", "out_ptr")}
     ptr.update(slots_ptr="*i64", cu_ptr="*i32")
@@ -104,10 +104,15 @@ def conv_cases():
                          "gdn conv, q / k / v apart": dict(INTERIOR=True, SPLIT=True)}.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(_conv_kernel, c, ptr)
     chunk_ptr = {**ptr, "seq_ptr": "*i32", "idx_ptr": "*i32"}
-    for name, change in {"gdn conv, chunk tiles": {}, "gdn conv, chunk tiles, q / k / v apart, tokens first":
-                         dict(SPLIT=True, CHANNELS_FIRST=False)}.items():
-        c = {**dict(W=4, BT=64, BC=128, HAS_BIAS=True, SILU=True, SPLIT=False, CHANNELS_FIRST=True), **change}
+    base = dict(W=4, BT=64, BC=128, HAS_BIAS=True, SILU=True, SPLIT=False, EVEN_C=False)
+    for name, change in {"gdn conv, chunk tiles": {},
+                         "gdn conv, chunk tiles, q / k / v apart, tokens first": dict(SPLIT=True, CHANNELS_FIRST=False),
+                         "gdn conv, chunk tiles, even, q / k / v apart": dict(SPLIT=True, EVEN_C=True)}.items():
+        c = {**base, "CHANNELS_FIRST": True, **change}
         yield name, lambda c=c: compile_for_hopper(_conv_chunks_kernel, c, chunk_ptr)
+    for name, change in {"gdn conv, first chunks": {}, "gdn conv, first chunks, even, q / k / v apart":
+                         dict(SPLIT=True, EVEN_C=True)}.items():
+        yield name, lambda c={**base, **change}: compile_for_hopper(_conv_first_chunks_kernel, c, ptr)
 
 
 def indexer_cases():

@@ -434,11 +434,15 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.parametrize("split", [None, (16, 32), (5, 41)], ids=["one output", "split even", "split uneven"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
-def test_conv_chunk_tiles_give_the_packed_tiles_bits(chunk_size, split, with_bias, dtype):
+@pytest.mark.parametrize("block_c", [128, 16], ids=["wide", "even channels"])
+def test_conv_chunk_tiles_give_the_packed_tiles_bits(chunk_size, split, with_bias, dtype, block_c, monkeypatch):
     """``chunks=`` under `chunk_tiles`: each program one chunk of one request (its bounds and slot read once),
     the same output bits as the packed tiles and the same windows: requests of 1, 15 / 16 / 17, 63 / 64 / 65
-    and 130 tokens, with saved windows, without (a fresh request) and NaN in every pool row not read."""
+    and 130 tokens, with saved windows, without (a fresh request) and NaN in every pool row not read. A
+    16-channel tile divides the channels (and the even split): no channel masks, scalar output blocks."""
     from fnattn.kernels import gdn_conv
+
+    monkeypatch.setitem(gdn_conv.CHUNK_LAUNCH, "block_c", block_c)
 
     gen = torch.Generator().manual_seed(33)
     lens = [1, 17, 64, 130, 15, 63, 16, 65]
