@@ -16,7 +16,8 @@
 #   moe-grouped: the MoE families' captured routed experts as grouped GEMMs (moe-now: with it on, then model-moe);
 #   kimi-profile: Kimi Linear's eager step; gdn-prefill-profile: the GDN prefill's pieces against fla-core;
 #   gemv-chain: the decode GEMVs alone, each launch option; conv-chunks: the GDN conv tiled by chunks;
-#   conv-even: the chunk tiles with first chunks apart; gemv-stages: the step's GEMVs at 3 stages / 2 early tiles
+#   conv-even: the chunk tiles with first chunks apart (conv-default, conv-default-parity: on by default);
+#   gemv-stages: the step's GEMVs at 3 pipeline stages / 2 early K tiles
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -165,6 +166,16 @@ case "${1:-}" in
     part 200 python benchmarks/gdn_prefill_profile.py --chunk-tiles --chunk-launch 128 16 \
         --out "$out/gdn_prefill_profile_even.json"
     ;;
+  conv-default)  # the chunk tiles on by default: one GDN layer against fla-core, then the 8192-token prefill A/B
+    part 150 python -m fnattn bench gdn-prefill --out "$out/bench_gdn_prefill.json"
+    part 200 python benchmarks/gdn_prefill_profile.py --out "$out/gdn_prefill_profile_chunks.json"
+    part 240 python benchmarks/model_ab.py --toggle chunk_tiles --prefill 8192 --batch 1 --steps 16 \
+        --out "$out/bench_chunk_tiles_ab.json"
+    ;;
+  conv-default-parity)  # the GDN / KDA prefill parity with the chunk tiles on by default
+    part 400 env FNATTN_GPU_RESULTS="$out/chunk_tiles_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/chunk_tiles_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py -k "qkv_apart or prefill or fla_direct"
+    ;;
   gemv-stages)  # the whole decode step with the GEMVs at 3 pipeline stages and / or 2 early K tiles
     part 300 python benchmarks/model_ab.py --toggle stages3 early2 stages3+early2 --batch 1 8 --steps 64 \
         --out "$out/bench_gemv_stages_ab.json"
@@ -260,7 +271,8 @@ case "${1:-}" in
     part 120 python -m fnattn bench gdn-decode --out "$out/bench_gdn_decode.json"
     ;;
   *)
-    echo "usage: gpu_session.sh parity|bench|bench-kda|graphs|model|profile|ab|switches|prefill|model-long|model-moe|fused|fused-more|mla|mla-bench|linear|ab-large|decode-sweep|epilogues|early|merge|conv" >&2
+    parts=$(sed -n 's/^  \([a-z0-9-]*\))  *.*$/\1/p; s/^  \([a-z0-9-]*\))$/\1/p' "$0" | paste -sd '|')
+    echo "usage: gpu_session.sh $parts" >&2
     exit 2
     ;;
 esac

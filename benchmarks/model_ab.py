@@ -81,6 +81,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                    {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
     "interior_tiles": (gdn_conv.interior_tiles, lambda: gdn_conv._INTERIOR[-1],
                        {True: "GDN conv tiles inside a request read x alone", False: "every conv tile general"}),
+    "chunk_tiles": (gdn_conv.chunk_tiles, lambda: gdn_conv._CHUNK_TILES[-1],
+                    {True: "GDN prefill conv tiled by the plan's chunks", False: "packed tiles, a binary search"}),
     "merge_in_launch": (paged_attention.merge_in_launch, lambda: paged_attention._MERGE_IN_LAUNCH[-1],
                         {True: "attention's splits merged in its launch", False: "a merge kernel after it"}),
     "early2": (lambda on: skinny.configured(early=2 if on else 1), lambda: False,

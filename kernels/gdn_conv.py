@@ -17,10 +17,11 @@ from .gdn_common import cdiv, check_out, check_varlen, pow2
 from .gdn_naive import causal_conv1d_seq
 
 _INTERIOR = [True]  # timed on the H200 (`interior_tiles`)
-_CHUNK_TILES = [False]
+_CHUNK_TILES = [True]  # timed on the H200 (`chunk_tiles`)
 # The chunk tiles' launch: channels a program, warps, and whether neighbouring programs take the same tokens'
-# next channels (True) or the next tokens' same channels.
-CHUNK_LAUNCH = {"block_c": 128, "num_warps": 4, "channels_first": True}
+# next channels (True) or the next tokens' same channels. The sweep's best at 16 x 4096 tokens x 8192 channels
+# (837 us, 2.57 TB/s; 128 channels and 4 warps 1587 us): benchmarks/results/conv_sweep_even_16x4096.json.
+CHUNK_LAUNCH = {"block_c": 64, "num_warps": 4, "channels_first": True}
 
 
 def interior_tiles(enabled: bool):
@@ -38,7 +39,12 @@ def chunk_tiles(enabled: bool):
     by those chunks: each program one chunk of one request, its bounds and slot read once, every chunk but a
     request's first reading x alone (`_conv_chunks_kernel`). Without it the tiles are ``BT`` tokens of the
     packed batch, each token's request found by a binary search over ``cu_seqlens``. The same products in the
-    same order, so the same bits."""
+    same order, so the same bits. The requests' first chunks, which read their saved windows, are a second
+    launch (one program per request and channel tile).
+    On by default: q / k / v apart over 16 requests of 4096 tokens x 8192 channels on the H200 they took 837 us
+    (2.57 TB/s; fla-core's conv, one output, 803 us) against the packed tiles' 1507 us; at the Qwen3.5-0.8B
+    layer's 8192 tokens x 6144 channels 144 us, as the packed tiles (`benchmarks/conv_sweep.py --split`,
+    benchmarks/results/conv_sweep_even_*.json at 5b93fab)."""
     return switched(_CHUNK_TILES, "chunk_tiles", enabled)
 
 
