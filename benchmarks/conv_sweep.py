@@ -58,7 +58,7 @@ def _one(x, weight, pool, slots, cu, want, moved, bt, bc, warps, interior, do_be
 def _chunked(call, want, moved, bc, warps, channels_first, do_bench) -> dict:
     shape = {"tiles": "chunks", "bt": 64, "bc": bc, "num_warps": warps, "channels_first": channels_first}
     saved = dict(gdn_conv.CHUNK_LAUNCH)
-    gdn_conv.CHUNK_LAUNCH.update(block_c=bc, num_warps=warps, channels_first=channels_first)
+    gdn_conv.CHUNK_LAUNCH.update(block_c=bc, num_warps=warps, channels_first=channels_first, min_tokens=0)
     try:
         with gdn_conv.chunk_tiles(True):
             try:
@@ -121,8 +121,11 @@ def main() -> None:
                 records.append(_chunked(shipped, want, moved, bc, warps, first, do_bench))
     with gdn_conv.chunk_tiles(False):
         packed_us = do_bench(shipped) * 1e3
+    saved = dict(gdn_conv.CHUNK_LAUNCH)
+    gdn_conv.CHUNK_LAUNCH.update(min_tokens=0)  # the chunk tiles at any size
     with gdn_conv.chunk_tiles(True):
         chunk_us = do_bench(shipped) * 1e3
+    gdn_conv.CHUNK_LAUNCH.update(saved)
     print(f"causal_conv1d (conv + final window): packed tiles {packed_us:.1f} us, chunk tiles {chunk_us:.1f} us "
           f"({gdn_conv.CHUNK_LAUNCH})")
     fla = None

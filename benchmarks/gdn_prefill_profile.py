@@ -52,14 +52,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--length", type=int, default=4096)
-    p.add_argument("--chunk-tiles", action="store_true", help="the conv tiled by the plan's chunks (chunk_tiles)")
+    p.add_argument("--chunk-tiles", choices=("default", "on", "off"), default="default",
+                   help="the conv tiled by the plan's chunks (`kernels.gdn_conv.chunk_tiles`; on: at any size)")
     p.add_argument("--chunk-launch", type=int, nargs=2, metavar=("BLOCK_C", "WARPS"), default=None,
                    help="the chunk tiles' channels a program and warps (default: kernels.gdn_conv.CHUNK_LAUNCH)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.chunk_launch:
         gdn_conv.CHUNK_LAUNCH.update(block_c=a.chunk_launch[0], num_warps=a.chunk_launch[1])
-    with gdn_conv.chunk_tiles(a.chunk_tiles):
+    if a.chunk_tiles == "on":
+        gdn_conv.CHUNK_LAUNCH.update(min_tokens=0)
+    a.chunk_tiles_on = gdn_conv._CHUNK_TILES[-1] if a.chunk_tiles == "default" else a.chunk_tiles == "on"
+    with gdn_conv.chunk_tiles(a.chunk_tiles_on):
         run(a)
 
 
@@ -135,10 +139,11 @@ def run(a) -> None:
     if a.out:
         with open(a.out, "w") as f:
             cmd = (f"python benchmarks/gdn_prefill_profile.py --requests {a.requests} --length {a.length}"
-                   + (" --chunk-tiles" if a.chunk_tiles else "")
+                   + f" --chunk-tiles {a.chunk_tiles}"
                    + (" --chunk-launch {} {}".format(*a.chunk_launch) if a.chunk_launch else ""))
             json.dump({"command": cmd + f" --out {a.out}", "environment": environment(), "tokens": T,
-                       "chunk_tiles": a.chunk_tiles, "chunk_launch": dict(gdn_conv.CHUNK_LAUNCH),
+                       "chunk_tiles": a.chunk_tiles, "chunk_tiles_on": a.chunk_tiles_on,
+                       "chunk_launch": dict(gdn_conv.CHUNK_LAUNCH),
                        "records": records}, f, indent=1)
 
 

@@ -155,7 +155,7 @@ case "${1:-}" in
     part 150 python benchmarks/conv_sweep.py --split --out "$out/conv_sweep_chunks_0.8b.json"
     part 150 python benchmarks/conv_sweep.py --requests 16 --tokens 4096 --channels 8192 --split \
         --out "$out/conv_sweep_chunks_16x4096.json"
-    part 200 python benchmarks/gdn_prefill_profile.py --chunk-tiles --out "$out/gdn_prefill_profile_chunks.json"
+    part 200 python benchmarks/gdn_prefill_profile.py --chunk-tiles on --out "$out/gdn_prefill_profile_chunks.json"
     ;;
   conv-even)  # the GDN conv's chunk tiles with their first chunks apart, even channels: tests, sweeps, the layer
     part 150 python benchmarks/gpu_pytest_record.py "$out/conv_even_gpu.json" -- tests/kernels/test_gated_delta.py \
@@ -163,7 +163,7 @@ case "${1:-}" in
     part 150 python benchmarks/conv_sweep.py --split --out "$out/conv_sweep_even_0.8b.json"
     part 150 python benchmarks/conv_sweep.py --requests 16 --tokens 4096 --channels 8192 --split \
         --out "$out/conv_sweep_even_16x4096.json"
-    part 200 python benchmarks/gdn_prefill_profile.py --chunk-tiles --chunk-launch 128 16 \
+    part 200 python benchmarks/gdn_prefill_profile.py --chunk-tiles on --chunk-launch 128 16 \
         --out "$out/gdn_prefill_profile_even.json"
     ;;
   conv-default)  # the chunk tiles on by default: one GDN layer against fla-core, then the 8192-token prefill A/B
@@ -174,7 +174,8 @@ case "${1:-}" in
     ;;
   conv-default-parity)  # the GDN / KDA prefill parity with the chunk tiles on by default
     part 400 env FNATTN_GPU_RESULTS="$out/chunk_tiles_cases.json" python benchmarks/gpu_pytest_record.py \
-        "$out/chunk_tiles_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py -k "qkv_apart or prefill or fla_direct"
+        "$out/chunk_tiles_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py \
+        -k "qkv_apart or prefill or fla_direct or chunk_tiles"
     ;;
   gemv-stages)  # the whole decode step with the GEMVs at 3 pipeline stages and / or 2 early K tiles
     part 300 python benchmarks/model_ab.py --toggle stages3 early2 stages3+early2 --batch 1 8 --steps 64 \

@@ -18,10 +18,13 @@ from .gdn_naive import causal_conv1d_seq
 
 _INTERIOR = [True]  # timed on the H200 (`interior_tiles`)
 _CHUNK_TILES = [True]  # timed on the H200 (`chunk_tiles`)
-# The chunk tiles' launch: channels a program, warps, and whether neighbouring programs take the same tokens'
-# next channels (True) or the next tokens' same channels. The sweep's best at 16 x 4096 tokens x 8192 channels
-# (837 us, 2.57 TB/s; 128 channels and 4 warps 1587 us): benchmarks/results/conv_sweep_even_16x4096.json.
-CHUNK_LAUNCH = {"block_c": 64, "num_warps": 4, "channels_first": True}
+# The chunk tiles' launch: channels a program, warps, whether neighbouring programs take the same tokens' next
+# channels (True) or the next tokens' same channels, and the fewest tokens they tile (below it the packed tiles
+# serve). The sweep's best at 16 x 4096 tokens x 8192 channels (837 us, 2.57 TB/s; 128 channels and 4 warps 1587
+# us): benchmarks/results/conv_sweep_even_16x4096.json. At 8192 tokens the two tilings took the same device time
+# (144 us, `conv_sweep_even_0.8b.json`) and the packed tiles launch once, not twice: an 8192-token prefill of
+# the 0.8B took 0.968x as long with the packed tiles, paired by round (`bench_chunk_tiles_ab.json` at ada8623).
+CHUNK_LAUNCH = {"block_c": 64, "num_warps": 4, "channels_first": True, "min_tokens": 16384}
 
 
 def interior_tiles(enabled: bool):
@@ -40,11 +43,13 @@ def chunk_tiles(enabled: bool):
     request's first reading x alone (`_conv_chunks_kernel`). Without it the tiles are ``BT`` tokens of the
     packed batch, each token's request found by a binary search over ``cu_seqlens``. The same products in the
     same order, so the same bits. The requests' first chunks, which read their saved windows, are a second
-    launch (one program per request and channel tile).
+    launch (one program per request and channel tile). They tile calls of at least ``CHUNK_LAUNCH["min_tokens"]``
+    tokens (16384).
     On by default: q / k / v apart over 16 requests of 4096 tokens x 8192 channels on the H200 they took 837 us
     (2.57 TB/s; fla-core's conv, one output, 803 us) against the packed tiles' 1507 us; at the Qwen3.5-0.8B
     layer's 8192 tokens x 6144 channels 144 us, as the packed tiles (`benchmarks/conv_sweep.py --split`,
-    benchmarks/results/conv_sweep_even_*.json at 5b93fab)."""
+    benchmarks/results/conv_sweep_even_*.json at 5b93fab), so below 16384 tokens the packed tiles' one launch
+    serves."""
     return switched(_CHUNK_TILES, "chunk_tiles", enabled)
 
 
@@ -306,8 +311,9 @@ def causal_conv1d(
     [c1, c2) and [c2, C): ``((y0 [T, c1], y1 [T, c2 - c1], y2 [T, C - c2]), windows)``, the same values as
     y's column slices (GDN's q, k and v, which fla-core's chunk takes contiguous, with no copy).
     ``chunks``: the requests' chunks of ``chunk_size`` tokens, `chunk_indices`' ``(request, chunk of request)``
-    pair of int32 tensors for these ``cu_seqlens`` (a prefill's plan has them); under `chunk_tiles` the tokens
-    are tiled by them (not with ``per_position_states``), the same output.
+    pair of int32 tensors for these ``cu_seqlens`` (a prefill's plan has them); under `chunk_tiles`, from
+    ``CHUNK_LAUNCH["min_tokens"]`` tokens, the tokens are tiled by them (not with ``per_position_states``), the
+    same output.
     """
     require_triton()
     T, C, W, B = _check_conv_args(x, weight, bias, conv_state_pool, slots, cu_seqlens, activation)
@@ -326,7 +332,8 @@ def causal_conv1d(
     if x.stride(1) != 1:
         x = x.contiguous()
     BC = min(pow2(C), 128)
-    if T > 0 and chunks is not None and _CHUNK_TILES[-1] and not per_position_states:
+    if T >= max(1, CHUNK_LAUNCH["min_tokens"]) and chunks is not None and _CHUNK_TILES[-1] \
+            and not per_position_states:
         seq, idx = chunks
         bc = min(pow2(C), CHUNK_LAUNCH["block_c"])
         c1, c2 = split if split else (0, 0)

@@ -177,6 +177,19 @@ def test_qkv_apart_gives_the_one_output_paths_bits(name, prefix, record):
     _same_bits_either_way(backend.qkv_apart, f"qkv_apart {name} prefix={prefix}", name, prefix, 4, record)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core not installed")
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("prefix", [False, True])
+def test_chunk_tiles_give_the_packed_tiles_bits(name, prefix, record, monkeypatch):
+    """`kernels.gdn_conv.chunk_tiles`: the prefill's conv tiled by the plan's chunks (the first chunks, which read
+    the saved windows, in a launch of their own) against the packed tiles, at any size: the same bits of the
+    output, the states and the windows through the fla provider."""
+    from fnattn.kernels import gdn_conv
+
+    monkeypatch.setitem(gdn_conv.CHUNK_LAUNCH, "min_tokens", 0)
+    _same_bits_either_way(gdn_conv.chunk_tiles, f"chunk_tiles {name} prefix={prefix}", name, prefix, 5, record)
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("cached", [[1, 17, 300, 64], [7] * 33])
 def test_decode(name, cached, record):
