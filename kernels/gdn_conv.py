@@ -296,6 +296,18 @@ def _check_chunks(chunks, chunk_size, W, T, device):
                          f"({T} tokens in chunks of {chunk_size}), got {seq.numel()} and {idx.numel()}")
 
 
+def _check_chunk_launch(launch: dict) -> None:
+    """`CHUNK_LAUNCH` as the sweeps may have set it: each field a valid launch value (the error names it)."""
+    for key, ok, expected in (
+            ("block_c", lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0, "a power of two >= 16"),
+            ("num_warps", lambda v: v in (1, 2, 4, 8, 16, 32), "one of 1, 2, 4, 8, 16, 32"),
+            ("channels_first", lambda v: isinstance(v, bool), "True or False"),
+            ("min_tokens", lambda v: isinstance(v, int) and v >= 0, "an int >= 0")):
+        value = launch.get(key)
+        if isinstance(value, bool) and key != "channels_first" or not ok(value):
+            raise ValueError(f"CHUNK_LAUNCH[{key!r}]: expected {expected}, got {value!r}")
+
+
 def causal_conv1d(
     x, weight, bias, conv_state_pool, slots, cu_seqlens, *,
     activation="silu", per_position_states=False, out_states=None, split=None, chunks=None, chunk_size=64,
@@ -332,6 +344,8 @@ def causal_conv1d(
     if x.stride(1) != 1:
         x = x.contiguous()
     BC = min(pow2(C), 128)
+    if chunks is not None and _CHUNK_TILES[-1] and not per_position_states:
+        _check_chunk_launch(CHUNK_LAUNCH)
     if T >= max(1, CHUNK_LAUNCH["min_tokens"]) and chunks is not None and _CHUNK_TILES[-1] \
             and not per_position_states:
         seq, idx = chunks

@@ -5,6 +5,7 @@ Without CUDA the Triton kernels run under TRITON_INTERPRET=1, so shapes are tiny
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -465,6 +466,26 @@ def test_conv_chunk_tiles_give_the_packed_tiles_bits(chunk_size, split, with_bia
     y = torch.cat(got[0], 1) if split else got[0]  # the parts side by side: channel order
     if dtype == torch.float32:
         close(y, y_ref, dtype)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("block_c", 48, "a power of two >= 16"), ("block_c", 8, "a power of two >= 16"),
+    ("num_warps", 3, "one of 1, 2, 4, 8, 16, 32"), ("channels_first", 1, "True or False"),
+    ("min_tokens", -1, "an int >= 0"), ("min_tokens", True, "an int >= 0"),
+])
+def test_conv_refuses_a_bad_chunk_launch(key, value, expected, monkeypatch):
+    """`CHUNK_LAUNCH` is what the sweeps set: a field no kernel launch can take is refused by name, and nothing
+    is written."""
+    from fnattn.kernels import gdn_conv
+
+    x, w, bias, pool, _, _ = conv_inputs(torch.float32)
+    x = x[:20]
+    before = pool.clone()
+    monkeypatch.setitem(gdn_conv.CHUNK_LAUNCH, key, value)
+    with pytest.raises(ValueError, match=re.escape(f"CHUNK_LAUNCH[{key!r}]: expected {expected}, got {value!r}")):
+        causal_conv1d(x, w, bias, pool, slots_of([0]), cu_of([20]), chunks=chunk_indices(cu_of([20]), 16),
+                      chunk_size=16)
+    assert torch.allclose(pool, before, rtol=0, atol=0, equal_nan=True)  # rows no request reads hold NaN
 
 
 @pytest.mark.parametrize("bad, match", [
