@@ -61,6 +61,10 @@ Switches:
   (`fnattn.kernels.paged_attention.merge_in_launch`), or by a merge kernel after it (the default).
 - ``early2``, ``early4``: each GEMV's first load 2 or 4 K tiles wide (`SkinnyConfig.early`), in registers
   before it waits under PDL, or one tile (the default).
+- ``stages3``: every GEMV pipelines 3 K tiles (`SkinnyConfig.num_stages`), or the table's stages (the
+  default: 4 up to 32 rows).
+- ``chunk_tiles`` (prefill): the GDN conv tiled by the plan's chunks from 16384 tokens
+  (`fnattn.kernels.gdn_conv.chunk_tiles`, the default), or the packed tiles at every size.
 """
 
 import argparse
@@ -82,7 +86,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "interior_tiles": (gdn_conv.interior_tiles, lambda: gdn_conv._INTERIOR[-1],
                        {True: "GDN conv tiles inside a request read x alone", False: "every conv tile general"}),
     "chunk_tiles": (gdn_conv.chunk_tiles, lambda: gdn_conv._CHUNK_TILES[-1],
-                    {True: "GDN prefill conv tiled by the plan's chunks", False: "packed tiles, a binary search"}),
+                    {True: "GDN prefill conv tiled by the plan's chunks (from 16384 tokens)",
+                     False: "packed tiles, a binary search"}),
     "merge_in_launch": (paged_attention.merge_in_launch, lambda: paged_attention._MERGE_IN_LAUNCH[-1],
                         {True: "attention's splits merged in its launch", False: "a merge kernel after it"}),
     "early2": (lambda on: skinny.configured(early=2 if on else 1), lambda: False,
