@@ -17,6 +17,7 @@
 #   kimi-profile: Kimi Linear's eager step; gdn-prefill-profile: the GDN prefill's pieces against fla-core;
 #   gemv-chain: the decode GEMVs alone, each launch option; conv-chunks: the GDN conv tiled by chunks;
 #   conv-even: the chunk tiles with first chunks apart (conv-default, conv-default-parity: on by default);
+#   conv-apart: the packed conv tiles as two launches;
 #   gemv-stages: the step's GEMVs at 3 pipeline stages / 2 early K tiles
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
@@ -176,6 +177,13 @@ case "${1:-}" in
     part 400 env FNATTN_GPU_RESULTS="$out/chunk_tiles_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/chunk_tiles_gpu.json" -- tests/gpu/test_recurrent_backends_gpu.py \
         -k "qkv_apart or prefill or fla_direct or chunk_tiles"
+    ;;
+  conv-apart)  # the packed conv tiles as two launches (interior_apart): kernel tests, the sweep, the 8192 prefill
+    part 150 python benchmarks/gpu_pytest_record.py "$out/conv_apart_gpu.json" -- tests/kernels/test_gated_delta.py \
+        -k "conv"
+    part 150 python benchmarks/conv_sweep.py --split --out "$out/conv_sweep_apart_0.8b.json"
+    part 240 python benchmarks/model_ab.py --toggle interior_apart --prefill 8192 --batch 1 --steps 16 \
+        --out "$out/bench_interior_apart_ab.json"
     ;;
   gemv-stages)  # the whole decode step with the GEMVs at 3 pipeline stages and / or 2 early K tiles
     part 300 python benchmarks/model_ab.py --toggle stages3 early2 stages3+early2 --batch 1 8 --steps 64 \

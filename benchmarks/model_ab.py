@@ -63,6 +63,8 @@ Switches:
   before it waits under PDL, or one tile (the default).
 - ``stages3``: every GEMV pipelines 3 K tiles (`SkinnyConfig.num_stages`), or the table's stages (the
   default: 4 up to 32 rows).
+- ``interior_apart`` (prefill): the GDN conv's packed tiles as two launches, the interior ones compiled without
+  the general path (`fnattn.kernels.gdn_conv.interior_apart`), or one launch (the default).
 - ``chunk_tiles`` (prefill): the GDN conv tiled by the plan's chunks from 16384 tokens
   (`fnattn.kernels.gdn_conv.chunk_tiles`, the default), or the packed tiles at every size.
 """
@@ -88,6 +90,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "chunk_tiles": (gdn_conv.chunk_tiles, lambda: gdn_conv._CHUNK_TILES[-1],
                     {True: "GDN prefill conv tiled by the plan's chunks (from 16384 tokens)",
                      False: "packed tiles, a binary search"}),
+    "interior_apart": (gdn_conv.interior_apart, lambda: gdn_conv._INTERIOR_APART[-1],
+                       {True: "GDN conv's interior tiles a launch of their own", False: "packed tiles in one launch"}),
     "merge_in_launch": (paged_attention.merge_in_launch, lambda: paged_attention._MERGE_IN_LAUNCH[-1],
                         {True: "attention's splits merged in its launch", False: "a merge kernel after it"}),
     "early2": (lambda on: skinny.configured(early=2 if on else 1), lambda: False,

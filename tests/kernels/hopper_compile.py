@@ -98,10 +98,12 @@ def conv_cases():
 
     ptr = {p: "*bf16" for p in ("x_ptr", "w_ptr", "bias_ptr", "pool_ptr", "y_ptr", "out_ptr")}
     ptr.update(slots_ptr="*i64", cu_ptr="*i32")
-    base = dict(W=4, BT=32, BC=128, HAS_BIAS=False, SILU=True, PER_POS=False, INTERIOR=False, SPLIT=False)
+    base = dict(W=4, BT=32, BC=128, HAS_BIAS=False, SILU=True, PER_POS=False, INTERIOR=False, SPLIT=False, ONLY=0)
     for name, change in {"gdn conv": {}, "gdn conv, interior tiles": dict(INTERIOR=True),
                          "gdn conv, per-position windows": dict(PER_POS=True),
-                         "gdn conv, q / k / v apart": dict(INTERIOR=True, SPLIT=True)}.items():
+                         "gdn conv, q / k / v apart": dict(INTERIOR=True, SPLIT=True),
+                         "gdn conv, interior tiles alone": dict(INTERIOR=True, SPLIT=True, ONLY=1),
+                         "gdn conv, the other tiles alone": dict(INTERIOR=True, SPLIT=True, ONLY=2)}.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(_conv_kernel, c, ptr)
     chunk_ptr = {**ptr, "seq_ptr": "*i32", "idx_ptr": "*i32"}
     base = dict(W=4, BT=64, BC=128, HAS_BIAS=True, SILU=True, SPLIT=False, EVEN_C=False)
