@@ -102,47 +102,33 @@ def _conv_kernel(
         inside = (tl.min(lo, axis=0) == tl.max(lo, axis=0)) & (t0 + BT <= T) & (t0 - (W - 1) >= tl.max(bos, axis=0))
     if ONLY == 1:
         if inside:
-            acc = _conv_interior_taps(x_ptr, w_ptr, rt, rc, mc, acc, sx_t, sw_c, sw_w, W)
-            _conv_packed_out(acc, bias_ptr, y_ptr, rt, rc, mt, mc, T, C, sy_t, c1, c2, HAS_BIAS, SILU, SPLIT)
+            acc = _conv_interior_taps(x_ptr, w_ptr, rt, rc, mc[None, :], mc, acc, sx_t, sw_c, sw_w, W)
+            _conv_store(acc, bias_ptr, y_ptr, rt, rc, 0, mt, mc, 0, T, C, sy_t, c1, c2, BC,
+                        HAS_BIAS, SILU, SPLIT)
     elif ONLY == 2:
         if inside == 0:
             acc = _conv_taps(x_ptr, w_ptr, pool_ptr, out_ptr, rt, rc, mt, mc, bos, slot, acc, sx_t, sw_c, sw_w,
                              sp_n, sp_c, sp_w, so_t, so_c, so_w, W, PER_POS)
-            _conv_packed_out(acc, bias_ptr, y_ptr, rt, rc, mt, mc, T, C, sy_t, c1, c2, HAS_BIAS, SILU, SPLIT)
+            _conv_store(acc, bias_ptr, y_ptr, rt, rc, 0, mt, mc, 0, T, C, sy_t, c1, c2, BC,
+                        HAS_BIAS, SILU, SPLIT)
     else:
         if inside:
-            acc = _conv_interior_taps(x_ptr, w_ptr, rt, rc, mc, acc, sx_t, sw_c, sw_w, W)
+            acc = _conv_interior_taps(x_ptr, w_ptr, rt, rc, mc[None, :], mc, acc, sx_t, sw_c, sw_w, W)
         else:
             acc = _conv_taps(x_ptr, w_ptr, pool_ptr, out_ptr, rt, rc, mt, mc, bos, slot, acc, sx_t, sw_c, sw_w,
                              sp_n, sp_c, sp_w, so_t, so_c, so_w, W, PER_POS)
-        _conv_packed_out(acc, bias_ptr, y_ptr, rt, rc, mt, mc, T, C, sy_t, c1, c2, HAS_BIAS, SILU, SPLIT)
+        _conv_store(acc, bias_ptr, y_ptr, rt, rc, 0, mt, mc, 0, T, C, sy_t, c1, c2, BC,
+                    HAS_BIAS, SILU, SPLIT)
 
 
 @triton.jit
-def _conv_interior_taps(x_ptr, w_ptr, rt, rc, mc, acc, sx_t, sw_c, sw_w, W: tl.constexpr):
-    """``acc`` plus every tap's products for a tile whose inputs all lie in x."""
+def _conv_interior_taps(x_ptr, w_ptr, rt, rc, mask, mc, acc, sx_t, sw_c, sw_w, W: tl.constexpr):
+    """``acc`` plus every tap's products for a tile whose inputs all lie in x (``mask``: the x loads')."""
     for w in tl.static_range(W):
-        xv = tl.load(x_ptr + (rt - (W - 1) + w)[:, None] * sx_t + rc[None, :], mask=mc[None, :], other=0.0)
+        xv = tl.load(x_ptr + (rt - (W - 1) + w)[:, None] * sx_t + rc[None, :], mask=mask, other=0.0)
         wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
         acc += xv.to(tl.float32) * wt[None, :]
     return acc
-
-
-@triton.jit
-def _conv_packed_out(acc, bias_ptr, y_ptr, rt, rc, mt, mc, T, C, sy_t, c1, c2, HAS_BIAS: tl.constexpr,
-                     SILU: tl.constexpr, SPLIT: tl.constexpr):
-    """Bias, activation and the store of a packed tile."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    if SPLIT:  # y is three row-major blocks: channels [0, c1) as [T, c1], then [c1, c2) and [c2, C)
-        r, c, n = rt[:, None], rc[None, :].to(tl.int64), (rt * 0 + T)[:, None]  # int64 (T may be a constexpr 1)
-        off = tl.where(c < c1, r * c1 + c,
-                       tl.where(c < c2, n * c1 + r * (c2 - c1) + (c - c1), n * c2 + r * (C - c2) + (c - c2)))
-    else:
-        off = rt[:, None] * sy_t + rc[None, :]
-    tl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -191,13 +177,10 @@ def _conv_chunks_kernel(
         rc = pid_c * BC + tl.arange(0, BC)  # [BC]
         mc = _channel_mask(rc, C, BC, EVEN_C)
         m = (rt < eos)[:, None] & mc[None, :]
-        acc = tl.zeros([BT, BC], dtype=tl.float32)
-        for w in tl.static_range(W):
-            xv = tl.load(x_ptr + (rt - (W - 1) + w)[:, None] * sx_t + rc[None, :], mask=m, other=0.0)
-            wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
-            acc += xv.to(tl.float32) * wt[None, :]
-        _conv_chunk_out(acc, bias_ptr, y_ptr, rt, rc, pid_c, m, mc, bos, T, C, sy_t, c1, c2,
-                        BC, HAS_BIAS, SILU, SPLIT, EVEN_C)
+        acc = _conv_interior_taps(x_ptr, w_ptr, rt, rc, m, mc, tl.zeros([BT, BC], dtype=tl.float32), sx_t, sw_c,
+                                  sw_w, W)
+        _conv_store(acc, bias_ptr, y_ptr, rt, rc, pid_c, rt < eos, mc, bos, T, C, sy_t, c1, c2,
+                    BC, HAS_BIAS, SILU, SPLIT, EVEN_C)
 
 
 @triton.jit
@@ -228,8 +211,8 @@ def _conv_first_chunks_kernel(
         val = tl.where(from_x, xv.to(tl.float32), sv.to(tl.float32))  # [BT, BC]
         wt = tl.load(w_ptr + rc * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
         acc += val * wt[None, :]
-    _conv_chunk_out(acc, bias_ptr, y_ptr, rt, rc, pid_c, mt[:, None] & mc[None, :], mc, bos, T, C, sy_t, c1, c2,
-                    BC, HAS_BIAS, SILU, SPLIT, EVEN_C)
+    _conv_store(acc, bias_ptr, y_ptr, rt, rc, pid_c, mt, mc, bos, T, C, sy_t, c1, c2,
+                BC, HAS_BIAS, SILU, SPLIT, EVEN_C)
 
 
 @triton.jit
@@ -241,10 +224,11 @@ def _channel_mask(rc, C, BC: tl.constexpr, EVEN_C: tl.constexpr):
 
 
 @triton.jit
-def _conv_chunk_out(acc, bias_ptr, y_ptr, rt, rc, pid_c, m, mc, bos, T, C, sy_t, c1, c2, BC: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr, EVEN_C: tl.constexpr):
-    """Bias, activation and the store of a chunk tile. EVEN_C (``BC`` divides C and, with SPLIT, c1 and c2):
-    the tile lies in one of y's three blocks, whose base, row length and first column are then scalars."""
+def _conv_store(acc, bias_ptr, y_ptr, rt, rc, pid_c, mt, mc, bos, T, C, sy_t, c1, c2, BC: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr, EVEN_C: tl.constexpr = False):
+    """Bias, activation and the store of a tile (its rows ``mt`` by its channels ``mc``). EVEN_C (chunk tiles
+    whose ``BC`` divides C and, with SPLIT, c1 and c2; ``pid_c`` and ``bos`` are read only then): the tile lies
+    in one of y's three blocks, whose base, row length and first column are then scalars."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rc, mask=mc, other=0.0).to(tl.float32)[None, :]
     if SILU:
@@ -265,7 +249,7 @@ def _conv_chunk_out(acc, bias_ptr, y_ptr, rt, rc, pid_c, m, mc, bos, T, C, sy_t,
                        tl.where(c < c2, n * c1 + r * (c2 - c1) + (c - c1), n * c2 + r * (C - c2) + (c - c2)))
     else:
         off = rt[:, None] * sy_t + rc[None, :]
-    tl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
 @triton.jit
@@ -336,13 +320,16 @@ def _check_chunks(chunks, chunk_size, W, T, device):
 
 def _check_chunk_launch(launch: dict) -> None:
     """`CHUNK_LAUNCH` as the sweeps may have set it: each field a valid launch value (the error names it)."""
+    def whole(v):  # an int, not a bool (True == 1)
+        return isinstance(v, int) and not isinstance(v, bool)
+
     for key, ok, expected in (
-            ("block_c", lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0, "a power of two >= 16"),
-            ("num_warps", lambda v: v in (1, 2, 4, 8, 16, 32), "one of 1, 2, 4, 8, 16, 32"),
+            ("block_c", lambda v: whole(v) and v >= 16 and v & (v - 1) == 0, "a power of two >= 16"),
+            ("num_warps", lambda v: whole(v) and v in (1, 2, 4, 8, 16, 32), "one of 1, 2, 4, 8, 16, 32"),
             ("channels_first", lambda v: isinstance(v, bool), "True or False"),
-            ("min_tokens", lambda v: isinstance(v, int) and v >= 0, "an int >= 0")):
+            ("min_tokens", lambda v: whole(v) and v >= 0, "an int >= 0")):
         value = launch.get(key)
-        if isinstance(value, bool) and key != "channels_first" or not ok(value):
+        if not ok(value):
             raise ValueError(f"CHUNK_LAUNCH[{key!r}]: expected {expected}, got {value!r}")
 
 
@@ -382,10 +369,10 @@ def causal_conv1d(
     if x.stride(1) != 1:
         x = x.contiguous()
     BC = min(pow2(C), 128)
-    if chunks is not None and _CHUNK_TILES[-1] and not per_position_states:
+    by_chunks = chunks is not None and _CHUNK_TILES[-1] and not per_position_states
+    if by_chunks:
         _check_chunk_launch(CHUNK_LAUNCH)
-    if T >= max(1, CHUNK_LAUNCH["min_tokens"]) and chunks is not None and _CHUNK_TILES[-1] \
-            and not per_position_states:
+    if by_chunks and T >= max(1, CHUNK_LAUNCH["min_tokens"]):
         seq, idx = chunks
         bc = min(pow2(C), CHUNK_LAUNCH["block_c"])
         c1, c2 = split if split else (0, 0)
