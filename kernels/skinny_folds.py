@@ -9,6 +9,11 @@ than `_counters.COUNTERS`, an empty K), the product and the op run apart, with t
   what its activation needs and no tile waits for another.
 - `skinny_linear_gating`: GDN's input projection, and g and beta from its b and a columns, written by
   the tile that holds them.
+- `skinny_linear_add_`: an output projection added into the residual stream in place, with the unfused ops'
+  roundings, and each column tile's sums of squares of the new rows: the statistics of the next RMSNorm,
+  which the GEMV after it applies as it loads the rows (`skinny_linear`'s ``norm=`` with ``squares=``, also
+  taken by `skinny_linear_swiglu` and `skinny_linear_gating`). The add + norm launch between the two is gone,
+  and nothing waits on an arrival counter for it.
 - `skinny_linear_add_norm`: an output projection plus the residual, and the RMSNorm of the sum: the last
   column tile to finish (an arrival counter) reads the whole rows back from L2 and normalizes them. In a
   whole Qwen3.5-0.8B graph step on the H200 it saves nothing at one row and loses at eight (1283 against
@@ -22,26 +27,59 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ._checks import check_like
+from ._checks import check_like, shares_storage
 from .gdn_gate import gdn_gating
 from .norm_act import silu_and_mul_ref
-from .skinny_linear import SkinnyConfig, _check, _check_act_norm, _check_operand, _launch, rms_norm_ref, skinny_linear
+from .skinny_linear import (
+    SkinnyConfig,
+    _check,
+    _check_act_norm,
+    _check_operand,
+    _launch,
+    column_tiles,
+    rms_norm_ref,
+    skinny_linear,
+)
 
 
-def skinny_linear_swiglu(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"], *, config: SkinnyConfig | None = None
+def skinny_linear_swiglu(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"], *, norm=None,
+                         squares: Float[Tensor, "M P"] | None = None, config: SkinnyConfig | None = None
                          ) -> Float[Tensor, "M I"]:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``w = [gate; up]`` (``[2I, K]``, contiguous): ``-> [M, I]`` in
     ``x.dtype``, rounded as `silu_and_mul` of `skinny_linear`'s product. One launch: each column tile
     computes ``block_n / 2`` gate and up products of the same columns and writes their activation.
+    ``norm``, ``squares``: x normalized on load, as `skinny_linear`'s.
     ``config``: for the ``[M, K] @ [2I, K]^T`` product (`pick_config`'s by default)."""
-    _check(x, w, None, None, config)
+    norm = _check(x, w, None, None, config, None, norm, None, squares)
     M, N = x.shape[0], w.shape[0]
     if N % 2:
         raise ValueError(f"w: expected an even number of rows (gate rows, then as many up rows), got {N}")
     y = torch.empty((M, N // 2), dtype=x.dtype, device=x.device)
-    if not _launch(x, w, y, None, None, None, config, swiglu=True) and M and N:
-        y.copy_(silu_and_mul_ref(skinny_linear(x, w, config=config)))  # the activation apart
+    if not _launch(x, w, y, None, None, norm, config, swiglu=True, squares=squares) and M and N:
+        product = skinny_linear(x, w, norm=norm, squares=squares, config=config)
+        y.copy_(silu_and_mul_ref(product))  # the activation apart
     return y
+
+
+def skinny_linear_add_(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], residual: Float[Tensor, "M N"], *,
+                       config: SkinnyConfig | None = None) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M P"]]:
+    """``residual += x @ w.T`` in place, rounded as the unfused ops (the product rounded to ``x.dtype``,
+    then the sum), and the sums of squares of the new rows in pieces: ``-> (residual, squares [M, P])``,
+    ``squares`` fp32, one column per column tile of the launch (their row sums are the rows' sums of
+    squares, for `skinny_linear`'s ``norm=`` with ``squares=``). ``residual``: ``[M, N]`` in x's dtype
+    (rows may be strided), apart from ``x``. Where the launch cannot (a split-K projection with more column
+    tiles than the counters, an empty K), the product and the add run apart and ``P`` is 1."""
+    _check(x, w, None, None, config, residual)
+    if residual is None:
+        raise ValueError("residual: expected an [M, N] tensor (the residual stream the product joins), got None")
+    if shares_storage(residual, x):
+        raise ValueError("residual: expected a buffer apart from x's, got one sharing x's storage")
+    M, N, K = x.shape[0], w.shape[0], w.shape[1]
+    squares = torch.empty((M, column_tiles(M, N, K, x.dtype, config)), dtype=torch.float32, device=x.device)
+    if _launch(x, w, residual, None, residual, None, config, squares_out=squares):
+        return residual, squares
+    residual.copy_(residual + skinny_linear(x, w, config=config))  # apart: the same roundings
+    return residual, residual.float().pow(2).sum(-1, keepdim=True)
 
 
 def skinny_linear_swiglu_ref(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"]) -> Float[Tensor, "M I"]:
@@ -70,14 +108,15 @@ def skinny_linear_add_norm(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], res
 
 
 def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: int, neg_decay: Float[Tensor, " H"],
-                         dt_bias: Float[Tensor, " H"], *, config: SkinnyConfig | None = None
+                         dt_bias: Float[Tensor, " H"], *, norm=None, squares: Float[Tensor, "M P"] | None = None,
+                         config: SkinnyConfig | None = None
                          ) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M H"], Float[Tensor, "M H"]]:
     """``y = x @ w.T`` (as `skinny_linear`) and, from its columns ``[col, col + H)`` (GDN's b) and
     ``[col + H, col + 2H)`` (a), ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``
     (``x.dtype``) as `gdn_gating` computes them: ``-> (y [M, N], g [M, H], beta [M, H])``. One launch: the
     tile that holds those columns writes g and beta too (an input projection, then its gating);
-    ``neg_decay``, ``dt_bias``: fp32 ``[H]``."""
-    _check(x, w, None, None, config)
+    ``neg_decay``, ``dt_bias``: fp32 ``[H]``. ``norm``, ``squares``: x normalized on load, as `skinny_linear`'s."""
+    norm = _check(x, w, None, None, config, None, norm, None, squares)
     M, N = x.shape[0], w.shape[0]
     H = neg_decay.shape[0] if isinstance(neg_decay, torch.Tensor) and neg_decay.dim() == 1 else None
     if H is None or neg_decay.dtype != torch.float32 or neg_decay.device != x.device or neg_decay.stride(0) != 1:
@@ -92,6 +131,7 @@ def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: 
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     g = torch.empty((M, H), dtype=torch.float32, device=x.device)
     beta = torch.empty((M, H), dtype=x.dtype, device=x.device)
-    if not _launch(x, w, y, None, None, None, config, gating=(g, beta, neg_decay, dt_bias, col, H)) and M and H:
+    if not _launch(x, w, y, None, None, norm, config, gating=(g, beta, neg_decay, dt_bias, col, H),
+                   squares=squares) and M and H:
         g, beta = gdn_gating(y[:, col + H:col + 2 * H], y[:, col:col + H], neg_decay, dt_bias)  # the gating apart
     return y, g, beta

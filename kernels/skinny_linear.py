@@ -62,6 +62,7 @@ from ._triton import (
 )
 from .gdn_gate import gate_columns
 from .output_gate import check_gate, gate_ref, gate_tile
+from .skinny_epilogues import _add_residual, _norm_rows_when_last, _skinny_gemv_splitk_reduce, _store_tile
 
 MAX_M = 64
 ACTS = (None, "silu_mul")
@@ -177,13 +178,14 @@ def triton_cdiv(a: int, b: int) -> int:
 @triton.jit
 def _skinny_gemv_kernel(
     X, W, Y, P, C, R, NW, H, EW, M, N, K, k_per_split, n_split, n_tiles, sxm, sym, srm, shm, eps, offset,
-    e_eps, e_offset, GG, GB, GND, GDTB, g_col, g_heads, Z, szm, szh,
+    e_eps, e_offset, GG, GB, GND, GDTB, g_col, g_heads, Z, szm, szh, SQ_IN, s_parts, SQ_OUT,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
     NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr, SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EARLY: tl.constexpr, WIDEN: tl.constexpr, GATE: tl.constexpr, HEAD: tl.constexpr,
+    NORM_SQUARES: tl.constexpr, BLOCK_P: tl.constexpr, ADD_SQUARES: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
 
@@ -197,7 +199,11 @@ def _skinny_gemv_kernel(
     ``W`` is ``[gate; up]`` (``N = 2I`` rows); the tile's products alternate gate and up rows of the same
     pairs, and it writes ``silu(gate) * up`` into ``Y [M, I]`` (`_store_tile`). ``WIDEN``: ``Y`` is fp32 and each
     sum is rounded to ``W``'s dtype first (the bits of the product in that dtype, widened). ``GATE``: x's heads
-    of ``HEAD`` columns gated on load by ``Z`` (`output_gate.gate_tile`, its weight ``NW``, ``eps``)."""
+    of ``HEAD`` columns gated on load by ``Z`` (`output_gate.gate_tile`, its weight ``NW``, ``eps``).
+    ``NORM_SQUARES``: the norm's statistics are the row sums of ``SQ_IN [M, s_parts]`` (fp32 sums of squares
+    of x's column pieces), not a pass over x. ``ADD_SQUARES`` (with ``HAS_RESIDUAL``): the product is rounded,
+    then the residual added and the sum rounded (the unfused ops' bits), and the tile's sums of squares of
+    the rounded sum go to ``SQ_OUT[m, pid_n]`` (``[M, n_tiles]``) for the GEMV that normalizes it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -227,11 +233,18 @@ def _skinny_gemv_kernel(
         gdc_wait()
         gdc_launch_dependents()
     if NORM:  # the whole row's statistics, also in a split-K piece that reads only part of it below
-        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
-            xs = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
-            sq += tl.sum(xs * xs, axis=1)
+        if NORM_SQUARES:  # left by the GEMV that wrote x: one load, not a pass over the row before the first dot
+            p = tl.arange(0, BLOCK_P)  # [BP]
+            parts = tl.load(SQ_IN + m[:, None] * s_parts + p[None, :], mask=m_ok[:, None] & (p < s_parts)[None, :],
+                            other=0.0)  # [BM, BP]
+            sq = tl.sum(parts, axis=1)
+        else:
+            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+                xs = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
+                             other=0.0).to(tl.float32)
+                sq += tl.sum(xs * xs, axis=1)
         rstd = 1.0 / tl.sqrt_rn(sq / K + eps)  # [BM]; padded rows: x = 0, rstd finite
     else:
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
@@ -259,8 +272,8 @@ def _skinny_gemv_kernel(
                 for s in range(0, n_split):
                     total += tl.load(P + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
                 if HAS_RESIDUAL:
-                    total += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask,
-                                     other=0.0).to(tl.float32)
+                    total = _add_residual(total, R, SQ_OUT, m, n, m_ok, mask, pid_n, n_tiles, srm,
+                                          W.dtype.element_ty, ADD_SQUARES)
                 if WIDEN:
                     total = total.to(W.dtype.element_ty).to(tl.float32)
                 _store_tile(Y, y_at, total, m, m_ok, mask, pid_n, N, sym, SWIGLU, BLOCK_M, BLOCK_N)
@@ -274,7 +287,8 @@ def _skinny_gemv_kernel(
                                          NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
     else:
         if HAS_RESIDUAL:
-            acc += tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc = _add_residual(acc, R, SQ_OUT, m, n, m_ok, mask, pid_n, n_tiles, srm, W.dtype.element_ty,
+                                ADD_SQUARES)
         if WIDEN:
             acc = acc.to(W.dtype.element_ty).to(tl.float32)
         _store_tile(Y, y_at, acc, m, m_ok, mask, pid_n, N, sym, SWIGLU, BLOCK_M, BLOCK_N)
@@ -285,23 +299,6 @@ def _skinny_gemv_kernel(
         if NORM_AFTER:
             _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
                                  NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
-
-
-@triton.jit
-def _store_tile(Y, y_at, acc, m, m_ok, mask, pid_n, N, sym, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """The tile's fp32 sums rounded into ``Y``; with ``SWIGLU`` (gate and up products alternating) the
-    products are rounded as the GEMV stores them, then ``silu(gate)`` and the product are rounded as
-    `norm_act.silu_and_mul` rounds them, into ``BLOCK_N / 2`` columns of ``Y [M, N / 2]``."""
-    if SWIGLU:
-        y = acc.to(Y.dtype.element_ty).to(tl.float32)
-        g, u = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))  # [BM, BN / 2] each
-        s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-        c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # [BN / 2]
-        tl.store(Y + m.to(tl.int64)[:, None] * sym + c[None, :], (s * u).to(Y.dtype.element_ty),
-                 mask=m_ok[:, None] & (c < N // 2)[None, :])
-    else:
-        tl.store(y_at, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -346,57 +343,6 @@ def _accumulate(acc, xt, wt, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
         return acc + tl.dot(xt, tl.trans(wt))
 
 
-@triton.jit
-def _norm_rows_when_last(Y, H, EW, CG, n_tiles, M, N, sym, shm, eps, offset, OFFSET: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Count this tile at ``CG``; the last of ``n_tiles`` reads the whole rows of ``Y`` back (rounded, from
-    L2) and writes ``H = rms_norm(Y, EW, eps, offset)`` with `rms_norm_ref`'s roundings, then zeroes ``CG``."""
-    tl.debug_barrier()  # this tile's sums are stored before its arrival is counted (released)
-    arrived = tl.atomic_add(CG, 1, sem="acq_rel")
-    if arrived == n_tiles - 1:  # every tile's sums are visible (acquired)
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < M
-        y_rows = Y + m.to(tl.int64)[:, None] * sym
-        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_E):
-            e = n0 + tl.arange(0, BLOCK_E)
-            ok = m_ok[:, None] & (e < N)[None, :]
-            y = tl.load(y_rows + e[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            sq += tl.sum(y * y, axis=1)
-        rstd = 1.0 / tl.sqrt_rn(sq / N + eps)  # [BM]; padded rows: y = 0, rstd finite
-        h_rows = H + m.to(tl.int64)[:, None] * shm
-        for n0 in range(0, N, BLOCK_E):
-            e = n0 + tl.arange(0, BLOCK_E)
-            ok = m_ok[:, None] & (e < N)[None, :]
-            y = tl.load(y_rows + e[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            w = tl.load(EW + e, mask=e < N, other=0.0).to(tl.float32)[None, :]
-            h = y * rstd[:, None]
-            if OFFSET:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after
-                h = h * (offset + w)
-            else:
-                h = h.to(H.dtype.element_ty).to(tl.float32) * w
-            tl.store(h_rows + e[None, :], h.to(H.dtype.element_ty), mask=ok)
-        tl.atomic_xchg(CG, 0)  # zero again for the next launch
-
-
-@triton.jit
-def _skinny_gemv_splitk_reduce(P, Y, R, M, N, sym, srm, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                               BLOCK: tl.constexpr, WIDEN: tl.constexpr):
-    """``Y[m] = sum_s P[s, m] (+ R[m])`` in fp32, in split order, the residual last, rounded once (to ``R``'s
-    dtype, x's, then widened to fp32 under ``WIDEN``)."""
-    row = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(P + (s * M + row).to(tl.int64) * N + n, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        acc += tl.load(R + row.to(tl.int64) * srm + n, mask=ok, other=0.0).to(tl.float32)
-    if WIDEN:
-        acc = acc.to(R.dtype.element_ty).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * sym + n, acc.to(Y.dtype.element_ty), mask=ok)
-
-
 def _check_act_norm(act, norm):
     if act not in ACTS:
         raise ValueError(f"act: expected None or 'silu_mul', got {act!r}")
@@ -416,8 +362,10 @@ def _check_act_norm(act, norm):
     return weight, float(eps), float(offset)
 
 
-def _check(x, w, out, act, config, residual=None, norm=None, gate=None):
+def _check(x, w, out, act, config, residual=None, norm=None, gate=None, squares=None):
     norm = _check_act_norm(act, norm)
+    if squares is not None and norm is None:
+        raise ValueError("squares: expected norm= beside it (they are the norm's statistics), got no norm")
     if gate is not None and (act is not None or norm is not None):
         raise ValueError(f"gate: expected no act or norm beside it (each changes how x loads), got "
                          f"act={act!r}, norm={'given' if norm is not None else None}")
@@ -447,6 +395,8 @@ def _check(x, w, out, act, config, residual=None, norm=None, gate=None):
     _check_operand("residual", residual, (M, N), x, row_strided=True)
     if norm is not None:
         _check_operand("norm weight", norm[0], (K,), x, row_strided=False)
+    if squares is not None:
+        check_squares("squares", squares, M, x)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != (M, N) or out.dtype not in (x.dtype, torch.float32):
             got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -463,6 +413,21 @@ def _check(x, w, out, act, config, residual=None, norm=None, gate=None):
     return norm
 
 
+def check_squares(name, t, M, x):
+    """Sums of squares of x's rows in pieces: fp32 ``[M, P]`` (P >= 1, unit stride along P) on x's device."""
+    ok = isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == M and t.shape[1] >= 1
+    if not ok or t.dtype != torch.float32 or t.device != x.device or (t.shape[1] > 1 and t.stride(1) != 1):
+        got = (tuple(t.shape), t.dtype, str(t.device), t.stride()) if isinstance(t, torch.Tensor) \
+            else type(t).__name__
+        raise ValueError(f"{name}: expected a float32 [{M}, P] tensor (P >= 1, unit stride along P) on {x.device}, "
+                         f"got {got}")
+
+
+def column_tiles(M: int, N: int, K: int, dtype: torch.dtype, config: SkinnyConfig | None = None) -> int:
+    """How many column tiles the launch for ``[M, K] @ [N, K]^T`` has (`pick_config`'s or ``config``'s)."""
+    return triton_cdiv(N, (config or pick_config(M, N, K, dtype)).block_n)
+
+
 def _check_operand(name, t, shape, x, *, row_strided):
     """``residual`` ([M, N], rows may be strided) or the norm's ``weight`` ([K], contiguous): x's dtype, device."""
     if t is None:
@@ -473,7 +438,7 @@ def _check_operand(name, t, shape, x, *, row_strided):
         raise ValueError(f"{name}: expected {what}, got strides {t.stride()}")
 
 
-def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, gate=None, config=None):
+def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, gate=None, squares=None, config=None):
     """``x [M, K] @ w[N, K]^T -> y [M, N]`` in ``x.dtype`` with fp32 accumulation, M <= 64.
 
     ``act="silu_mul"``: ``x`` is ``[M, 2K]`` (gate | up) and the product is of
@@ -488,26 +453,34 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, gate=No
     ``gate``: the product is of a token mixer's output gated on load (`output_gate.check_gate`:
     ``("silu_norm", z, weight, eps)``, GDN's per-head norm, or ``("sigmoid", z)``, gated attention's), one
     launch fewer than `output_gate`'s kernel before the projection.
+    ``squares`` (with ``norm``): the norm's statistics precomputed, fp32 ``[M, P]`` whose row sums are the
+    sums of squares of x's rows (`skinny_folds.skinny_linear_add_` leaves them), read in place of a pass
+    over x; the sum's order differs from the pass's, so the two agree to fp32 rounding.
     ``config``: a `SkinnyConfig` instead of `pick_config`'s.
     """
-    norm = _check(x, w, out, act, config, residual, norm, gate)
+    norm = _check(x, w, out, act, config, residual, norm, gate, squares)
     if gate is not None:
         gate = check_gate(gate, x, (config or pick_config(x.shape[0], w.shape[0], w.shape[1], x.dtype)).block_k)
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
-    _launch(x, w, y, act, residual, norm, config, gate=gate)
+    _launch(x, w, y, act, residual, norm, config, gate=gate, squares=squares)
     return y
 
 
-def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, swiglu=False, gate=None) -> bool:
+def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, swiglu=False, gate=None,
+            squares=None, squares_out=None) -> bool:
     """Write ``y`` (checked arguments); ``norm_after=(h, weight, eps, offset)``: also ``h``, or
     ``gating=(g, beta, neg_decay, dt_bias, col, H)``: also g and beta, when the launch can (``-> whether it
     did``). ``swiglu``: ``y [M, N / 2]`` is ``silu(gate) * up`` of the products, when the launch can; when it
-    cannot (no counters for a split launch, an empty K), nothing is written. ``gate``: `check_gate`'s result."""
+    cannot (no counters for a split launch, an empty K), nothing is written. ``gate``: `check_gate`'s result.
+    ``squares`` (with ``norm``): the norm's statistics, fp32 ``[M, P]`` row sums of squares of x. ``squares_out``
+    (with ``residual``; fp32 ``[M, column_tiles(...)]``): the residual added as the unfused ops round it, and
+    each column tile's sums of squares of the result written there, when the launch can; when it cannot,
+    nothing is written."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
     if M == 0 or N == 0:
         return False
     if K == 0:  # an empty product; the norm of an empty row scales nothing
-        if not swiglu:
+        if not swiglu and squares_out is None:
             y.zero_() if residual is None else y.copy_(residual)
         return False
     require_triton()
@@ -532,9 +505,9 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
         counters = tile_counters(x.device, grid[0] + (norm_after is not None))
     if norm_after is not None and counters is None:
         norm_after = None
-    if split > 1 and counters is None:  # the reduce kernel has no gating or SwiGLU epilogue
+    if split > 1 and counters is None:  # the reduce kernel has no gating, SwiGLU or squares epilogue
         gating = None
-        if swiglu:
+        if swiglu or squares_out is not None:
             return False
     gg, gb, gnd, gdtb, g_col, g_heads = (y, y, y, y, 0, 0) if gating is None else gating
     h, ew, e_eps, e_offset = (y, y, 0.0, 0.0) if norm_after is None else norm_after
@@ -546,27 +519,32 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
                   PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
                   LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
                   LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu, EARLY=cfg.early,
-                  WIDEN=y.dtype != x.dtype, GATE=kind, HEAD=head)
+                  WIDEN=y.dtype != x.dtype, GATE=kind, HEAD=head, NORM_SQUARES=squares is not None,
+                  BLOCK_P=1 if squares is None else next_pow2(squares.shape[1]), ADD_SQUARES=squares_out is not None)
+    sq_in, parts = (y, 1) if squares is None else (squares, squares.shape[1])
+    sq_out = y if squares_out is None else squares_out
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),
                                   y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb,
-                                  g_col, g_heads, z, szm, szh, HAS_RESIDUAL=residual is not None, SPLIT=False,
+                                  g_col, g_heads, z, szm, szh, sq_in, parts, sq_out,
+                                  HAS_RESIDUAL=residual is not None, SPLIT=False,
                                   ONE_LAUNCH=False,
                                   **common)
-        return norm_after is not None or gating is not None or swiglu
+        return norm_after is not None or gating is not None or swiglu or squares_out is not None
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     one_launch = counters is not None
     _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, h, ew, M, N, K, k_per_split, split, grid[0], x.stride(0),
                               y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb, g_col,
-                              g_heads, z, szm, szh, HAS_RESIDUAL=residual is not None, SPLIT=True,
+                              g_heads, z, szm, szh, sq_in, parts, sq_out, HAS_RESIDUAL=residual is not None,
+                              SPLIT=True,
                               ONE_LAUNCH=one_launch, **common)
     if not one_launch:
         block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
         _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
                                                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                                WIDEN=y.dtype != x.dtype, num_warps=4)
-    return norm_after is not None or gating is not None or swiglu
+    return norm_after is not None or gating is not None or swiglu or squares_out is not None
 
 
 def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):

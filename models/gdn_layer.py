@@ -40,7 +40,7 @@ from fnattn.kinds.delta_rule.math import RecurrentLayerOutput, gated_delta_chunk
 from fnattn.kinds.delta_rule.qkv import gdn_qkv
 
 from .common import rms_norm
-from .fused import gated_projection, gdn_gating, linear, project_and_gate  # CUDA kernels
+from .fused import NormOnLoad, gated_projection, gdn_gating, linear, project_and_gate  # CUDA kernels
 
 __all__ = [
     "GDNWeights",
@@ -264,18 +264,20 @@ def gated_rmsnorm_silu(
 
 
 def gdn_project(
-    w: GDNWeights, x: Float[Tensor, "T Dmodel"]
+    w: GDNWeights, x: Float[Tensor, "T Dmodel"] | NormOnLoad
 ) -> tuple[Float[Tensor, "T C"], Float[Tensor, "T H V"], Float[Tensor, "T H"], Float[Tensor, "T H"]]:
-    """The input projections: ``(conv_input, z, g, beta)``.
+    """The input projections: ``(conv_input, z, g, beta)``; ``x`` may be a `fused.NormOnLoad` (the layer's
+    input norm, applied by the projection as it loads the rows).
 
     ``conv_input`` ``[T, C]`` holds the q | k | v channels before the causal
     conv; ``z`` ``[T, H, V]`` is the output gate; ``g`` ``[T, H]`` is the fp32
     log-decay ``-exp(A_log) * softplus(a + dt_bias)``; ``beta`` ``[T, H]`` is
     ``sigmoid(b)``. All but ``g`` are in ``x.dtype``.
     """
-    expect_float("x", x)
-    expect_shape("x", x, (None, w.hidden_size))
-    T, H = x.shape[0], w.num_v_heads
+    rows = x.x if isinstance(x, NormOnLoad) else x
+    expect_float("x", rows)
+    expect_shape("x", rows, (None, w.hidden_size))
+    T, H = rows.shape[0], w.num_v_heads
     # fp32 where the math needs it: the log-decay feeds an exp inside the recurrence.
     neg_decay = -w.A_log.float().exp() if w.neg_decay is None else w.neg_decay
     dt_bias = w.dt_bias.float() if w.dt_bias_f32 is None else w.dt_bias_f32

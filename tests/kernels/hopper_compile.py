@@ -33,12 +33,13 @@ def skinny_cases():
     from fnattn.kernels.skinny_linear import _skinny_gemv_kernel
 
     ptr = {p: "*bf16" for p in ("X", "W", "Y", "R", "NW", "H", "EW", "GB", "Z")}
-    ptr.update(P="*fp32", C="*i32", GG="*fp32", GND="*fp32", GDTB="*fp32")
+    ptr.update(P="*fp32", C="*i32", GG="*fp32", GND="*fp32", GDTB="*fp32", SQ_IN="*fp32", SQ_OUT="*fp32")
     widened = {**ptr, "Y": "*fp32"}
     base = dict(ACT_SILU_MUL=False, HAS_RESIDUAL=False, NORM=False, NORM_OFFSET=False, USE_DOT=True, FP32_DOT=False,
                 SPLIT=False, ONE_LAUNCH=False, NORM_AFTER=False, NORM_AFTER_OFFSET=False, PDL=True, PREFETCH=False,
                 LINES=2, GATING=False, LIBDEVICE=True, SWIGLU=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
-                BLOCK_E=1024, EARLY=1, WIDEN=False, GATE=0, HEAD=1)
+                BLOCK_E=1024, EARLY=1, WIDEN=False, GATE=0, HEAD=1, NORM_SQUARES=False, BLOCK_P=1,
+                ADD_SQUARES=False)
     variants = {
         "gemv": {},
         "gemv swiglu": dict(SWIGLU=True),
@@ -53,6 +54,14 @@ def skinny_cases():
         "gemv gdn gated-norm prologue, split one launch": dict(GATE=1, HEAD=128, SPLIT=True, ONE_LAUNCH=True),
         "gemv sigmoid-gate prologue, early 2": dict(GATE=2, HEAD=256, BLOCK_K=256, EARLY=2),
         "gemv gated-norm prologue, d64 heads, fma": dict(GATE=1, HEAD=64, USE_DOT=False, BLOCK_M=1),
+        "gemv add + squares, split one launch": dict(HAS_RESIDUAL=True, ADD_SQUARES=True, SPLIT=True, ONE_LAUNCH=True),
+        "gemv add + squares": dict(HAS_RESIDUAL=True, ADD_SQUARES=True),
+        "gemv norm from squares, swiglu": dict(NORM=True, NORM_OFFSET=True, NORM_SQUARES=True, BLOCK_P=32,
+                                               SWIGLU=True),
+        "gemv norm from squares, gating": dict(NORM=True, NORM_OFFSET=True, NORM_SQUARES=True, BLOCK_P=32,
+                                               GATING=True),
+        "gemv norm from squares, widened": dict(NORM=True, NORM_OFFSET=True, NORM_SQUARES=True, BLOCK_P=32,
+                                                WIDEN=True),
     }
     for name, change in variants.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(

@@ -1,0 +1,90 @@
+"""The store side of `skinny_linear`'s kernel: the residual add, the tile's store (plain or SwiGLU's
+activation), the norm after the last tile, and the split-K partials' reduce kernel (Triton).
+
+Kept apart from the kernel's body so each file stays readable; `skinny_linear` is the only user.
+"""
+
+from __future__ import annotations
+
+from ._triton import tl, triton
+
+
+@triton.jit
+def _add_residual(total, R, SQ, m, n, m_ok, mask, pid_n, n_tiles, srm, dtype: tl.constexpr, SQUARES: tl.constexpr):
+    """The tile's fp32 sums plus its residual: rounded once (by the store), or with ``SQUARES`` as the unfused
+    ``residual + linear(x, w)`` rounds, with the rows' sums of squares of the result stored at
+    ``SQ[m, pid_n]``."""
+    r = tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if not SQUARES:
+        return total + r
+    s = (total.to(dtype).to(tl.float32) + r).to(dtype).to(tl.float32)  # [BM, BN]; 0 outside the mask
+    tl.store(SQ + m * n_tiles + pid_n, tl.sum(s * s, axis=1), mask=m_ok)
+    return s
+
+
+@triton.jit
+def _store_tile(Y, y_at, acc, m, m_ok, mask, pid_n, N, sym, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The tile's fp32 sums rounded into ``Y``; with ``SWIGLU`` (gate and up products alternating) the
+    products are rounded as the GEMV stores them, then ``silu(gate)`` and the product are rounded as
+    `norm_act.silu_and_mul` rounds them, into ``BLOCK_N / 2`` columns of ``Y [M, N / 2]``."""
+    if SWIGLU:
+        y = acc.to(Y.dtype.element_ty).to(tl.float32)
+        g, u = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))  # [BM, BN / 2] each
+        s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # [BN / 2]
+        tl.store(Y + m.to(tl.int64)[:, None] * sym + c[None, :], (s * u).to(Y.dtype.element_ty),
+                 mask=m_ok[:, None] & (c < N // 2)[None, :])
+    else:
+        tl.store(y_at, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_rows_when_last(Y, H, EW, CG, n_tiles, M, N, sym, shm, eps, offset, OFFSET: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Count this tile at ``CG``; the last of ``n_tiles`` reads the whole rows of ``Y`` back (rounded, from
+    L2) and writes ``H = rms_norm(Y, EW, eps, offset)`` with `rms_norm_ref`'s roundings, then zeroes ``CG``."""
+    tl.debug_barrier()  # this tile's sums are stored before its arrival is counted (released)
+    arrived = tl.atomic_add(CG, 1, sem="acq_rel")
+    if arrived == n_tiles - 1:  # every tile's sums are visible (acquired)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        y_rows = Y + m.to(tl.int64)[:, None] * sym
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_E):
+            e = n0 + tl.arange(0, BLOCK_E)
+            ok = m_ok[:, None] & (e < N)[None, :]
+            y = tl.load(y_rows + e[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            sq += tl.sum(y * y, axis=1)
+        rstd = 1.0 / tl.sqrt_rn(sq / N + eps)  # [BM]; padded rows: y = 0, rstd finite
+        h_rows = H + m.to(tl.int64)[:, None] * shm
+        for n0 in range(0, N, BLOCK_E):
+            e = n0 + tl.arange(0, BLOCK_E)
+            ok = m_ok[:, None] & (e < N)[None, :]
+            y = tl.load(y_rows + e[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(EW + e, mask=e < N, other=0.0).to(tl.float32)[None, :]
+            h = y * rstd[:, None]
+            if OFFSET:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after
+                h = h * (offset + w)
+            else:
+                h = h.to(H.dtype.element_ty).to(tl.float32) * w
+            tl.store(h_rows + e[None, :], h.to(H.dtype.element_ty), mask=ok)
+        tl.atomic_xchg(CG, 0)  # zero again for the next launch
+
+
+@triton.jit
+def _skinny_gemv_splitk_reduce(P, Y, R, M, N, sym, srm, SPLIT_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                               BLOCK: tl.constexpr, WIDEN: tl.constexpr):
+    """``Y[m] = sum_s P[s, m] (+ R[m])`` in fp32, in split order, the residual last, rounded once (to ``R``'s
+    dtype, x's, then widened to fp32 under ``WIDEN``)."""
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(P + (s * M + row).to(tl.int64) * N + n, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        acc += tl.load(R + row.to(tl.int64) * srm + n, mask=ok, other=0.0).to(tl.float32)
+    if WIDEN:
+        acc = acc.to(R.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * sym + n, acc.to(Y.dtype.element_ty), mask=ok)
