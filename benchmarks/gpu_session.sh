@@ -18,8 +18,8 @@
 #   gemv-chain: the decode GEMVs alone, each launch option; conv-chunks: the GDN conv tiled by chunks;
 #   conv-even: the chunk tiles with first chunks apart (conv-default, conv-default-parity: on by default);
 #   conv-apart: the packed conv tiles as two launches;
-#   gemv-stages: the step's GEMVs at 3 pipeline stages / 2 early K tiles; norm-on-load (norm-on-load-parity):
-#   the residual adds in the output projections, the norms applied by the GEMVs after them
+#   gemv-stages: the step's GEMVs at 3 pipeline stages / 2 early K tiles; split-norm (split-norm-parity):
+#   each residual add + RMSNorm split between the GEMVs on either side
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -186,16 +186,15 @@ case "${1:-}" in
     part 240 python benchmarks/model_ab.py --toggle interior_apart --prefill 8192 --batch 1 --steps 16 \
         --out "$out/bench_interior_apart_ab.json"
     ;;
-  norm-on-load)  # the residual adds in the output projections, the norms applied by the next GEMVs: the step A/B,
-    # then the kernel tests on the GPU
-    part 300 python benchmarks/model_ab.py --toggle norm_on_load --batch 1 8 --steps 64 \
-        --out "$out/bench_norm_on_load_ab.json"
-    part 150 python benchmarks/gpu_pytest_record.py "$out/norm_on_load_kernels_gpu.json" -- \
-        tests/kernels/test_skinny_norm_on_load.py
+  split-norm)  # each add + RMSNorm split between the GEMVs on either side: the step A/B, then the kernel tests
+    part 300 python benchmarks/model_ab.py --toggle split_norm --batch 1 8 --steps 64 \
+        --out "$out/bench_split_norm_ab.json"
+    part 150 python benchmarks/gpu_pytest_record.py "$out/split_norm_kernels_gpu.json" -- \
+        tests/kernels/test_skinny_split_norm.py
     ;;
-  norm-on-load-parity)  # the whole model against the unfused one with norm_on_load on (tiny, the 0.8b slice)
-    part 300 env FNATTN_GPU_RESULTS="$out/norm_on_load_cases.json" python benchmarks/gpu_pytest_record.py \
-        "$out/norm_on_load_gpu.json" -- tests/gpu/test_fused_gpu.py -k "whole_model and load"
+  split-norm-parity)  # the whole model against the unfused one with split_norm on (tiny, the 0.8b slice)
+    part 300 env FNATTN_GPU_RESULTS="$out/split_norm_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/split_norm_gpu.json" -- tests/gpu/test_fused_gpu.py -k "whole_model and split"
     ;;
   gemv-stages)  # the whole decode step with the GEMVs at 3 pipeline stages and / or 2 early K tiles
     part 300 python benchmarks/model_ab.py --toggle stages3 early2 stages3+early2 --batch 1 8 --steps 64 \

@@ -53,9 +53,9 @@ Switches:
   usual tile.
 - ``gate_prologue``: GDN's gated output norm and attention's sigmoid gate applied by the output projection's
   GEMV as it loads the mixer's output (`models.fused.gate_prologue`), or as launches of their own (the default).
-- ``norm_on_load``: each decode residual add in the output projection's GEMV, which leaves the next norm's
-  statistics, and that norm applied by the GEMV after it as it loads its input (`models.fused.norm_on_load`),
-  or the add + RMSNorm as a launch of its own (the default).
+- ``split_norm``: each decode residual add in the output projection's GEMV, which leaves the next norm's
+  sums of squares and its rows times ``1 + weight``, and the GEMV after it scaling its product's rows by the
+  rms (`models.fused.split_norm`), or the add + RMSNorm as a launch of its own (the default).
 - ``state_first``: the fused GDN decode reads its state tile, conv window and batch rows before it waits for
   the input projection (`fnattn.kernels.gdn_decode_fused.state_first`, the default), or after it.
 - ``interior_tiles`` (prefill): the GDN conv's tiles inside one request read x alone
@@ -122,9 +122,9 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                         {True: "SiLU-and-mul in the gate / up GEMV's launch", False: "SiLU-and-mul apart"}),
     "fill_device": (gdn_decode_fused.fill_device, lambda: gdn_decode_fused._FILL_DEVICE[-1],
                     {True: "GDN decode tiles narrowed to fill the SMs", False: "the usual GDN decode tile"}),
-    "norm_on_load": (fused.norm_on_load, lambda: fused._NORM_ON_LOAD[-1],
-                     {True: "residual add in the output projection, the norm applied by the next GEMV",
-                      False: "add + RMSNorm a launch of its own"}),
+    "split_norm": (fused.split_norm, lambda: fused._SPLIT_NORM[-1],
+                   {True: "residual add in the output projection, the norm finished by the next GEMV",
+                    False: "add + RMSNorm a launch of its own"}),
     "gate_prologue": (fused.gate_prologue, lambda: fused._GATE_PROLOGUE[-1],
                       {True: "output gates applied by the output projections' GEMVs", False: "output gates apart"}),
     "state_first": (gdn_decode_fused.state_first, lambda: gdn_decode_fused._STATE_FIRST[-1],

@@ -10,15 +10,18 @@ from ._triton import tl, triton
 
 
 @triton.jit
-def _add_residual(total, R, SQ, m, n, m_ok, mask, pid_n, n_tiles, srm, dtype: tl.constexpr, SQUARES: tl.constexpr):
+def _add_residual(total, R, SQ, U, UW, u_offset, m, n, m_ok, mask, pid_n, n_tiles, N, srm, dtype: tl.constexpr,
+                  SQUARES: tl.constexpr):
     """The tile's fp32 sums plus its residual: rounded once (by the store), or with ``SQUARES`` as the unfused
     ``residual + linear(x, w)`` rounds, with the rows' sums of squares of the result stored at
-    ``SQ[m, pid_n]``."""
+    ``SQ[m, pid_n]`` and the result times ``u_offset + UW`` (the next RMSNorm's scale), rounded, in ``U``."""
     r = tl.load(R + m.to(tl.int64)[:, None] * srm + n[None, :], mask=mask, other=0.0).to(tl.float32)
     if not SQUARES:
         return total + r
     s = (total.to(dtype).to(tl.float32) + r).to(dtype).to(tl.float32)  # [BM, BN]; 0 outside the mask
     tl.store(SQ + m * n_tiles + pid_n, tl.sum(s * s, axis=1), mask=m_ok)
+    uw = tl.load(UW + n, mask=n < N, other=0.0).to(tl.float32)  # [BN]
+    tl.store(U + m.to(tl.int64)[:, None] * N + n[None, :], (s * (u_offset + uw[None, :])).to(dtype), mask=mask)
     return s
 
 

@@ -10,8 +10,9 @@ than `_counters.COUNTERS`, an empty K), the product and the op run apart, with t
 - `skinny_linear_gating`: GDN's input projection, and g and beta from its b and a columns, written by
   the tile that holds them.
 - `skinny_linear_add_`: an output projection added into the residual stream in place, with the unfused ops'
-  roundings, and each column tile's sums of squares of the new rows: the statistics of the next RMSNorm,
-  which the GEMV after it applies as it loads the rows (`skinny_linear`'s ``norm=`` with ``squares=``, also
+  roundings, and the next RMSNorm's two halves that need no whole row: each column tile's sums of squares
+  of the new rows, and the rows times the norm's ``offset + weight``. The GEMV after it streams those rows
+  into its dots as loaded and scales each row of its product by the rms (`skinny_linear`'s ``rms=``, also
   taken by `skinny_linear_swiglu` and `skinny_linear_gating`). The add + norm launch between the two is gone,
   and nothing waits on an arrival counter for it.
 - `skinny_linear_add_norm`: an output projection plus the residual, and the RMSNorm of the sum: the last
@@ -27,7 +28,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ._checks import check_like, shares_storage
+from ._checks import check_finite_float, check_like, shares_storage
 from .gdn_gate import gdn_gating
 from .norm_act import silu_and_mul_ref
 from .skinny_linear import (
@@ -42,44 +43,51 @@ from .skinny_linear import (
 )
 
 
-def skinny_linear_swiglu(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"], *, norm=None,
-                         squares: Float[Tensor, "M P"] | None = None, config: SkinnyConfig | None = None
-                         ) -> Float[Tensor, "M I"]:
+def skinny_linear_swiglu(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"], *, rms=None,
+                         config: SkinnyConfig | None = None) -> Float[Tensor, "M I"]:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``w = [gate; up]`` (``[2I, K]``, contiguous): ``-> [M, I]`` in
     ``x.dtype``, rounded as `silu_and_mul` of `skinny_linear`'s product. One launch: each column tile
     computes ``block_n / 2`` gate and up products of the same columns and writes their activation.
-    ``norm``, ``squares``: x normalized on load, as `skinny_linear`'s.
+    ``rms``: the products' rows scaled before the activation, as `skinny_linear`'s.
     ``config``: for the ``[M, K] @ [2I, K]^T`` product (`pick_config`'s by default)."""
-    norm = _check(x, w, None, None, config, None, norm, None, squares)
+    _check(x, w, None, None, config, None, None, None, rms)
     M, N = x.shape[0], w.shape[0]
     if N % 2:
         raise ValueError(f"w: expected an even number of rows (gate rows, then as many up rows), got {N}")
     y = torch.empty((M, N // 2), dtype=x.dtype, device=x.device)
-    if not _launch(x, w, y, None, None, norm, config, swiglu=True, squares=squares) and M and N:
-        product = skinny_linear(x, w, norm=norm, squares=squares, config=config)
+    if not _launch(x, w, y, None, None, None, config, swiglu=True, rms=rms) and M and N:
+        product = skinny_linear(x, w, rms=rms, config=config)
         y.copy_(silu_and_mul_ref(product))  # the activation apart
     return y
 
 
-def skinny_linear_add_(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], residual: Float[Tensor, "M N"], *,
-                       config: SkinnyConfig | None = None) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M P"]]:
+def skinny_linear_add_(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], residual: Float[Tensor, "M N"],
+                       weight: Float[Tensor, " N"], offset: float = 0.0, *, config: SkinnyConfig | None = None
+                       ) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M N"], Float[Tensor, "M P"]]:
     """``residual += x @ w.T`` in place, rounded as the unfused ops (the product rounded to ``x.dtype``,
-    then the sum), and the sums of squares of the new rows in pieces: ``-> (residual, squares [M, P])``,
-    ``squares`` fp32, one column per column tile of the launch (their row sums are the rows' sums of
-    squares, for `skinny_linear`'s ``norm=`` with ``squares=``). ``residual``: ``[M, N]`` in x's dtype
-    (rows may be strided), apart from ``x``. Where the launch cannot (a split-K projection with more column
-    tiles than the counters, an empty K), the product and the add run apart and ``P`` is 1."""
+    then the sum), and what the next ``rms_norm(residual, weight, offset=offset)`` needs of it without whole
+    rows: ``-> (residual, scaled, squares)``; ``scaled = residual * (offset + weight)`` rounded to x's dtype
+    (``[M, N]``, new), ``squares`` fp32 ``[M, P]``, one column per column tile of the launch (their row sums
+    are the rows' sums of squares). `skinny_linear(scaled, w2, rms=(squares, eps))` is then the product of the
+    norm. ``residual``: ``[M, N]`` in x's dtype (rows may be strided), apart from ``x``. Where the launch
+    cannot (a split-K projection with more column tiles than the counters, an empty K), the product and the
+    add run apart and ``P`` is 1."""
     _check(x, w, None, None, config, residual)
     if residual is None:
         raise ValueError("residual: expected an [M, N] tensor (the residual stream the product joins), got None")
     if shares_storage(residual, x):
         raise ValueError("residual: expected a buffer apart from x's, got one sharing x's storage")
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
+    _check_operand("weight", weight, (N,), x, row_strided=False)
+    check_finite_float("offset", offset)
     squares = torch.empty((M, column_tiles(M, N, K, x.dtype, config)), dtype=torch.float32, device=x.device)
-    if _launch(x, w, residual, None, residual, None, config, squares_out=squares):
-        return residual, squares
+    scaled = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if _launch(x, w, residual, None, residual, None, config, add_squares=(squares, scaled, weight, float(offset))):
+        return residual, scaled, squares
     residual.copy_(residual + skinny_linear(x, w, config=config))  # apart: the same roundings
-    return residual, residual.float().pow(2).sum(-1, keepdim=True)
+    rows = residual.float()
+    scaled.copy_(rows * (offset + weight.float()))
+    return residual, scaled, rows.pow(2).sum(-1, keepdim=True)
 
 
 def skinny_linear_swiglu_ref(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"]) -> Float[Tensor, "M I"]:
@@ -108,15 +116,14 @@ def skinny_linear_add_norm(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], res
 
 
 def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: int, neg_decay: Float[Tensor, " H"],
-                         dt_bias: Float[Tensor, " H"], *, norm=None, squares: Float[Tensor, "M P"] | None = None,
-                         config: SkinnyConfig | None = None
+                         dt_bias: Float[Tensor, " H"], *, rms=None, config: SkinnyConfig | None = None
                          ) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M H"], Float[Tensor, "M H"]]:
     """``y = x @ w.T`` (as `skinny_linear`) and, from its columns ``[col, col + H)`` (GDN's b) and
     ``[col + H, col + 2H)`` (a), ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``
     (``x.dtype``) as `gdn_gating` computes them: ``-> (y [M, N], g [M, H], beta [M, H])``. One launch: the
     tile that holds those columns writes g and beta too (an input projection, then its gating);
-    ``neg_decay``, ``dt_bias``: fp32 ``[H]``. ``norm``, ``squares``: x normalized on load, as `skinny_linear`'s."""
-    norm = _check(x, w, None, None, config, None, norm, None, squares)
+    ``neg_decay``, ``dt_bias``: fp32 ``[H]``. ``rms``: the product's rows scaled first, as `skinny_linear`'s."""
+    _check(x, w, None, None, config, None, None, None, rms)
     M, N = x.shape[0], w.shape[0]
     H = neg_decay.shape[0] if isinstance(neg_decay, torch.Tensor) and neg_decay.dim() == 1 else None
     if H is None or neg_decay.dtype != torch.float32 or neg_decay.device != x.device or neg_decay.stride(0) != 1:
@@ -131,7 +138,9 @@ def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: 
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     g = torch.empty((M, H), dtype=torch.float32, device=x.device)
     beta = torch.empty((M, H), dtype=x.dtype, device=x.device)
-    if not _launch(x, w, y, None, None, norm, config, gating=(g, beta, neg_decay, dt_bias, col, H),
-                   squares=squares) and M and H:
+    done = _launch(x, w, y, None, None, None, config, gating=(g, beta, neg_decay, dt_bias, col, H), rms=rms)
+    if not done and rms is not None and M:  # a scaled launch that could not run wrote nothing
+        y = skinny_linear(x, w, rms=rms, config=config)
+    if not done and M and H:
         g, beta = gdn_gating(y[:, col + H:col + 2 * H], y[:, col:col + H], neg_decay, dt_bias)  # the gating apart
     return y, g, beta

@@ -178,14 +178,14 @@ def triton_cdiv(a: int, b: int) -> int:
 @triton.jit
 def _skinny_gemv_kernel(
     X, W, Y, P, C, R, NW, H, EW, M, N, K, k_per_split, n_split, n_tiles, sxm, sym, srm, shm, eps, offset,
-    e_eps, e_offset, GG, GB, GND, GDTB, g_col, g_heads, Z, szm, szh, SQ_IN, s_parts, SQ_OUT,
+    e_eps, e_offset, GG, GB, GND, GDTB, g_col, g_heads, Z, szm, szh, SQ_IN, s_parts, SQ_OUT, U, UW, u_offset,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
     NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr, SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EARLY: tl.constexpr, WIDEN: tl.constexpr, GATE: tl.constexpr, HEAD: tl.constexpr,
-    NORM_SQUARES: tl.constexpr, BLOCK_P: tl.constexpr, ADD_SQUARES: tl.constexpr,
+    RMS_SCALE: tl.constexpr, BLOCK_P: tl.constexpr, ADD_SQUARES: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
 
@@ -200,10 +200,11 @@ def _skinny_gemv_kernel(
     pairs, and it writes ``silu(gate) * up`` into ``Y [M, I]`` (`_store_tile`). ``WIDEN``: ``Y`` is fp32 and each
     sum is rounded to ``W``'s dtype first (the bits of the product in that dtype, widened). ``GATE``: x's heads
     of ``HEAD`` columns gated on load by ``Z`` (`output_gate.gate_tile`, its weight ``NW``, ``eps``).
-    ``NORM_SQUARES``: the norm's statistics are the row sums of ``SQ_IN [M, s_parts]`` (fp32 sums of squares
-    of x's column pieces), not a pass over x. ``ADD_SQUARES`` (with ``HAS_RESIDUAL``): the product is rounded,
-    then the residual added and the sum rounded (the unfused ops' bits), and the tile's sums of squares of
-    the rounded sum go to ``SQ_OUT[m, pid_n]`` (``[M, n_tiles]``) for the GEMV that normalizes it."""
+    ``RMS_SCALE``: each row's sums times ``1 / sqrt(sum(SQ_IN[m]) / K + eps)`` before the store (``SQ_IN
+    [M, s_parts]``: fp32 sums of squares in pieces), so x streams into the dots as loaded. ``ADD_SQUARES``
+    (with ``HAS_RESIDUAL``): the product is rounded, then the residual added and the sum rounded (the
+    unfused ops' bits); the tile's sums of squares of the rounded sum go to ``SQ_OUT[m, pid_n]`` (``[M,
+    n_tiles]``) and the sum times ``u_offset + UW[n]``, rounded, to ``U [M, N]`` (contiguous)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -232,19 +233,19 @@ def _skinny_gemv_kernel(
                 _prefetch_l2(tl.where(ok, w_rows + line[None, :], W))
         gdc_wait()
         gdc_launch_dependents()
+    if RMS_SCALE:  # left by the GEMV that wrote the rows: one load, its latency behind the dots
+        p = tl.arange(0, BLOCK_P)  # [BP]
+        parts = tl.load(SQ_IN + m[:, None] * s_parts + p[None, :], mask=m_ok[:, None] & (p < s_parts)[None, :],
+                        other=0.0)  # [BM, BP]
+        row_scale = 1.0 / tl.sqrt_rn(tl.sum(parts, axis=1) / K + eps)  # [BM]; padded rows: 0 sums, finite
+    else:
+        row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
     if NORM:  # the whole row's statistics, also in a split-K piece that reads only part of it below
-        if NORM_SQUARES:  # left by the GEMV that wrote x: one load, not a pass over the row before the first dot
-            p = tl.arange(0, BLOCK_P)  # [BP]
-            parts = tl.load(SQ_IN + m[:, None] * s_parts + p[None, :], mask=m_ok[:, None] & (p < s_parts)[None, :],
-                            other=0.0)  # [BM, BP]
-            sq = tl.sum(parts, axis=1)
-        else:
-            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
-                xs = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
-                             other=0.0).to(tl.float32)
-                sq += tl.sum(xs * xs, axis=1)
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            xs = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+            sq += tl.sum(xs * xs, axis=1)
         rstd = 1.0 / tl.sqrt_rn(sq / K + eps)  # [BM]; padded rows: x = 0, rstd finite
     else:
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
@@ -271,9 +272,11 @@ def _skinny_gemv_kernel(
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in range(0, n_split):
                     total += tl.load(P + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                if RMS_SCALE:
+                    total = total * row_scale[:, None]
                 if HAS_RESIDUAL:
-                    total = _add_residual(total, R, SQ_OUT, m, n, m_ok, mask, pid_n, n_tiles, srm,
-                                          W.dtype.element_ty, ADD_SQUARES)
+                    total = _add_residual(total, R, SQ_OUT, U, UW, u_offset, m, n, m_ok, mask, pid_n, n_tiles, N,
+                                          srm, W.dtype.element_ty, ADD_SQUARES)
                 if WIDEN:
                     total = total.to(W.dtype.element_ty).to(tl.float32)
                 _store_tile(Y, y_at, total, m, m_ok, mask, pid_n, N, sym, SWIGLU, BLOCK_M, BLOCK_N)
@@ -286,9 +289,11 @@ def _skinny_gemv_kernel(
                     _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
                                          NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
     else:
+        if RMS_SCALE:
+            acc = acc * row_scale[:, None]
         if HAS_RESIDUAL:
-            acc = _add_residual(acc, R, SQ_OUT, m, n, m_ok, mask, pid_n, n_tiles, srm, W.dtype.element_ty,
-                                ADD_SQUARES)
+            acc = _add_residual(acc, R, SQ_OUT, U, UW, u_offset, m, n, m_ok, mask, pid_n, n_tiles, N, srm,
+                                W.dtype.element_ty, ADD_SQUARES)
         if WIDEN:
             acc = acc.to(W.dtype.element_ty).to(tl.float32)
         _store_tile(Y, y_at, acc, m, m_ok, mask, pid_n, N, sym, SWIGLU, BLOCK_M, BLOCK_N)
@@ -362,10 +367,12 @@ def _check_act_norm(act, norm):
     return weight, float(eps), float(offset)
 
 
-def _check(x, w, out, act, config, residual=None, norm=None, gate=None, squares=None):
+def _check(x, w, out, act, config, residual=None, norm=None, gate=None, rms=None):
     norm = _check_act_norm(act, norm)
-    if squares is not None and norm is None:
-        raise ValueError("squares: expected norm= beside it (they are the norm's statistics), got no norm")
+    if rms is not None and (act is not None or norm is not None or gate is not None):
+        raise ValueError(f"rms: expected no act, norm or gate beside it (the row scale is of the product), got "
+                         f"act={act!r}, norm={'given' if norm is not None else None}, "
+                         f"gate={'given' if gate is not None else None}")
     if gate is not None and (act is not None or norm is not None):
         raise ValueError(f"gate: expected no act or norm beside it (each changes how x loads), got "
                          f"act={act!r}, norm={'given' if norm is not None else None}")
@@ -395,8 +402,13 @@ def _check(x, w, out, act, config, residual=None, norm=None, gate=None, squares=
     _check_operand("residual", residual, (M, N), x, row_strided=True)
     if norm is not None:
         _check_operand("norm weight", norm[0], (K,), x, row_strided=False)
-    if squares is not None:
-        check_squares("squares", squares, M, x)
+    if rms is not None:
+        if not isinstance(rms, (tuple, list)) or len(rms) != 2:
+            raise ValueError(f"rms: expected a (squares, eps) pair, got {type(rms).__name__}")
+        check_squares("rms squares", rms[0], M, x)
+        check_finite_float("rms eps", rms[1])
+        if rms[1] < 0:
+            raise ValueError(f"rms eps: expected >= 0, got {rms[1]!r}")
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != (M, N) or out.dtype not in (x.dtype, torch.float32):
             got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -438,7 +450,7 @@ def _check_operand(name, t, shape, x, *, row_strided):
         raise ValueError(f"{name}: expected {what}, got strides {t.stride()}")
 
 
-def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, gate=None, squares=None, config=None):
+def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, gate=None, rms=None, config=None):
     """``x [M, K] @ w[N, K]^T -> y [M, N]`` in ``x.dtype`` with fp32 accumulation, M <= 64.
 
     ``act="silu_mul"``: ``x`` is ``[M, 2K]`` (gate | up) and the product is of
@@ -453,34 +465,38 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, gate=No
     ``gate``: the product is of a token mixer's output gated on load (`output_gate.check_gate`:
     ``("silu_norm", z, weight, eps)``, GDN's per-head norm, or ``("sigmoid", z)``, gated attention's), one
     launch fewer than `output_gate`'s kernel before the projection.
-    ``squares`` (with ``norm``): the norm's statistics precomputed, fp32 ``[M, P]`` whose row sums are the
-    sums of squares of x's rows (`skinny_folds.skinny_linear_add_` leaves them), read in place of a pass
-    over x; the sum's order differs from the pass's, so the two agree to fp32 rounding.
+    ``rms=(squares, eps)``: each row of the product times ``1 / sqrt(squares[m].sum() / K + eps)`` before its
+    rounding (``squares``: fp32 ``[M, P]``, sums of squares in pieces). With ``x`` rows times an RMSNorm's
+    ``offset + weight`` and ``squares`` the rows' own (both as `skinny_folds.skinny_linear_add_` leaves
+    them), the product is of the RMSNorm, its rounding moved from the normed rows to the product, and x
+    streams into the dots as loaded. Not with ``act``, ``norm`` or ``gate``.
     ``config``: a `SkinnyConfig` instead of `pick_config`'s.
     """
-    norm = _check(x, w, out, act, config, residual, norm, gate, squares)
+    norm = _check(x, w, out, act, config, residual, norm, gate, rms)
     if gate is not None:
         gate = check_gate(gate, x, (config or pick_config(x.shape[0], w.shape[0], w.shape[1], x.dtype)).block_k)
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
-    _launch(x, w, y, act, residual, norm, config, gate=gate, squares=squares)
+    if not _launch(x, w, y, act, residual, norm, config, gate=gate, rms=rms) and rms is not None:
+        y.copy_(rms_scaled_ref(x, w, rms, residual))  # a split launch without its counters: the truth apart
     return y
 
 
 def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, swiglu=False, gate=None,
-            squares=None, squares_out=None) -> bool:
+            rms=None, add_squares=None) -> bool:
     """Write ``y`` (checked arguments); ``norm_after=(h, weight, eps, offset)``: also ``h``, or
     ``gating=(g, beta, neg_decay, dt_bias, col, H)``: also g and beta, when the launch can (``-> whether it
     did``). ``swiglu``: ``y [M, N / 2]`` is ``silu(gate) * up`` of the products, when the launch can; when it
     cannot (no counters for a split launch, an empty K), nothing is written. ``gate``: `check_gate`'s result.
-    ``squares`` (with ``norm``): the norm's statistics, fp32 ``[M, P]`` row sums of squares of x. ``squares_out``
-    (with ``residual``; fp32 ``[M, column_tiles(...)]``): the residual added as the unfused ops round it, and
-    each column tile's sums of squares of the result written there, when the launch can; when it cannot,
-    nothing is written."""
+    ``rms=(squares [M, P], eps)``: each row's product times ``1 / sqrt(squares[m].sum() / K + eps)``, when the
+    launch can (a split launch needs its counters); when it cannot, nothing is written. ``add_squares=(squares
+    [M, column_tiles(...)], scaled [M, N], weight [N], offset)`` (with ``residual``): the residual added as
+    the unfused ops round it, each column tile's fp32 sums of squares of the result and the result times
+    ``offset + weight``, rounded, written there, when the launch can; when it cannot, nothing is written."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
     if M == 0 or N == 0:
         return False
     if K == 0:  # an empty product; the norm of an empty row scales nothing
-        if not swiglu and squares_out is None:
+        if not swiglu and add_squares is None and rms is None:
             y.zero_() if residual is None else y.copy_(residual)
         return False
     require_triton()
@@ -495,6 +511,8 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
     r = x if residual is None else residual
     srm = 0 if residual is None else residual.stride(0)
     nw, eps, offset = (x, 0.0, 0.0) if norm is None else norm
+    if rms is not None:
+        eps = rms[1]
     kind, z, szm, szh, head = 0, x, 0, 0, 1
     if gate is not None:
         kind, z, nw, eps, head = gate
@@ -505,9 +523,9 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
         counters = tile_counters(x.device, grid[0] + (norm_after is not None))
     if norm_after is not None and counters is None:
         norm_after = None
-    if split > 1 and counters is None:  # the reduce kernel has no gating, SwiGLU or squares epilogue
+    if split > 1 and counters is None:  # the reduce kernel has no gating, SwiGLU, row scale or squares epilogue
         gating = None
-        if swiglu or squares_out is not None:
+        if swiglu or add_squares is not None or rms is not None:
             return False
     gg, gb, gnd, gdtb, g_col, g_heads = (y, y, y, y, 0, 0) if gating is None else gating
     h, ew, e_eps, e_offset = (y, y, 0.0, 0.0) if norm_after is None else norm_after
@@ -519,24 +537,25 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
                   PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
                   LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
                   LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu, EARLY=cfg.early,
-                  WIDEN=y.dtype != x.dtype, GATE=kind, HEAD=head, NORM_SQUARES=squares is not None,
-                  BLOCK_P=1 if squares is None else next_pow2(squares.shape[1]), ADD_SQUARES=squares_out is not None)
-    sq_in, parts = (y, 1) if squares is None else (squares, squares.shape[1])
-    sq_out = y if squares_out is None else squares_out
+                  WIDEN=y.dtype != x.dtype, GATE=kind, HEAD=head, RMS_SCALE=rms is not None,
+                  BLOCK_P=1 if rms is None else next_pow2(rms[0].shape[1]), ADD_SQUARES=add_squares is not None)
+    sq_in, parts = (y, 1) if rms is None else (rms[0], rms[0].shape[1])
+    sq_out, u, uw, u_offset = (y, y, y, 0.0) if add_squares is None else add_squares
     c = y if counters is None else counters
     if split == 1:
         _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),
                                   y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb,
-                                  g_col, g_heads, z, szm, szh, sq_in, parts, sq_out,
+                                  g_col, g_heads, z, szm, szh, sq_in, parts, sq_out, u, uw, u_offset,
                                   HAS_RESIDUAL=residual is not None, SPLIT=False,
                                   ONE_LAUNCH=False,
                                   **common)
-        return norm_after is not None or gating is not None or swiglu or squares_out is not None
+        return norm_after is not None or gating is not None or swiglu or add_squares is not None or rms is not None
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     one_launch = counters is not None
     _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, h, ew, M, N, K, k_per_split, split, grid[0], x.stride(0),
                               y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb, g_col,
-                              g_heads, z, szm, szh, sq_in, parts, sq_out, HAS_RESIDUAL=residual is not None,
+                              g_heads, z, szm, szh, sq_in, parts, sq_out, u, uw, u_offset,
+                              HAS_RESIDUAL=residual is not None,
                               SPLIT=True,
                               ONE_LAUNCH=one_launch, **common)
     if not one_launch:
@@ -544,7 +563,7 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
         _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
                                                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                                WIDEN=y.dtype != x.dtype, num_warps=4)
-    return norm_after is not None or gating is not None or swiglu or squares_out is not None
+    return norm_after is not None or gating is not None or swiglu or add_squares is not None or rms is not None
 
 
 def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):
@@ -556,6 +575,13 @@ def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):
     if offset:
         return (h * (offset + weight.float())).to(x.dtype)
     return h.to(x.dtype) * weight
+
+
+def rms_scaled_ref(x, w, rms, residual=None):
+    """The truth of `skinny_linear`'s ``rms=``: fp32 products times each row's scale, rounded once."""
+    squares, eps = rms
+    y = (x.float() @ w.float().T) * torch.rsqrt(squares.sum(-1, keepdim=True) / max(w.shape[1], 1) + eps)
+    return (y if residual is None else y + residual.float()).to(x.dtype)
 
 
 def skinny_linear_ref(x, w, *, act=None, residual=None, norm=None, gate=None):

@@ -55,7 +55,7 @@ _GATING_EPILOGUE = [True]  # timed on the H200 (`gating_epilogue`)
 _SWIGLU_EPILOGUE = [True]  # timed on the H200 (`swiglu_epilogue`)
 _GATE_PROLOGUE = [False]  # slower in the whole step on the H200 (`gate_prologue`)
 _GROUPED_EXPERTS = [True]  # timed on the H200 (`grouped_experts`)
-_NORM_ON_LOAD = [False]  # not yet timed on the H200 (`norm_on_load`)
+_SPLIT_NORM = [False]  # not yet timed on the H200 (`split_norm`)
 
 
 def unfused():
@@ -140,26 +140,31 @@ def grouped_experts(enabled: bool):
     return switched(_GROUPED_EXPERTS, "grouped_experts", enabled)
 
 
-def norm_on_load(enabled: bool):
-    """Within this block `project_add_norm(..., on_load=True)` takes decode-sized inputs on CUDA (without TP
+def split_norm(enabled: bool):
+    """Within this block `project_add_norm(..., split=True)` takes decode-sized inputs on CUDA (without TP
     or a gate) to `skinny_linear_add_`: the output projection's GEMV adds into the residual stream itself and
-    leaves each column tile's sums of squares, and the next projection's GEMV normalizes its input as it
-    loads it (`NormOnLoad`): the residual add + RMSNorm launch between them is gone. The statistics are summed
-    in another order than the norm kernel's, so the two agree to fp32 rounding before the bf16 one. Off by
-    default until timed on the H200."""
-    return switched(_NORM_ON_LOAD, "norm_on_load", enabled)
+    leaves the parts of the next RMSNorm that need no whole row (each column tile's sums of squares, the rows
+    times ``1 + weight``); the next projection's GEMV streams those rows into its dots as loaded and scales
+    each row of its product by the rms (`SplitNorm`): the residual add + RMSNorm launch between them is gone.
+    The norm's rounding moves from the normed rows to the product, so the two agree to bf16 rounding. Off by
+    default until timed on the H200 (the first form, 07f1fd9, normalized x as each K tile loaded, which took
+    x off the dots' async pipeline: 1.134x / 1.128x the step at batch 1 / 8, bench_norm_on_load_ab_07f1fd9.json)."""
+    return switched(_SPLIT_NORM, "split_norm", enabled)
 
 
 @dataclass(frozen=True, eq=False)
-class NormOnLoad:
-    """``rms_norm_offset(x, weight, eps)`` (Qwen's ``1 + weight`` norm) left to the GEMV that reads it.
+class SplitNorm:
+    """``rms_norm_offset(x, weight, eps)`` (Qwen's ``1 + weight`` norm) split between two GEMVs: what the add's
+    GEMV left of it, for the GEMV that reads it.
 
-    `project_add_norm` returns one under `norm_on_load`; `linear`, `project_and_gate` and `gate_up_silu`
-    normalize ``x`` as their GEMV loads it, from the statistics the add left, and anything else takes
-    `tensor()`. Read it before the residual stream's next in-place add: ``x`` is that stream.
+    `project_add_norm` returns one under `split_norm`; `linear`, `project_and_gate` and `gate_up_silu` take
+    ``scaled`` into their dots and scale their product's rows by the rms of ``squares`` (`skinny_linear`'s
+    ``rms=``); anything else takes `tensor()`. Read it before the residual stream's next in-place add: ``x``
+    is that stream.
     """
 
     x: Tensor  # [T, D], the residual stream as the add left it
+    scaled: Tensor  # [T, D]: x * (1 + weight), rounded to x's dtype
     squares: Tensor  # [T, P] fp32: sums of squares of x's column pieces (row sums: x's sums of squares)
     weight: Tensor  # [D], stored as weight - 1
     eps: float
@@ -173,17 +178,17 @@ class NormOnLoad:
         return self.x.dtype
 
     @property
-    def norm(self) -> tuple[Tensor, float, float]:
-        return self.weight, self.eps, 1.0
+    def rms(self) -> tuple[Tensor, float]:
+        return self.squares, self.eps
 
     def tensor(self) -> Tensor:
         """The normalized rows (a launch of their own)."""
         return rms_norm_offset(self.x, self.weight, self.eps)
 
 
-def _folds_norm(x, w: Tensor) -> bool:
-    """Whether ``x`` is a `NormOnLoad` that the GEMV of ``x.x @ w.T`` can normalize on load."""
-    return isinstance(x, NormOnLoad) and x.x.dim() == 2 and _skinny(x.x, w, w.shape[-1], norm=x.norm)
+def _takes_split(x, w: Tensor) -> bool:
+    """Whether ``x`` is a `SplitNorm` whose rest the GEMV of ``x.scaled @ w.T`` can finish."""
+    return isinstance(x, SplitNorm) and x.x.dim() == 2 and _skinny(x.scaled, w, w.shape[-1])
 
 
 def switches() -> dict[str, bool]:
@@ -192,7 +197,7 @@ def switches() -> dict[str, bool]:
             "output_gates": _OUTPUT_GATES[-1], "own_norm_act": _OWN_NORM_ACT[-1],
             "gating_epilogue": _GATING_EPILOGUE[-1], "swiglu_epilogue": _SWIGLU_EPILOGUE[-1],
             "gate_prologue": _GATE_PROLOGUE[-1], "grouped_experts": _GROUPED_EXPERTS[-1],
-            "norm_on_load": _NORM_ON_LOAD[-1]}
+            "split_norm": _SPLIT_NORM[-1]}
 
 
 @cache
@@ -372,15 +377,15 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor
     ``norm=(weight, eps, offset)``: the product is of ``rms_norm(x, weight, eps, offset=offset)``;
     ``residual`` (the output's shape): added to the product. The kernel folds both (the norm on load, the
     residual into the fp32 accumulator, the sum rounded once); the torch body rounds the product, then the
-    sum, as ``F.linear`` then ``+`` do, so the two agree to bf16 rounding. ``x`` may be a `NormOnLoad`
-    (without ``norm``): its GEMV normalizes on load where it takes it.
+    sum, as ``F.linear`` then ``+`` do, so the two agree to bf16 rounding. ``x`` may be a `SplitNorm`
+    (without ``norm``): its GEMV finishes the norm where it takes it.
     """
-    if isinstance(x, NormOnLoad):
-        if norm is None and bias is None and residual is None and gate is None and _folds_norm(x, w):
+    if isinstance(x, SplitNorm):
+        if norm is None and bias is None and residual is None and gate is None and _takes_split(x, w):
             from fnattn.kernels.skinny_linear import skinny_linear
 
             out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.x.device) if widen else None
-            return skinny_linear(x.x, w, norm=x.norm, squares=x.squares, out=out)
+            return skinny_linear(x.scaled, w, rms=x.rms, out=out)
         x = x.tensor()
     if gate is not None and not (norm is None and bias is None and _skinny(x, w, w.shape[-1], residual)
                                  and _gate_fits(x, gate)):
@@ -446,18 +451,18 @@ def project_and_gate(x: Float[Tensor, "T K"], w: Float[Tensor, "N K"], col: int,
     """GDN's input projection and its gating: ``-> (y = linear(x, w), g, beta)``, ``g`` and ``beta`` from
     the columns ``[col + H, col + 2H)`` (a) and ``[col, col + H)`` (b) of ``y`` as `gdn_gating` makes them.
     Under `gating_epilogue`, at decode sizes on CUDA, one launch (`skinny_linear_gating`), which also
-    normalizes a `NormOnLoad` ``x`` on load."""
+    finishes a `SplitNorm` ``x``."""
     H = neg_decay.shape[0]
-    rows = x.x if isinstance(x, NormOnLoad) else x
+    rows = x.scaled if isinstance(x, SplitNorm) else x
     if _GATING_EPILOGUE[-1] and rows.dim() == 2 and _skinny(rows, w, w.shape[-1]) \
             and neg_decay.dtype == torch.float32 and dt_bias.dtype == torch.float32 and neg_decay.is_contiguous() \
             and dt_bias.is_contiguous() and dt_bias.shape == (H,) and 0 <= col <= w.shape[0] - 2 * H \
-            and (rows is x or _folds_norm(x, w)):
+            and (rows is x or _takes_split(x, w)):
         from fnattn.kernels.skinny_folds import skinny_linear_gating
 
         if rows is x:
             return skinny_linear_gating(x, w, col, neg_decay, dt_bias)
-        return skinny_linear_gating(rows, w, col, neg_decay, dt_bias, norm=x.norm, squares=x.squares)
+        return skinny_linear_gating(rows, w, col, neg_decay, dt_bias, rms=x.rms)
     y = linear(x, w)
     return (y, *gdn_gating(y[..., col + H:col + 2 * H], y[..., col:col + H], neg_decay, dt_bias))
 
@@ -469,16 +474,16 @@ def gate_up_silu(x: Float[Tensor, "T D"], gate_up: Float[Tensor, "I2 D"]) -> Flo
     if _SWIGLU_EPILOGUE[-1] and gate_up.shape[0] % 2 == 0:
         from fnattn.kernels.skinny_folds import skinny_linear_swiglu
 
-        if _folds_norm(x, gate_up):  # a NormOnLoad: normalized as the GEMV loads it
-            return skinny_linear_swiglu(x.x, gate_up, norm=x.norm, squares=x.squares)
+        if _takes_split(x, gate_up):  # a SplitNorm: its rows scaled by the GEMV before the activation
+            return skinny_linear_swiglu(x.scaled, gate_up, rms=x.rms)
         if isinstance(x, Tensor) and x.dim() == 2 and _skinny(x, gate_up, gate_up.shape[-1]):
             return skinny_linear_swiglu(x, gate_up)
     return silu_and_mul(linear(x, gate_up))
 
 
 def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual: Float[Tensor, "T D"],
-                     weight: Float[Tensor, " D"], eps: float, gate: tuple | None = None, on_load: bool = False
-                     ) -> tuple[Float[Tensor, "T D"], Float[Tensor, "T D"] | NormOnLoad]:
+                     weight: Float[Tensor, " D"], eps: float, gate: tuple | None = None, split: bool = False
+                     ) -> tuple[Float[Tensor, "T D"], Float[Tensor, "T D"] | SplitNorm]:
     """An output projection, the residual add and the next block's input norm (Qwen's ``1 + weight``):
     ``-> (residual + linear(x, w), rms_norm_offset(that sum, weight, eps))``.
 
@@ -486,18 +491,18 @@ def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual:
     (`fnattn.tp.all_reduce`). Otherwise `linear` then `add_rms_norm_offset_`, which on CUDA writes the sum
     into ``residual`` (pass the step's own tensor). Under `add_norm_epilogue`, at decode sizes on CUDA and
     without TP, one launch: the GEMV's last tile adds the residual (the sum rounded once) and normalizes the
-    rounded sum. ``gate``: as `linear`'s (the epilogue then stays apart). ``on_load``: the caller hands the
-    norm to a projection that takes a `NormOnLoad` (`linear`, `project_and_gate`, `gate_up_silu`); under
-    `norm_on_load`, at decode sizes on CUDA without TP or a gate, it gets one (`skinny_linear_add_`).
+    rounded sum. ``gate``: as `linear`'s (the epilogue then stays apart). ``split``: the caller hands the
+    norm to a projection that takes a `SplitNorm` (`linear`, `project_and_gate`, `gate_up_silu`); under
+    `split_norm`, at decode sizes on CUDA without TP or a gate, it gets one (`skinny_linear_add_`).
     """
     group = current()
-    if on_load and _NORM_ON_LOAD[-1] and gate is None and (group is None or group.size == 1) and x.dim() == 2 \
+    if split and _SPLIT_NORM[-1] and gate is None and (group is None or group.size == 1) and x.dim() == 2 \
             and _skinny(x, w, w.shape[-1], residual) and residual.dim() == 2 and not shares_storage(x, residual) \
             and weight.dtype == x.dtype and weight.shape == (w.shape[0],) and weight.is_contiguous():
         from fnattn.kernels.skinny_folds import skinny_linear_add_
 
-        residual, squares = skinny_linear_add_(x, w, residual)
-        return residual, NormOnLoad(residual, squares, weight, eps)
+        residual, scaled, squares = skinny_linear_add_(x, w, residual, weight, 1.0)
+        return residual, SplitNorm(residual, scaled, squares, weight, eps)
     if gate is None and (group is None or group.size == 1) and _EPILOGUE[-1] and x.dim() == 2 \
             and _skinny(x, w, w.shape[-1], residual) and weight.dtype == x.dtype and weight.shape == (w.shape[0],) \
             and weight.is_contiguous():

@@ -40,7 +40,7 @@ from fnattn.kinds.delta_rule.math import RecurrentLayerOutput, gated_delta_chunk
 from fnattn.kinds.delta_rule.qkv import gdn_qkv
 
 from .common import rms_norm
-from .fused import NormOnLoad, gated_projection, gdn_gating, linear, project_and_gate  # CUDA kernels
+from .fused import SplitNorm, gated_projection, gdn_gating, linear, project_and_gate  # CUDA kernels
 
 __all__ = [
     "GDNWeights",
@@ -264,17 +264,17 @@ def gated_rmsnorm_silu(
 
 
 def gdn_project(
-    w: GDNWeights, x: Float[Tensor, "T Dmodel"] | NormOnLoad
+    w: GDNWeights, x: Float[Tensor, "T Dmodel"] | SplitNorm
 ) -> tuple[Float[Tensor, "T C"], Float[Tensor, "T H V"], Float[Tensor, "T H"], Float[Tensor, "T H"]]:
-    """The input projections: ``(conv_input, z, g, beta)``; ``x`` may be a `fused.NormOnLoad` (the layer's
-    input norm, applied by the projection as it loads the rows).
+    """The input projections: ``(conv_input, z, g, beta)``; ``x`` may be a `fused.SplitNorm` (the layer's
+    input norm, finished by the projection).
 
     ``conv_input`` ``[T, C]`` holds the q | k | v channels before the causal
     conv; ``z`` ``[T, H, V]`` is the output gate; ``g`` ``[T, H]`` is the fp32
     log-decay ``-exp(A_log) * softplus(a + dt_bias)``; ``beta`` ``[T, H]`` is
     ``sigmoid(b)``. All but ``g`` are in ``x.dtype``.
     """
-    rows = x.x if isinstance(x, NormOnLoad) else x
+    rows = x.x if isinstance(x, SplitNorm) else x
     expect_float("x", rows)
     expect_shape("x", rows, (None, w.hidden_size))
     T, H = rows.shape[0], w.num_v_heads

@@ -461,11 +461,11 @@ def _mixer_and_post_norm(session, i: int, layer: Layer, x: Tensor, h: Tensor, co
     """Layer ``i`` up to the MLP: ``-> (x + attention, its post-attention norm, layer deltas)``, the residual
     add and the norm with the output projection (`fused.project_add_norm`, which all-reduces a row-parallel
     projection under TP). ``x`` must be the step's own tensor: on CUDA the fused residual add writes into it.
-    A dense MLP takes the norm on load (`fused.norm_on_load`); ``h`` may be such a norm (`fused.NormOnLoad`)."""
-    eps, on_load = cfg.rms_norm_eps, not isinstance(layer.mlp, MoE)
+    A dense MLP's projection may finish the norm (`fused.split_norm`); ``h`` may be such a norm (`fused.SplitNorm`)."""
+    eps, split = cfg.rms_norm_eps, not isinstance(layer.mlp, MoE)
     (x, h), deltas = _mixer(session, i, layer, h, cos, sin, cfg, table,
                             lambda o, w, gate=None: project_add_norm(o, w, x, layer.post_norm, eps, gate=gate,
-                                                                     on_load=on_load))
+                                                                     split=split))
     return x, h, deltas
 
 
@@ -481,10 +481,10 @@ def decoder_layer(session, i: int, layer: Layer, x: Float[Tensor, "T D"], cos: T
 
 
 def _chained_layer(session, i: int, layer: Layer, x: Tensor, h: Tensor, next_norm: Tensor, cos: Tensor,
-                   sin: Tensor, cfg: QwenConfig, table: Tensor | None, next_on_load: bool = False):
+                   sin: Tensor, cfg: QwenConfig, table: Tensor | None, split_next: bool = False):
     """Layer ``i`` from its input norm ``h`` to the next norm's: ``-> (x, next_norm's output, layer deltas)``;
-    ``next_on_load``: the next norm goes to a projection that takes it on load (the next layer's mixer), so
-    under `fused.norm_on_load` it may come back as a `fused.NormOnLoad`.
+    ``split_next``: the next norm goes to a projection that can finish it (the next layer's mixer's), so
+    under `fused.split_norm` it may come back as a `fused.SplitNorm`.
 
     Each residual add and the norm after it go with the projection before them (`fused.project_add_norm`:
     on CUDA FlashInfer's fused add + RMSNorm after the GEMV, or one launch for both under
@@ -495,7 +495,7 @@ def _chained_layer(session, i: int, layer: Layer, x: Tensor, h: Tensor, next_nor
     if isinstance(layer.mlp, MoE):
         x, h = add_rms_norm_offset_(all_reduce(moe(h, layer.mlp, cfg)), x, next_norm, eps)
     else:
-        x, h = layer.mlp(h, lambda a, w: project_add_norm(a, w, x, next_norm, eps, on_load=next_on_load))
+        x, h = layer.mlp(h, lambda a, w: project_add_norm(a, w, x, next_norm, eps, split=split_next))
     return x, h, deltas
 
 
@@ -517,7 +517,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     for i, layer in enumerate(layers):
         next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else params.norm
         x, h, deltas = _chained_layer(session, i, layer, x, h, next_norm, cos, sin, cfg, table,
-                                      next_on_load=i + 1 < len(layers))
+                                      split_next=i + 1 < len(layers))
         layer_deltas.append(deltas)
     hidden = h  # [T, D], the final norm's output
     # The cursor advances once, after every layer has read the state.

@@ -118,9 +118,9 @@ def test_gate_prologue_moves_both_output_gates_into_the_projections(monkeypatch)
             pass
 
 
-def test_norm_on_load_takes_each_add_norm_launch_into_the_projections(monkeypatch):
-    """Under `fused.norm_on_load` a decode step's residual adds run in the output projections' GEMVs
-    (`skinny_linear_add_`) and every norm after one but the final is applied by the GEMV that reads it: the
+def test_split_norm_takes_each_add_norm_launch_into_the_projections(monkeypatch):
+    """Under `fused.split_norm` a decode step's residual adds run in the output projections' GEMVs
+    (`skinny_linear_add_`) and every norm after one but the final is finished by the GEMV that reads it: the
     only add + RMSNorm launch left a decode step is the final norm's; the logits stay the unfused model's."""
     from fnattn.kernels import norm_act, skinny_folds
 
@@ -129,11 +129,11 @@ def test_norm_on_load_takes_each_add_norm_launch_into_the_projections(monkeypatc
     calls: dict[str, int] = {}
     _count_calls(monkeypatch, skinny_folds, "skinny_linear_add_", calls, key=lambda *a, **k: "add")
     _count_calls(monkeypatch, norm_act, "add_rms_norm_", calls, key=lambda *a, **k: "add_rms_norm_")
-    with fused.norm_on_load(True):
-        assert fused.switches()["norm_on_load"]
+    with fused.split_norm(True):
+        assert fused.switches()["split_norm"]
         got = _run(model, ma)
     layers = len(model.specs)
     # the prefill's 2 L add + norms stay launches (21 rows); each of the 2 decode steps folds all but the final
     assert calls == {"add": 2 * (2 * layers - 1), "add_rms_norm_": 2 * layers + 2}, calls
     _assert_close_logits(got, want)
-    assert not fused.switches()["norm_on_load"]
+    assert not fused.switches()["split_norm"]

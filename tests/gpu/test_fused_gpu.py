@@ -341,7 +341,7 @@ VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
             "swiglu epilogue": fused.swiglu_epilogue, "gemv early4": lambda on: configured(early=4 if on else 1),
             "attention merge in launch": paged_attention.merge_in_launch,
             "gdn state first": gdn_decode_fused.state_first, "gate prologue": fused.gate_prologue,
-            "norm on load": fused.norm_on_load}
+            "split norm": fused.split_norm}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -356,8 +356,8 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     GEMV's launch), the GEMVs' first load four K tiles wide (`SkinnyConfig.early`), attention's splits merged in
     its own launch (`kernels.paged_attention.merge_in_launch`), the fused GDN decode's state read before its
     PDL wait (`kernels.gdn_decode_fused.state_first`), the output gates in the output projections' GEMVs
-    (`fused.gate_prologue`), the residual adds in the output projections and the norms after them applied by
-    the next GEMVs (`fused.norm_on_load`)."""
+    (`fused.gate_prologue`), the residual adds in the output projections and the norms after them finished by
+    the next GEMVs (`fused.split_norm`)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")

@@ -32,13 +32,13 @@ def compile_for_hopper(jit_fn, constexprs: dict, pointers: dict, floats=()):
 def skinny_cases():
     from fnattn.kernels.skinny_linear import _skinny_gemv_kernel
 
-    ptr = {p: "*bf16" for p in ("X", "W", "Y", "R", "NW", "H", "EW", "GB", "Z")}
+    ptr = {p: "*bf16" for p in ("X", "W", "Y", "R", "NW", "H", "EW", "GB", "Z", "U", "UW")}
     ptr.update(P="*fp32", C="*i32", GG="*fp32", GND="*fp32", GDTB="*fp32", SQ_IN="*fp32", SQ_OUT="*fp32")
     widened = {**ptr, "Y": "*fp32"}
     base = dict(ACT_SILU_MUL=False, HAS_RESIDUAL=False, NORM=False, NORM_OFFSET=False, USE_DOT=True, FP32_DOT=False,
                 SPLIT=False, ONE_LAUNCH=False, NORM_AFTER=False, NORM_AFTER_OFFSET=False, PDL=True, PREFETCH=False,
                 LINES=2, GATING=False, LIBDEVICE=True, SWIGLU=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
-                BLOCK_E=1024, EARLY=1, WIDEN=False, GATE=0, HEAD=1, NORM_SQUARES=False, BLOCK_P=1,
+                BLOCK_E=1024, EARLY=1, WIDEN=False, GATE=0, HEAD=1, RMS_SCALE=False, BLOCK_P=1,
                 ADD_SQUARES=False)
     variants = {
         "gemv": {},
@@ -56,16 +56,15 @@ def skinny_cases():
         "gemv gated-norm prologue, d64 heads, fma": dict(GATE=1, HEAD=64, USE_DOT=False, BLOCK_M=1),
         "gemv add + squares, split one launch": dict(HAS_RESIDUAL=True, ADD_SQUARES=True, SPLIT=True, ONE_LAUNCH=True),
         "gemv add + squares": dict(HAS_RESIDUAL=True, ADD_SQUARES=True),
-        "gemv norm from squares, swiglu": dict(NORM=True, NORM_OFFSET=True, NORM_SQUARES=True, BLOCK_P=32,
-                                               SWIGLU=True),
-        "gemv norm from squares, gating": dict(NORM=True, NORM_OFFSET=True, NORM_SQUARES=True, BLOCK_P=32,
-                                               GATING=True),
-        "gemv norm from squares, widened": dict(NORM=True, NORM_OFFSET=True, NORM_SQUARES=True, BLOCK_P=32,
-                                                WIDEN=True),
+        "gemv rms row scale, swiglu": dict(RMS_SCALE=True, BLOCK_P=32, SWIGLU=True),
+        "gemv rms row scale, gating": dict(RMS_SCALE=True, BLOCK_P=32, GATING=True),
+        "gemv rms row scale, widened": dict(RMS_SCALE=True, BLOCK_P=32, WIDEN=True),
+        "gemv rms row scale, split one launch": dict(RMS_SCALE=True, BLOCK_P=32, SPLIT=True, ONE_LAUNCH=True),
     }
     for name, change in variants.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(
-            _skinny_gemv_kernel, c, widened if c["WIDEN"] else ptr, floats=("eps", "offset", "e_eps", "e_offset"))
+            _skinny_gemv_kernel, c, widened if c["WIDEN"] else ptr,
+            floats=("eps", "offset", "e_eps", "e_offset", "u_offset"))
 
 
 def gdn_decode_cases():
