@@ -55,7 +55,7 @@ _GATING_EPILOGUE = [True]  # timed on the H200 (`gating_epilogue`)
 _SWIGLU_EPILOGUE = [True]  # timed on the H200 (`swiglu_epilogue`)
 _GATE_PROLOGUE = [False]  # slower in the whole step on the H200 (`gate_prologue`)
 _GROUPED_EXPERTS = [True]  # timed on the H200 (`grouped_experts`)
-_SPLIT_NORM = [False]  # not yet timed on the H200 (`split_norm`)
+_SPLIT_NORM = [True]  # timed on the H200 (`split_norm`)
 
 
 def unfused():
