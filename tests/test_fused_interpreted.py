@@ -1,7 +1,7 @@
 """A whole tiny Qwen3.5 through every fused kernel path, on the CPU under the Triton interpreter (fp16):
-what `models.fused` routes to each kernel (the GEMV, with GDN's gating or SwiGLU's activation in its epilogue
-at decode sizes; q / k
-norms and rope; GDN gating; the output gates; the residual add + norm and SiLU-and-mul) must give the unfused
+what `models.fused` routes to each kernel (the GEMV, with GDN's gating, SwiGLU's activation or a residual add
+and the row-local half of the next norm in its epilogue at decode sizes; q / k norms and rope; GDN gating; the
+output gates; the residual add + norm and SiLU-and-mul) must give the unfused
 model's logits over a prefill and decode steps. On a GPU the same comparison runs in bf16
 (tests/gpu/test_fused_gpu.py); here it checks the wiring."""
 
@@ -23,7 +23,7 @@ from fnattn.driver import prefill, run_step  # noqa: E402
 
 KERNELS = {  # module: the functions models.fused calls
     "skinny_linear": ["skinny_linear"],
-    "skinny_folds": ["skinny_linear_gating", "skinny_linear_swiglu"],
+    "skinny_folds": ["skinny_linear_gating", "skinny_linear_swiglu", "skinny_linear_add_"],
     "qk_norm_rope": ["qk_norm_rope"],
     "gdn_gate": ["gdn_gating"],
     "output_gate": ["gated_rms_norm_silu", "sigmoid_gate"],
@@ -129,11 +129,44 @@ def test_split_norm_takes_each_add_norm_launch_into_the_projections(monkeypatch)
     calls: dict[str, int] = {}
     _count_calls(monkeypatch, skinny_folds, "skinny_linear_add_", calls, key=lambda *a, **k: "add")
     _count_calls(monkeypatch, norm_act, "add_rms_norm_", calls, key=lambda *a, **k: "add_rms_norm_")
-    with fused.split_norm(True):
-        assert fused.switches()["split_norm"]
-        got = _run(model, ma)
+    assert fused.switches()["split_norm"]  # on by default
+    got = _run(model, ma)
     layers = len(model.specs)
     # the prefill's 2 L add + norms stay launches (21 rows); each of the 2 decode steps folds all but the final
     assert calls == {"add": 2 * (2 * layers - 1), "add_rms_norm_": 2 * layers + 2}, calls
     _assert_close_logits(got, want)
-    assert not fused.switches()["split_norm"]
+    calls.clear()
+    with fused.split_norm(False):
+        _run(model, ma)
+    assert calls == {"add_rms_norm_": 2 * layers + 2 * 2 * layers}, calls
+
+
+def test_split_norm_in_the_unchained_decoder_layer(monkeypatch):
+    """`qwen3_5.decoder_layer` (the MTP draft's layers) hands its post-attention norm to the MLP as a
+    `fused.SplitNorm` under `fused.split_norm`: a step built from it gives the unfused model's logits."""
+    import types
+
+    import torch.nn.functional as F
+    from fnattn.models import qwen3_5 as q
+    from fnattn.models.common import logit_rows, rms_norm, rope_cos_sin
+
+    def unchained(params, session, tokens):
+        cos, sin = rope_cos_sin(session.batch.positions, params.inv_freq)
+        x, layer_deltas = F.embedding(tokens, params.embed), []
+        for i, layer in enumerate(params.layers):
+            x, deltas = q.decoder_layer(session, i, layer, x, cos, sin, params.config)
+            layer_deltas.append(deltas)
+        out = rms_norm(x, params.norm, params.config.rms_norm_eps, offset=1.0)
+        logits = F.linear(logit_rows(session.batch, out), params.lm_head).float()
+        return logits, fa.StepDeltas.collect(session.batch, layer_deltas)
+
+    model, ma, want = _model_and_unfused_logits()
+    model = types.SimpleNamespace(specs=model.specs, params=model.params, step=unchained)
+    _allow_triton_on_cpu(monkeypatch)
+    from fnattn.kernels import skinny_folds
+
+    calls: dict[str, int] = {}
+    _count_calls(monkeypatch, skinny_folds, "skinny_linear_add_", calls, key=lambda *a, **k: "add")
+    got = _run(model, ma)
+    assert calls == {"add": 2 * len(model.specs)}, calls  # each layer's post-attention norm, 2 decode steps
+    _assert_close_logits(got, want)
