@@ -21,7 +21,10 @@ the squares of its rows over all of K itself, a second read of ``x`` from L2, th
 normalizes with `models.common.rms_norm`'s roundings); ``residual=`` (added to the
 fp32 accumulator, rounded once; with split-K after the fixed-order sum). The norm
 and residual folds lose on the H200 to FlashInfer's fused add + RMSNorm between two
-GEMVs (one decode pair: 18.0 us folded against 14.1 us): the models do not use them.
+GEMVs (one decode pair: 18.0 us folded against 14.1 us): the models do not use them. ``rms=(squares, eps)``
+scales each row of the product by an rms whose sums of squares another launch left, with no pass over x and x
+streamed into the dots as loaded: with `skinny_folds.skinny_linear_add_` before it, an RMSNorm split between two
+GEMVs, which the models do use (`models.fused.split_norm`).
 
 `fnattn.kernels.skinny_folds` takes the op after the product into the same launch (SwiGLU's
 activation, GDN's gating, a residual add + RMSNorm) as an epilogue.

@@ -16,7 +16,9 @@ load) let the kernel take a residual-add + RMSNorm between two projections into 
 The kernel's SiLU-and-mul prologue is slower than `silu_and_mul` then the GEMV (10.4 us
 against 7.8 us for the 0.8B MLP's down projection), so the models do not use it; they take the
 activation into the gate / up projection's epilogue instead (`gate_up_silu`, `swiglu_epilogue`).
-`gdn_gating` computes GDN's g and beta in one launch (`fnattn.kernels.gdn_gating`).
+`gdn_gating` computes GDN's g and beta in one launch (`fnattn.kernels.gdn_gating`). `project_add_norm` with
+``split=True`` (`split_norm`, on) splits a residual add + RMSNorm between the GEMVs on either side of it
+(`SplitNorm`): no launch of its own at decode sizes.
 
 Where fp32 stays in a bf16 model, the math needs it: RMSNorm statistics (inside
 the kernels), the rope angles (one fp32 table per step, shared by every layer),
