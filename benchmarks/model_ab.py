@@ -55,7 +55,7 @@ Switches:
   GEMV as it loads the mixer's output (`models.fused.gate_prologue`), or as launches of their own (the default).
 - ``split_norm``: each decode residual add in the output projection's GEMV, which leaves the next norm's
   sums of squares and its rows times ``1 + weight``, and the GEMV after it scaling its product's rows by the
-  rms (`models.fused.split_norm`), or the add + RMSNorm as a launch of its own (the default).
+  rms (`models.fused.split_norm`, the default), or the add + RMSNorm as a launch of its own.
 - ``state_first``: the fused GDN decode reads its state tile, conv window and batch rows before it waits for
   the input projection (`fnattn.kernels.gdn_decode_fused.state_first`, the default), or after it.
 - ``interior_tiles`` (prefill): the GDN conv's tiles inside one request read x alone
