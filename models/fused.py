@@ -148,9 +148,11 @@ def split_norm(enabled: bool):
     leaves the parts of the next RMSNorm that need no whole row (each column tile's sums of squares, the rows
     times ``1 + weight``); the next projection's GEMV streams those rows into its dots as loaded and scales
     each row of its product by the rms (`SplitNorm`): the residual add + RMSNorm launch between them is gone.
-    The norm's rounding moves from the normed rows to the product, so the two agree to bf16 rounding. Off by
-    default until timed on the H200 (the first form, 07f1fd9, normalized x as each K tile loaded, which took
-    x off the dots' async pipeline: 1.134x / 1.128x the step at batch 1 / 8, bench_norm_on_load_ab_07f1fd9.json)."""
+    The norm's rounding moves from the normed rows to the product, so the two agree to bf16 rounding. On by
+    default: on, the whole Qwen3.5-0.8B graph step on the H200 took 0.974x as long at batch 1 and 0.988x at
+    batch 8 (``benchmarks/model_ab.py --toggle split_norm``, benchmarks/results/bench_split_norm_ab.json at
+    6ce2fb6). A first form (07f1fd9) normalized x as each K tile loaded, which took x off the dots' async
+    pipeline: 1.134x / 1.128x the step (bench_norm_on_load_ab_07f1fd9.json)."""
     return switched(_SPLIT_NORM, "split_norm", enabled)
 
 
@@ -190,7 +192,7 @@ class SplitNorm:
 
 def _takes_split(x, w: Tensor) -> bool:
     """Whether ``x`` is a `SplitNorm` whose rest the GEMV of ``x.scaled @ w.T`` can finish."""
-    return isinstance(x, SplitNorm) and x.x.dim() == 2 and _skinny(x.scaled, w, w.shape[-1])
+    return isinstance(x, SplitNorm) and x.scaled.dim() == 2 and _skinny(x.scaled, w, w.shape[-1])
 
 
 def switches() -> dict[str, bool]:
@@ -458,13 +460,10 @@ def project_and_gate(x: Float[Tensor, "T K"], w: Float[Tensor, "N K"], col: int,
     rows = x.scaled if isinstance(x, SplitNorm) else x
     if _GATING_EPILOGUE[-1] and rows.dim() == 2 and _skinny(rows, w, w.shape[-1]) \
             and neg_decay.dtype == torch.float32 and dt_bias.dtype == torch.float32 and neg_decay.is_contiguous() \
-            and dt_bias.is_contiguous() and dt_bias.shape == (H,) and 0 <= col <= w.shape[0] - 2 * H \
-            and (rows is x or _takes_split(x, w)):
+            and dt_bias.is_contiguous() and dt_bias.shape == (H,) and 0 <= col <= w.shape[0] - 2 * H:
         from fnattn.kernels.skinny_folds import skinny_linear_gating
 
-        if rows is x:
-            return skinny_linear_gating(x, w, col, neg_decay, dt_bias)
-        return skinny_linear_gating(rows, w, col, neg_decay, dt_bias, rms=x.rms)
+        return skinny_linear_gating(rows, w, col, neg_decay, dt_bias, rms=None if rows is x else x.rms)
     y = linear(x, w)
     return (y, *gdn_gating(y[..., col + H:col + 2 * H], y[..., col:col + H], neg_decay, dt_bias))
 
@@ -499,7 +498,7 @@ def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual:
     """
     group = current()
     if split and _SPLIT_NORM[-1] and gate is None and (group is None or group.size == 1) and x.dim() == 2 \
-            and _skinny(x, w, w.shape[-1], residual) and residual.dim() == 2 and not shares_storage(x, residual) \
+            and _skinny(x, w, w.shape[-1], residual) and not shares_storage(x, residual) \
             and weight.dtype == x.dtype and weight.shape == (w.shape[0],) and weight.is_contiguous():
         from fnattn.kernels.skinny_folds import skinny_linear_add_
 
