@@ -19,7 +19,8 @@
 #   conv-even: the chunk tiles with first chunks apart (conv-default, conv-default-parity: on by default);
 #   conv-apart: the packed conv tiles as two launches;
 #   gemv-stages: the step's GEMVs at 3 pipeline stages / 2 early K tiles; split-norm (split-norm-parity):
-#   each residual add + RMSNorm split between the GEMVs on either side
+#   each residual add + RMSNorm split between the GEMVs on either side; overhead-graph: the framework over the same
+#   kernels, eager and replayed
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -195,6 +196,11 @@ case "${1:-}" in
   split-norm-parity)  # the whole model against the unfused one with split_norm on (tiny, the 0.8b slice)
     part 300 env FNATTN_GPU_RESULTS="$out/split_norm_cases.json" python benchmarks/gpu_pytest_record.py \
         "$out/split_norm_gpu.json" -- tests/gpu/test_fused_gpu.py -k "whole_model and split"
+    ;;
+  overhead-graph)  # the framework over the same kernels, eager and replayed (the direct graph way)
+    part 150 python benchmarks/gpu_pytest_record.py "$out/overhead_ways_gpu.json" -- tests/gpu/test_overhead_gpu.py
+    part 300 python -m fnattn bench overhead --family qwen3_5 --shape 0.8b --batch 1 8 --prompt 512 --steps 32 \
+        --device cuda --out "$out/bench_overhead_qwen3_5_0.8b.json"
     ;;
   gemv-stages)  # the whole decode step with the GEMVs at 3 pipeline stages and / or 2 early K tiles
     part 300 python benchmarks/model_ab.py --toggle stages3 early2 stages3+early2 --batch 1 8 --steps 64 \

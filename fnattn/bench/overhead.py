@@ -24,6 +24,12 @@ States of the same contents (`bench.setup.cached_state` is deterministic), with 
 - ``session``: the eager path users run: `fnattn.driver.run_step` (session, step, `State.apply`).
 - ``graph``: `fnattn.graph.StepRunner.decode` (lane checks and copies, then a CUDA-graph replay; on the
   CPU its capture-free mode: the same checks around the eager step and the full apply).
+- ``direct graph`` (captured runs only): a second runner's captured graph of the same step, replayed by
+  `DirectGraph` with none of the runner's checks: the batch built into the bucket's staging (the kernels'
+  metadata, as in ``direct``), the tokens copied in, the replay, the logits copied out and the cursors
+  moved (`State._advance`). The graph way's ``graph_overhead`` is its step over this one's: what the
+  driver adds to a replayed step. Its record also has ``host_before_replay_us``: the host time from the
+  step's start to the replay's launch, when the device has nothing to run.
 
 The session record also has ``breakdown_us``: the medians of run_step's pieces (batch, session entry,
 the step, session exit, the apply's validation, its writes, the cursor move), from a few more steps.
@@ -54,7 +60,7 @@ from ..declare import StepMeta
 from ..workspace import Workspace
 from .model import _record, _sync, _tokens, config_for
 
-WAYS = ("direct", "session", "graph")
+WAYS = ("direct", "session", "graph", "direct graph")
 TARGET = 1.03  # the issue's bound: session (and driver, apply) <= 3% over direct
 
 
@@ -141,6 +147,27 @@ class Direct:
         return state._advance(cursor, batch.step_id, state._storage), logits, built
 
 
+class DirectGraph:
+    """A captured decode step replayed with none of `StepRunner`'s checks (module docstring)."""
+
+    def __init__(self, runner, state, batch: int):
+        from ..lanes import Bucket
+
+        self.bucket = Bucket("decode", batch, 0, runner.columns(state))
+        self.state, self.entry = runner._ensure(state, self.bucket, "native")  # captured here
+        self.before_replay: list[float] = []  # seconds from a step's start to its replay's launch
+
+    def step(self, state, ids, tokens, started: float):
+        """``-> (state after the step, logits)``; ``started``: the step's perf_counter start."""
+        e, b = self.entry, self.bucket
+        batch = Batch.decode(state, ids, pad_to=b.lanes, columns=b.columns, staging=e.staging)
+        e.inputs["tokens"][:len(ids)].copy_(tokens)
+        self.before_replay.append(time.perf_counter() - started)
+        e.graph.replay()
+        logits = e.outputs["logits"][:len(ids)].clone()
+        return state._advance(batch.cursor_after(batch.host_new_lens), batch.step_id, state._storage), logits
+
+
 def _runner(model, ma, batch: int, max_context: int, graph: bool):
     """The StepRunner of the graph way (captured on CUDA), or None with the reason."""
     from ..graph import StepRunner
@@ -206,10 +233,15 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
     room = warmup + steps + pieces + 1
     states = {w: decode_state(model, dev, batch, prompt, page_size=page_size, room=room) for w in WAYS}
     runner, why = _runner(model, ma, batch, prompt + room, graph)
-    ways = [w for w in WAYS if w != "graph" or runner is not None]
+    replayed = None  # the direct graph way, where the runner captures
+    if runner is not None and runner.capture:
+        second, _ = _runner(model, ma, batch, prompt + room, graph)
+        replayed = DirectGraph(second, states["direct graph"], batch)
+        states["direct graph"] = replayed.state
+    ways = [w for w in WAYS if (w != "graph" or runner is not None) and (w != "direct graph" or replayed)]
     direct = Direct(model, ma, states["direct"])
     times = {w: [] for w in ways}
-    built, diffs, equal = [], {w: 0.0 for w in ways}, True
+    built, diffs, equal, graph_equal = [], {w: 0.0 for w in ways}, True, True
     exact = dev.type == "cpu" and next(iter(ma.specs)).dtype == torch.float32
     try:
         with torch.no_grad():
@@ -225,8 +257,10 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
                         st, out, b = direct.step(st, ids, tokens)
                     elif way == "session":
                         st, out = run_step(model.step, model.params, ma, st, Batch.decode(st, ids), tokens)
-                    else:
+                    elif way == "graph":
                         st, out = runner.decode(st, ids, tokens)
+                    else:
+                        st, out = replayed.step(st, ids, tokens, t0)
                     _sync(dev)
                     if i >= warmup:
                         times[way].append(time.perf_counter() - t0)
@@ -238,6 +272,8 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
                     diffs[way] = max(diffs[way], diff)
                     if way == "session":
                         equal = equal and torch.equal(logits[way], logits["direct"])
+                if replayed is not None:  # the same captured kernels over the same contents: the same bits
+                    graph_equal = graph_equal and torch.equal(logits["direct graph"], logits["graph"])
         breakdown, states["session"] = session_breakdown(model, ma, states["session"], ids, pieces)
     finally:
         direct.close()
@@ -259,10 +295,18 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
                  "target_overhead": TARGET}
         if way == "session":
             extra.update(logits_equal=equal, breakdown_us=breakdown)
-        else:
+        elif way == "graph":
             extra.update(captured=bool(runner.capture), validation_us=runner.last_validation_s * 1e6)
-        backend = "fnattn session" if way == "session" else ("fnattn graph" if runner.capture else
-                                                              "fnattn graph (no capture)")
+            if replayed is not None:  # what the driver adds to a replayed step
+                extra.update(graph_overhead=t / statistics.median(times["direct graph"]),
+                             paired_graph_overhead=statistics.median(
+                                 a / b for a, b in zip(times[way], times["direct graph"])),
+                             target_overhead=TARGET)
+        else:
+            extra.update(host_before_replay_us=statistics.median(replayed.before_replay[warmup:]) * 1e6,
+                         logits_equal_graph=graph_equal)
+        backend = {"session": "fnattn session", "direct graph": "direct graph"}.get(way) or (
+            "fnattn graph" if runner.capture else "fnattn graph (no capture)")
         records.append(_record(case, backend, "decode", t, batch, **common, **extra))
     if runner is None:
         records.append({"case": case, "backend": "fnattn graph", "phase": "decode", "skipped": why})
@@ -271,6 +315,9 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
             log(f"{case}: {r['backend']} {r['time_us']:.1f} us, {r['overhead']:.3f}x direct "
                 f"({base * 1e6:.1f} us; paired by round {r['paired_overhead']:.3f}x); logits max diff "
                 f"{r['logits_max_diff']:.3g}")
+        if r.get("graph_overhead"):
+            log(f"{case}: fnattn graph {r['graph_overhead']:.3f}x direct graph (paired by round "
+                f"{r['paired_graph_overhead']:.3f}x)")
     return records
 
 
@@ -311,6 +358,11 @@ def print_overhead_table(records: list[dict]) -> None:
         ratio = f"{r['overhead']:.3f}" if r.get("overhead") else "1"
         diff = f"{r['logits_max_diff']:.2g}" if "logits_max_diff" in r else ""
         print(f"{r['case']:<32}{r['backend']:<28}{r['time_us']:>10.1f}{ratio:>10}{diff:>10}")
+        if r.get("graph_overhead"):
+            print(f"{'':<32}  {r['graph_overhead']:.3f}x the direct graph way (paired by round "
+                  f"{r['paired_graph_overhead']:.3f}x)")
+        if r.get("host_before_replay_us"):
+            print(f"{'':<32}  host time before the replay's launch: {r['host_before_replay_us']:.1f} us")
         if r.get("breakdown_us"):
             print(f"{'':<32}  run_step pieces (us): " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_us"].items()))
     if any(r.get("checks") for r in records):
