@@ -241,11 +241,10 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
             values = w.values
             if values.keys() != want:
                 fail(f"{where}: layer {layer}", "values", f"exactly the tensors {sorted(want)}", sorted(values))
-            lent = wb.ring and storage.ring_lent == (wb.state_version, w.session)
             for name, layout in entries:
                 value = values[name]
                 if value is None:  # written in place: a per-request state in the spare ring rows lent to w's session
-                    if layout[3] or not lent:
+                    if layout[3] or not (wb.ring and storage.ring_lent == (wb.state_version, w.session)):
                         _refuse_in_place(storage, layer, name, layout[3], wb)
                     continue
                 targets.append(_target(storage, layer, name, value, layout, spaces, spans))

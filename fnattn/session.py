@@ -44,6 +44,8 @@ class AttentionSession:
         self._open = False
         self._closed = False
         self._plans: dict[int, object] = {}
+        self._metas: dict = {}  # group -> the StepMeta its layers' inputs carry, from entry on
+        self._views: dict = {}  # layer -> its Views: the storage's, built once (`State.views`)
         self._dispatch: dict = {}  # layer -> (spec, backend, input types, group), from entry on
         self._lease = None
         self._done: set[int] = set()
@@ -92,6 +94,12 @@ class AttentionSession:
             self._lease.release()
             self._closed = True
             raise
+        # One StepMeta per group (frozen: its layers share it) and the storage's views, looked up per layer.
+        self._metas = {group: StepMeta(batch=batch, plan=plan, workspace=self._lease)
+                       for group, plan in self._plans.items()}
+        self._metas.setdefault(None, StepMeta(batch=batch, plan=None, workspace=self._lease))
+        self._views = state._storage.__dict__.setdefault("_views", {})
+        self._device = state.device
         if batch.ring:
             state._storage.lend_ring(batch.state_version, self.id)
         self._open = True
@@ -126,9 +134,13 @@ class AttentionSession:
             fail("AttentionSession.forward", "inputs",
                  f"{' or '.join(t.__name__ for t in expected)} (layer {layer} is {spec.kind})",
                  type(inputs).__name__)
-        inputs.validate(spec, batch, self.state.device)
-        meta = StepMeta(batch=batch, plan=self._plans.get(group), workspace=self._lease)
-        views = self.state.views(layer)
+        inputs.validate(spec, batch, self._device)
+        meta = self._metas.get(group) or self._metas[None]
+        state = self.state
+        state._check_live()
+        views = self._views.get(layer)
+        if views is None:
+            views = state.views(layer)
         if CHECKS_ENABLED and not capturing():
             with debug_check():
                 watch = _Watch(self.state, layer, views, batch)

@@ -76,13 +76,14 @@ class DirectSession:
         self._direct = direct
         self._plans = plans
         self.writes: dict[int, object] = {}
+        self._metas = {g: StepMeta(batch=batch, plan=p, workspace=direct.lease) for g, p in plans.items()}
         self.generated: dict[str, torch.Tensor] = {}
         self.replay_outputs: dict[int, object] = {}
 
     def forward(self, layer: int, inputs):
         d = self._direct
         fn, spec, group = d.layers[layer]
-        meta = StepMeta(batch=self.batch, plan=self._plans.get(group), workspace=d.lease)
+        meta = self._metas.get(group) or StepMeta(batch=self.batch, plan=None, workspace=d.lease)
         out, writes = fn(spec, d.views[layer], replace(inputs, meta=meta))
         self.writes[layer] = writes
         return out, writes
