@@ -212,6 +212,11 @@ class Batch:
                       pad_to=pad_to, columns=columns, pad_tokens=pad_tokens)
 
 
+def next_step_id() -> int:
+    """A step id no batch has had (a restamped batch takes one: `fnattn.graph.StepRunner`)."""
+    return next(_steps)
+
+
 def _ids(where: str, request_ids) -> tuple:
     if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
         fail(where, "request_ids", "an iterable of int request ids", request_ids)

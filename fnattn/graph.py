@@ -33,7 +33,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .apply import check_batch, validate_step, write_step
-from .batch import TENSOR_DTYPES, Batch
+from .batch import TENSOR_DTYPES, Batch, next_step_id
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
 from .lanes import BATCH_LANES, Bucket, LaneError, Manifest, check_lanes, check_out, no_host_reads, static_shapes
@@ -53,6 +53,10 @@ class _Entry:
     generated: dict[str, Tensor] = field(default_factory=dict)
     replay_outputs: dict[int, object] = field(default_factory=dict)
     replays: int = 0
+    # (a decode batch built into the staging for the requests' next tokens, what it was derived from): see
+    # `StepRunner._prepare_next`
+    prepared: tuple[Batch, tuple] | None = None
+    prepared_used: int = 0  # decode steps that took the prepared batch
 
 
 class StepRunner:
@@ -62,10 +66,13 @@ class StepRunner:
     manifest has a ``hidden`` output lane. ``buckets``: the lane counts steps are padded to.
     ``max_context``: the longest cache a request may reach (fixes the block table's width; default the
     whole pool). ``capture``: None captures on CUDA when every decode/verify backend is capturable.
+    ``prepare``: whether `decode` builds the next decode batch of the same requests right after it launches
+    a replay, while the device runs it (`_prepare_next`); None: where steps are captured.
     """
 
     def __init__(self, step, params, model_attention, manifest: Manifest, *, buckets: Iterable[int] = DEFAULT_BUCKETS,
-                 max_context: int | None = None, capture: bool | None = None, host_reads: str = "allow"):
+                 max_context: int | None = None, capture: bool | None = None, host_reads: str = "allow",
+                 prepare: bool | None = None):
         if not callable(step):
             fail("StepRunner", "step", "a step function (params, session, tokens) -> (logits, ..., deltas)", step)
         if not isinstance(manifest, Manifest):
@@ -81,6 +88,8 @@ class StepRunner:
             fail("StepRunner", "capture", "None, True or False", capture)
         if host_reads not in ("allow", "error"):
             fail("StepRunner", "host_reads", "'allow' or 'error'", host_reads)
+        if prepare not in (None, True, False):
+            fail("StepRunner", "prepare", "None, True or False", prepare)
         self.step, self.params, self.attn, self.manifest = step, params, model_attention, manifest
         self.buckets, self.max_context, self.host_reads = buckets, max_context, host_reads
         self.hidden = any(lane.name == "hidden" for lane in manifest.role("output"))
@@ -94,6 +103,7 @@ class StepRunner:
         self.capture = on_cuda and not refused if capture is None else capture
         # Verify is captured where its backends allow it too; otherwise it runs the checked eager step.
         self.capture_verify = self.capture and not self.uncapturable("verify")
+        self.prepare = self.capture if prepare is None else prepare
         self._entries: dict[tuple[Bucket, str], _Entry] = {}
         self.last_validation_s = 0.0
         self._pool = None
@@ -132,8 +142,13 @@ class StepRunner:
         self.last_validation_s = time.perf_counter() - started
         # Built here from the live handle a moment ago: checking it against that handle again would compare
         # the State with itself (`run` checks a batch it is handed).
-        batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns, staging=entry.staging)
-        return self._decode(state, entry, batch, tokens, out, built_here=True)
+        batch = self._take_prepared(state, entry, ids)
+        if batch is None:
+            batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns, staging=entry.staging)
+        state, logits = self._decode(state, entry, batch, tokens, out, built_here=True)
+        if self.prepare:
+            self._prepare_next(state, entry, ids)
+        return state, logits
 
     def run(self, state, batch: Batch, tokens: Int[Tensor, " n"], *, out: Float[Tensor, "n V"] | None = None):
         """One decode step over a batch padded to one of this runner's buckets (``Batch.decode(state, ids,
@@ -181,6 +196,34 @@ class StepRunner:
         return Verified(self, state, batch, entry, outputs, deltas, replay_outputs)
 
     # ------------------------------------------------------------- internals
+    def _prepare_next(self, state, entry: _Entry, ids: tuple) -> None:
+        """Build the decode batch of ``ids``' next tokens into the staging now, while the device runs the
+        replay just launched: its copies queue behind that replay on the stream, so the graph has read this
+        step's lanes before they land. The next `decode` of the same requests takes it when every request's
+        length, pages, ring position and slot are still what it was built from (`_derivation`), and otherwise
+        builds its own into the staging, which its copies overwrite. A request without room for one more token
+        (its next page not reserved yet) leaves nothing prepared."""
+        entry.prepared = None
+        S, reqs = state.page_size, state._requests
+        if any(reqs[r].length + 1 > len(reqs[r].pages) * S for r in ids):
+            return
+        b = entry.bucket
+        batch = Batch.decode(state, ids, pad_to=b.lanes, columns=b.columns, staging=entry.staging)
+        entry.prepared = (batch, _derivation(state, ids))
+
+    def _take_prepared(self, state, entry: _Entry, ids: tuple) -> Batch | None:
+        """The prepared batch, restamped for ``state`` (a handle of the same bookkeeping, after a reserve that
+        added no page), or None: then the caller builds one."""
+        prepared, entry.prepared = entry.prepared, None
+        if prepared is None:
+            return None
+        batch, derived_from = prepared
+        if batch.live_ids != ids or _derivation(state, ids) != derived_from:
+            return None
+        entry.prepared_used += 1
+        # The same rows the builder would derive from ``state`` now: only the version and the step are new.
+        return replace(batch, state_version=state.version, step_id=next_step_id())
+
     def _check_tokens(self, tokens, live: int, device: torch.device, out: Tensor | None) -> None:
         """The requests' new tokens (and an ``out=`` buffer for their logits), before anything is copied."""
         if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.shape[0] != live:
@@ -317,6 +360,15 @@ class StepRunner:
             fail("StepRunner", "state", f"the state the batch was built from (version {batch.state_version})",
                  state.version)
         return state._advance(cursor, batch.step_id, state._storage)
+
+
+def _derivation(state, ids: tuple) -> tuple:
+    """What `Batch.decode` derives a batch of ``ids`` from: the storage, and each request's length, pages, ring
+    position and slot (pad lanes and the block table's width are the bucket's); None for a request no longer
+    admitted."""
+    reqs = state._requests
+    return (state._storage.lineage, tuple((r, q.length, q.pages, q.ring_pos, q.slot) if (q := reqs.get(r)) else None
+                                          for r in ids))
 
 
 @contextlib.contextmanager

@@ -76,6 +76,51 @@ def test_capture_free_steps_equal_eager_steps_for_every_family(name):
     assert st.free_slots == 2
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "llama", "deepseek_v32"])
+def test_a_prepared_next_batch_gives_the_steps_a_fresh_one_gives(name):
+    """`decode` builds the next batch of the same requests after each step: a later step takes it only when
+    it is what a fresh build would give. On the CPU the apply re-derives every row of a batch it has no seal
+    for (a restamped one), so a prepared batch with any other rows would be refused here."""
+    model = random_model(name)
+    attn = fa.ModelAttention(model.specs)
+
+    def runner(prepare):
+        return StepRunner(model.step, model.params, attn, model.manifest(), max_context=64, buckets=(1, 2, 4),
+                          prepare=prepare)
+
+    fresh, prepared = runner(False), runner(True)
+    assert fresh.prepare is False and runner(None).prepare is False  # None: where steps are captured
+    want, want_state = _decode_run(model, attn, fresh, steps=12)
+    got, got_state = _decode_run(model, attn, prepared, steps=12)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    used = sum(e.prepared_used for e in prepared._entries.values())
+    # requests joining and leaving change the ids, and a page boundary leaves no room to prepare: neither is taken
+    assert 0 < used < 12 and sum(e.prepared_used for e in fresh._entries.values()) == 0
+    assert {r: got_state.request(r).length for r in got_state.requests} == \
+        {r: want_state.request(r).length for r in want_state.requests}
+
+
+def test_a_prepared_batch_is_not_taken_once_the_state_moved_under_it():
+    model = random_model("qwen3_5")
+    attn = fa.ModelAttention(model.specs)
+    runner = StepRunner(model.step, model.params, attn, model.manifest(), max_context=64, buckets=(1,), prepare=True)
+    st, last = _prefill(model.step, model.params, attn, _state(model.specs), {0: [1, 2, 3]})
+    st = st.reserve({0: 1})
+    st, _ = runner.decode(st, [0], torch.tensor([last[0]]))
+    entry = runner._entries[next(iter(runner._entries))]
+    assert entry.prepared is not None
+    saved = st.checkpoint([0])
+    st = st.reserve({0: 1})
+    st, _ = runner.decode(st, [0], torch.tensor([3]))  # takes it: nothing moved
+    assert entry.prepared_used == 1
+    st = st.restore(saved)  # the request's cursor goes back a token: the prepared rows are a token ahead
+    st = st.reserve({0: 1})
+    st, logits = runner.decode(st, [0], torch.tensor([3]))
+    assert entry.prepared_used == 1 and torch.isfinite(logits).all()
+    assert st.request(0).length == 5
+
+
 def _tiny():
     cfg = tiny.TinyConfig(num_layers=2)
     params = tiny.init_params(cfg)
@@ -243,7 +288,8 @@ def test_runner_arguments_are_checked():
     cfg = tiny.TinyConfig(num_layers=1)
     params, attn = tiny.init_params(cfg), fa.ModelAttention(tiny.layer_specs(cfg))
     for kw, arg in ((dict(buckets=(4, 2)), "buckets"), (dict(max_context=0), "max_context"),
-                    (dict(capture=True), "capture"), (dict(host_reads="warn"), "host_reads")):
+                    (dict(capture=True), "capture"), (dict(host_reads="warn"), "host_reads"),
+                    (dict(prepare="yes"), "prepare")):
         with pytest.raises(ValueError, match=f"`{arg}`"):
             StepRunner(tiny.step, params, attn, tiny.manifest(cfg), **kw)
     assert StepRunner(tiny.step, params, attn, tiny.manifest(cfg)).uncapturable()  # CPU: reference backends

@@ -28,17 +28,22 @@ States of the same contents (`bench.setup.cached_state` is deterministic), with 
   `DirectGraph` with none of the runner's checks: the batch built into the bucket's staging (the kernels'
   metadata, as in ``direct``), the tokens copied in, the replay, the logits copied out and the cursors
   moved (`State._advance`). The graph way's ``graph_overhead`` is its step over this one's: what the
-  driver adds to a replayed step. Its record also has ``host_before_replay_us``: the host time from the
-  step's start to the replay's launch, when the device has nothing to run.
+  driver adds to a replayed step, less what it saves by building the next step's batch while the device
+  runs this one (`StepRunner` ``prepare``; ``prepared_steps`` counts the steps that took one), which
+  `DirectGraph` does not. Both replayed ways record ``host_before_replay_us``: the host time from the
+  step's start to the replay's launch, while the device has nothing to run.
 
 The session record also has ``breakdown_us``: the medians of run_step's pieces (batch, session entry,
 the step, session exit, the apply's validation, its writes, the cursor move), from a few more steps.
 
-Steps are interleaved (each step runs every way, in a rotating order) so drift on a shared machine
-lands on all of them alike. Each way's record has the median step, ``overhead`` = its median over
-direct's, and ``paired_overhead`` = the median over rounds of its step over the same round's direct
-step (the steadier of the two where the machine drifts). The direct and session logits must be equal:
-bitwise on the CPU in fp32 (the run fails otherwise), the largest difference is recorded on a GPU.
+Steps are interleaved (each step runs every way of its group, in a rotating order) so drift on a shared
+machine lands on all of them alike: the eager ways (direct, session) with each other, then the replayed
+ways with each other (a replay right after a 20 ms host-bound eager step finds a device that idled through
+it). Each way's record has the median step, ``overhead`` = its median over direct's, and
+``paired_overhead`` = the median over rounds of its step over the same round's direct step (the steadier
+of the two where the machine drifts; the replayed ways pair with direct by step index, and with each other
+by round in ``paired_graph_overhead``). The direct and session logits must be equal: bitwise on the CPU in
+fp32 (the run fails otherwise), the largest difference is recorded on a GPU.
 Whether ``FNATTN_CHECKS`` was on (decided at import) is in every record: the overhead target is with
 checks off.
 """
@@ -156,17 +161,35 @@ class DirectGraph:
 
         self.bucket = Bucket("decode", batch, 0, runner.columns(state))
         self.state, self.entry = runner._ensure(state, self.bucket, "native")  # captured here
-        self.before_replay: list[float] = []  # seconds from a step's start to its replay's launch
 
-    def step(self, state, ids, tokens, started: float):
-        """``-> (state after the step, logits)``; ``started``: the step's perf_counter start."""
+    def step(self, state, ids, tokens):
+        """``-> (state after the step, logits)``."""
         e, b = self.entry, self.bucket
         batch = Batch.decode(state, ids, pad_to=b.lanes, columns=b.columns, staging=e.staging)
         e.inputs["tokens"][:len(ids)].copy_(tokens)
-        self.before_replay.append(time.perf_counter() - started)
         e.graph.replay()
         logits = e.outputs["logits"][:len(ids)].clone()
         return state._advance(batch.cursor_after(batch.host_new_lens), batch.step_id, state._storage), logits
+
+
+class _LaunchClock:
+    """A captured graph whose replays note when the host launched them (the bench's instrument only)."""
+
+    def __init__(self, graph):
+        self.graph, self.launched = graph, []
+
+    def replay(self) -> None:
+        self.launched.append(time.perf_counter())
+        self.graph.replay()
+
+
+def _clocked(runner, state, batch: int):
+    """Capture ``runner``'s decode bucket of ``batch`` lanes now and clock its replays: ``-> (state, clock)``."""
+    from ..lanes import Bucket
+
+    state, entry = runner._ensure(state, Bucket("decode", batch, 0, runner.columns(state)), "native")
+    entry.graph = _LaunchClock(entry.graph)
+    return state, entry.graph
 
 
 def _runner(model, ma, batch: int, max_context: int, graph: bool):
@@ -224,7 +247,7 @@ def session_breakdown(model, ma, state, ids, steps: int, seed: int = 500) -> tup
 
 def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, page_size: int,
                   graph: bool = True, warmup: int = 3, log=print) -> list[dict]:
-    """The three ways of one decode case (module docstring): ``-> records``."""
+    """The ways of one decode case (module docstring): ``-> records``."""
     from ..driver import run_step
     from .model import decode_state
 
@@ -234,50 +257,56 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
     room = warmup + steps + pieces + 1
     states = {w: decode_state(model, dev, batch, prompt, page_size=page_size, room=room) for w in WAYS}
     runner, why = _runner(model, ma, batch, prompt + room, graph)
-    replayed = None  # the direct graph way, where the runner captures
+    replayed, clocks = None, {}  # the direct graph way, and each captured way's launch times
     if runner is not None and runner.capture:
+        states["graph"], clocks["graph"] = _clocked(runner, states["graph"], batch)
         second, _ = _runner(model, ma, batch, prompt + room, graph)
         replayed = DirectGraph(second, states["direct graph"], batch)
-        states["direct graph"] = replayed.state
+        states["direct graph"], clocks["direct graph"] = _clocked(second, replayed.state, batch)
     ways = [w for w in WAYS if (w != "graph" or runner is not None) and (w != "direct graph" or replayed)]
     direct = Direct(model, ma, states["direct"])
-    times = {w: [] for w in ways}
-    built, diffs, equal, graph_equal = [], {w: 0.0 for w in ways}, True, True
-    exact = dev.type == "cpu" and next(iter(ma.specs)).dtype == torch.float32
+    times, starts = {w: [] for w in ways}, {w: [] for w in ways}
+    logits = {w: [] for w in ways}  # per step: the same tokens at the same step, over the same contents
+    built = []
+    # The eager ways interleave with each other, the replayed ones with each other: a replay right after a
+    # 20 ms host-bound eager step runs on a device that idled through it, and would be timed slower for it.
+    groups = [[w for w in ways if w in ("direct", "session")], [w for w in ways if w in ("graph", "direct graph")]]
     try:
         with torch.no_grad():
-            for i in range(warmup + steps):
-                tokens = _tokens(batch, model.config.vocab_size, dev, 100 + i)
-                logits = {}
-                k = i % len(ways)
-                for way in ways[k:] + ways[:k]:
-                    st = states[way].reserve({r: 1 for r in ids})
-                    _sync(dev)
-                    t0 = time.perf_counter()
-                    if way == "direct":
-                        st, out, b = direct.step(st, ids, tokens)
-                    elif way == "session":
-                        st, out = run_step(model.step, model.params, ma, st, Batch.decode(st, ids), tokens)
-                    elif way == "graph":
-                        st, out = runner.decode(st, ids, tokens)
-                    else:
-                        st, out = replayed.step(st, ids, tokens, t0)
-                    _sync(dev)
-                    if i >= warmup:
-                        times[way].append(time.perf_counter() - t0)
+            for group in groups:
+                for i in range(warmup + steps):
+                    tokens = _tokens(batch, model.config.vocab_size, dev, 100 + i)
+                    k = i % len(group)
+                    for way in group[k:] + group[:k]:
+                        st = states[way].reserve({r: 1 for r in ids})
+                        _sync(dev)
+                        t0 = time.perf_counter()
                         if way == "direct":
-                            built.append(b)
-                    states[way], logits[way] = st, out
-                for way in ways[1:]:
-                    diff = (logits[way].float() - logits["direct"].float()).abs().max().item()
-                    diffs[way] = max(diffs[way], diff)
-                    if way == "session":
-                        equal = equal and torch.equal(logits[way], logits["direct"])
-                if replayed is not None:  # the same captured kernels over the same contents: the same bits
-                    graph_equal = graph_equal and torch.equal(logits["direct graph"], logits["graph"])
+                            st, out, b = direct.step(st, ids, tokens)
+                        elif way == "session":
+                            st, out = run_step(model.step, model.params, ma, st, Batch.decode(st, ids), tokens)
+                        elif way == "graph":
+                            st, out = runner.decode(st, ids, tokens)
+                        else:
+                            st, out = replayed.step(st, ids, tokens)
+                        _sync(dev)
+                        starts[way].append(t0)
+                        if i >= warmup:
+                            times[way].append(time.perf_counter() - t0)
+                            if way == "direct":
+                                built.append(b)
+                        states[way] = st
+                        logits[way].append(out)
         breakdown, states["session"] = session_breakdown(model, ma, states["session"], ids, pieces)
     finally:
         direct.close()
+    diffs = {w: max((a.float() - b.float()).abs().max().item() for a, b in zip(logits[w], logits["direct"]))
+             for w in ways}
+    equal = all(torch.equal(a, b) for a, b in zip(logits["session"], logits["direct"]))
+    exact = dev.type == "cpu" and next(iter(ma.specs)).dtype == torch.float32
+    # the same captured kernels over the same contents: the same bits
+    graph_equal = replayed is not None and all(torch.equal(a, b) for a, b in zip(logits["direct graph"],
+                                                                                 logits["graph"]))
     if exact and not equal:
         raise RuntimeError(f"bench overhead: {name} B{batch}: the direct and session logits differ (max "
                            f"{diffs['session']:.3g}) on the CPU in fp32; the direct way is not the same math")
@@ -291,21 +320,24 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
         t = statistics.median(times[way])
         # Each round runs every way back to back: the median of the rounds' own ratios leaves out the drift of
         # a shared machine, which moves the medians' ratio by a few percent between runs.
-        paired = statistics.median(a / b for a, b in zip(times[way], times["direct"]))
+        paired = statistics.median(a / b for a, b in zip(times[way], times["direct"]))  # the replayed: by step
         extra = {"overhead": t / base, "paired_overhead": paired, "logits_max_diff": diffs[way],
                  "target_overhead": TARGET}
         if way == "session":
             extra.update(logits_equal=equal, breakdown_us=breakdown)
-        elif way == "graph":
-            extra.update(captured=bool(runner.capture), validation_us=runner.last_validation_s * 1e6)
+        if way in clocks:
+            extra.update(host_before_replay_us=statistics.median(
+                at - t0 for at, t0 in zip(clocks[way].launched[warmup:], starts[way][warmup:])) * 1e6)
+        if way == "graph":
+            extra.update(captured=bool(runner.capture), validation_us=runner.last_validation_s * 1e6,
+                         prepared_steps=sum(e.prepared_used for e in runner._entries.values()))
             if replayed is not None:  # what the driver adds to a replayed step
                 extra.update(graph_overhead=t / statistics.median(times["direct graph"]),
                              paired_graph_overhead=statistics.median(
                                  a / b for a, b in zip(times[way], times["direct graph"])),
                              target_overhead=TARGET)
-        else:
-            extra.update(host_before_replay_us=statistics.median(replayed.before_replay[warmup:]) * 1e6,
-                         logits_equal_graph=graph_equal)
+        elif way == "direct graph":
+            extra.update(logits_equal_graph=graph_equal)
         backend = {"session": "fnattn session", "direct graph": "direct graph"}.get(way) or (
             "fnattn graph" if runner.capture else "fnattn graph (no capture)")
         records.append(_record(case, backend, "decode", t, batch, **common, **extra))

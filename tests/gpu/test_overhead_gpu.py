@@ -20,8 +20,9 @@ def test_overhead_ways_on_the_gpu(batch, record):
     assert set(by_way) == {"direct", "fnattn session", "fnattn graph", "direct graph"}
     graph, replayed = by_way["fnattn graph"], by_way["direct graph"]
     ok = replayed["logits_equal_graph"] and graph["captured"] and graph["graph_overhead"] > 0 \
-        and replayed["host_before_replay_us"] > 0
+        and replayed["host_before_replay_us"] > 0 and graph["host_before_replay_us"] > 0 \
+        and graph["prepared_steps"] > 0
     record({"case": f"overhead ways qwen3_5 tiny B{batch}", "ok": bool(ok),
             "graph_overhead": graph["graph_overhead"], "host_before_replay_us": replayed["host_before_replay_us"],
-            "logits_equal_graph": replayed["logits_equal_graph"]})
+            "logits_equal_graph": replayed["logits_equal_graph"], "prepared_steps": graph["prepared_steps"]})
     assert ok, (graph, replayed)
