@@ -221,8 +221,13 @@ class StepRunner:
         if batch.live_ids != ids or _derivation(state, ids) != derived_from:
             return None
         entry.prepared_used += 1
-        # The same rows the builder would derive from ``state`` now: only the version and the step are new.
-        return replace(batch, state_version=state.version, step_id=next_step_id())
+        # The same rows the builder would derive from ``state`` now: only the version and the step are new. A
+        # frozen dataclass copied field for field (`dataclasses.replace` costs more than the rest of the check).
+        fresh = object.__new__(Batch)
+        fresh.__dict__.update(batch.__dict__)
+        fresh.__dict__.pop("_sealed", None)  # sealed for the handle it was built from, not this one
+        fresh.__dict__.update(state_version=state.version, step_id=next_step_id())
+        return fresh
 
     def _check_tokens(self, tokens, live: int, device: torch.device, out: Tensor | None) -> None:
         """The requests' new tokens (and an ``out=`` buffer for their logits), before anything is copied."""
