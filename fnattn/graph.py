@@ -252,6 +252,7 @@ class StepRunner:
         before it was built); a batch the caller hands over is checked whole, then copied."""
         live = batch.live_tokens
         if not built_here:
+            entry.prepared = None  # the lanes copied below replace the prepared ones
             started = time.perf_counter()
             self._check_tokens(tokens, live, state.device, out)
             # The token buffer stands in for the tokens lane: the caller's tokens were just checked, and only

@@ -121,6 +121,26 @@ def test_a_prepared_batch_is_not_taken_once_the_state_moved_under_it():
     assert st.request(0).length == 5
 
 
+def test_a_batch_handed_to_run_voids_the_prepared_one():
+    """`run` copies its own lanes over the staged ones: a later `decode` of the requests the prepared batch was
+    built for builds afresh (taking it would replay another request's rows)."""
+    model = random_model("qwen3_5")
+    attn = fa.ModelAttention(model.specs)
+    runner = StepRunner(model.step, model.params, attn, model.manifest(), max_context=64, buckets=(1,), prepare=True)
+    st, last = _prefill(model.step, model.params, attn, _state(model.specs), {0: [1, 2, 3], 1: [4, 5]})
+    st = st.reserve({0: 1, 1: 1})
+    st, _ = runner.decode(st, [0], torch.tensor([last[0]]))
+    entry = runner._entries[next(iter(runner._entries))]
+    assert entry.prepared is not None
+    b = fa.Batch.decode(st, [1], pad_to=1, columns=runner.columns(st))
+    st, _ = runner.run(st, b, torch.tensor([last[1]]))  # request 1 only: request 0's bookkeeping is unchanged
+    assert entry.prepared is None
+    st = st.reserve({0: 1})
+    st, logits = runner.decode(st, [0], torch.tensor([2]))
+    assert entry.prepared_used == 0 and torch.isfinite(logits).all()
+    assert (st.request(0).length, st.request(1).length) == (5, 3)
+
+
 def _tiny():
     cfg = tiny.TinyConfig(num_layers=2)
     params = tiny.init_params(cfg)
