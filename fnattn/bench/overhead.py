@@ -154,17 +154,15 @@ class Direct:
 
 
 class DirectGraph:
-    """A captured decode step replayed with none of `StepRunner`'s checks (module docstring)."""
+    """A captured decode step (a runner's bucket entry, `_captured`) replayed with none of `StepRunner`'s
+    checks (module docstring)."""
 
-    def __init__(self, runner, state, batch: int):
-        from ..lanes import Bucket
-
-        self.bucket = Bucket("decode", batch, 0, runner.columns(state))
-        self.state, self.entry = runner._ensure(state, self.bucket, "native")  # captured here
+    def __init__(self, entry):
+        self.entry = entry
 
     def step(self, state, ids, tokens):
         """``-> (state after the step, logits)``."""
-        e, b = self.entry, self.bucket
+        e, b = self.entry, self.entry.bucket
         batch = Batch.decode(state, ids, pad_to=b.lanes, columns=b.columns, staging=e.staging)
         e.inputs["tokens"][:len(ids)].copy_(tokens)
         e.graph.replay()
@@ -183,13 +181,14 @@ class _LaunchClock:
         self.graph.replay()
 
 
-def _clocked(runner, state, batch: int):
-    """Capture ``runner``'s decode bucket of ``batch`` lanes now and clock its replays: ``-> (state, clock)``."""
+def _captured(runner, state, batch: int):
+    """Capture ``runner``'s decode bucket of ``batch`` lanes now, its replays clocked: ``-> (state, entry)``
+    (``entry.graph`` is the `_LaunchClock`)."""
     from ..lanes import Bucket
 
     state, entry = runner._ensure(state, Bucket("decode", batch, 0, runner.columns(state)), "native")
     entry.graph = _LaunchClock(entry.graph)
-    return state, entry.graph
+    return state, entry
 
 
 def _runner(model, ma, batch: int, max_context: int, graph: bool):
@@ -259,10 +258,11 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
     runner, why = _runner(model, ma, batch, prompt + room, graph)
     replayed, clocks = None, {}  # the direct graph way, and each captured way's launch times
     if runner is not None and runner.capture:
-        states["graph"], clocks["graph"] = _clocked(runner, states["graph"], batch)
+        states["graph"], entry = _captured(runner, states["graph"], batch)
         second, _ = _runner(model, ma, batch, prompt + room, graph)
-        replayed = DirectGraph(second, states["direct graph"], batch)
-        states["direct graph"], clocks["direct graph"] = _clocked(second, replayed.state, batch)
+        states["direct graph"], second_entry = _captured(second, states["direct graph"], batch)
+        clocks = {"graph": entry.graph, "direct graph": second_entry.graph}
+        replayed = DirectGraph(second_entry)
     ways = [w for w in WAYS if (w != "graph" or runner is not None) and (w != "direct graph" or replayed)]
     direct = Direct(model, ma, states["direct"])
     times, starts = {w: [] for w in ways}, {w: [] for w in ways}
