@@ -42,6 +42,8 @@ Switches:
   ``--family``).
 - ``fla_direct`` (prefill): the fla provider calls fla-core's chunk forward itself
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
+- ``absorb_kernel`` (MLA families): the absorbed decode query ``[q_nope W_UK, q_pe]`` in one launch
+  (`fnattn.kinds.mla.latent.absorb_kernel`, opt-in), or a batched product and a copy of ``q_pe``.
 - ``qkv_apart`` (prefill): the fla provider's conv writes q, k and v each contiguous
   (`fnattn.kinds.delta_rule.triton.qkv_apart`, the default), or one output whose slices fla-core copies.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
@@ -84,6 +86,7 @@ from fnattn.models import fused
 from fnattn.bench import write_json
 from fnattn.bench.model import _record, build_model, decode_state, time_decode, time_prefill
 from fnattn.kinds.delta_rule import triton as delta_rule
+from fnattn.kinds.mla import latent as mla_latent
 
 TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
@@ -134,6 +137,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                          False: "every routed expert on every token"}),
     "fla_direct": (delta_rule.fla_direct, lambda: delta_rule._FLA_DIRECT[-1],
                    {True: "fla-core's chunk forward called itself", False: "fla-core's public function"}),
+    "absorb_kernel": (mla_latent.absorb_kernel, lambda: mla_latent._ABSORB_KERNEL[-1],
+                      {True: "MLA's absorbed decode query in one launch", False: "a batched product and a copy"}),
     "qkv_apart": (delta_rule.qkv_apart, lambda: delta_rule._QKV_APART[-1],
                   {True: "the conv writes q, k, v each contiguous", False: "q, k, v copied out of one conv output"}),
 }

@@ -12,7 +12,8 @@ launch: `skinny_linear_swiglu` (SwiGLU's activation), `skinny_linear_gating` (GD
 `qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one;
 `gated_rms_norm_silu` and `sigmoid_gate` are the gates on a mixer's output, reading strided gates in place;
 `add_rms_norm_` and `silu_and_mul` the residual add + RMSNorm and SwiGLU's activation; `topk_slots` a
-sparse layer's top-k positions as the pool slots and own-row indices its attention kernel reads.
+sparse layer's top-k positions as the pool slots and own-row indices its attention kernel reads;
+`absorb_query` MLA's absorbed decode query (``[q_nope W_UK, q_pe]``) in one launch.
 The decode-step kernels (the GEMV, gating, fused GDN decode, q / k norms and rope, paged attention and
 its merge, the output gates, the add + norm and activation) launch with programmatic dependent launch on
 Hopper and later, unless within `pdl(False)`.
@@ -59,6 +60,7 @@ _EXPORTS = {
     "sigmoid_gate": "output_gate", "sigmoid_gate_ref": "output_gate",
     "add_rms_norm_": "norm_act", "add_rms_norm_ref": "norm_act",
     "topk_slots": "sparse_slots", "topk_slots_ref": "sparse_slots",
+    "absorb_query": "latent_absorb", "absorb_query_ref": "latent_absorb",
     "silu_and_mul": "norm_act", "silu_and_mul_ref": "norm_act",
     "indexer_scores_paged": "indexer",
     "indexer_scores_paged_ref": "indexer",

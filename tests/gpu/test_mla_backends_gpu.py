@@ -314,3 +314,54 @@ def test_sparse_bench_layers_agree(record):
     ok = torch.equal(usual, translating) and rel <= TOL
     record({"case": "sparse bench rows B5 ctx700 topk256", "o_rel": rel, "usual_rows_equal": ok, "ok": ok})
     assert ok, f"usual rows equal {torch.equal(usual, translating)}, fnattn vs usual {rel:.3e}"
+
+
+# --------------------------------------------------------------------------- the absorbed query in one launch
+
+
+@pytest.mark.parametrize("case", ["dense tiny_padded decode", "dense real decode", "dense real verify",
+                                  "sparse real decode", "sparse real verify", "sparse tiny prefill"])
+def test_absorb_kernel_matches_reference(case, record):
+    """`absorb_kernel`: the fast paths with the absorbed query from one launch, against the references."""
+    from fnattn.kinds.mla.latent import absorb_kernel
+
+    kind, shape, phase = case.split()
+    k = 2 if phase == "verify" else 0
+    with absorb_kernel(True):
+        if kind == "sparse":
+            _sparse_case("v32", shape, phase, k, " absorb kernel", record)
+            return
+        cfg = mla_config(**{"tiny_padded": TINY_PADDED, "real": REAL}[shape])
+        spec = fa.LayerSpec(0, cfg, torch.bfloat16)
+        st = filled_state([spec], CACHED, page_size=64, device=DEV)
+        b = _batch(st, phase, list(range(len(CACHED))), k)
+        _check(compare([spec], st, b, "flashmla", seed=k), f"mla {shape} {phase} k{k} flashmla absorb kernel", record)
+
+
+def test_absorb_kernel_tiny_model_logits(record):
+    from fnattn.kinds.mla.latent import absorb_kernel
+
+    model, params = _tiny_model("deepseek_v32", 512)
+    specs = params.config.specs
+    with absorb_kernel(True):
+        f, _ = _model_run(model, params, fa.ModelAttention(specs, device=DEV))
+    r, _ = _model_run(model, params, fa.ModelAttention(specs, prefer=("reference",), device=DEV))
+    err = float((f - r).abs().max() / r.abs().max())
+    ok = bool(torch.isfinite(f).all()) and err <= 5e-2
+    record({"case": "model deepseek_v32 topk 512 absorb kernel", "logits_rel": err, "ok": ok})
+    assert ok, f"rel {err:.3e}"
+
+
+def test_absorb_kernel_against_the_batched_product(record):
+    from fnattn.kernels.latent_absorb import absorb_query
+
+    from fnattn.kinds.mla.bench import deepseek_mla, random_inputs
+    from fnattn.kinds.mla.latent import absorbed_query_torch
+
+    for T in (1, 64, 200):
+        inputs = random_inputs(deepseek_mla(128), T)
+        got, want = absorb_query(inputs.q_nope, inputs.q_pe, inputs.w_uk).float(), absorbed_query_torch(inputs).float()
+        rel = float((got - want).abs().max() / want.abs().max())
+        ok = rel <= 1e-2
+        record({"case": f"absorb_query T{T} h128 against bmm", "o_rel": rel, "ok": ok})
+        assert ok, f"T {T}: {rel:.3e}"

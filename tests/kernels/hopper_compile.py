@@ -144,10 +144,20 @@ def indexer_cases():
                                                                                floats=("scale",))
 
 
+def absorb_cases():
+    from fnattn.kernels.latent_absorb import _absorb_query_kernel
+
+    ptr = {p: "*bf16" for p in ("QN", "QP", "W", "OUT")}
+    for name, tiles in {"absorbed query, 128 columns a program": dict(BLOCK_R=128),
+                        "absorbed query, 64 columns a program": dict(BLOCK_R=64)}.items():
+        yield name, lambda c={**dict(BLOCK_T=64, BLOCK_D=128, BLOCK_P=64), **tiles}: compile_for_hopper(
+            _absorb_query_kernel, c, ptr)
+
+
 def main() -> int:
     failed = 0
     for name, build in [*skinny_cases(), *gdn_decode_cases(), *paged_decode_cases(), *conv_cases(),
-                        *indexer_cases()]:
+                        *indexer_cases(), *absorb_cases()]:
         try:
             build()
             print(f"ok {name}")

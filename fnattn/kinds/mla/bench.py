@@ -4,7 +4,8 @@
 the new token, its query absorbed beforehand. "usual (append + kernel)" adds what a serving engine's
 attention layer does around it: write the new latent row, absorb ``W_UK``, the kernel, ``W_UV``. The
 fnattn rows are whole pure steps: the backend (absorb, kernel over the cache, the new row beside it,
-LSE merge, ``W_UV``) and the one apply of the step's rows.
+LSE merge, ``W_UV``) and the one apply of the step's rows; "absorb kernel" builds the absorbed query
+in one launch (`fnattn.kinds.mla.latent.absorb_kernel`) where the others run the usual layer's product.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def raw_flashmla(state, batch, cfg: MLAConfig, inputs: MLAInputs, layers):
     """Closures for the raw kernel and the usual append-then-attend layer, over ``cache_lens + 1`` tokens."""
     from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
-    from .latent import absorbed_query, values_out
+    from .latent import absorbed_query_torch as absorbed_query
+    from .latent import values_out
 
     T, H = inputs.q_nope.shape[:2]
     lens = batch.cache_lens + 1  # the new token is in the cache already, as the usual design has it
@@ -62,6 +64,13 @@ def raw_flashmla(state, batch, cfg: MLAConfig, inputs: MLAInputs, layers):
     return kernel, usual
 
 
+def _with_absorb_kernel(measure):
+    from .latent import absorb_kernel
+
+    with absorb_kernel(True):  # in force while the step is traced (a graph keeps what it captured)
+        return measure()
+
+
 def decode_case(*, batch: int, ctx: int, heads: int = 128, page_size: int = 64, layers: int = 1,
                 graph: bool = True) -> list[dict]:
     cfg = deepseek_mla(heads)
@@ -79,6 +88,9 @@ def decode_case(*, batch: int, ctx: int, heads: int = 128, page_size: int = 64, 
         ma = ModelAttention(specs, prefer=(name,), device=DEVICE, phases=("decode",))
         runs[f"fnattn {name} (pure)" + ("" if g == graph else " eager")] = (
             lambda ma=ma, g=g: time_fnattn(ma, state, b, specs, inputs, graph=g))
+        if name == "flashmla":
+            runs["fnattn flashmla (pure, absorb kernel)"] = lambda ma=ma: _with_absorb_kernel(
+                lambda: time_fnattn(ma, state, b, specs, inputs, graph=graph))
     latent_bytes = layers * batch * (ctx + 1) * cfg.latent_dim * 2
     flops = layers * batch * heads * (ctx + 1) * (cfg.latent_dim + cfg.kv_lora_rank) * 2
     records = []

@@ -21,8 +21,37 @@ from ...checks import fail
 LN2 = math.log(2.0)
 
 
+# Opt-in until the H200 has measured it against the batched product (`fnattn bench mla-decode`'s
+# "absorb kernel" rows): `absorb_kernel(True)` turns it on.
+_ABSORB_KERNEL = [False]
+ABSORB_KERNEL_MAX_TOKENS = 256  # beyond decode / verify sizes the product is compute-bound: cuBLAS's
+
+
+def absorb_kernel(enabled: bool):
+    """Within this block a decode-sized absorbed query (up to ``ABSORB_KERNEL_MAX_TOKENS`` tokens, on the
+    GPU) is built in one launch (`fnattn.kernels.absorb_query`) instead of a batched product and a copy."""
+    from ...kernels._switch import switched
+
+    return switched(_ABSORB_KERNEL, "absorb_kernel", enabled)
+
+
 def absorbed_query(inputs) -> Float[Tensor, "T H Dq"]:
     """``[q_nope W_UK, q_pe]`` per head in the layer dtype: what a latent-space kernel scores.
+
+    Under `absorb_kernel` a decode-sized query on the GPU takes one launch (`fnattn.kernels.absorb_query`);
+    otherwise `absorbed_query_torch`.
+    """
+    q_nope = inputs.q_nope
+    if (_ABSORB_KERNEL[-1] and q_nope.is_cuda and q_nope.shape[0] <= ABSORB_KERNEL_MAX_TOKENS
+            and q_nope.dtype == inputs.q_pe.dtype == inputs.w_uk.dtype):
+        from ...kernels.latent_absorb import absorb_query
+
+        return absorb_query(q_nope, inputs.q_pe, inputs.w_uk)
+    return absorbed_query_torch(inputs)
+
+
+def absorbed_query_torch(inputs) -> Float[Tensor, "T H Dq"]:
+    """`absorbed_query` in torch ops: what an engine's MLA layer runs around its kernel.
 
     The batched product writes straight into its columns of the result (per head, rows of the result's
     stride, which cuBLAS takes as they are) and ``q_pe`` is copied beside it: no ``[T, H, R]``

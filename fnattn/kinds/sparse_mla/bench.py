@@ -18,7 +18,8 @@ from ... import Batch, IndexerConfig, LayerSpec, ModelAttention, SparseMLAConfig
 from ...bench import timed, timed_session
 from ...bench.setup import cached_state
 from ..mla.bench import DEVICE, deepseek_mla, random_inputs
-from ..mla.latent import absorbed_query, values_out
+from ..mla.latent import absorb_kernel, values_out
+from ..mla.latent import absorbed_query_torch as absorbed_query
 from .flashmla import TOPK_BLOCK, one_pass_slots
 
 
@@ -121,8 +122,9 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
     case = f"sparse mla decode B{batch} ctx{ctx} h{heads} topk{topk}" + (" graph" if graph else " eager")
     shape = {"batch": batch, "ctx": ctx, "heads": heads, "topk": topk, "page_size": page_size}
     flops = lambda us: {"tflop_s": batch * heads * topk * (576 + 512) * 2 / (us * 1e-6) / 1e12}  # noqa: E731
-    def through_fnattn(one_pass: bool):
-        with one_pass_slots(one_pass):  # in force while the step is traced (a graph keeps what it captured)
+    def through_fnattn(one_pass: bool, absorb: bool = False):
+        # in force while the step is traced (a graph keeps what it captured)
+        with one_pass_slots(one_pass), absorb_kernel(absorb):
             return timed_session(ma, state, b, lambda s: s.forward(1, inputs), graph=graph)
 
     return [_record(case, peer, peer, shape, lambda: timed(kernel, graph=graph), flops),
@@ -133,7 +135,9 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
             _record(case, "fnattn flashmla (attention, shared top-k)", peer, shape, lambda: through_fnattn(False),
                     flops),
             _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots)", peer, shape,
-                    lambda: through_fnattn(True), flops)]
+                    lambda: through_fnattn(True), flops),
+            _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots, absorb kernel)", peer, shape,
+                    lambda: through_fnattn(True, absorb=True), flops)]
 
 
 def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi: int = 64, Di: int = 128,

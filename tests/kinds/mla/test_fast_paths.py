@@ -16,7 +16,7 @@ import fnattn as fa
 from fnattn.driver import run_step
 from fnattn.kinds.mla import flashinfer as mla_flashinfer
 from fnattn.kinds.mla import flashmla as mla_flashmla
-from fnattn.kinds.mla.latent import absorbed_query, merge, own_rows
+from fnattn.kinds.mla.latent import absorb_kernel, absorbed_query, absorbed_query_torch, merge, own_rows
 from fnattn.kinds.mla.math import mla_absorbed
 from fnattn.kinds.sparse_mla import flashmla as sparse_flashmla
 from kinds.mla.fast_cases import compare, filled_state, mla_config, sparse_specs, step_inputs
@@ -142,6 +142,24 @@ def test_absorbed_query_is_the_product_beside_the_rope_part(dtype):
     assert got.is_contiguous() and got.shape == (T, H, R + Dr) and got.dtype == dtype
     assert torch.equal(got[..., R:], q_pe)
     torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+def test_absorb_kernel_switch():
+    """Off by default; on, a CPU query keeps the torch product (the kernel serves CUDA tensors); a non-bool is
+    refused by name."""
+    from fnattn.kinds.mla import latent
+
+    assert latent._ABSORB_KERNEL[-1] is False
+    g = torch.Generator().manual_seed(1)
+    Q = dataclasses.make_dataclass("Q", ["q_nope", "q_pe", "w_uk"])
+    q = Q(torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 8, generator=g), torch.randn(2, 16, 32, generator=g))
+    with absorb_kernel(True):
+        assert latent._ABSORB_KERNEL[-1] is True
+        assert torch.equal(absorbed_query(q), absorbed_query_torch(q))
+    assert latent._ABSORB_KERNEL[-1] is False
+    with pytest.raises(ValueError, match="absorb_kernel: expected True or False, got 'yes'"):
+        with absorb_kernel("yes"):
+            pass
 
 
 def test_sparse_indices_split_into_pool_slots_and_step_rows():
