@@ -1,11 +1,19 @@
-"""MLA's absorbed query in one launch: ``[q_nope W_UK, q_pe]`` per head, ``[T, H, R + Dr]``.
+"""MLA's two weight absorptions of a decode step, each in one launch.
 
-In a decode step the product is bound by reading ``W_UK`` (``[H, Dn, R]``, 16.8 MB at 128 heads): a
-batched GEMM over 64 tokens reads it at under half the device's bandwidth, and copying ``q_pe`` beside
-its result is a second launch through a strided destination. Here each program owns one head and one
-tile of ``R``: it loads its weight tile once, runs every token block through it and stores straight
-into the result's columns; the programs of the first tile copy the head's ``q_pe`` as well.
+`absorb_query`: the absorbed query ``[q_nope W_UK, q_pe]`` per head, ``[T, H, R + Dr]``. In a decode step
+the product is bound by reading ``W_UK`` (``[H, Dn, R]``, 16.8 MB at 128 heads): a batched GEMM over 64
+tokens reads it at under half the device's bandwidth, and copying ``q_pe`` beside its result is a second
+launch through a strided destination. Here each program owns one head and one tile of ``R``: it loads its
+weight tile once, runs every token block through it and stores straight into the result's columns; the
+programs of the first tile copy the head's ``q_pe`` as well.
+
+`merge_own_values`: a decode token's own latent row merged into the attention over its cache by LSE, then
+the merged latent output through ``W_UV`` (``[T, H, Dv]``). The merge is linear in the two parts, so each
+goes through ``W_UV`` apart and the weights combine the products: the merged ``[T, H, R]`` latent is never
+written and read back between two launches.
 """
+
+import math
 
 import torch
 
@@ -86,3 +94,117 @@ def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, *
         BLOCK_T=max(16, min(64, next_pow2(T))), BLOCK_D=max(16, next_pow2(Dn)), BLOCK_R=block_r,
         BLOCK_P=max(16, next_pow2(Dr)), num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _merge_own_values_kernel(
+    O_C, L_C, Q, NEW, W, OUT, LSE_OUT, CACHE_LENS, ALLOWED,
+    T, H, R, DQ, DV, sm_scale, lse_scale,
+    soc_t, soc_h, slc_t, slc_h, sq_t, sq_h, sn_t, sw_h, sw_v, so_t, so_h,
+    BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_LENS: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < T
+    # the own row's score: q . new over the whole absorbed width
+    s = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for d0 in range(0, DQ, BLOCK_Q):
+        d = d0 + tl.arange(0, BLOCK_Q)
+        ok = t_ok[:, None] & (d[None, :] < DQ)
+        qv = tl.load(Q + t[:, None] * sq_t + h * sq_h + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        nv = tl.load(NEW + t[:, None] * sn_t + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        s += tl.sum(qv * nv, 1)
+    s = s * sm_scale
+    if HAS_ALLOWED:  # a token that did not pick its own row keeps the cached part alone
+        s = tl.where(tl.load(ALLOWED + t, mask=t_ok, other=0) != 0, s, float("-inf"))
+    lc = tl.load(L_C + t * slc_t + h * slc_h, mask=t_ok, other=float("-inf")) * lse_scale
+    # kernels mark a query with no cached key by +inf (FlashMLA) or leave it undefined; so is an empty cache
+    empty = (lc != lc) | (lc == float("inf"))
+    if HAS_LENS:
+        empty = empty | (tl.load(CACHE_LENS + t, mask=t_ok, other=0) == 0)
+    lc = tl.where(empty, float("-inf"), lc)
+    m = tl.maximum(lc, s)
+    m = tl.where(m == float("-inf"), 0.0, m)  # both parts empty (only with ALLOWED): both weights 0
+    wc = tl.exp(lc - m)
+    wn = tl.exp(s - m)
+    keep = wc > 0  # an empty cached part may hold anything, NaN included: it must not reach the products
+    v = tl.arange(0, BLOCK_V)
+    acc_c = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    acc_n = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        ok = t_ok[:, None] & (r[None, :] < R)
+        oc = tl.load(O_C + t[:, None] * soc_t + h * soc_h + r[None, :], mask=ok & keep[:, None], other=0.0)
+        nv = tl.load(NEW + t[:, None] * sn_t + r[None, :], mask=ok, other=0.0)
+        w = tl.load(W + h * sw_h + v[None, :] * sw_v + r[:, None], mask=(r[:, None] < R) & (v[None, :] < DV),
+                    other=0.0)  # [BLOCK_R, BLOCK_V]: W_UV[h] transposed
+        acc_c = tl.dot(oc.to(w.dtype), w, acc_c)
+        acc_n = tl.dot(nv.to(w.dtype), w, acc_n)
+    total = wc + wn
+    o = (acc_c * wc[:, None] + acc_n * wn[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(OUT + t[:, None] * so_t + h * so_h + v[None, :], o.to(OUT.dtype.element_ty),
+             mask=t_ok[:, None] & (v[None, :] < DV))
+    tl.store(LSE_OUT + t * H + h, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=t_ok)
+
+
+def merge_own_values_ref(o_c, lse_c, q, new, w_uv, *, scale, lse_base2=False, cache_lens=None, allowed=None):
+    """The own row merged by LSE (`fnattn.kernels.merge_new_token_ref`), then through ``W_UV``: ``o_c [T, H, R]``
+    and ``lse_c [T, H]`` the attention over each token's cache (base 2 when ``lse_base2``; +inf / NaN mark no
+    key), ``q [T, H, R + Dr]`` the absorbed query, ``new [T, R + Dr]`` each token's own row, ``w_uv [H, Dv, R]``.
+    Returns ``o [T, H, Dv]`` in ``w_uv``'s dtype and the natural-log ``lse [T, H]`` fp32."""
+    from .lse_merge import merge_new_token_ref
+
+    R = o_c.shape[-1]
+    o_lat, lse = merge_new_token_ref(o_c, lse_c, q, new[:, None], new[:, None, :R], scale=scale, lse_base2=lse_base2,
+                                     cache_lens=cache_lens, allowed=allowed)
+    o = torch.einsum("thr,hvr->thv", o_lat.float(), w_uv.float()).to(w_uv.dtype)
+    return o, lse
+
+
+def merge_own_values(o_c, lse_c, q, new, w_uv, *, scale, lse_base2=False, cache_lens=None, allowed=None,
+                     block_t: int = 64, num_warps: int = 8):
+    """`merge_own_values_ref` in one launch: one decode token per request (``cache_lens`` and ``allowed``
+    [T], one entry a token). ``block_t``: the tokens one program takes (a power of two, >= 16)."""
+    require_triton()
+    if not all(isinstance(t, torch.Tensor) for t in (o_c, lse_c, q, new, w_uv)):
+        raise ValueError("merge_own_values: o_c, lse_c, q, new and w_uv must be tensors")
+    T, H, R = o_c.shape if o_c.dim() == 3 else (None, None, None)
+    if T is None:
+        raise ValueError(f"merge_own_values: o_c: expected [T, H, R], got {tuple(o_c.shape)}")
+    DQ = new.shape[-1] if new.dim() == 2 else None
+    for name, t, shape in (("lse_c", lse_c, (T, H)), ("q", q, (T, H, DQ)), ("new", new, (T, DQ)),
+                           ("w_uv", w_uv, (H, w_uv.shape[1] if w_uv.dim() == 3 else None, R))):
+        if tuple(t.shape) != shape or None in shape:
+            raise ValueError(f"merge_own_values: {name}: expected shape {shape}, got {tuple(t.shape)}")
+        if t.device != o_c.device:
+            raise ValueError(f"merge_own_values: {name}: expected device {o_c.device} (o_c's), got {t.device}")
+    if DQ < R:
+        raise ValueError(f"merge_own_values: new: expected rows of at least R = {R}, got {DQ}")
+    for name, t in (("o_c", o_c), ("q", q), ("new", new), ("w_uv", w_uv)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"merge_own_values: {name}: expected a unit stride on the last dim, got {t.stride()}")
+    if lse_c.dtype != torch.float32:
+        raise ValueError(f"merge_own_values: lse_c: expected dtype torch.float32, got {lse_c.dtype}")
+    for name, t, dtypes in (("cache_lens", cache_lens, (torch.int32, torch.int64)),
+                            ("allowed", allowed, (torch.bool, torch.int8))):
+        if t is not None and (tuple(t.shape) != (T,) or t.device != o_c.device or t.dtype not in dtypes):
+            raise ValueError(f"merge_own_values: {name}: expected [{T}] {dtypes[0]} on {o_c.device}, got shape "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"merge_own_values: block_t: expected a power of two >= 16, got {block_t!r}")
+    Dv = w_uv.shape[1]
+    o = torch.empty((T, H, Dv), dtype=w_uv.dtype, device=o_c.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=o_c.device)
+    if T == 0:
+        return o, lse
+    block_t = min(block_t, max(16, next_pow2(T)))
+    _merge_own_values_kernel[(H, triton.cdiv(T, block_t))](
+        o_c, lse_c, q, new, w_uv, o, lse, lse if cache_lens is None else cache_lens,
+        lse if allowed is None else allowed.contiguous().view(torch.int8),
+        T, H, R, DQ, Dv, float(scale), math.log(2.0) if lse_base2 else 1.0,
+        o_c.stride(0), o_c.stride(1), lse_c.stride(0), lse_c.stride(1), q.stride(0), q.stride(1), new.stride(0),
+        w_uv.stride(0), w_uv.stride(1), o.stride(0), o.stride(1),
+        BLOCK_T=block_t, BLOCK_Q=64, BLOCK_R=64, BLOCK_V=max(16, next_pow2(Dv)),
+        HAS_LENS=cache_lens is not None, HAS_ALLOWED=allowed is not None, num_warps=num_warps)
+    return o, lse

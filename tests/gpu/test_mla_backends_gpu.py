@@ -320,12 +320,15 @@ def test_sparse_bench_layers_agree(record):
 
 
 @pytest.mark.parametrize("case", ["dense tiny_padded decode", "dense real decode", "dense real verify",
-                                  "sparse real decode", "sparse real verify", "sparse tiny prefill"])
+                                  "dense real decode flashinfer", "sparse real decode", "sparse tiny decode",
+                                  "sparse real verify", "sparse tiny prefill"])
 def test_absorb_kernel_matches_reference(case, record):
-    """`absorb_kernel`: the fast paths with the absorbed query from one launch, against the references."""
+    """`absorb_kernel`: the fast paths with the absorbed query, and a decode token's own-row merge with
+    ``W_UV``, each from one launch, against the references (NaN-filled caches, rows of length 0 and 1)."""
     from fnattn.kinds.mla.latent import absorb_kernel
 
-    kind, shape, phase = case.split()
+    kind, shape, phase, *backend = case.split()
+    backend = backend[0] if backend else "flashmla"
     k = 2 if phase == "verify" else 0
     with absorb_kernel(True):
         if kind == "sparse":
@@ -335,7 +338,7 @@ def test_absorb_kernel_matches_reference(case, record):
         spec = fa.LayerSpec(0, cfg, torch.bfloat16)
         st = filled_state([spec], CACHED, page_size=64, device=DEV)
         b = _batch(st, phase, list(range(len(CACHED))), k)
-        _check(compare([spec], st, b, "flashmla", seed=k), f"mla {shape} {phase} k{k} flashmla absorb kernel", record)
+        _check(compare([spec], st, b, backend, seed=k), f"mla {shape} {phase} k{k} {backend} absorb kernel", record)
 
 
 def test_absorb_kernel_tiny_model_logits(record):

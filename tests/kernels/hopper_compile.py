@@ -150,8 +150,18 @@ def absorb_cases():
     ptr = {p: "*bf16" for p in ("QN", "QP", "W", "OUT")}
     for name, tiles in {"absorbed query, 128 columns a program": dict(BLOCK_R=128),
                         "absorbed query, 64 columns a program": dict(BLOCK_R=64)}.items():
-        yield name, lambda c={**dict(BLOCK_T=64, BLOCK_D=128, BLOCK_P=64), **tiles}: compile_for_hopper(
-            _absorb_query_kernel, c, ptr)
+        yield name, lambda c={**dict(BLOCK_T=64, BLOCK_D=128, BLOCK_P=64), **tiles}, p=ptr: compile_for_hopper(
+            _absorb_query_kernel, c, p)
+    from fnattn.kernels.latent_absorb import _merge_own_values_kernel
+
+    ptr = {p: "*bf16" for p in ("O_C", "Q", "NEW", "W", "OUT")}
+    ptr.update(L_C="*fp32", LSE_OUT="*fp32", CACHE_LENS="*i32", ALLOWED="*i8")
+    base = dict(BLOCK_T=64, BLOCK_Q=64, BLOCK_R=64, BLOCK_V=128, HAS_LENS=True, HAS_ALLOWED=False)
+    for name, change in {"own-row merge + W_UV, dense": {},
+                         "own-row merge + W_UV, sparse (picked mask), 16 tokens a program":
+                             dict(HAS_LENS=False, HAS_ALLOWED=True, BLOCK_T=16)}.items():
+        yield name, lambda c={**base, **change}, p=ptr: compile_for_hopper(_merge_own_values_kernel, c, p,
+                                                                           floats=("sm_scale", "lse_scale"))
 
 
 def main() -> int:

@@ -68,3 +68,64 @@ def test_bad_arguments_name_the_argument(bad, match):
 def test_block_r_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="block_r: expected a power of two >= 16, got 24"):
         absorb_query(*inputs(2, 2, 16, 32, 8, torch.float32), block_r=24)
+
+
+# --------------------------------------------------------------------------- merge_own_values
+
+from fnattn.kernels.latent_absorb import merge_own_values, merge_own_values_ref  # noqa: E402
+
+
+def merge_inputs(T, H, R, Dr, Dv, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    o_c, lse_c = r(T, H, R), r(T, H) * 3
+    o_c[0, 0] = float("nan")  # a query FlashMLA marks as without keys: its output must not leak
+    lse_c[0, 0] = float("inf")
+    if T > 2:
+        lse_c[2, :] = float("nan")
+    q, new, w = r(T, H, R + Dr) * 0.3, r(T, R + Dr) * 0.3, r(H, Dv, R) * R ** -0.5
+    return [x.to(dtype).to(DEVICE) if x is not lse_c else x.to(DEVICE) for x in (o_c, lse_c, q, new, w)]
+
+
+@pytest.mark.parametrize("T, H, R, Dr, Dv, block_t", [(1, 2, 32, 8, 16, 16), (5, 3, 64, 16, 24, 16),
+                                                      (40, 2, 96, 8, 32, 32), (70, 1, 64, 8, 16, 64)])
+@pytest.mark.parametrize("lse_base2", [False, True])
+@pytest.mark.parametrize("masks", ["none", "cache_lens", "allowed", "both"])
+def test_merge_own_values_matches_the_reference(T, H, R, Dr, Dv, block_t, lse_base2, masks):
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    o_c, lse_c, q, new, w = merge_inputs(T, H, R, Dr, Dv, dtype)
+    g = torch.Generator().manual_seed(T)
+    lens = (torch.randint(0, 3, (T,), generator=g).int() * 7).to(DEVICE) if masks in ("cache_lens", "both") else None
+    allowed = (torch.rand(T, generator=g) > 0.4).to(DEVICE) if masks in ("allowed", "both") else None
+    kw = dict(scale=0.2, lse_base2=lse_base2, cache_lens=lens, allowed=allowed)
+    got_o, got_lse = merge_own_values(o_c, lse_c, q, new, w, block_t=block_t, **kw)
+    want_o, want_lse = merge_own_values_ref(o_c, lse_c, q, new, w, **kw)
+    assert got_o.shape == (T, H, Dv) and got_o.dtype == w.dtype and got_lse.dtype == torch.float32
+    assert not torch.isnan(got_o).any()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got_o.float(), want_o.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_merge_own_values_of_a_token_with_nothing_to_attend():
+    """No cached key and its own row not picked: a zero output and -inf, as the references give."""
+    o_c, lse_c, q, new, w = merge_inputs(2, 2, 32, 8, 16, torch.float32)
+    lse_c[:] = float("inf")
+    o, lse = merge_own_values(o_c, lse_c, q, new, w, scale=0.2,
+                              allowed=torch.tensor([False, True], device=DEVICE))
+    assert (o[0] == 0).all() and torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda a: {**a, "lse_c": a["lse_c"][:1]}, "lse_c: expected shape"),
+    (lambda a: {**a, "new": a["new"][:, :16]}, "q: expected shape"),
+    (lambda a: {**a, "w_uv": a["w_uv"][:1]}, "w_uv: expected shape"),
+    (lambda a: {**a, "lse_c": a["lse_c"].double()}, "lse_c: expected dtype torch.float32"),
+    (lambda a: {**a, "cache_lens": torch.zeros(3, dtype=torch.int32, device=DEVICE)}, "cache_lens: expected \\[2\\]"),
+])
+def test_merge_own_values_names_a_bad_argument(bad, match):
+    o_c, lse_c, q, new, w = merge_inputs(2, 2, 32, 8, 16, torch.float32)
+    args = bad(dict(o_c=o_c, lse_c=lse_c, q=q, new=new, w_uv=w))
+    with pytest.raises(ValueError, match=match):
+        merge_own_values(args["o_c"], args["lse_c"], args["q"], args["new"], args["w_uv"], scale=0.2,
+                         cache_lens=args.get("cache_lens"))

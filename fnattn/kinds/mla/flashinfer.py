@@ -20,7 +20,7 @@ from ..full.config import AttentionOutput
 from ..full.flashinfer import cache_layout
 from .config import MLAInputs
 from .flashmla import latent_shape_reasons
-from .latent import absorbed_query, fold_own_rows, uniform_new, values_out
+from .latent import absorbed_query, fold_own_rows_out, uniform_new
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -64,10 +64,9 @@ def _step(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOu
                                   return_lse=True, **scales)  # [T, H, R], [T, H] base 2
     # the step's own rows at the cache's precision, as a later step reads them back; an empty cache part's
     # output is undefined here (cache_lens marks it)
-    o_lat, lse = fold_own_rows(q, o_c, lse_c, m.as_cached(inputs.latent), n=n, scale=m.scale, lse_base2=True,
-                               cache_lens=batch.cache_lens)
-    return (AttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse),
-            writes(latent=m.encode_latent(inputs.latent)))
+    o, lse = fold_own_rows_out(q, o_c, lse_c, m.as_cached(inputs.latent), inputs.w_uv, n=n, scale=m.scale,
+                               lse_base2=True, cache_lens=batch.cache_lens)
+    return AttentionOutput(o=o, lse=lse), writes(latent=m.encode_latent(inputs.latent))
 
 
 register("mla", "decode", "flashinfer", supports=supports, plan=plan)(_step)

@@ -20,7 +20,7 @@ from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
 from ..full.config import AttentionOutput
 from .config import MLAInputs
-from .latent import absorbed_query, fold_own_rows, uniform_new, values_out
+from .latent import absorbed_query, fold_own_rows_out, uniform_new
 
 PAGE_SIZE = 64  # FlashMLA's paged-cache block size
 
@@ -68,9 +68,9 @@ def _step(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOu
     m = spec.config.mla
     q = absorbed_query(inputs)  # [T, H, R + Dr]
     o_c, lse_c = cached_part(spec, views, inputs, q)
-    o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=inputs.meta.plan["n"], scale=m.scale,
+    o, lse = fold_own_rows_out(q, o_c, lse_c, inputs.latent, inputs.w_uv, n=inputs.meta.plan["n"], scale=m.scale,
                                cache_lens=inputs.meta.batch.cache_lens)
-    return AttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse), writes(latent=inputs.latent)
+    return AttentionOutput(o=o, lse=lse), writes(latent=inputs.latent)
 
 
 register("mla", "decode", "flashmla", supports=supports, plan=plan, capturable=True, page_size=PAGE_SIZE)(_step)

@@ -21,15 +21,18 @@ from ...checks import fail
 LN2 = math.log(2.0)
 
 
-# Opt-in until the H200 has measured it against the batched product (`fnattn bench mla-decode`'s
-# "absorb kernel" rows): `absorb_kernel(True)` turns it on.
+# Opt-in until the H200 has measured them against the batched products (`fnattn bench mla-decode`'s
+# "absorb kernel" rows): `absorb_kernel(True)` turns them on.
 _ABSORB_KERNEL = [False]
 ABSORB_KERNEL_MAX_TOKENS = 256  # beyond decode / verify sizes the product is compute-bound: cuBLAS's
 
 
 def absorb_kernel(enabled: bool):
-    """Within this block a decode-sized absorbed query (up to ``ABSORB_KERNEL_MAX_TOKENS`` tokens, on the
-    GPU) is built in one launch (`fnattn.kernels.absorb_query`) instead of a batched product and a copy."""
+    """Within this block the two weight absorptions of a decode-sized step on the GPU (up to
+    ``ABSORB_KERNEL_MAX_TOKENS`` tokens) take one launch each: the absorbed query
+    (`fnattn.kernels.absorb_query`, instead of a batched product and a copy) and, for one decode token per
+    request, the own row's merge with ``W_UV`` after it (`fnattn.kernels.latent_absorb.merge_own_values`,
+    instead of the merge kernel and a batched product)."""
     from ...kernels._switch import switched
 
     return switched(_ABSORB_KERNEL, "absorb_kernel", enabled)
@@ -64,6 +67,23 @@ def absorbed_query_torch(inputs) -> Float[Tensor, "T H Dq"]:
     torch.bmm(q_nope.transpose(0, 1), w_uk, out=q.transpose(0, 1)[..., :R])  # [H, T, R] into q[:, :, :R]
     q[..., R:] = q_pe
     return q
+
+
+def fold_own_rows_out(q: Float[Tensor, "T H Dq"], o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"],
+                      new: Float[Tensor, "T Dq"], w_uv: Float[Tensor, "H Dv R"], *, n: int, scale: float,
+                      lse_base2: bool = False, allowed: Bool[Tensor, "T n"] | None = None,
+                      cache_lens: Tensor | None = None) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
+    """`fold_own_rows` then `values_out`: ``(o, natural-log lse)``. Under `absorb_kernel` one decode token per
+    request on the GPU takes one launch for both (`fnattn.kernels.latent_absorb.merge_own_values`)."""
+    if (_ABSORB_KERNEL[-1] and n == 1 and q.is_cuda and q.shape[0] <= ABSORB_KERNEL_MAX_TOKENS
+            and o_c.dtype == w_uv.dtype == new.dtype):
+        from ...kernels.latent_absorb import merge_own_values
+
+        return merge_own_values(o_c, lse_c, q, new, w_uv, scale=scale, lse_base2=lse_base2, cache_lens=cache_lens,
+                                allowed=None if allowed is None else allowed[:, 0])
+    o_lat, lse = fold_own_rows(q, o_c, lse_c, new, n=n, scale=scale, lse_base2=lse_base2, allowed=allowed,
+                               cache_lens=cache_lens)
+    return values_out(o_lat, w_uv), lse
 
 
 def values_out(o_lat: Float[Tensor, "T H R"], w_uv: Float[Tensor, "H Dv R"]) -> Float[Tensor, "T H Dv"]:

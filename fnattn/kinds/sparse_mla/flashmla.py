@@ -30,7 +30,7 @@ from ...state import Views
 from ...switches import switched
 from ..availability import needs_cuda, needs_dtype, package_missing
 from ..mla.flashmla import latent_shape_reasons
-from ..mla.latent import absorbed_query, fold_own_rows, merge, no_keys_as_neg_inf, uniform_new, values_out
+from ..mla.latent import absorbed_query, fold_own_rows_out, merge, no_keys_as_neg_inf, uniform_new, values_out
 from .config import SparseAttentionOutput, SparseMLAInputs
 from .reference import check_reused, own_index_values
 
@@ -124,10 +124,11 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
     if phase == "prefill":
         o_n, lse_n = sparse_kernel(q, inputs.latent, rows, m.scale, R)
         o_lat, lse = merge(o_c, lse_c, o_n, lse_n)
+        o = values_out(o_lat, inputs.w_uv)
     else:
-        o_lat, lse = fold_own_rows(q, o_c, lse_c, inputs.latent, n=n, scale=m.scale, allowed=picked,
+        o, lse = fold_own_rows_out(q, o_c, lse_c, inputs.latent, inputs.w_uv, n=n, scale=m.scale, allowed=picked,
                                    lse_base2=LSE_BASE2)
-    out = SparseAttentionOutput(o=values_out(o_lat, inputs.w_uv), lse=lse, topk_indices=selected)
+    out = SparseAttentionOutput(o=o, lse=lse, topk_indices=selected)
     return out, writes(latent=inputs.latent, **index_values)
 
 
