@@ -282,7 +282,7 @@ case "${1:-}" in
     part 120 python -m fnattn bench indexer --batch 64 --ctx 32768 --out "$out/bench_mla_sparse_indexer.json"
     part 90 python -m fnattn bench mla-decode --batch 64 --ctx 4096 --out "$out/bench_mla_decode_b64.json"
     ;;
-  mla-absorb)  # MLA's absorbed query in one launch (absorb_kernel, opt-in): kernel tests and parity, its tiles, the layers
+  mla-absorb)  # MLA's absorbed query / own-row merge + W_UV in one launch: kernel tests and parity, tiles, the layers
     rec="python benchmarks/gpu_pytest_record.py"
     part 240 env FNATTN_GPU_RESULTS="$out/mla_absorb_cases.json" $rec "$out/mla_absorb_gpu.json" -- \
         tests/kernels/test_latent_absorb.py tests/gpu/test_mla_backends_gpu.py -k "absorb"
@@ -292,7 +292,7 @@ case "${1:-}" in
   mla-absorb-layers)  # the sparse layer and the whole DeepSeek-V3.2 step with and without absorb_kernel
     part 120 python -m fnattn bench mla-sparse --batch 64 --ctx 32768 --out "$out/bench_mla_sparse.json"
     part 300 python benchmarks/model_ab.py --family deepseek_v32 --shape 2-layer --ctx 2048 --batch 1 8 32 \
-        --steps 16 --toggle absorb_kernel --out "$out/bench_absorb_kernel_ab.json"
+        --steps 16 --toggle absorb_kernel merge_values_kernel --out "$out/bench_absorb_kernel_ab.json"
     ;;
   fused)  # the fused pieces: Qwen3.5 fused ops and own kernels, the skinny GEMV, whole models with each switch
     rec="python benchmarks/gpu_pytest_record.py"

@@ -43,7 +43,9 @@ Switches:
 - ``fla_direct`` (prefill): the fla provider calls fla-core's chunk forward itself
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
 - ``absorb_kernel`` (MLA families): the absorbed decode query ``[q_nope W_UK, q_pe]`` in one launch
-  (`fnattn.kinds.mla.latent.absorb_kernel`, opt-in), or a batched product and a copy of ``q_pe``.
+  (`fnattn.kinds.mla.latent.absorb_kernel`, the default), or a batched product and a copy of ``q_pe``.
+- ``merge_values_kernel`` (MLA families): a decode token's own-row merge and ``W_UV`` in one launch (opt-in), or
+  the merge kernel and a batched product.
 - ``qkv_apart`` (prefill): the fla provider's conv writes q, k and v each contiguous
   (`fnattn.kinds.delta_rule.triton.qkv_apart`, the default), or one output whose slices fla-core copies.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
@@ -139,6 +141,8 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                    {True: "fla-core's chunk forward called itself", False: "fla-core's public function"}),
     "absorb_kernel": (mla_latent.absorb_kernel, lambda: mla_latent._ABSORB_KERNEL[-1],
                       {True: "MLA's absorbed decode query in one launch", False: "a batched product and a copy"}),
+    "merge_values_kernel": (mla_latent.merge_values_kernel, lambda: mla_latent._MERGE_VALUES[-1],
+                            {True: "MLA's own-row merge and W_UV in one launch", False: "merge kernel, batched W_UV"}),
     "qkv_apart": (delta_rule.qkv_apart, lambda: delta_rule._QKV_APART[-1],
                   {True: "the conv writes q, k, v each contiguous", False: "q, k, v copied out of one conv output"}),
 }

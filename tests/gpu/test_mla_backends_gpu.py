@@ -325,12 +325,12 @@ def test_sparse_bench_layers_agree(record):
 def test_absorb_kernel_matches_reference(case, record):
     """`absorb_kernel`: the fast paths with the absorbed query, and a decode token's own-row merge with
     ``W_UV``, each from one launch, against the references (NaN-filled caches, rows of length 0 and 1)."""
-    from fnattn.kinds.mla.latent import absorb_kernel
+    from fnattn.kinds.mla.latent import absorb_kernel, merge_values_kernel
 
     kind, shape, phase, *backend = case.split()
     backend = backend[0] if backend else "flashmla"
     k = 2 if phase == "verify" else 0
-    with absorb_kernel(True):
+    with absorb_kernel(True), merge_values_kernel(True):
         if kind == "sparse":
             _sparse_case("v32", shape, phase, k, " absorb kernel", record)
             return
@@ -342,11 +342,11 @@ def test_absorb_kernel_matches_reference(case, record):
 
 
 def test_absorb_kernel_tiny_model_logits(record):
-    from fnattn.kinds.mla.latent import absorb_kernel
+    from fnattn.kinds.mla.latent import absorb_kernel, merge_values_kernel
 
     model, params = _tiny_model("deepseek_v32", 512)
     specs = params.config.specs
-    with absorb_kernel(True):
+    with absorb_kernel(True), merge_values_kernel(True):
         f, _ = _model_run(model, params, fa.ModelAttention(specs, device=DEV))
     r, _ = _model_run(model, params, fa.ModelAttention(specs, prefer=("reference",), device=DEV))
     err = float((f - r).abs().max() / r.abs().max())

@@ -4,8 +4,9 @@
 the new token, its query absorbed beforehand. "usual (append + kernel)" adds what a serving engine's
 attention layer does around it: write the new latent row, absorb ``W_UK``, the kernel, ``W_UV``. The
 fnattn rows are whole pure steps: the backend (absorb, kernel over the cache, the new row beside it,
-LSE merge, ``W_UV``) and the one apply of the step's rows; "absorb kernel" builds the absorbed query
-in one launch (`fnattn.kinds.mla.latent.absorb_kernel`) where the others run the usual layer's product.
+LSE merge, ``W_UV``) and the one apply of the step's rows. They build the absorbed query in one launch
+(`fnattn.kinds.mla.latent.absorb_kernel`); "batched absorb" runs the usual layer's product instead, and
+"merge + W_UV kernel" takes the own row's merge and ``W_UV`` in one launch (`merge_values_kernel`).
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def raw_flashmla(state, batch, cfg: MLAConfig, inputs: MLAInputs, layers):
     return kernel, usual
 
 
-def _with_absorb_kernel(measure):
-    from .latent import absorb_kernel
+def _switched(*, measure, absorb_kernel: bool = True, merge_values_kernel: bool = False):
+    from . import latent
 
-    with absorb_kernel(True):  # in force while the step is traced (a graph keeps what it captured)
+    # in force while the step is traced (a graph keeps what it captured)
+    with latent.absorb_kernel(absorb_kernel), latent.merge_values_kernel(merge_values_kernel):
         return measure()
 
 
@@ -89,8 +91,10 @@ def decode_case(*, batch: int, ctx: int, heads: int = 128, page_size: int = 64, 
         runs[f"fnattn {name} (pure)" + ("" if g == graph else " eager")] = (
             lambda ma=ma, g=g: time_fnattn(ma, state, b, specs, inputs, graph=g))
         if name == "flashmla":
-            runs["fnattn flashmla (pure, absorb kernel)"] = lambda ma=ma: _with_absorb_kernel(
-                lambda: time_fnattn(ma, state, b, specs, inputs, graph=graph))
+            runs["fnattn flashmla (pure, batched absorb)"] = lambda ma=ma: _switched(
+                absorb_kernel=False, measure=lambda: time_fnattn(ma, state, b, specs, inputs, graph=graph))
+            runs["fnattn flashmla (pure, merge + W_UV kernel)"] = lambda ma=ma: _switched(
+                merge_values_kernel=True, measure=lambda: time_fnattn(ma, state, b, specs, inputs, graph=graph))
     latent_bytes = layers * batch * (ctx + 1) * cfg.latent_dim * 2
     flops = layers * batch * heads * (ctx + 1) * (cfg.latent_dim + cfg.kv_lora_rank) * 2
     records = []

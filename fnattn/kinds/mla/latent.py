@@ -21,28 +21,38 @@ from ...checks import fail
 LN2 = math.log(2.0)
 
 
-# Opt-in until the H200 has measured them against the batched products (`fnattn bench mla-decode`'s
-# "absorb kernel" rows): `absorb_kernel(True)` turns them on.
-_ABSORB_KERNEL = [False]
+# mla_absorb_sweep.json (c32b134, H200, 128 heads): the query in one launch 11.8 / 12.9 / 13.8 / 16.8 / 21.2 us
+# against 14.5 / 15.8 / 16.6 / 18.3 / 21.3 for the batched product and copy at 1 / 8 / 32 / 64 / 128 tokens: on.
+_ABSORB_KERNEL = [True]
+# The same run: the own-row merge with W_UV in one launch 14.6 / 15.3 / 20.5 / 22.5 / 28.1 us against 14.7 / 15.4 /
+# 18.8 / 22.7 / 30.9 for the merge kernel and the batched product: no faster at decode sizes, off.
+_MERGE_VALUES = [False]
 ABSORB_KERNEL_MAX_TOKENS = 256  # beyond decode / verify sizes the product is compute-bound: cuBLAS's
 
 
 def absorb_kernel(enabled: bool):
-    """Within this block the two weight absorptions of a decode-sized step on the GPU (up to
-    ``ABSORB_KERNEL_MAX_TOKENS`` tokens) take one launch each: the absorbed query
-    (`fnattn.kernels.absorb_query`, instead of a batched product and a copy) and, for one decode token per
-    request, the own row's merge with ``W_UV`` after it (`fnattn.kernels.latent_absorb.merge_own_values`,
-    instead of the merge kernel and a batched product)."""
+    """Within this block a decode-sized absorbed query on the GPU (up to ``ABSORB_KERNEL_MAX_TOKENS`` tokens)
+    takes one launch (`fnattn.kernels.absorb_query`, the default) or a batched product and a copy of ``q_pe``
+    (`absorbed_query_torch`)."""
     from ...kernels._switch import switched
 
     return switched(_ABSORB_KERNEL, "absorb_kernel", enabled)
 
 
+def merge_values_kernel(enabled: bool):
+    """Within this block one decode token per request on the GPU has its own-row merge and ``W_UV`` in one launch
+    (`fnattn.kernels.latent_absorb.merge_own_values`) instead of the merge kernel and a batched product (the
+    default)."""
+    from ...kernels._switch import switched
+
+    return switched(_MERGE_VALUES, "merge_values_kernel", enabled)
+
+
 def absorbed_query(inputs) -> Float[Tensor, "T H Dq"]:
     """``[q_nope W_UK, q_pe]`` per head in the layer dtype: what a latent-space kernel scores.
 
-    Under `absorb_kernel` a decode-sized query on the GPU takes one launch (`fnattn.kernels.absorb_query`);
-    otherwise `absorbed_query_torch`.
+    A decode-sized query on the GPU takes one launch (`fnattn.kernels.absorb_query`) unless within
+    ``absorb_kernel(False)``; otherwise `absorbed_query_torch`.
     """
     q_nope = inputs.q_nope
     if (_ABSORB_KERNEL[-1] and q_nope.is_cuda and q_nope.shape[0] <= ABSORB_KERNEL_MAX_TOKENS
@@ -73,9 +83,9 @@ def fold_own_rows_out(q: Float[Tensor, "T H Dq"], o_c: Float[Tensor, "T H R"], l
                       new: Float[Tensor, "T Dq"], w_uv: Float[Tensor, "H Dv R"], *, n: int, scale: float,
                       lse_base2: bool = False, allowed: Bool[Tensor, "T n"] | None = None,
                       cache_lens: Tensor | None = None) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
-    """`fold_own_rows` then `values_out`: ``(o, natural-log lse)``. Under `absorb_kernel` one decode token per
-    request on the GPU takes one launch for both (`fnattn.kernels.latent_absorb.merge_own_values`)."""
-    if (_ABSORB_KERNEL[-1] and n == 1 and q.is_cuda and q.shape[0] <= ABSORB_KERNEL_MAX_TOKENS
+    """`fold_own_rows` then `values_out`: ``(o, natural-log lse)``. Under `merge_values_kernel` one decode token
+    per request on the GPU takes one launch for both (`fnattn.kernels.latent_absorb.merge_own_values`)."""
+    if (_MERGE_VALUES[-1] and n == 1 and q.is_cuda and q.shape[0] <= ABSORB_KERNEL_MAX_TOKENS
             and o_c.dtype == w_uv.dtype == new.dtype):
         from ...kernels.latent_absorb import merge_own_values
 

@@ -122,7 +122,7 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
     case = f"sparse mla decode B{batch} ctx{ctx} h{heads} topk{topk}" + (" graph" if graph else " eager")
     shape = {"batch": batch, "ctx": ctx, "heads": heads, "topk": topk, "page_size": page_size}
     flops = lambda us: {"tflop_s": batch * heads * topk * (576 + 512) * 2 / (us * 1e-6) / 1e12}  # noqa: E731
-    def through_fnattn(one_pass: bool, absorb: bool = False):
+    def through_fnattn(one_pass: bool, absorb: bool = True):
         # in force while the step is traced (a graph keeps what it captured)
         with one_pass_slots(one_pass), absorb_kernel(absorb):
             return timed_session(ma, state, b, lambda s: s.forward(1, inputs), graph=graph)
@@ -136,8 +136,8 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
                     flops),
             _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots)", peer, shape,
                     lambda: through_fnattn(True), flops),
-            _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots, absorb kernel)", peer, shape,
-                    lambda: through_fnattn(True, absorb=True), flops)]
+            _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots, batched absorb)", peer, shape,
+                    lambda: through_fnattn(True, absorb=False), flops)]
 
 
 def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi: int = 64, Di: int = 128,
