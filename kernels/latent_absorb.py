@@ -16,7 +16,10 @@ written and read back between two launches.
 import math
 
 import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
 
+from ._checks import check_like
 from ._triton import next_pow2, require_triton, tl, triton
 
 
@@ -47,7 +50,8 @@ def _absorb_query_kernel(
             tl.store(OUT + t[:, None] * so_t + h * so_h + R + p[None, :], pe, mask=pe_ok)
 
 
-def absorb_query_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+def absorb_query_ref(q_nope: Float[Tensor, "T H Dn"], q_pe: Float[Tensor, "T H Dr"],
+                     w_uk: Float[Tensor, "H Dn R"]) -> Float[Tensor, "T H Dq"]:
     """``[q_nope W_UK, q_pe]``: ``q_nope [T, H, Dn]``, ``q_pe [T, H, Dr]``, ``w_uk [H, Dn, R]`` ->
     ``[T, H, R + Dr]`` in ``q_nope``'s dtype (the product accumulated in fp32)."""
     qa = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.float()).to(q_nope.dtype)
@@ -67,13 +71,11 @@ def _check(q_nope, q_pe, w_uk):
     if tuple(w_uk.shape[:2]) != (H, Dn):
         raise ValueError(f"absorb_query: w_uk: expected shape [H, Dn, R] = ({H}, {Dn}, R), got {tuple(w_uk.shape)}")
     for name, t in (("q_pe", q_pe), ("w_uk", w_uk)):
-        if t.dtype != q_nope.dtype or t.device != q_nope.device:
-            raise ValueError(f"absorb_query: {name}: expected {q_nope.dtype} on {q_nope.device} (q_nope's), got "
-                             f"{t.dtype} on {t.device}")
+        check_like(f"absorb_query: {name}", t, None, q_nope, "q_nope")
 
 
-def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, *, block_r: int = 128,
-                 num_warps: int = 4) -> torch.Tensor:
+def absorb_query(q_nope: Float[Tensor, "T H Dn"], q_pe: Float[Tensor, "T H Dr"], w_uk: Float[Tensor, "H Dn R"], *,
+                 block_r: int = 128, num_warps: int = 4) -> Float[Tensor, "T H Dq"]:
     """`absorb_query_ref` in one launch (a new ``[T, H, R + Dr]`` tensor; nothing written into the
     arguments). ``block_r``: the columns of ``R`` one program owns (a power of two, >= 16)."""
     require_triton()
@@ -148,7 +150,11 @@ def _merge_own_values_kernel(
     tl.store(LSE_OUT + t * H + h, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=t_ok)
 
 
-def merge_own_values_ref(o_c, lse_c, q, new, w_uv, *, scale, lse_base2=False, cache_lens=None, allowed=None):
+def merge_own_values_ref(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q: Float[Tensor, "T H Dq"],
+                         new: Float[Tensor, "T Dq"], w_uv: Float[Tensor, "H Dv R"], *, scale: float,
+                         lse_base2: bool = False, cache_lens: Int[Tensor, " T"] | None = None,
+                         allowed: Bool[Tensor, " T"] | None = None
+                         ) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
     """The own row merged by LSE (`fnattn.kernels.merge_new_token_ref`), then through ``W_UV``: ``o_c [T, H, R]``
     and ``lse_c [T, H]`` the attention over each token's cache (base 2 when ``lse_base2``; +inf / NaN mark no
     key), ``q [T, H, R + Dr]`` the absorbed query, ``new [T, R + Dr]`` each token's own row, ``w_uv [H, Dv, R]``.
@@ -162,20 +168,23 @@ def merge_own_values_ref(o_c, lse_c, q, new, w_uv, *, scale, lse_base2=False, ca
     return o, lse
 
 
-def merge_own_values(o_c, lse_c, q, new, w_uv, *, scale, lse_base2=False, cache_lens=None, allowed=None,
-                     block_t: int = 64, num_warps: int = 8):
+def merge_own_values(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q: Float[Tensor, "T H Dq"],
+                     new: Float[Tensor, "T Dq"], w_uv: Float[Tensor, "H Dv R"], *, scale: float,
+                     lse_base2: bool = False, cache_lens: Int[Tensor, " T"] | None = None,
+                     allowed: Bool[Tensor, " T"] | None = None, block_t: int = 64,
+                     num_warps: int = 8) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
     """`merge_own_values_ref` in one launch: one decode token per request (``cache_lens`` and ``allowed``
     [T], one entry a token). ``block_t``: the tokens one program takes (a power of two, >= 16)."""
     require_triton()
     if not all(isinstance(t, torch.Tensor) for t in (o_c, lse_c, q, new, w_uv)):
         raise ValueError("merge_own_values: o_c, lse_c, q, new and w_uv must be tensors")
-    T, H, R = o_c.shape if o_c.dim() == 3 else (None, None, None)
-    if T is None:
-        raise ValueError(f"merge_own_values: o_c: expected [T, H, R], got {tuple(o_c.shape)}")
-    DQ = new.shape[-1] if new.dim() == 2 else None
+    for name, t, dims in (("o_c", o_c, "[T, H, R]"), ("new", new, "[T, R + Dr]"), ("w_uv", w_uv, "[H, Dv, R]")):
+        if t.dim() != dims.count(",") + 1:
+            raise ValueError(f"merge_own_values: {name}: expected {dims}, got {tuple(t.shape)}")
+    (T, H, R), DQ, Dv = o_c.shape, new.shape[1], w_uv.shape[1]
     for name, t, shape in (("lse_c", lse_c, (T, H)), ("q", q, (T, H, DQ)), ("new", new, (T, DQ)),
-                           ("w_uv", w_uv, (H, w_uv.shape[1] if w_uv.dim() == 3 else None, R))):
-        if tuple(t.shape) != shape or None in shape:
+                           ("w_uv", w_uv, (H, Dv, R))):
+        if tuple(t.shape) != shape:
             raise ValueError(f"merge_own_values: {name}: expected shape {shape}, got {tuple(t.shape)}")
         if t.device != o_c.device:
             raise ValueError(f"merge_own_values: {name}: expected device {o_c.device} (o_c's), got {t.device}")
@@ -193,7 +202,6 @@ def merge_own_values(o_c, lse_c, q, new, w_uv, *, scale, lse_base2=False, cache_
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
     if block_t < 16 or block_t & (block_t - 1):
         raise ValueError(f"merge_own_values: block_t: expected a power of two >= 16, got {block_t!r}")
-    Dv = w_uv.shape[1]
     o = torch.empty((T, H, Dv), dtype=w_uv.dtype, device=o_c.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=o_c.device)
     if T == 0:

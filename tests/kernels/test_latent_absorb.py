@@ -57,7 +57,7 @@ def test_no_tokens():
 @pytest.mark.parametrize("bad, match", [
     (lambda qn, qp, w: (qn, qp[:, :1], w), "q_pe: expected shape"),
     (lambda qn, qp, w: (qn, qp, w[:1]), "w_uk: expected shape"),
-    (lambda qn, qp, w: (qn, qp.double(), w), "q_pe: expected torch.float32"),
+    (lambda qn, qp, w: (qn, qp.double(), w), "q_pe: expected dtype torch.float32 \\(q_nope's\\)"),
     (lambda qn, qp, w: (qn[0], qp, w), "q_nope: expected a 3-d tensor"),
     (lambda qn, qp, w: (qn, qp, w.transpose(1, 2).contiguous().transpose(1, 2)), "w_uk: expected a unit stride"),
 ])

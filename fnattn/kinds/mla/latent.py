@@ -17,6 +17,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ...checks import fail
+from ...switches import switched
 
 LN2 = math.log(2.0)
 
@@ -34,8 +35,6 @@ def absorb_kernel(enabled: bool):
     """Within this block a decode-sized absorbed query on the GPU (up to ``ABSORB_KERNEL_MAX_TOKENS`` tokens)
     takes one launch (`fnattn.kernels.absorb_query`, the default) or a batched product and a copy of ``q_pe``
     (`absorbed_query_torch`)."""
-    from ...kernels._switch import switched
-
     return switched(_ABSORB_KERNEL, "absorb_kernel", enabled)
 
 
@@ -43,8 +42,6 @@ def merge_values_kernel(enabled: bool):
     """Within this block one decode token per request on the GPU has its own-row merge and ``W_UV`` in one launch
     (`fnattn.kernels.latent_absorb.merge_own_values`) instead of the merge kernel and a batched product (the
     default)."""
-    from ...kernels._switch import switched
-
     return switched(_MERGE_VALUES, "merge_values_kernel", enabled)
 
 
