@@ -20,7 +20,7 @@
 #   conv-apart: the packed conv tiles as two launches;
 #   gemv-stages: the step's GEMVs at 3 pipeline stages / 2 early K tiles; split-norm (split-norm-parity):
 #   each residual add + RMSNorm split between the GEMVs on either side; overhead-graph: the framework over the same
-#   kernels, eager and replayed
+#   kernels, eager and replayed; mla-tiles: the MLA absorption kernels' tile sweep and the dense layer
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -287,6 +287,12 @@ case "${1:-}" in
     part 240 env FNATTN_GPU_RESULTS="$out/mla_absorb_cases.json" $rec "$out/mla_absorb_gpu.json" -- \
         tests/kernels/test_latent_absorb.py tests/gpu/test_mla_backends_gpu.py -k "absorb"
     part 90 python benchmarks/mla_absorb_sweep.py --out "$out/mla_absorb_sweep.json"
+    part 90 python -m fnattn bench mla-decode --batch 64 --ctx 4096 --out "$out/bench_mla_decode_b64.json"
+    ;;
+  mla-tiles)  # the absorption kernels' tiles (token runs, pipelined weight steps, Dv tiles) and the dense layer
+    rec="python benchmarks/gpu_pytest_record.py"
+    part 120 $rec "$out/latent_absorb_gpu.json" -- tests/kernels/test_latent_absorb.py
+    part 330 python benchmarks/mla_absorb_sweep.py --out "$out/mla_absorb_sweep.json"
     part 90 python -m fnattn bench mla-decode --batch 64 --ctx 4096 --out "$out/bench_mla_decode_b64.json"
     ;;
   mla-absorb-layers)  # the sparse layer and the whole DeepSeek-V3.2 step with and without absorb_kernel

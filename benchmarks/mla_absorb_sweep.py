@@ -9,6 +9,7 @@ Each weight (16.8 MB) is read once a call: ``tb_s`` counts every byte a call mov
 """
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -28,8 +29,28 @@ def sweep(what, T, heads, ways, want, moved):
         rec = {"op": what, "tokens": T, "heads": heads, "way": name, "time_us": us,
                "tb_s": moved / (us * 1e-6) / 1e12, "speedup_vs_torch": base / us, "max_rel_err_vs_torch": rel}
         records.append(rec)
-        print(f"T {T:4d}  {name:44s} {us:8.2f} us  {rec['tb_s']:5.2f} TB/s  x{rec['speedup_vs_torch']:.2f}"
+        print(f"T {T:4d}  {name:84s} {us:8.2f} us  {rec['tb_s']:5.2f} TB/s  x{rec['speedup_vs_torch']:.2f}"
               f"  err {rel:.1e}")
+    return records
+
+
+# (tokens a product, programs that share a weight tile) tried at each token count (the nearest one's)
+TOKEN_TILES = {1: [(16, 1)], 8: [(16, 1)], 32: [(16, 1), (16, 2), (32, 1)],
+               64: [(16, 1), (16, 4), (32, 2), (64, 1)], 128: [(64, 1), (64, 2), (32, 4), (16, 8)]}
+
+
+def floors(T, heads, w):
+    """What no way can beat in this run: a launch that moves one element (the timing's own floor) and one
+    read of the weight by a torch reduction (the weight's share of the bandwidth roofline)."""
+    one = torch.zeros(1, device="cuda")
+    records = []
+    for what, fn, moved in (("floor: one-element launch", lambda: one.add_(1), 8),
+                            ("floor: the weight read once (torch.sum)", lambda: w.sum(dtype=torch.float32),
+                             2 * w.numel())):
+        us = timed(fn)
+        records.append({"op": what, "tokens": T, "heads": heads, "way": "torch", "time_us": us,
+                        "tb_s": moved / (us * 1e-6) / 1e12})
+        print(f"T {T:4d}  {what:44s} {us:8.2f} us  {records[-1]['tb_s']:5.2f} TB/s")
     return records
 
 
@@ -45,11 +66,16 @@ def main() -> None:
         x = random_inputs(cfg, T)
         moved = 2 * (x.w_uk.numel() + x.q_nope.numel() + x.q_pe.numel() + T * a.heads * cfg.latent_dim)
         want = absorbed_query_torch(x).float()
+        records += floors(T, a.heads, x.w_uk)
         ways = {"bmm + copy (torch)": lambda x=x: absorbed_query_torch(x)}
-        for block_r in (32, 64, 128):
-            for warps in (4, 8):
-                ways[f"absorb_query block_r {block_r} warps {warps}"] = (
-                    lambda x=x, b=block_r, w=warps: absorb_query(x.q_nope, x.q_pe, x.w_uk, block_r=b, num_warps=w))
+        token_tiles = TOKEN_TILES[min(TOKEN_TILES, key=lambda n: abs(n - T))]
+        for block_r, (block_k, stages), warps, (block_t, split) in itertools.product(
+                (64, 128), ((None, 2), (64, 2), (32, 3)), (4, 8), token_tiles):
+            ways[f"absorb_query block_r {block_r} block_k {block_k or 'all'} stages {stages} warps {warps} "
+                 f"block_t {block_t} split {split}"] = (
+                lambda x=x, b=block_r, k=block_k, s=stages, w=warps, bt=block_t, sp=split: absorb_query(
+                    x.q_nope, x.q_pe, x.w_uk, block_r=b, block_k=k, num_stages=s, num_warps=w, block_t=bt,
+                    token_split=sp))
         records += sweep("absorbed query", T, a.heads, ways, want, moved)
         # the own row's merge and W_UV: over a random cached part
         q = absorbed_query_torch(x)
@@ -63,12 +89,20 @@ def main() -> None:
             return values_out(o_lat, x.w_uv)
 
         ways = {"merge kernel + bmm": torch_way}
-        for block_t in (16, 32, 64):
-            for warps in (4, 8):
-                ways[f"merge_own_values block_t {block_t} warps {warps}"] = (
-                    lambda q=q, o_c=o_c, lse_c=lse_c, x=x, b=block_t, w=warps: merge_own_values(
-                        o_c, lse_c, q, x.latent, x.w_uv, scale=cfg.scale, block_t=b, num_warps=w)[0])
+        for block_t, block_v, block_r, warps in itertools.product((16, 32, 64), (None, 64, 32), (64, 128), (4, 8)):
+            if block_t > max(16, T):
+                continue
+            ways[f"merge_own_values block_t {block_t} block_v {block_v or 'all'} block_r {block_r} warps {warps}"] = (
+                lambda q=q, o_c=o_c, lse_c=lse_c, x=x, bt=block_t, bv=block_v, br=block_r, w=warps: merge_own_values(
+                    o_c, lse_c, q, x.latent, x.w_uv, scale=cfg.scale, block_t=bt, block_v=bv, block_r=br,
+                    num_warps=w)[0])
         records += sweep("own-row merge + W_UV", T, a.heads, ways, torch_way().float(), moved)
+    for (op, T), group in itertools.groupby(records, key=lambda r: (r["op"], r["tokens"])):
+        group = list(group)
+        if not op.startswith("floor"):
+            best = min(group, key=lambda r: r["time_us"])
+            print(f"best  {op:22s} T {T:4d}  {best['time_us']:7.2f} us ({group[0]['time_us']:.2f} the first way): "
+                  f"{best['way']}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"command": "python benchmarks/mla_absorb_sweep.py " + " ".join(

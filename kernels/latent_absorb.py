@@ -25,23 +25,38 @@ from ._triton import next_pow2, require_triton, tl, triton
 
 @triton.jit
 def _absorb_query_kernel(
-    QN, QP, W, OUT, T, H, Dn, R, Dr,
+    QN, QP, W, OUT, T, H, Dn, R, Dr, TOKENS_PER_PROGRAM,
     sqn_t, sqn_h, sqp_t, sqp_h, sw_h, sw_d, so_t, so_h,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    K_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    h = tl.program_id(0).to(tl.int64)
+    # the programs that share a head's weight tile are neighbours in launch order: tokens, then columns
+    t_first = tl.program_id(0) * TOKENS_PER_PROGRAM
     tile = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
+    h = tl.program_id(2).to(tl.int64)
+    t_stop = tl.minimum(T, t_first + TOKENS_PER_PROGRAM)
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    w = tl.load(W + h * sw_h + d[:, None] * sw_d + r[None, :], mask=(d[:, None] < Dn) & (r[None, :] < R),
-                other=0.0)  # [BLOCK_D, BLOCK_R]
     p = tl.arange(0, BLOCK_P)
-    for t0 in range(0, T, BLOCK_T):
+    if K_STEPS == 1:  # the whole weight tile, loaded once and held for every token block
+        d = tl.arange(0, BLOCK_K)
+        w = tl.load(W + h * sw_h + d[:, None] * sw_d + r[None, :], mask=(d[:, None] < Dn) & (r[None, :] < R),
+                    other=0.0)  # [BLOCK_K, BLOCK_R]
+    for t0 in range(t_first, t_stop, BLOCK_T):
         t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
-        t_ok = t < T
-        qn = tl.load(QN + t[:, None] * sqn_t + h * sqn_h + d[None, :], mask=t_ok[:, None] & (d[None, :] < Dn),
-                     other=0.0)  # [BLOCK_T, BLOCK_D]
-        acc = tl.dot(qn, w)  # fp32 [BLOCK_T, BLOCK_R]
+        t_ok = t < t_stop
+        if K_STEPS == 1:
+            qn = tl.load(QN + t[:, None] * sqn_t + h * sqn_h + d[None, :], mask=t_ok[:, None] & (d[None, :] < Dn),
+                         other=0.0)  # [BLOCK_T, BLOCK_K]
+            acc = tl.dot(qn, w)  # fp32 [BLOCK_T, BLOCK_R]
+        else:  # Dn in steps, their loads pipelined: fewer registers a program, more programs resident
+            acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+            for k in tl.range(0, K_STEPS, num_stages=NUM_STAGES):
+                dk = k * BLOCK_K + tl.arange(0, BLOCK_K)
+                qn = tl.load(QN + t[:, None] * sqn_t + h * sqn_h + dk[None, :],
+                             mask=t_ok[:, None] & (dk[None, :] < Dn), other=0.0)
+                wk = tl.load(W + h * sw_h + dk[:, None] * sw_d + r[None, :],
+                             mask=(dk[:, None] < Dn) & (r[None, :] < R), other=0.0)
+                acc = tl.dot(qn, wk, acc)
         tl.store(OUT + t[:, None] * so_t + h * so_h + r[None, :], acc.to(OUT.dtype.element_ty),
                  mask=t_ok[:, None] & (r[None, :] < R))
         if tile == 0:
@@ -74,27 +89,43 @@ def _check(q_nope, q_pe, w_uk):
         check_like(f"absorb_query: {name}", t, None, q_nope, "q_nope")
 
 
+def _power_of_two(where: str, name: str, v, lo: int = 16):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
+        raise ValueError(f"{where}: {name}: expected a power of two >= {lo}, got {v!r}")
+
+
 def absorb_query(q_nope: Float[Tensor, "T H Dn"], q_pe: Float[Tensor, "T H Dr"], w_uk: Float[Tensor, "H Dn R"], *,
-                 block_r: int = 128, num_warps: int = 4) -> Float[Tensor, "T H Dq"]:
+                 block_r: int = 128, num_warps: int = 4, block_t: int = 64, token_split: int = 1,
+                 block_k: int | None = None, num_stages: int = 2) -> Float[Tensor, "T H Dq"]:
     """`absorb_query_ref` in one launch (a new ``[T, H, R + Dr]`` tensor; nothing written into the
-    arguments). ``block_r``: the columns of ``R`` one program owns (a power of two, >= 16)."""
+    arguments). The tiles (powers of two >= 16): ``block_r`` the columns of ``R`` one program owns, ``block_t``
+    the tokens one product takes, ``block_k`` the rows of ``Dn`` one product takes (all of them by default, the
+    weight tile then held in registers for every token block; fewer are read in ``num_stages`` pipelined
+    steps). ``token_split`` programs share one weight tile, each a run of the tokens."""
     require_triton()
     _check(q_nope, q_pe, w_uk)
-    if block_r < 16 or block_r & (block_r - 1):
-        raise ValueError(f"absorb_query: block_r: expected a power of two >= 16, got {block_r!r}")
     T, H, Dn = q_nope.shape
     R, Dr = w_uk.shape[2], q_pe.shape[2]
+    full_k = max(16, next_pow2(Dn))
+    for name, v in (("block_r", block_r), ("block_t", block_t), ("block_k", full_k if block_k is None else block_k)):
+        _power_of_two("absorb_query", name, v)
+    for name, v in (("token_split", token_split), ("num_stages", num_stages), ("num_warps", num_warps)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"absorb_query: {name}: expected an int >= 1, got {v!r}")
     out = torch.empty((T, H, R + Dr), dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return out
     block_r = min(block_r, max(16, next_pow2(R)))
-    grid = (H, triton.cdiv(R, block_r))
+    block_t = min(block_t, max(16, next_pow2(T)))
+    block_k = full_k if block_k is None else min(block_k, full_k)
+    per_program = triton.cdiv(triton.cdiv(T, token_split), block_t) * block_t  # whole token blocks a program
+    grid = (triton.cdiv(T, per_program), triton.cdiv(R, block_r), H)
     _absorb_query_kernel[grid](
-        q_nope, q_pe, w_uk, out, T, H, Dn, R, Dr,
+        q_nope, q_pe, w_uk, out, T, H, Dn, R, Dr, per_program,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_T=max(16, min(64, next_pow2(T))), BLOCK_D=max(16, next_pow2(Dn)), BLOCK_R=block_r,
-        BLOCK_P=max(16, next_pow2(Dr)), num_warps=num_warps)
+        BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(Dr)),
+        K_STEPS=triton.cdiv(Dn, block_k), NUM_STAGES=num_stages, num_warps=num_warps)
     return out
 
 
@@ -106,8 +137,10 @@ def _merge_own_values_kernel(
     BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_LENS: tl.constexpr, HAS_ALLOWED: tl.constexpr,
 ):
-    h = tl.program_id(0).to(tl.int64)
+    # a program per tile of Dv: the tiles of one token block are neighbours, so they read its rows from L2
+    v_tile = tl.program_id(0)
     t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
     t_ok = t < T
     # the own row's score: q . new over the whole absorbed width
     s = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -130,10 +163,13 @@ def _merge_own_values_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # both parts empty (only with ALLOWED): both weights 0
     wc = tl.exp(lc - m)
     wn = tl.exp(s - m)
-    keep = wc > 0  # an empty cached part may hold anything, NaN included: it must not reach the products
-    v = tl.arange(0, BLOCK_V)
-    acc_c = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
-    acc_n = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    total = wc + wn
+    inv = 1.0 / tl.where(total > 0, total, 1.0)
+    wc = wc * inv
+    wn = wn * inv
+    keep = wc > 0  # an empty cached part may hold anything, NaN included: it must not reach the product
+    v = v_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         ok = t_ok[:, None] & (r[None, :] < R)
@@ -141,13 +177,13 @@ def _merge_own_values_kernel(
         nv = tl.load(NEW + t[:, None] * sn_t + r[None, :], mask=ok, other=0.0)
         w = tl.load(W + h * sw_h + v[None, :] * sw_v + r[:, None], mask=(r[:, None] < R) & (v[None, :] < DV),
                     other=0.0)  # [BLOCK_R, BLOCK_V]: W_UV[h] transposed
-        acc_c = tl.dot(oc.to(w.dtype), w, acc_c)
-        acc_n = tl.dot(nv.to(w.dtype), w, acc_n)
-    total = wc + wn
-    o = (acc_c * wc[:, None] + acc_n * wn[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(OUT + t[:, None] * so_t + h * so_h + v[None, :], o.to(OUT.dtype.element_ty),
+        # the merged latent in fp32, rounded to the weight's dtype once, as the merge kernel's output would be
+        merged = oc.to(tl.float32) * wc[:, None] + nv.to(tl.float32) * wn[:, None]
+        acc = tl.dot(merged.to(w.dtype), w, acc)
+    tl.store(OUT + t[:, None] * so_t + h * so_h + v[None, :], acc.to(OUT.dtype.element_ty),
              mask=t_ok[:, None] & (v[None, :] < DV))
-    tl.store(LSE_OUT + t * H + h, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=t_ok)
+    if v_tile == 0:
+        tl.store(LSE_OUT + t * H + h, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=t_ok)
 
 
 def merge_own_values_ref(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q: Float[Tensor, "T H Dq"],
@@ -171,10 +207,13 @@ def merge_own_values_ref(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"
 def merge_own_values(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q: Float[Tensor, "T H Dq"],
                      new: Float[Tensor, "T Dq"], w_uv: Float[Tensor, "H Dv R"], *, scale: float,
                      lse_base2: bool = False, cache_lens: Int[Tensor, " T"] | None = None,
-                     allowed: Bool[Tensor, " T"] | None = None, block_t: int = 64,
+                     allowed: Bool[Tensor, " T"] | None = None, block_t: int = 64, block_r: int = 64,
+                     block_v: int | None = None,
                      num_warps: int = 8) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
     """`merge_own_values_ref` in one launch: one decode token per request (``cache_lens`` and ``allowed``
-    [T], one entry a token). ``block_t``: the tokens one program takes (a power of two, >= 16)."""
+    [T], one entry a token). The tiles (powers of two >= 16): ``block_t`` the tokens one program takes,
+    ``block_v`` its columns of ``Dv`` (all of them by default; fewer give more programs, each reading its
+    rows of ``W_UV`` once), ``block_r`` the latent columns one product step takes."""
     require_triton()
     if not all(isinstance(t, torch.Tensor) for t in (o_c, lse_c, q, new, w_uv)):
         raise ValueError("merge_own_values: o_c, lse_c, q, new and w_uv must be tensors")
@@ -200,19 +239,21 @@ def merge_own_values(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q
         if t is not None and (tuple(t.shape) != (T,) or t.device != o_c.device or t.dtype not in dtypes):
             raise ValueError(f"merge_own_values: {name}: expected [{T}] {dtypes[0]} on {o_c.device}, got shape "
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    if block_t < 16 or block_t & (block_t - 1):
-        raise ValueError(f"merge_own_values: block_t: expected a power of two >= 16, got {block_t!r}")
+    full_v = max(16, next_pow2(Dv))
+    for name, v in (("block_t", block_t), ("block_r", block_r), ("block_v", full_v if block_v is None else block_v)):
+        _power_of_two("merge_own_values", name, v)
     o = torch.empty((T, H, Dv), dtype=w_uv.dtype, device=o_c.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=o_c.device)
     if T == 0:
         return o, lse
     block_t = min(block_t, max(16, next_pow2(T)))
-    _merge_own_values_kernel[(H, triton.cdiv(T, block_t))](
+    block_v = full_v if block_v is None else min(block_v, full_v)
+    _merge_own_values_kernel[(triton.cdiv(Dv, block_v), triton.cdiv(T, block_t), H)](
         o_c, lse_c, q, new, w_uv, o, lse, lse if cache_lens is None else cache_lens,
         lse if allowed is None else allowed.contiguous().view(torch.int8),
         T, H, R, DQ, Dv, float(scale), math.log(2.0) if lse_base2 else 1.0,
         o_c.stride(0), o_c.stride(1), lse_c.stride(0), lse_c.stride(1), q.stride(0), q.stride(1), new.stride(0),
         w_uv.stride(0), w_uv.stride(1), o.stride(0), o.stride(1),
-        BLOCK_T=block_t, BLOCK_Q=64, BLOCK_R=64, BLOCK_V=max(16, next_pow2(Dv)),
+        BLOCK_T=block_t, BLOCK_Q=64, BLOCK_R=min(block_r, max(16, next_pow2(R))), BLOCK_V=block_v,
         HAS_LENS=cache_lens is not None, HAS_ALLOWED=allowed is not None, num_warps=num_warps)
     return o, lse

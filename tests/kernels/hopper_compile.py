@@ -148,10 +148,13 @@ def absorb_cases():
     from fnattn.kernels.latent_absorb import _absorb_query_kernel
 
     ptr = {p: "*bf16" for p in ("QN", "QP", "W", "OUT")}
+    base = dict(BLOCK_T=64, BLOCK_K=128, BLOCK_P=64, K_STEPS=1, NUM_STAGES=2)
     for name, tiles in {"absorbed query, 128 columns a program": dict(BLOCK_R=128),
-                        "absorbed query, 64 columns a program": dict(BLOCK_R=64)}.items():
-        yield name, lambda c={**dict(BLOCK_T=64, BLOCK_D=128, BLOCK_P=64), **tiles}, p=ptr: compile_for_hopper(
-            _absorb_query_kernel, c, p)
+                        "absorbed query, 64 columns a program": dict(BLOCK_R=64),
+                        "absorbed query, 2 pipelined steps of 64 rows": dict(BLOCK_R=128, BLOCK_K=64, K_STEPS=2),
+                        "absorbed query, 4 steps of 32 rows, 3 stages, 16 tokens": dict(
+                            BLOCK_R=64, BLOCK_K=32, K_STEPS=4, NUM_STAGES=3, BLOCK_T=16)}.items():
+        yield name, lambda c={**base, **tiles}, p=ptr: compile_for_hopper(_absorb_query_kernel, c, p)
     from fnattn.kernels.latent_absorb import _merge_own_values_kernel
 
     ptr = {p: "*bf16" for p in ("O_C", "Q", "NEW", "W", "OUT")}
@@ -159,7 +162,9 @@ def absorb_cases():
     base = dict(BLOCK_T=64, BLOCK_Q=64, BLOCK_R=64, BLOCK_V=128, HAS_LENS=True, HAS_ALLOWED=False)
     for name, change in {"own-row merge + W_UV, dense": {},
                          "own-row merge + W_UV, sparse (picked mask), 16 tokens a program":
-                             dict(HAS_LENS=False, HAS_ALLOWED=True, BLOCK_T=16)}.items():
+                             dict(HAS_LENS=False, HAS_ALLOWED=True, BLOCK_T=16),
+                         "own-row merge + W_UV, 32 columns of Dv a program, 128 latent a step":
+                             dict(BLOCK_V=32, BLOCK_R=128, BLOCK_T=32)}.items():
         yield name, lambda c={**base, **change}, p=ptr: compile_for_hopper(_merge_own_values_kernel, c, p,
                                                                            floats=("sm_scale", "lse_scale"))
 

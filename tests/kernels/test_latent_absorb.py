@@ -67,9 +67,26 @@ def test_bad_arguments_name_the_argument(bad, match):
         absorb_query(*args)
 
 
-def test_block_r_must_be_a_power_of_two():
-    with pytest.raises(ValueError, match="block_r: expected a power of two >= 16, got 24"):
-        absorb_query(*inputs(2, 2, 16, 32, 8, torch.float32), block_r=24)
+@pytest.mark.parametrize("T, block_t, token_split, block_k, num_stages", [
+    (70, 16, 1, 16, 2), (70, 16, 3, None, 2), (40, 32, 2, 16, 3), (5, 16, 4, 16, 1), (33, 16, 8, 32, 2)])
+def test_every_tiling_gives_the_reference(T, block_t, token_split, block_k, num_stages):
+    """Token runs shared out over programs (the last one short) and the weight read in steps of ``block_k``
+    rows: the same product."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    qn, qp, w = inputs(T, 3, 32, 48, 8, dtype, strided=True)
+    got = absorb_query(qn, qp, w, block_r=32, block_t=block_t, token_split=token_split, block_k=block_k,
+                       num_stages=num_stages)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, absorb_query_ref(qn, qp, w), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name, value, want", [
+    ("block_r", 24, "a power of two >= 16, got 24"), ("block_t", 8, "a power of two >= 16, got 8"),
+    ("block_k", 48, "a power of two >= 16, got 48"), ("token_split", 0, "an int >= 1, got 0"),
+    ("num_stages", True, "an int >= 1, got True")])
+def test_a_bad_tile_is_named(name, value, want):
+    with pytest.raises(ValueError, match=f"absorb_query: {name}: expected {want}"):
+        absorb_query(*inputs(2, 2, 16, 32, 8, torch.float32), **{name: value})
 
 
 # --------------------------------------------------------------------------- merge_own_values
@@ -89,18 +106,19 @@ def merge_inputs(T, H, R, Dr, Dv, dtype, seed=1):
     return [x.to(dtype).to(DEVICE) if x is not lse_c else x.to(DEVICE) for x in (o_c, lse_c, q, new, w)]
 
 
-@pytest.mark.parametrize("T, H, R, Dr, Dv, block_t", [(1, 2, 32, 8, 16, 16), (5, 3, 64, 16, 24, 16),
-                                                      (40, 2, 96, 8, 32, 32), (70, 1, 64, 8, 16, 64)])
+@pytest.mark.parametrize("T, H, R, Dr, Dv, block_t, block_v", [
+    (1, 2, 32, 8, 16, 16, None), (5, 3, 64, 16, 24, 16, 16), (40, 2, 96, 8, 32, 32, None),
+    (70, 1, 64, 8, 16, 64, None), (40, 2, 96, 8, 48, 16, 16)])
 @pytest.mark.parametrize("lse_base2", [False, True])
 @pytest.mark.parametrize("masks", ["none", "cache_lens", "allowed", "both"])
-def test_merge_own_values_matches_the_reference(T, H, R, Dr, Dv, block_t, lse_base2, masks):
+def test_merge_own_values_matches_the_reference(T, H, R, Dr, Dv, block_t, block_v, lse_base2, masks):
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     o_c, lse_c, q, new, w = merge_inputs(T, H, R, Dr, Dv, dtype)
     g = torch.Generator().manual_seed(T)
     lens = (torch.randint(0, 3, (T,), generator=g).int() * 7).to(DEVICE) if masks in ("cache_lens", "both") else None
     allowed = (torch.rand(T, generator=g) > 0.4).to(DEVICE) if masks in ("allowed", "both") else None
     kw = dict(scale=0.2, lse_base2=lse_base2, cache_lens=lens, allowed=allowed)
-    got_o, got_lse = merge_own_values(o_c, lse_c, q, new, w, block_t=block_t, **kw)
+    got_o, got_lse = merge_own_values(o_c, lse_c, q, new, w, block_t=block_t, block_v=block_v, block_r=32, **kw)
     want_o, want_lse = merge_own_values_ref(o_c, lse_c, q, new, w, **kw)
     assert got_o.shape == (T, H, Dv) and got_o.dtype == w.dtype and got_lse.dtype == torch.float32
     assert not torch.isnan(got_o).any()
@@ -131,3 +149,10 @@ def test_merge_own_values_names_a_bad_argument(bad, match):
     with pytest.raises(ValueError, match=match):
         merge_own_values(args["o_c"], args["lse_c"], args["q"], args["new"], args["w_uv"], scale=0.2,
                          cache_lens=args.get("cache_lens"))
+
+
+@pytest.mark.parametrize("name, value", [("block_v", 12), ("block_r", 0), ("block_t", 8)])
+def test_merge_own_values_names_a_bad_tile(name, value):
+    o_c, lse_c, q, new, w = merge_inputs(2, 2, 32, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match=f"merge_own_values: {name}: expected a power of two >= 16, got {value}"):
+        merge_own_values(o_c, lse_c, q, new, w, scale=0.2, **{name: value})
