@@ -20,7 +20,8 @@
 #   conv-apart: the packed conv tiles as two launches;
 #   gemv-stages: the step's GEMVs at 3 pipeline stages / 2 early K tiles; split-norm (split-norm-parity):
 #   each residual add + RMSNorm split between the GEMVs on either side; overhead-graph: the framework over the same
-#   kernels, eager and replayed; mla-tiles: the MLA absorption kernels' tile sweep and the dense layer
+#   kernels, eager and replayed; mla-tiles: the MLA absorption kernels' tile sweep and the dense layer;
+#   mla-defaults: the MLA parity and layers at today's absorption defaults
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -294,6 +295,12 @@ case "${1:-}" in
     part 120 $rec "$out/latent_absorb_gpu.json" -- tests/kernels/test_latent_absorb.py
     part 330 python benchmarks/mla_absorb_sweep.py --out "$out/mla_absorb_sweep.json"
     part 90 python -m fnattn bench mla-decode --batch 64 --ctx 4096 --out "$out/bench_mla_decode_b64.json"
+    ;;
+  mla-defaults)  # the MLA parity matrix with today's absorption defaults, then the dense and sparse layers
+    part 260 env FNATTN_GPU_RESULTS="$out/mla_parity_cases.json" python benchmarks/gpu_pytest_record.py \
+        "$out/mla_parity.json" -- tests/kernels/test_latent_absorb.py tests/gpu/test_mla_backends_gpu.py
+    part 90 python -m fnattn bench mla-decode --batch 64 --ctx 4096 --out "$out/bench_mla_decode_b64.json"
+    part 120 python -m fnattn bench mla-sparse --batch 64 --ctx 32768 --out "$out/bench_mla_sparse.json"
     ;;
   mla-absorb-layers)  # the sparse layer and the whole DeepSeek-V3.2 step with and without absorb_kernel
     part 120 python -m fnattn bench mla-sparse --batch 64 --ctx 32768 --out "$out/bench_mla_sparse.json"

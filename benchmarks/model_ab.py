@@ -44,8 +44,8 @@ Switches:
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
 - ``absorb_kernel`` (MLA families): the absorbed decode query ``[q_nope W_UK, q_pe]`` in one launch
   (`fnattn.kinds.mla.latent.absorb_kernel`, the default), or a batched product and a copy of ``q_pe``.
-- ``merge_values_kernel`` (MLA families): a decode token's own-row merge and ``W_UV`` in one launch (opt-in), or
-  the merge kernel and a batched product.
+- ``merge_values_kernel`` (MLA families): a decode token's own-row merge and ``W_UV`` in one launch (the
+  default), or the merge kernel and a batched product.
 - ``qkv_apart`` (prefill): the fla provider's conv writes q, k and v each contiguous
   (`fnattn.kinds.delta_rule.triton.qkv_apart`, the default), or one output whose slices fla-core copies.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)

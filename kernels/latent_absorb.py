@@ -96,12 +96,16 @@ def _power_of_two(where: str, name: str, v, lo: int = 16):
 
 def absorb_query(q_nope: Float[Tensor, "T H Dn"], q_pe: Float[Tensor, "T H Dr"], w_uk: Float[Tensor, "H Dn R"], *,
                  block_r: int = 128, num_warps: int = 4, block_t: int = 64, token_split: int = 1,
-                 block_k: int | None = None, num_stages: int = 2) -> Float[Tensor, "T H Dq"]:
+                 block_k: int | None = 64, num_stages: int = 2) -> Float[Tensor, "T H Dq"]:
     """`absorb_query_ref` in one launch (a new ``[T, H, R + Dr]`` tensor; nothing written into the
     arguments). The tiles (powers of two >= 16): ``block_r`` the columns of ``R`` one program owns, ``block_t``
-    the tokens one product takes, ``block_k`` the rows of ``Dn`` one product takes (all of them by default, the
-    weight tile then held in registers for every token block; fewer are read in ``num_stages`` pipelined
-    steps). ``token_split`` programs share one weight tile, each a run of the tokens."""
+    the tokens one product takes, ``block_k`` the rows of ``Dn`` one product takes (``None``: all of them, the
+    weight tile then held for every token block; fewer are read in ``num_stages`` pipelined steps).
+    ``token_split`` programs share one weight tile, each a run of the tokens.
+
+    The defaults are the H200 sweep's best at 1-64 tokens and DeepSeek-V3's shape (128 heads, Dn 128, R 512:
+    ``benchmarks/results/mla_absorb_sweep_e322246.json``): 12.0 / 12.3 / 13.3 / 15.3 us at 1 / 8 / 32 / 64
+    tokens, against 12.4 / 12.6 / 13.8 / 17.6 with the whole weight tile held (22.5 and 22.3 at 128)."""
     require_triton()
     _check(q_nope, q_pe, w_uk)
     T, H, Dn = q_nope.shape
@@ -207,13 +211,18 @@ def merge_own_values_ref(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"
 def merge_own_values(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q: Float[Tensor, "T H Dq"],
                      new: Float[Tensor, "T Dq"], w_uv: Float[Tensor, "H Dv R"], *, scale: float,
                      lse_base2: bool = False, cache_lens: Int[Tensor, " T"] | None = None,
-                     allowed: Bool[Tensor, " T"] | None = None, block_t: int = 64, block_r: int = 64,
-                     block_v: int | None = None,
+                     allowed: Bool[Tensor, " T"] | None = None, block_t: int | None = None,
+                     block_r: int | None = None, block_v: int | None = None,
                      num_warps: int = 8) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
     """`merge_own_values_ref` in one launch: one decode token per request (``cache_lens`` and ``allowed``
     [T], one entry a token). The tiles (powers of two >= 16): ``block_t`` the tokens one program takes,
     ``block_v`` its columns of ``Dv`` (all of them by default; fewer give more programs, each reading its
-    rows of ``W_UV`` once), ``block_r`` the latent columns one product step takes."""
+    rows of ``W_UV`` once), ``block_r`` the latent columns one product step takes.
+
+    ``None`` takes the H200 sweep's best at DeepSeek-V3's shape (``mla_absorb_sweep_e322246.json``): 16 tokens
+    a program up to 64 tokens (each program reads ``W_UV[h]`` again, from L2), 64 beyond; 128 latent columns a
+    step up to 32 tokens, 64 beyond. There it took 13.8 / 14.4 / 16.6 / 21.4 / 28.3 us at 1 / 8 / 32 / 64 /
+    128 tokens against 14.8 / 15.4 / 18.5 / 23.0 / 30.8 for the merge kernel and the batched product."""
     require_triton()
     if not all(isinstance(t, torch.Tensor) for t in (o_c, lse_c, q, new, w_uv)):
         raise ValueError("merge_own_values: o_c, lse_c, q, new and w_uv must be tensors")
@@ -239,6 +248,10 @@ def merge_own_values(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q
         if t is not None and (tuple(t.shape) != (T,) or t.device != o_c.device or t.dtype not in dtypes):
             raise ValueError(f"merge_own_values: {name}: expected [{T}] {dtypes[0]} on {o_c.device}, got shape "
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if block_t is None:
+        block_t = 16 if T <= 64 else 64
+    if block_r is None:
+        block_r = 128 if T <= 32 else 64
     full_v = max(16, next_pow2(Dv))
     for name, v in (("block_t", block_t), ("block_r", block_r), ("block_v", full_v if block_v is None else block_v)):
         _power_of_two("merge_own_values", name, v)

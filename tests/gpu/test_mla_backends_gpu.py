@@ -322,23 +322,26 @@ def test_sparse_bench_layers_agree(record):
 @pytest.mark.parametrize("case", ["dense tiny_padded decode", "dense real decode", "dense real verify",
                                   "dense real decode flashinfer", "sparse real decode", "sparse tiny decode",
                                   "sparse real verify", "sparse tiny prefill"])
-def test_absorb_kernel_matches_reference(case, record):
-    """`absorb_kernel`: the fast paths with the absorbed query, and a decode token's own-row merge with
-    ``W_UV``, each from one launch, against the references (NaN-filled caches, rows of length 0 and 1)."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["one-launch kernels", "batched forms"])
+def test_absorb_kernel_matches_reference(case, kernels, record):
+    """`absorb_kernel` and `merge_values_kernel`: the fast paths with the absorbed query, and a decode token's
+    own-row merge with ``W_UV``, each from one launch (the defaults), and with the batched products the
+    switches bring back, against the references (NaN-filled caches, rows of length 0 and 1)."""
     from fnattn.kinds.mla.latent import absorb_kernel, merge_values_kernel
 
     kind, shape, phase, *backend = case.split()
     backend = backend[0] if backend else "flashmla"
     k = 2 if phase == "verify" else 0
-    with absorb_kernel(True), merge_values_kernel(True):
+    tag = " absorb kernel" if kernels else " batched absorb and W_UV"
+    with absorb_kernel(kernels), merge_values_kernel(kernels):
         if kind == "sparse":
-            _sparse_case("v32", shape, phase, k, " absorb kernel", record)
+            _sparse_case("v32", shape, phase, k, tag, record)
             return
         cfg = mla_config(**{"tiny_padded": TINY_PADDED, "real": REAL}[shape])
         spec = fa.LayerSpec(0, cfg, torch.bfloat16)
         st = filled_state([spec], CACHED, page_size=64, device=DEV)
         b = _batch(st, phase, list(range(len(CACHED))), k)
-        _check(compare([spec], st, b, backend, seed=k), f"mla {shape} {phase} k{k} {backend} absorb kernel", record)
+        _check(compare([spec], st, b, backend, seed=k), f"mla {shape} {phase} k{k} {backend}{tag}", record)
 
 
 def test_absorb_kernel_tiny_model_logits(record):

@@ -5,8 +5,9 @@ the new token, its query absorbed beforehand. "usual (append + kernel)" adds wha
 attention layer does around it: write the new latent row, absorb ``W_UK``, the kernel, ``W_UV``. The
 fnattn rows are whole pure steps: the backend (absorb, kernel over the cache, the new row beside it,
 LSE merge, ``W_UV``) and the one apply of the step's rows. They build the absorbed query in one launch
-(`fnattn.kinds.mla.latent.absorb_kernel`); "batched absorb" runs the usual layer's product instead, and
-"merge + W_UV kernel" takes the own row's merge and ``W_UV`` in one launch (`merge_values_kernel`).
+(`fnattn.kinds.mla.latent.absorb_kernel`) and take the own row's merge and ``W_UV`` in one launch
+(`merge_values_kernel`); "batched absorb" runs the usual layer's product instead, and "merge kernel + batched
+W_UV" the merge and ``W_UV``'s batched product apart.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def raw_flashmla(state, batch, cfg: MLAConfig, inputs: MLAInputs, layers):
     return kernel, usual
 
 
-def _switched(*, measure, absorb_kernel: bool = True, merge_values_kernel: bool = False):
+def _switched(*, measure, absorb_kernel: bool = True, merge_values_kernel: bool = True):
     from . import latent
 
     # in force while the step is traced (a graph keeps what it captured)
@@ -93,8 +94,8 @@ def decode_case(*, batch: int, ctx: int, heads: int = 128, page_size: int = 64, 
         if name == "flashmla":
             runs["fnattn flashmla (pure, batched absorb)"] = lambda ma=ma: _switched(
                 absorb_kernel=False, measure=lambda: time_fnattn(ma, state, b, specs, inputs, graph=graph))
-            runs["fnattn flashmla (pure, merge + W_UV kernel)"] = lambda ma=ma: _switched(
-                merge_values_kernel=True, measure=lambda: time_fnattn(ma, state, b, specs, inputs, graph=graph))
+            runs["fnattn flashmla (pure, merge kernel + batched W_UV)"] = lambda ma=ma: _switched(
+                merge_values_kernel=False, measure=lambda: time_fnattn(ma, state, b, specs, inputs, graph=graph))
     latent_bytes = layers * batch * (ctx + 1) * cfg.latent_dim * 2
     flops = layers * batch * heads * (ctx + 1) * (cfg.latent_dim + cfg.kv_lora_rank) * 2
     records = []

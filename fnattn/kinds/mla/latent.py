@@ -25,9 +25,10 @@ LN2 = math.log(2.0)
 # mla_absorb_sweep.json (c32b134, H200, 128 heads): the query in one launch 11.8 / 12.9 / 13.8 / 16.8 / 21.2 us
 # against 14.5 / 15.8 / 16.6 / 18.3 / 21.3 for the batched product and copy at 1 / 8 / 32 / 64 / 128 tokens: on.
 _ABSORB_KERNEL = [True]
-# The same run: the own-row merge with W_UV in one launch 14.6 / 15.3 / 20.5 / 22.5 / 28.1 us against 14.7 / 15.4 /
-# 18.8 / 22.7 / 30.9 for the merge kernel and the batched product: no faster at decode sizes, off.
-_MERGE_VALUES = [False]
+# mla_absorb_sweep_e322246.json: the own-row merge with W_UV in one launch (the merged latent through one product,
+# 16 tokens a program) 13.8 / 14.4 / 16.6 / 21.4 / 28.3 us against 14.8 / 15.4 / 18.5 / 23.0 / 30.8 for the merge
+# kernel and the batched product at 1 / 8 / 32 / 64 / 128 tokens: on.
+_MERGE_VALUES = [True]
 ABSORB_KERNEL_MAX_TOKENS = 256  # beyond decode / verify sizes the product is compute-bound: cuBLAS's
 
 
@@ -40,8 +41,7 @@ def absorb_kernel(enabled: bool):
 
 def merge_values_kernel(enabled: bool):
     """Within this block one decode token per request on the GPU has its own-row merge and ``W_UV`` in one launch
-    (`fnattn.kernels.latent_absorb.merge_own_values`) instead of the merge kernel and a batched product (the
-    default)."""
+    (`fnattn.kernels.latent_absorb.merge_own_values`, the default) or the merge kernel and a batched product."""
     return switched(_MERGE_VALUES, "merge_values_kernel", enabled)
 
 

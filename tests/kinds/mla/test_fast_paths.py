@@ -146,10 +146,10 @@ def test_absorbed_query_is_the_product_beside_the_rope_part(dtype):
 
 def test_absorb_kernel_switch():
     """On by default; a CPU query keeps the torch product (the kernel serves CUDA tensors); a non-bool is
-    refused by name. The merge with W_UV in one launch is off by default."""
+    refused by name. The merge with W_UV in one launch is on by default too."""
     from fnattn.kinds.mla import latent
 
-    assert latent._ABSORB_KERNEL[-1] is True and latent._MERGE_VALUES[-1] is False
+    assert latent._ABSORB_KERNEL[-1] is True and latent._MERGE_VALUES[-1] is True
     g = torch.Generator().manual_seed(1)
     Q = dataclasses.make_dataclass("Q", ["q_nope", "q_pe", "w_uk"])
     q = Q(torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 8, generator=g), torch.randn(2, 16, 32, generator=g))
@@ -157,8 +157,9 @@ def test_absorb_kernel_switch():
         assert latent._ABSORB_KERNEL[-1] is True
         assert torch.equal(absorbed_query(q), absorbed_query_torch(q))
     assert latent._ABSORB_KERNEL[-1] is True
-    with latent.merge_values_kernel(True):
-        assert latent._MERGE_VALUES[-1] is True
+    with latent.merge_values_kernel(False):
+        assert latent._MERGE_VALUES[-1] is False
+    assert latent._MERGE_VALUES[-1] is True
     with pytest.raises(ValueError, match="absorb_kernel: expected True or False, got 'yes'"):
         with absorb_kernel("yes"):
             pass
