@@ -21,7 +21,8 @@
 #   gemv-stages: the step's GEMVs at 3 pipeline stages / 2 early K tiles; split-norm (split-norm-parity):
 #   each residual add + RMSNorm split between the GEMVs on either side; overhead-graph: the framework over the same
 #   kernels, eager and replayed; mla-tiles: the MLA absorption kernels' tile sweep and the dense layer;
-#   mla-defaults: the MLA parity and layers at today's absorption defaults
+#   mla-defaults: the MLA parity and layers at today's absorption defaults; mla-merge-layers: the merge kernel's
+#   tiles inside the layers
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -301,6 +302,11 @@ case "${1:-}" in
         "$out/mla_parity.json" -- tests/kernels/test_latent_absorb.py tests/gpu/test_mla_backends_gpu.py
     part 90 python -m fnattn bench mla-decode --batch 64 --ctx 4096 --out "$out/bench_mla_decode_b64.json"
     part 120 python -m fnattn bench mla-sparse --batch 64 --ctx 32768 --out "$out/bench_mla_sparse.json"
+    ;;
+  mla-merge-layers)  # the own-row merge + W_UV kernel's tiles inside the dense and sparse layers, then the whole step
+    part 240 python benchmarks/mla_merge_layers.py --batch 8 64 --out "$out/mla_merge_layers.json"
+    part 240 python benchmarks/model_ab.py --family deepseek_v32 --shape 2-layer --ctx 2048 --batch 8 32 \
+        --steps 16 --toggle merge_values_kernel --out "$out/bench_merge_values_ab.json"
     ;;
   mla-absorb-layers)  # the sparse layer and the whole DeepSeek-V3.2 step with and without absorb_kernel
     part 120 python -m fnattn bench mla-sparse --batch 64 --ctx 32768 --out "$out/bench_mla_sparse.json"

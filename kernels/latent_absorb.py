@@ -20,6 +20,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ._checks import check_like
+from ._tiles import overridden
 from ._triton import next_pow2, require_triton, tl, triton
 
 
@@ -190,6 +191,17 @@ def _merge_own_values_kernel(
         tl.store(LSE_OUT + t * H + h, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=t_ok)
 
 
+_MERGE_OVERRIDES: list[dict] = [{}]
+
+
+def configured_merge(**fields):
+    """Within this block `merge_own_values` takes ``fields`` (some of block_t, block_r, block_v, num_warps:
+    powers of two) where its caller passes none: for sweeps inside whole layers
+    (``benchmarks/mla_merge_layers.py``)."""
+    return overridden(_MERGE_OVERRIDES, fields, {"block_t": (16, 256, True), "block_r": (16, 512, True),
+                                                  "block_v": (16, 512, True), "num_warps": (1, 16, True)})
+
+
 def merge_own_values_ref(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q: Float[Tensor, "T H Dq"],
                          new: Float[Tensor, "T Dq"], w_uv: Float[Tensor, "H Dv R"], *, scale: float,
                          lse_base2: bool = False, cache_lens: Int[Tensor, " T"] | None = None,
@@ -213,7 +225,7 @@ def merge_own_values(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q
                      lse_base2: bool = False, cache_lens: Int[Tensor, " T"] | None = None,
                      allowed: Bool[Tensor, " T"] | None = None, block_t: int | None = None,
                      block_r: int | None = None, block_v: int | None = None,
-                     num_warps: int = 8) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
+                     num_warps: int | None = None) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
     """`merge_own_values_ref` in one launch: one decode token per request (``cache_lens`` and ``allowed``
     [T], one entry a token). The tiles (powers of two >= 16): ``block_t`` the tokens one program takes,
     ``block_v`` its columns of ``Dv`` (all of them by default; fewer give more programs, each reading its
@@ -248,13 +260,17 @@ def merge_own_values(o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"], q
         if t is not None and (tuple(t.shape) != (T,) or t.device != o_c.device or t.dtype not in dtypes):
             raise ValueError(f"merge_own_values: {name}: expected [{T}] {dtypes[0]} on {o_c.device}, got shape "
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    if block_t is None:
-        block_t = 16 if T <= 64 else 64
-    if block_r is None:
-        block_r = 128 if T <= 32 else 64
+    # an argument, else a `configured_merge` field, else the sweep's tile for this many tokens
+    tile = {"block_t": 16 if T <= 64 else 64, "block_r": 128 if T <= 32 else 64, "block_v": None, "num_warps": 8,
+            **_MERGE_OVERRIDES[-1]}
+    block_t = tile["block_t"] if block_t is None else block_t
+    block_r = tile["block_r"] if block_r is None else block_r
+    block_v = tile["block_v"] if block_v is None else block_v
+    num_warps = tile["num_warps"] if num_warps is None else num_warps
     full_v = max(16, next_pow2(Dv))
     for name, v in (("block_t", block_t), ("block_r", block_r), ("block_v", full_v if block_v is None else block_v)):
         _power_of_two("merge_own_values", name, v)
+    _power_of_two("merge_own_values", "num_warps", num_warps, lo=1)
     o = torch.empty((T, H, Dv), dtype=w_uv.dtype, device=o_c.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=o_c.device)
     if T == 0:

@@ -156,3 +156,27 @@ def test_merge_own_values_names_a_bad_tile(name, value):
     o_c, lse_c, q, new, w = merge_inputs(2, 2, 32, 8, 16, torch.float32)
     with pytest.raises(ValueError, match=f"merge_own_values: {name}: expected a power of two >= 16, got {value}"):
         merge_own_values(o_c, lse_c, q, new, w, scale=0.2, **{name: value})
+
+
+def test_configured_merge_tiles_give_the_reference():
+    """`configured_merge`'s fields stand in for the arguments a caller leaves out; a field out of range is named."""
+    from fnattn.kernels.latent_absorb import _MERGE_OVERRIDES, configured_merge
+
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    o_c, lse_c, q, new, w = merge_inputs(40, 2, 96, 8, 48, dtype)
+    want_o, want_lse = merge_own_values_ref(o_c, lse_c, q, new, w, scale=0.2)
+    with configured_merge(block_t=32, block_v=16, num_warps=4):
+        assert _MERGE_OVERRIDES[-1] == {"block_t": 32, "block_v": 16, "num_warps": 4}
+        got_o, got_lse = merge_own_values(o_c, lse_c, q, new, w, scale=0.2)
+        with pytest.raises(ValueError, match="merge_own_values: block_t: expected a power of two >= 16, got 8"):
+            merge_own_values(o_c, lse_c, q, new, w, scale=0.2, block_t=8)  # an argument wins over the field
+    assert _MERGE_OVERRIDES[-1] == {}
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got_o.float(), want_o.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="configured: block_v: expected a power of two in 16..512, got 24"):
+        with configured_merge(block_v=24):
+            pass
+    with pytest.raises(ValueError, match="configured: tile: expected one of block_t, block_r, block_v, num_warps"):
+        with configured_merge(tile=16):
+            pass
