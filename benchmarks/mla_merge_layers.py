@@ -1,6 +1,6 @@
 """The own-row merge + ``W_UV`` kernel's tiles inside whole MLA decode layers (each layer's forward, graph-replayed):
 dense FlashMLA (B x ctx 4k) and sparse FlashMLA (B x ctx 32k, top-k 2048), 128 heads, each against the merge
-kernel and ``W_UV``'s batched product (``merge_values_kernel(False)``), in one run.
+kernel and ``W_UV``'s batched product (each kind's ``merge_values_kernel(False)``), in one run.
 
     python benchmarks/mla_merge_layers.py [--batch 8 64] [--out mla_merge_layers.json]
 
@@ -20,6 +20,7 @@ from fnattn.bench.setup import cached_state
 from fnattn.kinds.mla.bench import deepseek_mla, random_inputs
 from fnattn.kinds.mla.latent import merge_values_kernel
 from fnattn.kinds.sparse_mla.bench import sparse_decode_setup
+from fnattn.kinds.sparse_mla.flashmla import merge_values_kernel as sparse_merge_values_kernel
 
 # (block_t, block_r, block_v, num_warps); None: the shipped tile for the step's token count
 TILES = [None, (16, 64, None, 8), (16, 128, None, 8), (32, 64, None, 8), (64, 64, None, 8), (16, 64, 64, 8),
@@ -42,7 +43,7 @@ def step(ma, state, b, body, on: bool, tile) -> float:
     fields = {} if tile is None else {k: v for k, v in zip(("block_t", "block_r", "block_v", "num_warps"), tile)
                                       if v is not None}
     # in force while the step is traced (a graph keeps what it captured)
-    with merge_values_kernel(on), configured_merge(**fields):
+    with merge_values_kernel(on), sparse_merge_values_kernel(on), configured_merge(**fields):
         return timed_session(ma, state, b, body)
 
 

@@ -44,8 +44,9 @@ Switches:
   (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
 - ``absorb_kernel`` (MLA families): the absorbed decode query ``[q_nope W_UK, q_pe]`` in one launch
   (`fnattn.kinds.mla.latent.absorb_kernel`, the default), or a batched product and a copy of ``q_pe``.
-- ``merge_values_kernel`` (MLA families): a decode token's own-row merge and ``W_UV`` in one launch (the
-  default), or the merge kernel and a batched product.
+- ``merge_values_kernel`` (MLA families): a dense decode token's own-row merge and ``W_UV`` in one launch (the
+  default), or the merge kernel and a batched product; ``sparse_merge_values_kernel`` the same for sparse MLA
+  (`fnattn.kinds.sparse_mla.flashmla.merge_values_kernel`, off by default).
 - ``qkv_apart`` (prefill): the fla provider's conv writes q, k and v each contiguous
   (`fnattn.kinds.delta_rule.triton.qkv_apart`, the default), or one output whose slices fla-core copies.
 - ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
@@ -89,6 +90,7 @@ from fnattn.bench import write_json
 from fnattn.bench.model import _record, build_model, decode_state, time_decode, time_prefill
 from fnattn.kinds.delta_rule import triton as delta_rule
 from fnattn.kinds.mla import latent as mla_latent
+from fnattn.kinds.sparse_mla import flashmla as sparse_flashmla
 
 TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
@@ -143,6 +145,9 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                       {True: "MLA's absorbed decode query in one launch", False: "a batched product and a copy"}),
     "merge_values_kernel": (mla_latent.merge_values_kernel, lambda: mla_latent._MERGE_VALUES[-1],
                             {True: "MLA's own-row merge and W_UV in one launch", False: "merge kernel, batched W_UV"}),
+    "sparse_merge_values_kernel": (sparse_flashmla.merge_values_kernel, lambda: sparse_flashmla._MERGE_VALUES[-1],
+                                   {True: "sparse MLA's own-row merge and W_UV in one launch",
+                                    False: "sparse MLA's merge kernel, batched W_UV"}),
     "qkv_apart": (delta_rule.qkv_apart, lambda: delta_rule._QKV_APART[-1],
                   {True: "the conv writes q, k, v each contiguous", False: "q, k, v copied out of one conv output"}),
 }

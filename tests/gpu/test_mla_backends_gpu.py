@@ -328,12 +328,13 @@ def test_absorb_kernel_matches_reference(case, kernels, record):
     own-row merge with ``W_UV``, each from one launch (the defaults), and with the batched products the
     switches bring back, against the references (NaN-filled caches, rows of length 0 and 1)."""
     from fnattn.kinds.mla.latent import absorb_kernel, merge_values_kernel
+    from fnattn.kinds.sparse_mla.flashmla import merge_values_kernel as sparse_merge_values_kernel
 
     kind, shape, phase, *backend = case.split()
     backend = backend[0] if backend else "flashmla"
     k = 2 if phase == "verify" else 0
     tag = " absorb kernel" if kernels else " batched absorb and W_UV"
-    with absorb_kernel(kernels), merge_values_kernel(kernels):
+    with absorb_kernel(kernels), merge_values_kernel(kernels), sparse_merge_values_kernel(kernels):
         if kind == "sparse":
             _sparse_case("v32", shape, phase, k, tag, record)
             return
@@ -346,10 +347,11 @@ def test_absorb_kernel_matches_reference(case, kernels, record):
 
 def test_absorb_kernel_tiny_model_logits(record):
     from fnattn.kinds.mla.latent import absorb_kernel, merge_values_kernel
+    from fnattn.kinds.sparse_mla.flashmla import merge_values_kernel as sparse_merge_values_kernel
 
     model, params = _tiny_model("deepseek_v32", 512)
     specs = params.config.specs
-    with absorb_kernel(True), merge_values_kernel(True):
+    with absorb_kernel(True), merge_values_kernel(True), sparse_merge_values_kernel(True):
         f, _ = _model_run(model, params, fa.ModelAttention(specs, device=DEV))
     r, _ = _model_run(model, params, fa.ModelAttention(specs, prefer=("reference",), device=DEV))
     err = float((f - r).abs().max() / r.abs().max())

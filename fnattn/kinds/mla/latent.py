@@ -27,7 +27,8 @@ LN2 = math.log(2.0)
 _ABSORB_KERNEL = [True]
 # mla_absorb_sweep_e322246.json: the own-row merge with W_UV in one launch (the merged latent through one product,
 # 16 tokens a program) 13.8 / 14.4 / 16.6 / 21.4 / 28.3 us against 14.8 / 15.4 / 18.5 / 23.0 / 30.8 for the merge
-# kernel and the batched product at 1 / 8 / 32 / 64 / 128 tokens: on.
+# kernel and the batched product at 1 / 8 / 32 / 64 / 128 tokens; in the dense FlashMLA layer (mla_merge_layers.json,
+# 9a881b6) 58.9 against 62.2 us at B8 ctx 4k, 152.4 against 154.3 at B64: on.
 _MERGE_VALUES = [True]
 ABSORB_KERNEL_MAX_TOKENS = 256  # beyond decode / verify sizes the product is compute-bound: cuBLAS's
 
@@ -40,8 +41,9 @@ def absorb_kernel(enabled: bool):
 
 
 def merge_values_kernel(enabled: bool):
-    """Within this block one decode token per request on the GPU has its own-row merge and ``W_UV`` in one launch
-    (`fnattn.kernels.latent_absorb.merge_own_values`, the default) or the merge kernel and a batched product."""
+    """Within this block one decode token per request of a dense MLA layer on the GPU has its own-row merge and
+    ``W_UV`` in one launch (`fnattn.kernels.latent_absorb.merge_own_values`, the default) or the merge kernel and
+    a batched product. Sparse MLA has its own switch (`fnattn.kinds.sparse_mla.flashmla.merge_values_kernel`)."""
     return switched(_MERGE_VALUES, "merge_values_kernel", enabled)
 
 
@@ -79,10 +81,13 @@ def absorbed_query_torch(inputs) -> Float[Tensor, "T H Dq"]:
 def fold_own_rows_out(q: Float[Tensor, "T H Dq"], o_c: Float[Tensor, "T H R"], lse_c: Float[Tensor, "T H"],
                       new: Float[Tensor, "T Dq"], w_uv: Float[Tensor, "H Dv R"], *, n: int, scale: float,
                       lse_base2: bool = False, allowed: Bool[Tensor, "T n"] | None = None,
-                      cache_lens: Tensor | None = None) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
-    """`fold_own_rows` then `values_out`: ``(o, natural-log lse)``. Under `merge_values_kernel` one decode token
-    per request on the GPU takes one launch for both (`fnattn.kernels.latent_absorb.merge_own_values`)."""
-    if (_MERGE_VALUES[-1] and n == 1 and q.is_cuda and q.shape[0] <= ABSORB_KERNEL_MAX_TOKENS
+                      cache_lens: Tensor | None = None, one_launch: bool | None = None
+                      ) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
+    """`fold_own_rows` then `values_out`: ``(o, natural-log lse)``. With ``one_launch`` (``None``: as
+    `merge_values_kernel` says) one decode token per request on the GPU takes one launch for both
+    (`fnattn.kernels.latent_absorb.merge_own_values`)."""
+    one_launch = _MERGE_VALUES[-1] if one_launch is None else one_launch
+    if (one_launch and n == 1 and q.is_cuda and q.shape[0] <= ABSORB_KERNEL_MAX_TOKENS
             and o_c.dtype == w_uv.dtype == new.dtype):
         from ...kernels.latent_absorb import merge_own_values
 

@@ -18,9 +18,9 @@ from ... import Batch, IndexerConfig, LayerSpec, ModelAttention, SparseMLAConfig
 from ...bench import timed, timed_session
 from ...bench.setup import cached_state
 from ..mla.bench import DEVICE, deepseek_mla, random_inputs
-from ..mla.latent import absorb_kernel, merge_values_kernel, values_out
+from ..mla.latent import absorb_kernel, values_out
 from ..mla.latent import absorbed_query_torch as absorbed_query
-from .flashmla import TOPK_BLOCK, one_pass_slots
+from .flashmla import TOPK_BLOCK, merge_values_kernel, one_pass_slots
 
 
 def _specs(heads, topk, Hi, Di):
@@ -122,7 +122,7 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
     case = f"sparse mla decode B{batch} ctx{ctx} h{heads} topk{topk}" + (" graph" if graph else " eager")
     shape = {"batch": batch, "ctx": ctx, "heads": heads, "topk": topk, "page_size": page_size}
     flops = lambda us: {"tflop_s": batch * heads * topk * (576 + 512) * 2 / (us * 1e-6) / 1e12}  # noqa: E731
-    def through_fnattn(one_pass: bool, absorb: bool = True, merge_values: bool = True):
+    def through_fnattn(one_pass: bool, absorb: bool = True, merge_values: bool = False):
         # in force while the step is traced (a graph keeps what it captured)
         with one_pass_slots(one_pass), absorb_kernel(absorb), merge_values_kernel(merge_values):
             return timed_session(ma, state, b, lambda s: s.forward(1, inputs), graph=graph)
@@ -138,8 +138,8 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
                     lambda: through_fnattn(True), flops),
             _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots, batched absorb)", peer, shape,
                     lambda: through_fnattn(True, absorb=False), flops),
-            _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots, merge kernel + batched W_UV)",
-                    peer, shape, lambda: through_fnattn(True, merge_values=False), flops)]
+            _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots, merge + W_UV kernel)",
+                    peer, shape, lambda: through_fnattn(True, merge_values=True), flops)]
 
 
 def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi: int = 64, Di: int = 128,

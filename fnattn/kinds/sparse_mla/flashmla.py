@@ -52,6 +52,18 @@ def radix_select(enabled: bool):
     return switched(_RADIX, "radix_select", enabled)
 
 
+# mla_merge_layers.json (9a881b6): the own-row merge and W_UV in one launch in the sparse layer (B x ctx 32k, top-k
+# 2048) 91.0 against 91.6 us at B8, 117.7 against 110.7 at B64 (111.8 at its best tile): off, unlike dense MLA's.
+_MERGE_VALUES = [False]
+
+
+def merge_values_kernel(enabled: bool):
+    """Within this block a sparse decode token's own-row merge and ``W_UV`` take one launch
+    (`fnattn.kernels.latent_absorb.merge_own_values`) instead of the merge kernel and a batched product (the
+    default)."""
+    return switched(_MERGE_VALUES, "merge_values_kernel", enabled)
+
+
 def one_pass_slots(enabled: bool):
     """Within this block the top-k positions become pool slots, own-row indices and the picked mask in one
     launch (`fnattn.kernels.topk_slots`, the default) or through its torch form `topk_slots_ref` (the same
@@ -127,7 +139,7 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: s
         o = values_out(o_lat, inputs.w_uv)
     else:
         o, lse = fold_own_rows_out(q, o_c, lse_c, inputs.latent, inputs.w_uv, n=n, scale=m.scale, allowed=picked,
-                                   lse_base2=LSE_BASE2)
+                                   lse_base2=LSE_BASE2, one_launch=_MERGE_VALUES[-1])
     out = SparseAttentionOutput(o=o, lse=lse, topk_indices=selected)
     return out, writes(latent=inputs.latent, **index_values)
 

@@ -146,7 +146,7 @@ def test_absorbed_query_is_the_product_beside_the_rope_part(dtype):
 
 def test_absorb_kernel_switch():
     """On by default; a CPU query keeps the torch product (the kernel serves CUDA tensors); a non-bool is
-    refused by name. The merge with W_UV in one launch is on by default too."""
+    refused by name. The merge with W_UV in one launch is on by default too (dense MLA; sparse MLA's is off)."""
     from fnattn.kinds.mla import latent
 
     assert latent._ABSORB_KERNEL[-1] is True and latent._MERGE_VALUES[-1] is True
@@ -160,6 +160,12 @@ def test_absorb_kernel_switch():
     with latent.merge_values_kernel(False):
         assert latent._MERGE_VALUES[-1] is False
     assert latent._MERGE_VALUES[-1] is True
+    from fnattn.kinds.sparse_mla import flashmla as sparse  # sparse MLA's own: off by default
+
+    assert sparse._MERGE_VALUES[-1] is False
+    with sparse.merge_values_kernel(True):
+        assert sparse._MERGE_VALUES[-1] is True and latent._MERGE_VALUES[-1] is True
+    assert sparse._MERGE_VALUES[-1] is False
     with pytest.raises(ValueError, match="absorb_kernel: expected True or False, got 'yes'"):
         with absorb_kernel("yes"):
             pass
