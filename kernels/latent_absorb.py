@@ -3,14 +3,14 @@
 `absorb_query`: the absorbed query ``[q_nope W_UK, q_pe]`` per head, ``[T, H, R + Dr]``. In a decode step
 the product is bound by reading ``W_UK`` (``[H, Dn, R]``, 16.8 MB at 128 heads): a batched GEMM over 64
 tokens reads it at under half the device's bandwidth, and copying ``q_pe`` beside its result is a second
-launch through a strided destination. Here each program owns one head and one tile of ``R``: it loads its
-weight tile once, runs every token block through it and stores straight into the result's columns; the
-programs of the first tile copy the head's ``q_pe`` as well.
+launch through a strided destination. Here each program owns one head and one tile of ``R``: it reads its
+weight tile in pipelined steps of ``Dn`` (or holds it whole, for every token block), and stores straight into
+the result's columns; the programs of the first tile copy the head's ``q_pe`` as well.
 
 `merge_own_values`: a decode token's own latent row merged into the attention over its cache by LSE, then
-the merged latent output through ``W_UV`` (``[T, H, Dv]``). The merge is linear in the two parts, so each
-goes through ``W_UV`` apart and the weights combine the products: the merged ``[T, H, R]`` latent is never
-written and read back between two launches.
+the merged latent output through ``W_UV`` (``[T, H, Dv]``). Each program merges a step of latent columns in
+registers and feeds it straight to the product: the merged ``[T, H, R]`` latent is never written and read
+back between two launches.
 """
 
 import math
