@@ -22,7 +22,7 @@
 #   each residual add + RMSNorm split between the GEMVs on either side; overhead-graph: the framework over the same
 #   kernels, eager and replayed; mla-tiles: the MLA absorption kernels' tile sweep and the dense layer;
 #   mla-defaults: the MLA parity and layers at today's absorption defaults; mla-merge-layers: the merge kernel's
-#   tiles inside the layers
+#   tiles inside the layers; indexer-topk: the indexer's selection in each form torch and sgl_kernel offer
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -307,6 +307,9 @@ case "${1:-}" in
     part 240 python benchmarks/mla_merge_layers.py --batch 8 64 --out "$out/mla_merge_layers.json"
     part 240 python benchmarks/model_ab.py --family deepseek_v32 --shape 2-layer --ctx 2048 --batch 8 32 \
         --steps 16 --toggle merge_values_kernel --out "$out/bench_merge_values_ab.json"
+    ;;
+  indexer-topk)  # the indexer's selection over its scores: torch.topk sorted or not, torch.sort, the radix select
+    part 120 python benchmarks/indexer_topk_forms.py --out "$out/indexer_topk_forms.json"
     ;;
   mla-absorb-layers)  # the sparse layer and the whole DeepSeek-V3.2 step with and without absorb_kernel
     part 120 python -m fnattn bench mla-sparse --batch 64 --ctx 32768 --out "$out/bench_mla_sparse.json"
