@@ -11,9 +11,10 @@ relu(scale * q[t, h] . k8_j)``: the positive scale leaves the relu.
 Scores cover ``N = block_table.shape[1] * page_size`` positions, a bound fixed by the batch's shapes, so
 the launch never depends on a cache length read on the host (CUDA-graph safe).
 
-``indexer_topk`` keeps the ``topk`` best visible positions per token, best first, ``-1`` padded. The
-``*_ref`` functions are the same computation in torch. Dimension names: T new tokens, Hi indexer heads,
-Di indexer head dim, P pages, S page size, B requests, M pages per request, N = M * S.
+``indexer_topk_ref`` keeps the ``topk`` best visible positions per token, best first, ``-1`` padded;
+``indexer_topk`` the same set in the order its selection leaves it (a row with fewer visible positions
+has its ``-1`` anywhere). The ``*_ref`` functions are the same computation in torch. Dimension names: T new
+tokens, Hi indexer heads, Di indexer head dim, P pages, S page size, B requests, M pages per request, N = M * S.
 """
 
 from __future__ import annotations
@@ -173,11 +174,13 @@ def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache
     return out
 
 
-def _topk(scores, topk: int):
-    """The ``topk`` best finite scores of each row as int64 positions, best first, ``-1`` padded."""
+def _topk(scores, topk: int, *, best_first: bool = True):
+    """The ``topk`` best finite scores of each row as int64 positions, ``-1`` padded: best first, or without
+    ``best_first`` in the order ``torch.topk``'s selection leaves them (the same set; its final sort was 21 of
+    its 100 us over [64, 32768] scores on the H200, ``benchmarks/results/indexer_topk_forms_342f55e.json``)."""
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk: expected a positive int, got {topk!r}")
-    vals, idx = scores.topk(min(topk, scores.shape[1]), dim=-1)
+    vals, idx = scores.topk(min(topk, scores.shape[1]), dim=-1, sorted=best_first)
     idx = torch.where(torch.isfinite(vals), idx, torch.full_like(idx, -1))
     return F.pad(idx, (0, topk - idx.shape[1]), value=-1) if idx.shape[1] < topk else idx
 
@@ -250,12 +253,12 @@ def _radix_select(scores, positions, topk: int):
 
 def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
                  *, scale: float, topk: int, cache_scale=None, new_scale=None, radix: bool = False):
-    """``indexer_topk_ref`` with the Triton scores; the selection is ``torch.topk`` (no host sync), or with
-    ``radix`` where `radix_reasons` finds none, `radix_topk`'s (the same set, ordered by position)."""
+    """``indexer_topk_ref``'s set with the Triton scores; the selection is ``torch.topk``'s, unsorted (no host
+    sync), or with ``radix`` where `radix_reasons` finds none, `radix_topk`'s (ordered by position)."""
     if not isinstance(radix, bool):
         raise ValueError(f"radix: expected True or False, got {radix!r}")
     scores = indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
                                   scale=scale, cache_scale=cache_scale, new_scale=new_scale)
     if radix and not radix_reasons(scores, topk):  # the scores are the launch's own, positions checked with them
         return _radix_select(scores, positions, topk)
-    return _topk(scores, topk)
+    return _topk(scores, topk, best_first=False)

@@ -81,13 +81,18 @@ def test_scores_match_reference_and_math(dtype, tol, cached, new):
         t0 += n
 
 
+def as_set(picks):
+    """Each row's positions in ascending order (-1 first): the picks as a set."""
+    return picks.sort(dim=-1).values
+
+
 @pytest.mark.parametrize("topk", [1, 3, 64])
 def test_topk_matches_per_request_selection(topk):
     args, layout = case([6, 0, 11], [2, 3, 1], Hi=5, Di=24, S=4)
     scale = args[0].shape[-1] ** -0.5
     _, want = per_request(args, layout, topk)
     assert torch.equal(indexer_topk_ref(*args, scale=scale, topk=topk), want)
-    assert torch.equal(indexer_topk(*args, scale=scale, topk=topk), want)
+    assert torch.equal(as_set(indexer_topk(*args, scale=scale, topk=topk)), as_set(want))  # in its own order
 
 
 def test_bad_shapes_are_refused():
@@ -159,7 +164,7 @@ def test_fp8_keys_score_as_their_scaled_values(cached, new, tile):
     dequantized = indexer_scores_paged_ref(*plain, scale=scale)
     torch.testing.assert_close(ref[fin], dequantized[fin], rtol=1e-5, atol=1e-5)
     picks = indexer_topk(*args, scale=scale, topk=4, **scales)
-    assert torch.equal(picks, indexer_topk_ref(*args, scale=scale, topk=4, **scales))
+    assert torch.equal(as_set(picks), as_set(indexer_topk_ref(*args, scale=scale, topk=4, **scales)))
 
 
 def test_fp8_keys_need_their_scales_and_plain_keys_refuse_them():
@@ -189,6 +194,6 @@ def test_radix_select_where_it_cannot_serve():
     if not torch.cuda.is_available():
         assert any("CUDA" in r for r in radix_reasons(scores, 2048))
     want = indexer_topk_ref(*args, scale=scale, topk=3)
-    assert torch.equal(indexer_topk(*args, scale=scale, topk=3, radix=True), want)
+    assert torch.equal(as_set(indexer_topk(*args, scale=scale, topk=3, radix=True)), as_set(want))
     with pytest.raises(ValueError, match="radix: expected True or False, got 'yes'"):
         indexer_topk(*args, scale=scale, topk=3, radix="yes")
