@@ -22,7 +22,8 @@
 #   each residual add + RMSNorm split between the GEMVs on either side; overhead-graph: the framework over the same
 #   kernels, eager and replayed; mla-tiles: the MLA absorption kernels' tile sweep and the dense layer;
 #   mla-defaults: the MLA parity and layers at today's absorption defaults; mla-merge-layers: the merge kernel's
-#   tiles inside the layers; indexer-topk: the indexer's selection in each form torch and sgl_kernel offer
+#   tiles inside the layers; indexer-topk: the indexer's selection in each form torch and sgl_kernel offer;
+#   indexer-unsorted: the sparse paths with the indexer's unsorted selection
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -310,6 +311,13 @@ case "${1:-}" in
     ;;
   indexer-topk)  # the indexer's selection over its scores: torch.topk sorted or not, torch.sort, the radix select
     part 120 python benchmarks/indexer_topk_forms.py --out "$out/indexer_topk_forms.json"
+    ;;
+  indexer-unsorted)  # the indexer's unsorted selection: sparse MLA parity, captured steps, the indexer's time
+    rec="python benchmarks/gpu_pytest_record.py"
+    part 240 env FNATTN_GPU_RESULTS="$out/indexer_unsorted_cases.json" $rec "$out/indexer_unsorted_gpu.json" -- \
+        tests/kernels/test_indexer.py tests/gpu/test_mla_backends_gpu.py -k "sparse or indexer or topk or radix"
+    part 150 $rec "$out/indexer_unsorted_graph_gpu.json" -- tests/gpu/test_graph_gpu.py -k "v32 or glm5"
+    part 120 python -m fnattn bench indexer --batch 64 --ctx 32768 --out "$out/bench_mla_sparse_indexer.json"
     ;;
   mla-absorb-layers)  # the sparse layer and the whole DeepSeek-V3.2 step with and without absorb_kernel
     part 120 python -m fnattn bench mla-sparse --batch 64 --ctx 32768 --out "$out/bench_mla_sparse.json"
