@@ -63,12 +63,24 @@ _KDA_TORCH_PATH = (
 )
 
 
+def _torch_function(module, name):
+    """The reference torch function ``module.name`` under transformers' kernel wrappers: decorators
+    (``__wrapped__``) and, where the ``kernels`` package is installed (transformers >= 5.25 requires it), an
+    ``nn.Module`` whose forward calls the decorated function it closes over."""
+    fn = getattr(module, name)
+    if isinstance(fn, torch.nn.Module):
+        forward = type(fn).forward
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+        assert "func" in cells, f"{module.__name__}.{name}: a module wrapper without the function it calls"
+        fn = cells["func"].cell_contents
+    fn = inspect.unwrap(fn)
+    assert fn.__module__ == module.__name__ and fn.__name__ == name, f"{module.__name__}.{name}: got {fn!r}"
+    return fn
+
+
 def _force_torch_path(mp, module, names):
-    # The reference torch functions sit at the bottom of the decorator chain.
     for name in names:
-        fn = inspect.unwrap(getattr(module, name))
-        assert fn.__module__ == module.__name__ and fn.__name__ == name
-        mp.setattr(module, name, fn)
+        mp.setattr(module, name, _torch_function(module, name))
 
 
 @contextmanager
