@@ -23,7 +23,8 @@
 #   kernels, eager and replayed; mla-tiles: the MLA absorption kernels' tile sweep and the dense layer;
 #   mla-defaults: the MLA parity and layers at today's absorption defaults; mla-merge-layers: the merge kernel's
 #   tiles inside the layers; indexer-topk: the indexer's selection in each form torch and sgl_kernel offer;
-#   indexer-unsorted: the sparse paths with the indexer's unsorted selection
+#   indexer-unsorted: the sparse paths with the indexer's unsorted selection; lse-weights: the merge kernels'
+#   shared LSE weights
 # Each part has its own time limit, so one slow compile cannot take the rest down.
 set -u
 out=${OUT:-gpu-out}
@@ -318,6 +319,12 @@ case "${1:-}" in
         tests/kernels/test_indexer.py tests/gpu/test_mla_backends_gpu.py -k "sparse or indexer or topk or radix"
     part 150 $rec "$out/indexer_unsorted_graph_gpu.json" -- tests/gpu/test_graph_gpu.py -k "v32 or glm5"
     part 120 python -m fnattn bench indexer --batch 64 --ctx 32768 --out "$out/bench_mla_sparse_indexer.json"
+    ;;
+  lse-weights)  # the own-row merges' shared LSE weights: both merge kernels' tests and the MLA paths through them
+    rec="python benchmarks/gpu_pytest_record.py"
+    part 200 env FNATTN_GPU_RESULTS="$out/lse_weights_cases.json" $rec "$out/lse_weights_gpu.json" -- \
+        tests/kernels/test_latent_absorb.py tests/kernels/test_merge_scatter.py tests/gpu/test_mla_backends_gpu.py \
+        -k "absorb or merge or real"
     ;;
   mla-absorb-layers)  # the sparse layer and the whole DeepSeek-V3.2 step with and without absorb_kernel
     part 120 python -m fnattn bench mla-sparse --batch 64 --ctx 32768 --out "$out/bench_mla_sparse.json"

@@ -22,6 +22,7 @@ from torch import Tensor
 from ._checks import check_like
 from ._tiles import overridden
 from ._triton import next_pow2, require_triton, tl, triton
+from .lse_merge import no_cached_key, own_row_weights
 
 
 @triton.jit
@@ -159,15 +160,10 @@ def _merge_own_values_kernel(
     if HAS_ALLOWED:  # a token that did not pick its own row keeps the cached part alone
         s = tl.where(tl.load(ALLOWED + t, mask=t_ok, other=0) != 0, s, float("-inf"))
     lc = tl.load(L_C + t * slc_t + h * slc_h, mask=t_ok, other=float("-inf")) * lse_scale
-    # kernels mark a query with no cached key by +inf (FlashMLA) or leave it undefined; so is an empty cache
-    empty = (lc != lc) | (lc == float("inf"))
+    empty = no_cached_key(lc)  # as is a request whose cache is empty
     if HAS_LENS:
         empty = empty | (tl.load(CACHE_LENS + t, mask=t_ok, other=0) == 0)
-    lc = tl.where(empty, float("-inf"), lc)
-    m = tl.maximum(lc, s)
-    m = tl.where(m == float("-inf"), 0.0, m)  # both parts empty (only with ALLOWED): both weights 0
-    wc = tl.exp(lc - m)
-    wn = tl.exp(s - m)
+    m, wc, wn = own_row_weights(lc, s, empty)
     total = wc + wn
     inv = 1.0 / tl.where(total > 0, total, 1.0)
     wc = wc * inv

@@ -195,6 +195,23 @@ def merge_attention_states_ref(o1, lse1, o2, lse2):
 
 
 @triton.jit
+def own_row_weights(lc, s, empty):
+    """A cached part's natural-log LSE ``lc`` and the own row's score ``s`` -> ``(m, wc, wn)``: the two parts'
+    weights over ``exp(m)``. A cached part marked ``empty`` (no key: its output may hold anything) weighs 0;
+    with both parts empty (a sparse token that left its own row out too) ``m`` is 0 and both weights 0."""
+    lc = tl.where(empty, float("-inf"), lc)
+    m = tl.maximum(lc, s)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    return m, tl.exp(lc - m), tl.exp(s - m)
+
+
+@triton.jit
+def no_cached_key(lc):
+    """Where kernels mark a query without a cached key: LSE +inf (FlashMLA) or undefined (NaN)."""
+    return (lc != lc) | (lc == float("inf"))
+
+
+@triton.jit
 def _merge_new_token_kernel(
     O_C, L_C, Q, K, V, OUT, LSE_OUT, CACHE_LENS, ALLOWED,
     sm_scale, softcap, lse_scale,
@@ -215,16 +232,10 @@ def _merge_new_token_kernel(
     if HAS_ALLOWED:  # a token that did not pick its own row keeps the cached part alone
         s = tl.where(tl.load(ALLOWED + b) != 0, s, float("-inf"))
     lc = tl.load(L_C + b * slc_b + h) * lse_scale  # the cached part's LSE, natural log
-    # Kernels mark a query with no cached key by +inf (FlashMLA) or leave it undefined: empty, as is a
-    # request whose cache is empty.
-    empty = (lc != lc) | (lc == float("inf"))
+    empty = no_cached_key(lc)  # as is a request whose cache is empty
     if HAS_LENS:
         empty = empty | (tl.load(CACHE_LENS + b) == 0)
-    lc = tl.where(empty, float("-inf"), lc)
-    m = tl.maximum(lc, s)
-    m = tl.where(m == float("-inf"), 0.0, m)  # both parts empty (only with ALLOWED): both weights 0
-    wc = tl.exp(lc - m)  # 0 when the cache part attended nothing (lc = -inf)
-    wn = tl.exp(s - m)
+    m, wc, wn = own_row_weights(lc, s, empty)
     oc = tl.load(O_C + b * soc_b + h * soc_h + dv, mask=dv < DV, other=0.0).to(tl.float32)
     oc = tl.where(wc > 0, oc, 0.0)  # an empty cached part may hold anything
     v = tl.load(V + b * sv_b + kvh * sv_h + dv, mask=dv < DV, other=0.0).to(tl.float32)

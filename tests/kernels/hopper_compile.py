@@ -169,10 +169,23 @@ def absorb_cases():
                                                                            floats=("sm_scale", "lse_scale"))
 
 
+def merge_new_token_cases():
+    from fnattn.kernels.lse_merge import _merge_new_token_kernel
+
+    ptr = {p: "*bf16" for p in ("O_C", "Q", "K", "V", "OUT")}
+    ptr.update(L_C="*fp32", LSE_OUT="*fp32", CACHE_LENS="*i32", ALLOWED="*i8")
+    base = dict(G=1, D=576, D_PAD=1024, DV=512, DV_PAD=512, SOFTCAP=False, HAS_LENS=True, HAS_ALLOWED=False)
+    for name, change in {"own-token merge, MLA latent": {},
+                         "own-token merge, GQA with softcap and the picked mask": dict(
+                             G=4, D=128, D_PAD=128, DV=128, DV_PAD=128, SOFTCAP=True, HAS_ALLOWED=True)}.items():
+        yield name, lambda c={**base, **change}, p=ptr: compile_for_hopper(
+            _merge_new_token_kernel, c, p, floats=("sm_scale", "softcap", "lse_scale"))
+
+
 def main() -> int:
     failed = 0
     for name, build in [*skinny_cases(), *gdn_decode_cases(), *paged_decode_cases(), *conv_cases(),
-                        *indexer_cases(), *absorb_cases()]:
+                        *indexer_cases(), *absorb_cases(), *merge_new_token_cases()]:
         try:
             build()
             print(f"ok {name}")
