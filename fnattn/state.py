@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -127,6 +127,24 @@ class Checkpoint:
     lineage: int = 0  # the State (storage) it was taken from
     serial: int = 0  # when it was taken, against the requests' rollbacks
 
+    def __reduce__(self):
+        # pickle, copy.deepcopy and torch.save store a checkpoint as tuples of ints and tensors, which
+        # `torch.load(weights_only=True)` accepts (a mapping proxy could not be pickled at all).
+        requests = tuple(astuple(r) for r in self.requests)
+        recurrent = tuple((pool, name, t) for (pool, name), t in self.recurrent.items())
+        return _checkpoint_from_values, (requests, recurrent, self.lineage, self.serial)
+
+
+def _checkpoint_from_values(requests: tuple, recurrent: tuple, lineage: int, serial: int) -> Checkpoint:
+    """What a pickled checkpoint is rebuilt with (`State.restore` checks it). Its name is part of every stored
+    checkpoint: keep it."""
+    return Checkpoint(tuple(Request(*fields) for fields in requests),
+                      MappingProxyType({(pool, name): t for pool, name, t in recurrent}), lineage, serial)
+
+
+# A checkpoint saved with torch.save loads with torch.load(weights_only=True) once fnattn is imported.
+torch.serialization.add_safe_globals([_checkpoint_from_values])
+
 
 def _pool_layouts(spec: LayerSpec, *, num_pages: int, page_size: int, num_slots: int):
     """(pool key, index space, {tensor: (shape, dtype)}) for each pool a layer uses, from its kind's
@@ -221,6 +239,8 @@ class State:
         if len(set(indices)) != len(indices):
             fail("State", "specs", "layer specs with unique indices", indices)
         device = torch.device(device)
+        if device.type == "meta":  # shapes without bytes: nothing could be read, checkpointed or exported
+            fail("State", "device", "a device that holds the storage's values (cpu, cuda, ...), not meta", device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # tensors report their index
         groups: dict[tuple, dict] = {}  # storage signature -> pool under construction

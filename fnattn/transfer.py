@@ -39,6 +39,7 @@ _MAGIC = b"FNATTNRS"
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
 _WIRE_MAGIC = 0x464E5253  # "FNRS": first element of the distributed header tensor
 _SPACES = ("token", "request")
+_MAX_DEPTH = 8  # how deep a header may nest lists and mappings (its own nest four deep)
 
 
 class TransferTimeoutError(TimeoutError):
@@ -146,9 +147,13 @@ class RequestState:
         for e in self.header["tensors"]:
             t = self.tensors[(e["layer"], e["name"])]
             want = (tuple(e["shape"]), _dtype_of(e["dtype"], where))
-            if not isinstance(t, Tensor) or t.layout != torch.strided or (tuple(t.shape), t.dtype) != want:
+            # A meta tensor has a shape and no bytes: nothing to checksum or import.
+            if not isinstance(t, Tensor) or t.layout != torch.strided or (tuple(t.shape), t.dtype) != want \
+                    or t.device.type == "meta":
                 fail(where, f"payload.tensors[{e['layer']}, {e['name']!r}]", f"a dense {want[1]} tensor of "
-                     f"shape {want[0]}", (getattr(t, "dtype", type(t).__name__), tuple(getattr(t, "shape", ()))))
+                     f"shape {want[0]} holding its values (not on the meta device)",
+                     (getattr(t, "dtype", type(t).__name__), tuple(getattr(t, "shape", ())),
+                      getattr(t, "device", None)))
         if fingerprint(self.header["layers"]) != self.header["fingerprint"]:
             fail(where, "payload", "a fingerprint matching its layer signatures (the header is corrupt)",
                  self.header["fingerprint"])
@@ -156,6 +161,13 @@ class RequestState:
         if got != self.header["checksum"]:
             fail(where, "payload", f"bytes matching its checksum {self.header['checksum'][:16]}... (the payload "
                  "is corrupt)", f"checksum {got[:16]}...")
+
+    # ------------------------------------------------------------- plain values
+    def __reduce__(self):
+        # pickle, copy.deepcopy and torch.save store a payload as its flat form (JSON values and tensors), which
+        # `torch.load(weights_only=True)` accepts; loading rebuilds it through `from_flat`, so the checksum is
+        # checked again there (a mapping proxy, the immutable header, could not be pickled at all).
+        return _from_flat, self.flat()
 
     # ------------------------------------------------------------- bytes
     def flat(self) -> tuple[dict, list[Tensor]]:
@@ -200,6 +212,9 @@ class RequestState:
             header = json.loads(bytes(data[_PREFIX.size:body_at]).decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             fail(where, "payload", "a JSON header (the header is corrupt)", str(e))
+        except RecursionError:
+            fail(where, "payload", f"a JSON header nested at most {_MAX_DEPTH} deep (the header is corrupt)",
+                 "a header nested deeper than the parser goes")
         _check_header(header, where)
         sizes = [math.prod(e["shape"]) * _dtype_of(e["dtype"], where).itemsize for e in header["tensors"]]
         if body_at + sum(sizes) != len(data):
@@ -213,6 +228,15 @@ class RequestState:
             tensors.append(raw.view(_dtype_of(e["dtype"], where)).view(e["shape"]))
             at += n
         return RequestState.from_flat(header, tensors)
+
+
+def _from_flat(header: dict, tensors: list[Tensor]) -> RequestState:
+    """What a pickled payload is rebuilt with. Its name is part of every stored payload: keep it."""
+    return RequestState.from_flat(header, tensors)
+
+
+# A payload saved with torch.save loads with torch.load(weights_only=True) once fnattn is imported.
+torch.serialization.add_safe_globals([_from_flat])
 
 
 def _raw(t: Tensor) -> Tensor:
@@ -237,8 +261,25 @@ def _is_int(x, low: int = 0) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
+def _depth_over(value, limit: int) -> bool:
+    """Whether JSON-like ``value`` nests lists / mappings more than ``limit`` deep (walked without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (Mapping, list, tuple)):
+            if depth == limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, Mapping) else v))
+    return False
+
+
 def _check_header(h, where: str) -> None:
     """Every header field present, of the right type: parsing never fails later on a bad value."""
+    # First, and without recursion: hashing, copying or printing a value nested without end would overflow
+    # the stack (a header is nested four deep).
+    if _depth_over(h, _MAX_DEPTH):
+        fail(where, "payload", f"a header nested at most {_MAX_DEPTH} deep (the header is corrupt)",
+             f"a header nested deeper than {_MAX_DEPTH}")
     keys = {"format", "request_id", "length", "fingerprint", "layers", "tensors", "checksum"}
     if not isinstance(h, Mapping) or set(h) != keys:
         fail(where, "payload", f"a header with the fields {sorted(keys)}",
@@ -255,6 +296,7 @@ def _check_header(h, where: str) -> None:
     if not isinstance(layers, list) or not all(
             isinstance(s, Mapping) and set(s) == {"index", "kind", "structure", "dtypes"} and _is_int(s["index"])
             and isinstance(s["kind"], str) and isinstance(s["structure"], str) and isinstance(s["dtypes"], list)
+            and all(isinstance(d, list) and len(d) == 2 and all(isinstance(x, str) for x in d) for d in s["dtypes"])
             for s in layers):
         fail(where, "payload.layers", "a list of layer signatures {index, kind, structure, dtypes}", layers)
     tensors = h["tensors"]
