@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .availability import needs_dtype
 
-flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -23,6 +23,14 @@ def supports(spec, device) -> list[str]:
     """A CPU model in a dtype the kernel takes."""
     reasons = [] if device.type == "cpu" else [f"runs on CPU, the model runs on {device.type}"]
     return reasons + needs_dtype(spec, DTYPES)
+
+
+def flash(q: Float[Tensor, "b h n d"], k: Float[Tensor, "b hk m d"], v: Float[Tensor, "b hk m dv"], **options):
+    """The fused kernel (outputs: ``o``, ``lse``, ...). It reads the head dim as packed whatever its stride says, so
+    a valid view strided there (a slice of a wider head dim) gave the values beside the ones asked for: such an
+    operand is copied first. Other strides it honours, so column slices and head-major layouts are read in place."""
+    q, k, v = (x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous() for x in (q, k, v))
+    return _kernel(q, k, v, **options)
 
 
 def heads_first(x: Float[Tensor, "m H D"]) -> Float[Tensor, "1 H m D"]:
