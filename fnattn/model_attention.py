@@ -16,14 +16,14 @@ from .spec import LayerSpec
 from .workspace import Workspace
 
 #: How the built-in backends rank for decode and verify when ``prefer`` is not given; backends a
-#: user registered come first (newest first): registering one is asking for it.
-DEFAULT_PREFER = ("triton_fused", "triton", "flashmla", "flashinfer", "sgl_kernel", "fla", "sdpa", "torch",
-                  "reference")
+#: user registered come first (newest first): registering one is asking for it. Every name is one a
+#: built-in backend registers on any machine (one whose library is missing is refused by its
+#: capability check), so these orders also serve as ``prefer``.
+DEFAULT_PREFER = ("triton_fused", "triton", "flashmla", "flashinfer", "fla", "sdpa", "torch", "reference")
 #: Prefill's order (the same names): there the peers' kernels beat ours on the H200. fla-core's chunked
 #: GDN / KDA is 2.4-2.7x our Triton chunk (benchmarks/results/bench_gdn_prefill.json); FlashInfer's
 #: prefill attention 1.7x our Triton kernel at 16k tokens (bench_prefill.json).
-DEFAULT_PREFER_PREFILL = ("fla", "flashmla", "flashinfer", "triton_fused", "triton", "sgl_kernel", "sdpa", "torch",
-                          "reference")
+DEFAULT_PREFER_PREFILL = ("fla", "flashmla", "flashinfer", "triton_fused", "triton", "sdpa", "torch", "reference")
 
 
 @dataclass(frozen=True)
