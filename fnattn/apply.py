@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .checks import _STRIDED, CHECKS_ENABLED, fail
-from .deltas import StepDeltas, Writes
+from .deltas import StepDeltas, Writes, check_accepted
 from .errors import StaleDeltasError
 
 
@@ -192,6 +192,8 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
     where = "State.apply"
     batch = deltas.batch
     check_batch(state, batch, where)
+    if deltas.accepted is not None:  # checked when built, but the apply trusts no field it is handed
+        check_accepted(batch, deltas.accepted, where)
     counts = deltas.accepted if deltas.accepted is not None else batch.host_new_lens
     replay_mode = batch.phase == "verify" and batch.recovery == "replay"
     owners, recurrent = _owners(state, layers)
@@ -208,11 +210,16 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
             fail(where, "replay", f"a replay batch of this state for the accepted counts {counts}",
                  (rb.phase, rb.request_ids, rb.host_new_lens))
         check_batch(state, rb, where + " (replay)")
+        if replay.accepted not in (None, rb.host_new_lens) or replay.replay is not None:
+            fail(where, "replay", "the unfiltered deltas of the replay batch (every replayed token is kept)",
+                 (replay.accepted, type(replay.replay).__name__))
     expected_cursor = batch.cursor_after(counts, ring_of=replay.batch if replay is not None else None)
     if deltas.cursor != expected_cursor:
         fail(f"{where}: cursor", "cursor", f"the advance the batch and acceptance imply, {expected_cursor}",
              deltas.cursor)
     main = _by_layer(state, deltas.writes, batch.step_id, where)
+    if replay_mode and not main_written:
+        _refuse_replay_mode_states(state, main)
     extra = _by_layer(state, replay.writes, replay.batch.step_id, where + " (replay)") if replay else {}
     for layer in set(main) | set(extra):
         if layer not in owners:
@@ -235,6 +242,10 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
                 continue
             writes, wb = part[0], part[1]
             w = writes.get(layer)
+            if w is None and wb is not batch:  # the replay's: the layer's verify left nothing to replay
+                fail(where + " (replay)", "writes", f"the replayed state of every recurrent layer (layer {layer} "
+                     f"writes {sorted(want)}; its replay-mode verify must return Output(replay=inputs), which "
+                     "speculative.replay_writes re-runs)", sorted(writes))
             if w is None:
                 fail(where, "writes", f"a Writes for every layer that owns storage (layer {layer} writes "
                      f"{sorted(want)})", sorted(writes))
@@ -249,6 +260,18 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
                     continue
                 targets.append(_target(storage, layer, name, value, layout, spaces, spans))
     return targets
+
+
+def _refuse_replay_mode_states(state, main: dict[int, Writes]) -> None:
+    """A verify step with replay recovery returns no recurrent state: the replay of its accepted tokens
+    writes it. States it returned anyway would otherwise be dropped, or taken for the replayed ones."""
+    spaces = state.storage_spaces
+    for layer, w in main.items():
+        for name in w.values:
+            if spaces[layer].get(name) == "request":
+                fail(_Where(layer), name, "absent: a verify step with recovery 'replay' returns no recurrent "
+                     "state (return its inputs in Output(replay=...); the replay of the accepted tokens writes "
+                     "the state)", "a tensor" if w.values[name] is not None else "None (written in place)")
 
 
 def _refuse_in_place(storage, layer: int, name: str, token_space: bool, batch) -> None:

@@ -118,6 +118,26 @@ optree.register_pytree_node(
 )
 
 
+def check_accepted(batch, accepted, where: str) -> None:
+    """``accepted`` is what `StepDeltas.accept` can give for ``batch``: a tuple of ints, one per lane; on a
+    verify step each request's within 1..its new tokens (the fed token is always kept) and each pad lane's
+    all of them; on any other step exactly the batch's new lengths (nothing of a prefill or decode is
+    dropped). A forged count would move a cursor past rows nobody wrote, or write rows no cursor covers."""
+    lens = batch.host_new_lens
+    if not isinstance(accepted, tuple) or len(accepted) != len(lens) \
+            or not all(type(n) is int for n in accepted):  # bool is an int subclass: not a count
+        fail(where, "accepted", f"None or a tuple of {len(lens)} ints (one per lane of the batch)", accepted)
+    if batch.phase != "verify":
+        if accepted != lens:
+            fail(where, "accepted", f"None or the batch's new lengths {lens} (only a verify step drops tokens)",
+                 accepted)
+        return
+    for rid, n, m in zip(batch.request_ids, accepted, lens):
+        if not (n == m if rid < 0 else 1 <= n <= m):
+            fail(where, "accepted", f"per lane an int in 1..{m} (the fed token plus accepted drafts; a pad lane "
+                 f"keeps all {m})", accepted)
+
+
 @dataclass(frozen=True)
 class StepDeltas:
     """All state changes of one step; applied exactly once, all or nothing.
@@ -150,6 +170,8 @@ class StepDeltas:
             fail("StepDeltas", "cursor", "a CursorAdvance", type(self.cursor).__name__)
         if self.replay is not None and not isinstance(self.replay, StepDeltas):
             fail("StepDeltas", "replay", "the StepDeltas of a replay batch or None", type(self.replay).__name__)
+        if self.accepted is not None:
+            check_accepted(self.batch, self.accepted, "StepDeltas")
 
     @property
     def step_id(self) -> int:

@@ -70,19 +70,44 @@ def replay_writes(model_attention, state, verify_batch: Batch, outputs: Mapping[
     if batch.request_ids != verify_batch.request_ids:
         fail("replay_writes", "accepted", f"counts for requests {verify_batch.live_ids} in order",
              batch.live_ids)
+    _check_replay_outputs(model_attention, state, outputs)
     cu = verify_batch.host_cu_seqlens
     keep = torch.tensor([cu[b] + i for b, n in enumerate(batch.host_new_lens) for i in range(n)],
                         dtype=torch.long, device=state.device)  # rows of the accepted tokens (pad lanes: all)
     writes = []
     with model_attention.session(state, batch) as s:
         for layer, out in outputs.items():
-            if out.replay is None:
-                fail("replay_writes", f"outputs[{layer}]", "a verify output with replay inputs", None)
             _, w = s.forward(layer, select_tokens(out.replay, keep))
+            if w is None:  # the replay batch is a native verify: it must return the state after each token
+                fail(f"replay_writes: layer {layer}, backend {_backend_name(model_attention, layer)!r}", "writes",
+                     "the recurrent states of the replayed tokens (the replay batch is a verify with recovery "
+                     "'native': return the state after every token)", None)
             # Only per-request storage is replayed; a layer's token rows come from the verify step itself.
             spaces = state.storage_spaces[layer]
             writes.append(replace(w, values={n: v for n, v in w.values.items() if spaces[n] == "request"}))
     return StepDeltas.collect(batch, writes)
+
+
+def _backend_name(model_attention, layer: int) -> str:
+    return model_attention.backend(layer, "verify").name
+
+
+def _check_replay_outputs(model_attention, state, outputs) -> None:
+    """Every recurrent layer of the step left replay inputs: the replay re-runs them, and a layer without
+    them would leave its state unwritten (the apply then refuses the step, naming the writes, not why)."""
+    if not isinstance(outputs, Mapping):
+        fail("replay_writes", "outputs", "a mapping layer -> its verify output (a session's replay_outputs)",
+             type(outputs).__name__)
+    spaces = state.storage_spaces
+    recurrent = [layer for layer in model_attention.spec_by_layer if "request" in spaces.get(layer, {}).values()]
+    for layer in sorted(set(recurrent) | set(outputs)):
+        out = outputs.get(layer)
+        if getattr(out, "replay", None) is None:
+            fail("replay_writes", f"outputs[{layer}]",
+                 f"the verify output of layer {layer} carrying its replay inputs: in a verify with recovery "
+                 f"'replay', backend {_backend_name(model_attention, layer)!r} must return Output(replay=inputs) "
+                 "(its inputs without meta) and no state",
+                 "missing" if out is None else f"{type(out).__name__} with replay=None")
 
 
 def accept_step(deltas: StepDeltas, verify_batch: Batch, accepted: Mapping[int, int], *,
