@@ -135,13 +135,10 @@ def keep_boundaries(state, reqs: Mapping, request_ids) -> dict | None:
     return out
 
 
-def drop_boundaries(boundary: Mapping, request_id: int, above: int = -1) -> dict | None:
-    """``boundary`` without the entries of ``request_id`` longer than ``above`` (all by default); None if
-    it has none of them."""
-    gone = [k for k in boundary if k[0] == request_id and k[1] > above]
-    if not gone:
-        return None
-    return {k: v for k, v in boundary.items() if k not in gone}
+def drop_boundaries(boundary: Mapping, request_id: int, above: int = -1) -> dict:
+    """``boundary`` without the entries of ``request_id`` longer than ``above`` (all by default). Always a
+    dict: an empty one is every checkpoint dropped, not "nothing changed"."""
+    return {k: v for k, v in boundary.items() if not (k[0] == request_id and k[1] > above)}
 
 
 def inherit_boundaries(boundary: Mapping, holder: int, request_id: int, n: int) -> dict | None:

@@ -595,7 +595,7 @@ class State:
         serial = next(_serials)
         reqs, boundary = dict(self._requests), self._boundary
         for old in checkpoint.requests:
-            boundary = pages.drop_boundaries(boundary, old.id, above=old.length) or boundary
+            boundary = pages.drop_boundaries(boundary, old.id, above=old.length)
             cur = reqs[old.id]
             reqs[old.id] = replace(cur, length=old.length, ring_pos=old.ring_pos,
                                    rollbacks=cur.rollbacks + ((serial, old.length),))

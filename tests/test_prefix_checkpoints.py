@@ -120,6 +120,22 @@ def test_refusals_release_and_restore(model):
     assert not st._boundary and st.free_pages == st.num_pages
 
 
+def test_a_restore_below_every_checkpoint_drops_them_all(model):
+    """Rolled back below its first boundary, a request keeps no checkpoint of the abandoned timeline: a prefix
+    hit there would resume that timeline's recurrent state under the new timeline's tokens."""
+    st = fresh(model).admit(1)
+    st, _ = model.prefill(st, 1, prompt(model, 3))  # short of the first boundary
+    ck = st.checkpoint([1])
+    st, _ = chunked_prefill(model, st, 1, prompt(model, 5, seed=8))  # 3 -> 8, landing on 4 and 8
+    assert st.boundary_checkpoints(1) == (4, 8)
+    st = st.restore(ck)
+    assert st.boundary_checkpoints(1) == ()
+    st, _ = model.prefill(st, 1, prompt(model, 7, seed=9))  # another timeline, 3 -> 10 in one chunk
+    assert st.boundary_checkpoints(1) == ()
+    for n in (4, 8):
+        assert_refused(st, lambda n=n: st.admit(2, prefix_of=1, tokens=n), r"tokens.*kept at \[\]")
+
+
 def test_generate_shares_page_boundaries_of_a_holder():
     model = Model("qwen3_5")
     base = prompt(model, 12, seed=11)  # three full pages
