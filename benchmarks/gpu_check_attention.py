@@ -23,7 +23,7 @@ import gpu_check_report  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from kernels import lse_merge, paged_attention, scatter  # noqa: E402
+from fnattn.kernels import lse_merge, paged_attention, scatter  # noqa: E402
 
 DEV = "cuda"
 DT = torch.bfloat16

@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_report  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
-
-from kernels.gated_delta import (  # noqa: E402
+from fnattn.kernels.gated_delta import (  # noqa: E402
     causal_conv1d,
     causal_conv1d_ref,
     chunk_indices,

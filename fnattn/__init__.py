@@ -2,53 +2,41 @@
 
 Every backend is ``backend(spec, views, inputs) -> (outputs, writes)``; a
 driver applies the writes of a step once, with `State.apply`.
+
+The public names load on first use (``fa.State``, ``from fnattn import State``): importing the
+package alone imports no torch, so ``fnattn --help`` answers at once.
 """
 
-import os as _os
-
-# In a source checkout that was not installed (a notebook or a GPU box at the repo
-# root), kernels/ and models/ sit beside fnattn/; an install maps them into the
-# package instead. Only a checkout (pyproject.toml beside) gets the extra path.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
-    _os.path.join(_root, "kernels", "__init__.py")
-):
-    __path__.append(_root)  # noqa: F821 - the package's own search path
-
-from .batch import PHASES, Batch
-from .declare import StepMeta, StorageDecl, inputs, kind, kind_info, known_kinds, per_request, per_token, register_kind
-from .deltas import CursorAdvance, Output, StepDeltas, Writes, writes
-from .errors import (
-    DoubleApplyError,
-    LeaseError,
-    NoBackendError,
-    OutsideSessionError,
-    PoolExhaustedError,
-    PurityError,
-    SessionClosedError,
-    StaleDeltasError,
-    StaleStateError,
-)
-from .kinds.delta_rule import GDNConfig, KDAConfig, RecurrentInputs, RecurrentOutput
-from .kinds.dsv4 import DSV4Config
-from .kinds.full import AttentionOutput, FullAttentionConfig, FullAttentionInputs
-from .kinds.mla import MLAConfig, MLAInputs
-from .kinds.sparse_mla import (
-    IndexerConfig,
-    SparseAttentionOutput,
-    SparseMLAConfig,
-    SparseMLAInputs,
-    SparseQueryMetadata,
-)
-from .model_attention import ModelAttention
-from .probe import ProbeReport, probe
-from .registry import Backend, register
-from .session import AttentionSession
-from .spec import LayerSpec
-from .state import Checkpoint, State, Views
-from .transfer import RequestState, TransferTimeoutError
+import importlib
+import os
+import sys
+import types
 
 __version__ = "0.1.0"
+
+# Public name -> the module (relative to this package) that defines it.
+_EXPORTS = {
+    **dict.fromkeys(["PHASES", "Batch"], "batch"),
+    **dict.fromkeys(["CursorAdvance", "Output", "StepDeltas", "Writes", "writes"], "deltas"),
+    **dict.fromkeys(["DoubleApplyError", "LeaseError", "NoBackendError", "OutsideSessionError",
+                     "PoolExhaustedError", "PurityError", "SessionClosedError", "StaleDeltasError",
+                     "StaleStateError"], "errors"),
+    **dict.fromkeys(["StepMeta", "StorageDecl", "inputs", "kind", "kind_info", "known_kinds", "per_request",
+                     "per_token", "register_kind"], "declare"),
+    **dict.fromkeys(["GDNConfig", "KDAConfig", "RecurrentInputs", "RecurrentOutput"], "kinds.delta_rule"),
+    "DSV4Config": "kinds.dsv4",
+    **dict.fromkeys(["AttentionOutput", "FullAttentionConfig", "FullAttentionInputs"], "kinds.full"),
+    **dict.fromkeys(["MLAConfig", "MLAInputs"], "kinds.mla"),
+    **dict.fromkeys(["IndexerConfig", "SparseAttentionOutput", "SparseMLAConfig", "SparseMLAInputs",
+                     "SparseQueryMetadata"], "kinds.sparse_mla"),
+    "ModelAttention": "model_attention",
+    **dict.fromkeys(["ProbeReport", "probe"], "probe"),
+    **dict.fromkeys(["Backend", "register"], "registry"),
+    "AttentionSession": "session",
+    "LayerSpec": "spec",
+    **dict.fromkeys(["Checkpoint", "State", "Views"], "state"),
+    **dict.fromkeys(["RequestState", "TransferTimeoutError"], "transfer"),
+}
 
 __all__ = [
     "PHASES", "Batch", "CursorAdvance", "Output", "StepDeltas", "Writes", "writes",
@@ -62,3 +50,42 @@ __all__ = [
     "ModelAttention", "ProbeReport", "probe", "Backend", "register", "AttentionSession", "LayerSpec",
     "Checkpoint", "State", "Views", "RequestState", "TransferTimeoutError",
 ]
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later uses are plain lookups
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # Python binds a submodule to its package once it is imported; `probe` names both a module and
+        # the function exported here, and must stay the function whichever is imported first.
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def _checkout_folder(name: str) -> list[str]:
+    """``[<repository>/<name>]`` when fnattn runs from a source checkout, else ``[]``.
+
+    The repository's kernels/ and models/ folders sit beside fnattn/ with no ``__init__.py``: Python
+    started in the repository root then never takes them for installed packages of those names (the
+    ``kernels`` that transformers imports). They are the modules of fnattn.kernels / fnattn.models,
+    whose ``__init__.py`` files are fnattn/kernels/ and fnattn/models/ and add this folder to their path;
+    an install copies the modules beside those files instead.
+    """
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
+    in_checkout = os.path.isfile(os.path.join(os.path.dirname(folder), "pyproject.toml"))
+    plain_folder = os.path.isdir(folder) and not os.path.exists(os.path.join(folder, "__init__.py"))
+    return [folder] if in_checkout and plain_folder else []

@@ -17,9 +17,15 @@ sparse layer's top-k positions as the pool slots and own-row indices its attenti
 The decode-step kernels (the GEMV, gating, fused GDN decode, q / k norms and rope, paged attention and
 its merge, the output gates, the add + norm and activation) launch with programmatic dependent launch on
 Hopper and later, unless within `pdl(False)`.
+
+The modules live in the repository's top-level kernels/ folder; an install copies them beside this file.
 """
 
 import importlib
+
+from .. import _checkout_folder
+
+__path__ += _checkout_folder("kernels")  # noqa: F821 - the package's own search path
 
 # `skinny_linear` and `qk_norm_rope` are not exported here: a name shared with its module would be the
 # function before the module is first imported and the module after. Import them from their modules.
