@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import optree
 import torch
@@ -208,8 +209,15 @@ class Batch:
             fail("Batch.replay", "counts", "a non-empty mapping request id -> accepted tokens", counts)
         if isinstance(pad_tokens, bool) or not isinstance(pad_tokens, int) or pad_tokens < 1:
             fail("Batch.replay", "pad_tokens", "an int >= 1", pad_tokens)
+        for rid, n in counts.items():  # before the most of them sets the drafts
+            _check_count("Batch.replay", rid, n)
         return _build(state, "verify", dict(counts), num_draft=max(counts.values()) - 1, recovery="native",
                       pad_to=pad_to, columns=columns, pad_tokens=pad_tokens)
+
+
+def _check_count(where: str, rid, n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        fail(where, f"counts[{rid}]", "an int >= 1", n)
 
 
 def next_step_id() -> int:
@@ -257,8 +265,7 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         fail(where, "request_ids", "unique ids", ids)
     reqs = []
     for rid, n in counts.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            fail(where, f"counts[{rid}]", "an int >= 1", n)
+        _check_count(where, rid, n)
         if rid not in state.requests:
             fail(where, "request_ids", f"admitted requests (admitted: {sorted(state.requests)})", rid)
         req = state.requests[rid]
@@ -300,26 +307,63 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         ring_size=state.recurrent_ring,
         logits_for=logits_for,
     )
-    # What the apply needs to know the tensors are still the ones derived here: the storage (its lineage
-    # number) and version they were derived from, and each tensor with its version counter (an in-place op
-    # moves it). A copy made by `dataclasses.replace` has no seal, and unpickling rebuilds the tensors, which
-    # moves their counters: both are checked in full.
-    object.__setattr__(batch, "_sealed", (state._storage.lineage, state.version,
-                                          tuple((name, t, t._version) for name, t in tensors.items())))
+    # What the apply needs to know the tensors still hold what was derived here: the storage (its lineage
+    # number) and version they were derived from, each tensor with its version counter (an in-place op moves
+    # it), the staging's generation (the next batch built into it rewrites these very tensors) and, on the
+    # CPU, a copy of the contents (a write through NumPy's view of the memory moves no counter). A copy made
+    # by `dataclasses.replace` has no seal, and unpickling rebuilds the tensors: both are checked in full.
+    object.__setattr__(batch, "_sealed", _Seal(
+        state._storage.lineage, state.version, tuple((name, t, t._version) for name, t in tensors.items()),
+        None if staging is None else staging.generation, None if staging is None else staging.generation.value,
+        {name: t.clone() for name, t in tensors.items()} if device.type == "cpu" else None))
     return batch
 
 
+class _Seal(NamedTuple):
+    lineage: int
+    version: int
+    tensors: tuple  # (name, tensor, its version counter then)
+    generation: object  # the staging's Generation the tensors are views of (None: tensors of their own)
+    written: int  # its value once this batch was written
+    contents: dict | None  # name -> a copy of the tensor (the CPU only: there reading it back costs no sync)
+
+
 def unchanged_since_built(batch: Batch, state) -> bool:
-    """Whether ``batch``'s device tensors are those `Batch` derived from ``state``'s storage at its version,
-    untouched by any in-place op since (a write through another library's view of the memory, such as
-    NumPy's, moves no version counter and is not seen here, as a GPU's apply sees no device value)."""
+    """Whether ``batch``'s device tensors still hold what `Batch` derived from ``state``'s storage at its
+    version: the same tensors, no in-place op on them since, no later batch built into the same staging and,
+    on the CPU, the same contents (a write through NumPy's view of the memory moves no version counter).
+
+    On an accelerator the contents are not read back (that is a sync, and a captured step cannot): a write
+    into a batch's device memory through another library's handle to it (DLPack, a raw pointer) is not seen.
+
+    Every check of a batch starts here, so malformed tensor fields are refused here (`check_tensors`)."""
+    check_tensors(batch, "Batch")
     seal = batch.__dict__.get("_sealed")
     if seal is None:
         return False
-    lineage, version, tensors = seal
-    if lineage != state._storage.lineage or version != state.version or len(tensors) != len(TENSOR_DTYPES):
+    if seal.lineage != state._storage.lineage or seal.version != state.version \
+            or len(seal.tensors) != len(TENSOR_DTYPES):
         return False
-    return all(getattr(batch, name) is t and t._version == v for name, t, v in tensors)
+    if seal.generation is not None and seal.generation.value != seal.written:
+        return False  # a later batch was built into the same staging: these tensors hold its rows now
+    if not all(getattr(batch, name) is t and t._version == v for name, t, v in seal.tensors):
+        return False
+    return seal.contents is None or all(torch.equal(getattr(batch, name), t) for name, t in seal.contents.items())
+
+
+def check_tensors(batch: Batch, where: str) -> None:
+    """Each device tensor of ``batch`` is a dense, contiguous torch.Tensor, or the error names it.
+
+    Kernels read a block table or a slot list by rows of packed entries: a strided view (one column of a
+    wider table, every other entry) holding the right values would be read as other entries, so it is
+    refused here rather than copied silently. The builders always make contiguous tensors."""
+    for name in TENSOR_DTYPES:
+        t = getattr(batch, name)
+        if not isinstance(t, Tensor) or t.layout is not torch.strided:
+            fail(where, f"batch.{name}", "a dense torch.Tensor", type(t).__name__)
+        if not t.is_contiguous():
+            fail(where, f"batch.{name}", "a contiguous tensor (a strided view such as table[:, 0] is not)",
+                 f"strides {t.stride()} for shape {tuple(t.shape)}")
 
 
 #: The dtype of each device tensor of a batch.

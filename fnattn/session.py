@@ -3,7 +3,8 @@
     with model_attention.session(state, batch) as s:
         out, writes = s.forward(layer, inputs)
 
-On entry it checks the state and batch against the specs, builds each group's
+On entry it checks the state and batch against the specs, and the batch
+against the State with the apply's own check (`check_of_state`), builds each group's
 plan once, leases the workspace and, for a batch with a ring, hands the spare
 recurrent rows to this session (the in-place states of any earlier session
 over the same rows become void). `forward` validates a layer's inputs, calls
@@ -24,8 +25,8 @@ from dataclasses import replace
 
 import torch
 
-from .apply import capturing
-from .batch import PHASES, Batch
+from .apply import capturing, check_batch
+from .batch import PHASES, Batch, check_tensors
 from .checks import CHECKS_ENABLED, fail
 from .declare import StepMeta
 from .deltas import Writes
@@ -63,9 +64,7 @@ class AttentionSession:
             fail("AttentionSession", "batch", "a Batch", type(batch).__name__)
         if batch.phase not in PHASES:
             fail("AttentionSession", "batch.phase", f"one of {PHASES}", batch.phase)
-        if batch.state_version != state.version:  # also raises if the state handle is stale
-            fail("AttentionSession", "batch",
-                 f"a batch built from this state (version {state.version})", f"version {batch.state_version}")
+        check_version(state, batch, "AttentionSession")
         # A State's specs are its storage's for good (successor handles share the mapping): compared once.
         checked, specs = ma.__dict__.setdefault("_storage_specs_checked", {}), state._spec_by_layer
         if checked.get(id(specs)) is not specs:
@@ -82,8 +81,7 @@ class AttentionSession:
             if batch.page_size != size:
                 fail("AttentionSession", "batch.page_size", f"{size}, the one page size backend {name!r} serves "
                      f"(build the State with page_size={size} or prefer another backend)", batch.page_size)
-        if batch.block_table.device != state.device:
-            fail("AttentionSession", "batch", f"tensors on {state.device}", batch.block_table.device)
+        check_of_state(state, batch, "AttentionSession")
         self._dispatch = ma.dispatch(batch.phase)
         self._lease = ma.workspace.lease()
         try:
@@ -175,6 +173,24 @@ class AttentionSession:
         if not isinstance(tensor, torch.Tensor):
             fail("AttentionSession.record", "tensor", "a torch.Tensor", type(tensor).__name__)
         self.generated[name] = tensor
+
+
+def check_version(state, batch: Batch, where: str) -> None:
+    """``batch`` was built from this very handle (a twin State's batch or a stale one is refused)."""
+    if batch.state_version != state.version:  # also raises if the state handle is stale
+        fail(where, "batch", f"a batch built from this state (version {state.version})",
+             f"version {batch.state_version}")
+
+
+def check_of_state(state, batch: Batch, where: str) -> None:
+    """``batch`` is this State's as it is now: the apply's own check (its requests, cursors, pages, ring, and
+    its tensors' rows where they read back without a sync), on tensors that are dense and contiguous.
+
+    A copy of a batch (`dataclasses.replace`) pointing at another request's pages, or a batch whose tensors
+    were rewritten after it was built, is refused here, before any backend reads through it."""
+    check_version(state, batch, where)
+    check_tensors(batch, where)
+    check_batch(state, batch, where)
 
 
 class _Watch:

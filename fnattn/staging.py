@@ -14,10 +14,14 @@ nothing is copied again.
 
 A staged batch lives until the next batch is built into the same staging (the
 views are overwritten then): `fnattn.graph.StepRunner` builds one per step and
-hands none out. Before the pinned buffers are rewritten, the previous copy out
-of them must have run: the host waits on that copy's event (the step before the
-previous one has then finished on the device, so the host stays at most one
-step ahead). On the CPU the host buffer is the device buffer: no copy at all.
+hands none out. The staging counts what it writes (`Staging.generation`), so an
+earlier batch built into it is known to be overwritten: its tensors are the same
+objects, and writes through the host arrays move no version counter.
+
+Before the pinned buffers are rewritten, the previous copy out of them must
+have run: the host waits on that copy's event (the step before the previous
+one has then finished on the device, so the host stays at most one step
+ahead). On the CPU the host buffer is the device buffer: no copy at all.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ import torch
 from torch import Tensor
 
 from .checks import fail
+
+
+class Generation:
+    """How many times a staging was written; a batch built into it keeps the value it was written with."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = 0
 
 
 class Staging:
@@ -56,6 +69,7 @@ class Staging:
                 self._slices[name] = (array, start, size)
             self._pairs.append((host, dev))
         self._copied: torch.cuda.Event | None = None
+        self.generation = Generation()
 
     def write(self, values: Mapping[str, list]) -> dict[str, Tensor]:
         """Write every lane's host values (flat, or rows of a 2-D lane) and start the copies;
@@ -71,6 +85,7 @@ class Staging:
             flat[name] = v
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are still the source of the last copy until then
+        self.generation.value += 1  # from here on the batch built last no longer holds its rows
         for name, v in flat.items():
             array, start, size = self._slices[name]
             array[start:start + size] = v
@@ -115,4 +130,4 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["Staging", "packed"]
+__all__ = ["Generation", "Staging", "packed"]
