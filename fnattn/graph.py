@@ -32,11 +32,12 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .apply import check_batch, validate_step, write_step
-from .batch import TENSOR_DTYPES, Batch, next_step_id
+from .apply import validate_step, write_step
+from .batch import RECOVERY, TENSOR_DTYPES, Batch, next_step_id
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
 from .lanes import BATCH_LANES, Bucket, LaneError, Manifest, check_lanes, check_out, no_host_reads, static_shapes
+from .session import check_of_state
 from .staging import Staging
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -136,10 +137,12 @@ class StepRunner:
         if not ids:
             fail("StepRunner.decode", "request_ids", "at least one request", ids)
         bucket = Bucket("decode", self.bucket_for(len(ids)), 0, self.columns(state))
-        state, entry = self._ensure(state, bucket, "native")
         started = time.perf_counter()
         self._check_tokens(tokens, len(ids), state.device, out)  # before the batch is built into the buffers
         self.last_validation_s = time.perf_counter() - started
+        if (bucket, "native") not in self._entries:  # the bucket's buffers (and graph) only for a valid step
+            Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns)
+        state, entry = self._ensure(state, bucket, "native")
         # Built here from the live handle a moment ago: checking it against that handle again would compare
         # the State with itself (`run` checks a batch it is handed).
         batch = self._take_prepared(state, entry, ids)
@@ -159,12 +162,18 @@ class StepRunner:
         if batch.phase != "decode":  # by its phase, never by its shape
             fail("StepRunner.run", "batch.phase", "'decode' (verify steps go through StepRunner.verify; prefill "
                  "runs eagerly)", batch.phase)
-        bucket = Bucket("decode", batch.num_requests, 0, batch.block_table.shape[1])
+        table = batch.block_table
+        if not isinstance(table, Tensor) or table.dim() != 2:
+            fail("StepRunner.run", "batch.block_table", "a 2-D tensor [lanes, columns]",
+                 getattr(table, "shape", type(table).__name__))
+        bucket = Bucket("decode", batch.num_requests, 0, table.shape[1])
         entry = self._entries.get((bucket, "native"))
         if entry is None:
             if batch.num_requests not in self.buckets or bucket.columns != self.columns(state):
                 raise LaneError(f"batch: expected a bucket of {self.buckets} lanes and {self.columns(state)} "
                                 f"block-table columns, got {batch.num_requests} lanes and {bucket.columns}")
+            self._check_tokens(tokens, batch.live_tokens, state.device, out)
+            check_of_state(state, batch, "StepRunner.run")  # before the bucket's buffers (and graph) exist
             version = state.version
             state, entry = self._ensure(state, bucket, "native")
             if state.version != version:  # captured just now: the same builder, over the new handle
@@ -185,11 +194,16 @@ class StepRunner:
             fail("StepRunner.verify", "request_ids", "at least one request", ids)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("StepRunner.verify", "num_draft", "an int >= 1", num_draft)
+        if recovery not in RECOVERY:
+            fail("StepRunner.verify", "recovery", f"one of {RECOVERY}", recovery)
         bucket = Bucket("verify", self.bucket_for(len(ids)), num_draft, self.columns(state))
-        state, entry = self._ensure(state, bucket, recovery)
         started = time.perf_counter()
         self._check_tokens(tokens, len(ids) * (1 + num_draft), state.device, None)
         self.last_validation_s = time.perf_counter() - started
+        if (bucket, recovery) not in self._entries:  # the bucket's buffers (and graph) only for a valid step
+            Batch.verify(state, ids, num_draft=num_draft, recovery=recovery, pad_to=bucket.lanes,
+                         columns=bucket.columns)
+        state, entry = self._ensure(state, bucket, recovery)
         batch = Batch.verify(state, ids, num_draft=num_draft, recovery=recovery, pad_to=bucket.lanes,
                              columns=bucket.columns, staging=entry.staging)
         outputs, deltas, replay_outputs = self._run(state, entry, batch, tokens, None, built_here=True)
@@ -259,7 +273,7 @@ class StepRunner:
             # their `live` rows are copied (pad lanes keep earlier, checked ids).
             lanes = {"tokens": entry.inputs["tokens"], **{name: getattr(batch, name) for name in BATCH_LANES}}
             check_lanes(self.manifest, entry.bucket, lanes, state.device)
-            check_batch(state, batch, "StepRunner")
+            check_of_state(state, batch, "StepRunner")  # this handle's batch, before anything is copied
             self.last_validation_s = time.perf_counter() - started  # host time of the checks, read by the bench
             for name in BATCH_LANES:  # nothing was copied before every lane passed
                 entry.inputs[name].copy_(getattr(batch, name))
@@ -283,6 +297,8 @@ class StepRunner:
         return outputs, deltas, replay_outputs
 
     def _static_batch(self, entry: _Entry, batch: Batch) -> Batch:
+        if all(getattr(batch, name) is entry.inputs[name] for name in BATCH_LANES):
+            return batch  # built into the staging: its seal still says whether a later batch overwrote it
         return replace(batch, **{name: entry.inputs[name] for name in BATCH_LANES})
 
     def _eager(self, state, entry: _Entry, batch: Batch, *, guard: bool = False):

@@ -220,6 +220,81 @@ def test_tokens_out_of_range_are_refused_before_copying():
     assert _unchanged(runner, before)
 
 
+def _twin(runner, st):
+    """Another State holding the same requests on the same pages and slots as ``st``."""
+    specs = runner.attn.specs
+    twin, _ = _prefill(tiny.step, runner.params, runner.attn, _state(specs), {0: [1, 2, 3, 4], 1: [5, 6, 7]})
+    twin = twin.reserve({0: 1, 1: 1})
+    assert all((twin.request(r).length, twin.request(r).pages) == (st.request(r).length, st.request(r).pages)
+               for r in (0, 1))
+    return twin
+
+
+@pytest.mark.parametrize("which", ["stale", "twin"])
+def test_a_stale_or_twin_states_batch_is_refused_before_anything_is_copied(which):
+    """Its requests, pages and rows are this State's, but it was built from another handle: refused by name
+    before any lane or token reaches the static buffers."""
+    _, runner, st = _tiny()
+    if which == "stale":
+        batch, tokens = _good(runner, st)
+        st = st.reserve({0: 1})  # no new page: the same bookkeeping, a new handle
+    else:
+        batch, tokens = _good(runner, _twin(runner, st))
+    before = _buffers(runner)
+    with pytest.raises(ValueError, match="StepRunner: `batch` must be a batch built from this state"):
+        runner.run(st, batch, tokens)
+    assert _unchanged(runner, before) and st.is_live
+
+
+def test_a_batch_for_a_new_bucket_is_checked_before_the_bucket_is_made():
+    cfg, runner, st = _tiny()
+    twin = _twin(runner, st)
+    batch = fa.Batch.decode(twin, [0, 1], pad_to=4, columns=runner.columns(twin))  # bucket 4: no buffers yet
+    with pytest.raises(ValueError, match="StepRunner.run: `batch` must be a batch built from this state"):
+        runner.run(st, batch, torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="`request_ids` must be admitted requests"):
+        runner.decode(st, [0, 1, 7], torch.tensor([3, 4, 5]))
+    with pytest.raises(ValueError, match="`tokens`"):
+        runner.decode(st, [0, 1, 1], torch.tensor([3, 4]))
+    assert len(runner._entries) == 1 and st.is_live
+
+
+def test_a_bad_recovery_is_refused_before_a_bucket_is_made():
+    _, runner, st = _tiny()
+    for recovery in ("bogus", None):
+        with pytest.raises(ValueError, match="StepRunner.verify: `recovery` must be one of"):
+            runner.verify(st, [0, 1], torch.tensor([1, 2, 3, 4]), num_draft=1, recovery=recovery)
+    assert len(runner._entries) == 1 and st.is_live
+
+
+@pytest.mark.parametrize("field", ["block_table", "slot_mapping"])
+def test_run_refuses_a_non_tensor_or_strided_lane_by_name_before_copying(field):
+    _, runner, st = _tiny()
+    batch, tokens = _good(runner, st)
+    before = _buffers(runner)
+    with pytest.raises(ValueError, match=rf"`batch\.{field}`|lane '{field}': expected a dense tensor"):
+        runner.run(st, replace(batch, **{field: getattr(batch, field).tolist()}), tokens)
+    column = torch.stack([getattr(batch, field)] * 2, dim=-1)[..., 0]  # the right values, strided
+    with pytest.raises(ValueError, match=rf"`batch\.{field}` must be a contiguous tensor"):
+        runner.run(st, replace(batch, **{field: column}), tokens)
+    assert _unchanged(runner, before) and st.is_live
+
+
+def test_a_verify_step_is_refused_once_a_later_batch_overwrote_its_lanes():
+    """`Verified.accept` applies the batch built into the bucket's staging: a later batch built there (a
+    verify of other requests) rewrites its lanes, so the acceptance is refused instead of writing request 0's
+    rows into request 1's."""
+    _, runner, st = _tiny()
+    st = st.reserve({0: 2, 1: 2})
+    verified = runner.verify(st, [0, 1], torch.tensor([1, 2, 3, 4]), num_draft=1)
+    (entry,) = [e for e in runner._entries.values() if e.bucket.phase == "verify"]
+    fa.Batch.verify(st, [1, 0], num_draft=1, pad_to=entry.bucket.lanes, columns=entry.bucket.columns,
+                    staging=entry.staging)
+    with pytest.raises(ValueError, match=r"`batch\."):
+        verified.accept({0: 2, 1: 1})
+    assert st.is_live
+
+
 def test_a_batch_is_classified_by_its_phase_never_by_its_shape():
     _, runner, st = _tiny()
     prefill = fa.Batch.prefill(st, {0: 1, 1: 1})  # two requests of one token: shaped like a decode batch
