@@ -140,8 +140,9 @@ def demo_mtp(args) -> int:
 
         fam = family_named(args.model)
         if fam.draft is None or fam.step_hidden is None:
-            print(f"fnattn demo: family {args.model!r} has no draft model for --mtp", file=sys.stderr)
-            return 2
+            with_draft = [name for name, f in _families().items() if f.draft is not None and f.step_hidden is not None]
+            _user_error("fnattn demo", f"--mtp {args.mtp}: --model must be tiny or a family with a draft model "
+                                       f"({', '.join(with_draft)}), got {args.model!r}")
         model = random_model(args.model, seed=args.seed, dtype=torch.float32, device=args.device)
         d = fam.draft(model.config, model.params, None, seed=args.seed + 1)
         target, draft = (fam.step_hidden, model.params, model.specs), (d.step, d.params, d.specs)
@@ -178,6 +179,9 @@ def demo_mtp(args) -> int:
     print(f"speculative steps: {steps}; mean accepted drafts per step: {accepted / max(steps, 1):.2f} of "
           f"{args.mtp}; tokens per step: {(len(out) - 1) / max(steps, 1):.2f}")
     print(f"{len(out) / elapsed:.1f} tokens/s (greedy, batch 1)")
+    # Said every run: 0 accepted looks like a bug, and here it is what random weights give.
+    print("note: the target and its draft head have independent random weights, so few or no drafts are "
+          "accepted; a checkpoint's trained MTP head is what makes them agree")
     return 0
 
 
@@ -224,6 +228,48 @@ def _float_in(lo: float, hi: float, what: str, *, open_lo: bool = False):
     return parse
 
 
+def _non_empty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError(f"must be a non-empty string, got {text!r}")
+    return text
+
+
+def _families() -> dict:
+    """name -> `Family` of every model family in the registry (importing it loads the built-in ones, and torch)."""
+    from .models.registry import FAMILIES, _load_builtin
+
+    _load_builtin()
+    return dict(sorted(FAMILIES.items()))
+
+
+def _family_list() -> str:
+    """The families, each with the config.json model types it reads where they are more than its own name."""
+    return ", ".join(name if f.model_types == (name,) else f"{name} (model_type {' / '.join(f.model_types)})"
+                     for name, f in _families().items())
+
+
+class _FamilyHelp:
+    """`demo --model`'s help text lists the registry's families only when the help is printed: the registry imports
+    torch, which `fnattn --help` and `--version` do without (argparse formats ``%(families)s`` with str())."""
+
+    def __str__(self) -> str:
+        return _family_list()
+
+
+def _demo_model(text: str) -> str:
+    """``tiny`` or a family name, checked against the registry (a model_type or a directory gets a pointer)."""
+    if text == "tiny":
+        return text
+    families = _families()
+    if text in families:
+        return text
+    hint = next((f" (a {text} checkpoint is read by family {name}: give --model {name})"
+                 for name, f in families.items() if text in f.model_types), "")
+    if not hint and os.path.isdir(text):
+        hint = " (a checkpoint directory runs with `fnattn generate --model DIR`)"
+    raise argparse.ArgumentTypeError(f"must be tiny or a model family of {list(families)}, got {text!r}{hint}")
+
+
 def _device(text: str) -> str:
     import torch
 
@@ -238,6 +284,10 @@ def _device(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r}: only {torch.cuda.device_count()} CUDA device(s)")
     elif device.type != "cpu":
         raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N], got {text!r}")
+    elif device.index:  # the one CPU device is cpu (or cpu:0): tensors made on `cpu` are not on cpu:1
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N] (the CPU has one device), got {text!r}")
+    elif device.index == 0:
+        return "cpu"
     return text
 
 
@@ -248,8 +298,11 @@ def _prompts(args, prog: str) -> list[str]:
 
         try:
             prompts += [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
-        except (OSError, UnicodeDecodeError) as e:
+        except OSError as e:
             _user_error(prog, f"--prompts-file {args.prompts_file}: {e.strerror or e}")
+        except UnicodeDecodeError as e:
+            _user_error(prog, f"--prompts-file {args.prompts_file}: must be UTF-8 text, got byte "
+                              f"{e.object[e.start]:#04x} at offset {e.start}")
     if not prompts:
         _user_error(prog, "give at least one --prompt (or --prompts-file)")
     return prompts
@@ -427,17 +480,18 @@ def _common(p: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     parser = _Parser(prog="fnattn", description="Attention for LLM inference as pure functions.")
     parser.add_argument("--version", action="version", version=f"fnattn {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="command")  # without one: the help, then exit 2
     p = sub.add_parser("demo", help="prefill a prompt and greedily decode with a tiny random model")
-    p.add_argument("--prompt", default="Attention is a pure function.", help="prompt text (bytes are tokens)")
+    p.add_argument("--prompt", default="Attention is a pure function.", type=_non_empty,
+                   help="prompt text (bytes are tokens)")
     p.add_argument("--tokens", "--max-new-tokens", dest="tokens", type=_int_in(1, MAX_NEW_TOKENS), default=32,
                    help=f"tokens to generate (default 32, at most {MAX_NEW_TOKENS})")
     _common(p)
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    p.add_argument("--model", default="tiny",
-                   help="tiny (default), or a built-in tiny config of a model family: qwen3_5, qwen3_next, "
-                        "deepseek_v3, deepseek_v32, glm5, kimi_linear, llama, qwen3, qwen2")
-    p.add_argument("--mtp", type=int, default=0, metavar="K",
+    model = p.add_argument("--model", default="tiny", type=_demo_model,
+                           help="tiny (default), or a built-in tiny config of a model family: %(families)s")
+    model.families = _FamilyHelp()
+    p.add_argument("--mtp", type=_int_in(0), default=0, metavar="K",
                    help="speculative decoding with a K-token draft head; prints acceptance and tokens per step")
     p.add_argument("--recovery", choices=["native", "replay"], default="native",
                    help="how recurrent layers recover after verification (with --mtp)")
@@ -465,8 +519,8 @@ def main(argv=None) -> int:
     g.add_argument("--sampler", choices=["auto", "torch", "flashinfer"], default="auto",
                    help="sampling kernels: auto (default: FlashInfer's fused kernels for a CUDA model when "
                         "installed, else torch), torch (the same tokens as transformers for a seed), flashinfer")
-    g.add_argument("--stop", action="append", help="stop when the text contains this string (repeatable); "
-                                                     "the stop string is not printed")
+    g.add_argument("--stop", action="append", type=_non_empty,
+                   help="stop when the text contains this string (repeatable); the stop string is not printed")
     g.add_argument("--max-batch", type=_int_in(1), default=None,
                    help="requests running at once (default: every prompt); the others wait and are admitted "
                         "as running ones finish")
@@ -487,10 +541,9 @@ def main(argv=None) -> int:
     add_arguments(b)
     b.set_defaults(fn=bench)
     args = parser.parse_args(argv)
-    if args.command == "demo" and args.mtp < 0:
-        parser.error(f"--mtp must be >= 0, got {args.mtp}")
-    if args.command == "generate" and args.stop and any(not s for s in args.stop):
-        parser.error("--stop must be a non-empty string")
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        _user_error("fnattn", f"a command is required: one of {', '.join(sub.choices)}")
     from .threads import apply_thread_policy
 
     try:

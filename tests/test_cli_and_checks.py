@@ -47,6 +47,7 @@ def test_demo_mtp_prints_acceptance_and_tokens_per_step(capsys):
     assert main(["demo", "--mtp", "2", "--tokens", "6", "--recovery", "replay"]) == 0
     out = capsys.readouterr().out
     assert "mean accepted drafts per step" in out and "tokens per step" in out
+    assert "random weights, so few or no drafts are accepted" in out  # 0 accepted is expected here, and said
     with pytest.raises(SystemExit):
         main(["demo", "--mtp", "-1"])
 

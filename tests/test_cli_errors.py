@@ -167,7 +167,8 @@ BAD_OPTIONS = [
     (["--seed", "-3"], "--seed"),
     (["--device", "tpu"], "--device"),
     (["--device", "cuda:99" if torch.cuda.is_available() else "cuda"], "--device"),
-    (["--stop", ""], "--stop"),
+    (["--stop", ""], "fnattn generate: error: argument --stop: must be a non-empty string, got ''"),
+    (["--device", "cpu:1"], "--device: must be cpu or cuda[:N] (the CPU has one device), got 'cpu:1'"),
     (["--max-batch", "0"], "--max-batch"),
     (["--sampler", "flashinfer"], "--sampler flashinfer needs --device cuda"),
     (["--sampler", "curand"], "--sampler"),
@@ -178,6 +179,13 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize("extra, names", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
 def test_bad_options_exit_2_with_one_line(ckpt, capsys, extra, names):
     expect_one_line(capsys, ["generate", "--model", str(ckpt), "--prompt", "the cat", *extra], names)
+
+
+def test_a_prompts_file_that_is_not_utf8_is_named_with_the_bad_byte(ckpt, tmp_path, capsys):
+    bad = tmp_path / "prompts.txt"
+    bad.write_bytes(b"the cat\n\xffnot utf-8\n")
+    expect_one_line(capsys, ["generate", "--model", str(ckpt), "--prompts-file", str(bad)],
+                    f"fnattn generate: error: --prompts-file {bad}: must be UTF-8 text, got byte 0xff at offset 8")
 
 
 def test_missing_directory_and_demo_options(tmp_path, capsys):
@@ -225,3 +233,93 @@ def test_a_closed_pipe_ends_the_command_without_a_traceback():
     r = subprocess.run(f"{sys.executable} -m fnattn demo --tokens 2 | head -1", shell=True, capture_output=True,
                        text=True, timeout=120)
     assert r.stdout.startswith("fnattn demo:") and "Traceback" not in r.stderr, r.stderr
+
+
+def _family_names() -> list[str]:
+    from fnattn.models.registry import FAMILIES, _load_builtin
+
+    _load_builtin()
+    return sorted(FAMILIES)
+
+
+DEMO_MISTAKES = [
+    (["--model", "gpt2"], "fnattn demo: error: argument --model: must be tiny or a model family of ["),
+    (["--model", "bogus"], "got 'bogus'"),
+    (["--model", "qwen3_5_moe"], "read by family qwen3_5: give --model qwen3_5"),
+    (["--prompt", ""], "fnattn demo: error: argument --prompt: must be a non-empty string, got ''"),
+    (["--mtp", "-1"], "fnattn demo: error: argument --mtp: must be an int >= 0, got -1"),
+    (["--device", "cpu:1"], "fnattn demo: error: argument --device: must be cpu or cuda[:N]"),
+    (["--mtp", "1", "--model", "llama"], "fnattn demo: error: --mtp 1: --model must be tiny or a family with a "
+                                         "draft model"),
+]
+
+
+@pytest.mark.parametrize("extra, names", DEMO_MISTAKES, ids=[" ".join(a) for a, _ in DEMO_MISTAKES])
+def test_demo_mistakes_exit_2_with_one_line_naming_the_option(capsys, extra, names):
+    expect_one_line(capsys, ["demo", "--tokens", "2", *extra], names)
+
+
+def test_an_unknown_demo_model_lists_every_family_of_the_registry(capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["demo", "--model", "gpt2"])
+    err = capsys.readouterr().err
+    assert str(_family_names()) in err, err
+
+
+def test_demo_help_lists_every_family_and_the_model_types_it_reads(capsys):
+    from fnattn.models.registry import FAMILIES
+
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name in _family_names():
+        assert name in text and all(t in text for t in FAMILIES[name].model_types), name
+    assert "deepseek_v4" in text and "qwen3_5_moe" in text
+
+
+def test_no_command_prints_the_usage_and_the_commands(capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.startswith("usage: fnattn")
+    for command in ("demo", "generate", "bench"):
+        assert f"\n    {command} " in err, err
+    assert err.splitlines()[-1] == "fnattn: error: a command is required: one of demo, generate, bench"
+
+
+def test_cpu_0_is_the_cpu():
+    from fnattn.cli import _device
+
+    assert _device("cpu:0") == "cpu" and _device("cpu") == "cpu"
+
+
+def test_version_and_help_parse_without_importing_torch():
+    # The package itself is left out (it is imported before any command runs): what is measured here is that
+    # the command line imports torch and the heavy modules only inside the commands that need them.
+    import importlib.util
+    import subprocess
+    import sys
+
+    package = importlib.util.find_spec("fnattn").submodule_search_locations[0]
+    code = f"""
+import contextlib, io, sys, types
+package = types.ModuleType("fnattn")
+package.__path__ = [{package!r}]
+sys.modules["fnattn"] = package
+from fnattn.cli import main
+for argv in (["--version"], ["--help"], ["generate", "--help"], ["bench", "--help"], []):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "fnattn."))))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    loaded = eval(r.stdout)
+    assert "torch" not in loaded and set(loaded) <= {"fnattn.cli", "fnattn.bench", "fnattn.bench.cli"}, loaded
