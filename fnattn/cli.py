@@ -228,6 +228,9 @@ def _float_in(lo: float, hi: float, what: str, *, open_lo: bool = False):
     return parse
 
 
+_seed = _int_in(0, 2**63 - 1, "an int in [0, 2**63)")  # what torch's generators take
+
+
 def _non_empty(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError(f"must be a non-empty string, got {text!r}")
@@ -487,7 +490,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", "--max-new-tokens", dest="tokens", type=_int_in(1, MAX_NEW_TOKENS), default=32,
                    help=f"tokens to generate (default 32, at most {MAX_NEW_TOKENS})")
     _common(p)
-    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="weight seed (default 0)")
     model = p.add_argument("--model", default="tiny", type=_demo_model,
                            help="tiny (default), or a built-in tiny config of a model family: %(families)s")
     model.families = _FamilyHelp()
@@ -514,7 +517,7 @@ def main(argv=None) -> int:
     g.add_argument("--min-p", type=_float_in(0, 1, "in [0, 1]"), default=None,
                    help="drop tokens below min-p times the top probability (0: off; default: "
                         "generation_config.json's)")
-    g.add_argument("--seed", type=_int_in(0, 2**63 - 1, "an int in [0, 2**63)"), default=None,
+    g.add_argument("--seed", type=_seed, default=None,
                    help="sampling seed: the same seed gives the same tokens")
     g.add_argument("--sampler", choices=["auto", "torch", "flashinfer"], default="auto",
                    help="sampling kernels: auto (default: FlashInfer's fused kernels for a CUDA model when "

@@ -249,6 +249,7 @@ DEMO_MISTAKES = [
     (["--prompt", ""], "fnattn demo: error: argument --prompt: must be a non-empty string, got ''"),
     (["--mtp", "-1"], "fnattn demo: error: argument --mtp: must be an int >= 0, got -1"),
     (["--device", "cpu:1"], "fnattn demo: error: argument --device: must be cpu or cuda[:N]"),
+    (["--seed", str(2**64)], f"fnattn demo: error: argument --seed: must be an int in [0, 2**63), got {2**64}"),
     (["--mtp", "1", "--model", "llama"], "fnattn demo: error: --mtp 1: --model must be tiny or a family with a "
                                          "draft model"),
 ]
