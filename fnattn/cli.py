@@ -543,7 +543,14 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="time kernels and backends on a GPU against their peers (JSON, PNG)")
     add_arguments(b)
     b.set_defaults(fn=bench)
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(words)
+    if extra:  # said by the parser they were given to: a subcommand's, like every other mistake in its options
+        # The top level takes no option values, so words before the command are the top level's own.
+        given_to = parser
+        if args.command is not None and words.index(args.command) == 0:
+            given_to = sub.choices[args.command]
+        given_to.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help(sys.stderr)
         _user_error("fnattn", f"a command is required: one of {', '.join(sub.choices)}")

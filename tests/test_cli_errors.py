@@ -250,6 +250,7 @@ DEMO_MISTAKES = [
     (["--mtp", "-1"], "fnattn demo: error: argument --mtp: must be an int >= 0, got -1"),
     (["--device", "cpu:1"], "fnattn demo: error: argument --device: must be cpu or cuda[:N]"),
     (["--seed", str(2**64)], f"fnattn demo: error: argument --seed: must be an int in [0, 2**63), got {2**64}"),
+    (["--tokens", "2", "surplus"], "fnattn demo: error: unrecognized arguments: surplus"),
     (["--mtp", "1", "--model", "llama"], "fnattn demo: error: --mtp 1: --model must be tiny or a family with a "
                                          "draft model"),
 ]
@@ -290,6 +291,15 @@ def test_no_command_prints_the_usage_and_the_commands(capsys):
     for command in ("demo", "generate", "bench"):
         assert f"\n    {command} " in err, err
     assert err.splitlines()[-1] == "fnattn: error: a command is required: one of demo, generate, bench"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--bogus"], "fnattn: error: unrecognized arguments: --bogus"),
+    (["--bogus", "demo"], "fnattn: error: unrecognized arguments: --bogus"),
+    (["generate", "--model", "x", "--prompt", "a", "b"], "fnattn generate: error: unrecognized arguments: b"),
+])
+def test_unrecognized_words_are_named_by_the_parser_they_were_given_to(capsys, argv, line):
+    expect_one_line(capsys, argv, line)
 
 
 def test_cpu_0_is_the_cpu():
