@@ -13,8 +13,11 @@ the launch never depends on a cache length read on the host (CUDA-graph safe).
 
 ``indexer_topk_ref`` keeps the ``topk`` best visible positions per token, best first, ``-1`` padded;
 ``indexer_topk`` the same set in the order its selection leaves it (a row with fewer visible positions
-has its ``-1`` anywhere). The ``*_ref`` functions are the same computation in torch. Dimension names: T new
-tokens, Hi indexer heads, Di indexer head dim, P pages, S page size, B requests, M pages per request, N = M * S.
+has its ``-1`` anywhere). Equal scores go to the earlier position (`ordered_topk`): ReLU scores are often
+exactly 0, and a tie left to ``torch.topk`` is decided by its algorithm, which follows the row's length, so
+a token's selection would change with the tokens after it in its prompt, the chunking or the padding.
+The ``*_ref`` functions are the same computation in torch. Dimension names: T new tokens, Hi indexer heads,
+Di indexer head dim, P pages, S page size, B requests, M pages per request, N = M * S.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ._tiles import overridden
 from ._triton import next_pow2, require_triton, tl, triton
 
 __all__ = ["configured", "indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk", "indexer_topk_ref",
-           "radix_topk"]
+           "ordered_topk", "radix_topk"]
 
 
 def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
@@ -174,14 +177,31 @@ def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache
     return out
 
 
+def ordered_topk(scores: Float[Tensor, "T N"], k: int, *, best_first: bool = True) -> Int[Tensor, "T k"]:
+    """The positions of the ``k`` largest scores of each row (int64), equal scores to the earlier position:
+    best first, or without ``best_first`` in the order the selection leaves them (the same set).
+
+    The order is total, so the set depends on the scores alone: not on the row's length, its padding or the
+    selection algorithm (``torch.topk`` breaks ties by its algorithm, which changes with the row's length).
+    Each fp32 score becomes an int32 in the same order (-0.0 as 0.0; -inf lowest) and goes above the reversed
+    position in one int64 key, all keys distinct. Scores must not be NaN; no host sync (capturable)."""
+    N = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 ties with 0.0, as the floats compare
+    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse their magnitude bits
+    later = torch.arange(N - 1, -1, -1, device=scores.device)  # an earlier position ranks higher
+    keys = monotone.to(torch.int64) * (1 << 32) + later
+    return torch.topk(keys, k, dim=-1, sorted=best_first).indices
+
+
 def _topk(scores, topk: int, *, best_first: bool = True):
-    """The ``topk`` best finite scores of each row as int64 positions, ``-1`` padded: best first, or without
-    ``best_first`` in the order ``torch.topk``'s selection leaves them (the same set; its final sort was 21 of
-    its 100 us over [64, 32768] scores on the H200, ``benchmarks/results/indexer_topk_forms_342f55e.json``)."""
+    """The ``topk`` best finite scores of each row as int64 positions (`ordered_topk`: ties to the earlier
+    position), ``-1`` padded: best first, or without ``best_first`` in the order the selection leaves them
+    (the same set; ``torch.topk``'s final sort was 21 of its 100 us over [64, 32768] scores on the H200,
+    ``benchmarks/results/indexer_topk_forms_342f55e.json``)."""
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk: expected a positive int, got {topk!r}")
-    vals, idx = scores.topk(min(topk, scores.shape[1]), dim=-1, sorted=best_first)
-    idx = torch.where(torch.isfinite(vals), idx, torch.full_like(idx, -1))
+    idx = ordered_topk(scores, min(topk, scores.shape[1]), best_first=best_first)
+    idx = torch.where(torch.isfinite(scores.gather(1, idx)), idx, torch.full_like(idx, -1))
     return F.pad(idx, (0, topk - idx.shape[1]), value=-1) if idx.shape[1] < topk else idx
 
 
@@ -226,7 +246,7 @@ def radix_topk(scores: Float[Tensor, "T N"], positions: Int[Tensor, " T"], topk:
     kernel's own order comes from its atomics; sorting the row makes the result (and the sparse attention's
     sums over it) the same every run. Two limits of the kernel: of scores equal at the 2048th best, which are
     kept is the order its threads arrive in, and a row whose threshold bin (8 bits of the score as fp16) holds
-    more than 16384 positions selects among the first 16384 its threads meet (another set than ``torch.topk``'s,
+    more than 16384 positions selects among the first 16384 its threads meet (another set than `ordered_topk`'s,
     and not the same every run). The buffer starts at ``-1``, so a position the kernel does not write is no key,
     never a stray index."""
     bad = radix_reasons(scores, topk)
@@ -253,7 +273,7 @@ def _radix_select(scores, positions, topk: int):
 
 def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
                  *, scale: float, topk: int, cache_scale=None, new_scale=None, radix: bool = False):
-    """``indexer_topk_ref``'s set with the Triton scores; the selection is ``torch.topk``'s, unsorted (no host
+    """``indexer_topk_ref``'s set with the Triton scores; the selection is `ordered_topk`'s, unsorted (no host
     sync), or with ``radix`` where `radix_reasons` finds none, `radix_topk`'s (ordered by position)."""
     if not isinstance(radix, bool):
         raise ValueError(f"radix: expected True or False, got {radix!r}")

@@ -13,8 +13,8 @@ graph needs:
   where the window closes;
 * cached entries are read from the rows of their closing tokens, for every
   entry a request of the batch's width could hold, masked by what is visible;
-* the indexer sorts each token's scores (ties to the earlier entry, as the
-  reference) and keeps the top-k, -1 padded.
+* the indexer keeps each token's top-k (ties to the earlier entry, as the
+  reference), -1 padded.
 
 Same values as the reference to rounding; the states are copies of the same
 raw rows, bit for bit.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...kernels.indexer import ordered_topk
 from .math import rms_norm_fp32w, rope_cos_sin, rope_tail
 
 
@@ -102,7 +103,7 @@ def decode_top_k(views, batch, index_q: Tensor, index_w: Tensor, new_key: Tensor
     s = torch.relu(s) * ix.head_dim ** -0.5
     scores = (s * index_w.float()[:, :, None]).sum(dim=1).masked_fill(~visible, float("-inf"))  # [B, E]
     k = min(ix.topk, E)
-    top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    top = ordered_topk(scores, k)  # ties to the earlier entry, however wide the batch's block table
     top = torch.where(visible.gather(1, top), top, torch.full_like(top, -1))
     if k < ix.topk:
         top = torch.nn.functional.pad(top, (0, ix.topk - k), value=-1)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ...deltas import Writes, writes
+from ...kernels.indexer import ordered_topk
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
@@ -176,8 +177,8 @@ def _top_k(inputs: DSV4Inputs, rows: slice, entries: Tensor, visible: Tensor, ix
     scores = scores.masked_fill(~visible, float("-inf"))  # [n, E]
     k = min(ix.topk, entries.shape[0])
     # Ties (ReLU scores are often exactly 0) go to the earlier entry whatever the number of entries, so a
-    # token picks the same entries in a decode, a verify or a prefill.
-    top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    # token picks the same entries in a decode, a verify or a prefill, and whatever follows it in its prompt.
+    top = ordered_topk(scores, k)
     top = torch.where(visible.gather(1, top), top, torch.full_like(top, -1))
     return chosen.index_copy(1, torch.arange(k, device=top.device), top)
 

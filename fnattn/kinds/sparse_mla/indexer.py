@@ -24,6 +24,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from fnattn.checks import expect_float, expect_shape
+from fnattn.kernels.indexer import ordered_topk
 
 from ..mla.math import key_visibility, topk_mask
 
@@ -60,8 +61,12 @@ def topk_indices(scores: Float[Tensor, "T N"], *, n_cached: int, topk: int) -> I
 
     Keys are the ``n_cached`` cached tokens then the ``T`` new ones (``N =
     n_cached + T``); new token ``i`` sees the cached tokens and new tokens
-    ``0..i``. Equal scores are resolved by ``torch.topk``, as in
-    ``transformers``.
+    ``0..i``. Equal scores go to the earlier position
+    (`fnattn.kernels.indexer.ordered_topk`), so a token selects the same keys
+    whatever follows it in its prompt, the chunking and the phase.
+    ``transformers`` leaves ties to ``torch.topk``, whose choice among equal
+    scores follows the row's length: the two agree wherever the scores at the
+    top-k boundary are distinct.
     """
     expect_float("scores", scores)
     expect_shape("scores", scores, (None, None))
@@ -70,7 +75,7 @@ def topk_indices(scores: Float[Tensor, "T N"], *, n_cached: int, topk: int) -> I
     T, N = scores.shape
     visible = key_visibility(T, N, n_cached=n_cached, device=scores.device)
     masked = scores.masked_fill(~visible, float("-inf"))
-    picked = masked.topk(min(topk, N), dim=-1).indices
+    picked = ordered_topk(masked, min(topk, N))
     picked = torch.where(visible.gather(1, picked), picked, torch.full_like(picked, -1))
     if picked.shape[1] < topk:
         picked = F.pad(picked, (0, topk - picked.shape[1]), value=-1)
