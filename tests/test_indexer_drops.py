@@ -277,3 +277,43 @@ def test_window_and_sinks_stay_whatever_the_top_k_drops(backend):
             st, o = oracle_tests.feed(st, ma, {0: s}, {0: n}, phase=phase)
             outs.append(o)
         torch.testing.assert_close(torch.cat(outs), want, atol=1e-5, rtol=0, msg=f"{backend} {chunks[:2]}")
+
+
+def test_ordered_topk_ranks_by_score_then_earlier_position():
+    """Ties (0.0 and -0.0 alike) go to the earlier position, -inf ranks last, and a row's picks among its
+    first entries do not change when -inf padding or more entries follow (torch.topk's may)."""
+    s = torch.tensor([[0.0, -0.0, 1.0, -1.0, float("-inf"), 0.0, 2.0, -0.5]])
+    assert ordered_topk(s, 5).tolist() == [[6, 2, 0, 1, 5]]
+    assert ordered_topk(s, 8).tolist() == [[6, 2, 0, 1, 5, 7, 3, 4]]
+    assert ordered_topk(s, 4, best_first=False).sort().values.tolist() == [[0, 1, 2, 6]]
+    zeros = torch.zeros(3, 40)
+    zeros[1].neg_()  # -0.0 everywhere
+    padded = torch.cat((zeros, torch.full((3, 300), float("-inf"))), dim=1)
+    assert ordered_topk(zeros, 5).tolist() == [list(range(5))] * 3 == ordered_topk(padded, 5).tolist()
+    x = torch.randn(20, 300).clamp(min=0)  # about half exactly 0
+    assert torch.equal(ordered_topk(x, 200), x.sort(dim=-1, descending=True, stable=True).indices[:, :200])
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_breaks_ties_like_the_reference():
+    """On CUDA: the Triton DSA indexer's top-k over a padded block table and DeepSeek-V4's batched decode
+    top-k pick the earliest of equal scores, as the CPU references do."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from fnattn.kernels.indexer import indexer_topk
+
+    from fnattn.kinds.sparse_mla.indexer import indexer_scores, topk_indices
+
+    dev, Hi, Di, S, n = "cuda", 2, 32, 16, 70
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, Hi, Di, generator=g)
+    w = -torch.rand(n, Hi, generator=g)  # non-positive weights: the best scores are the exact zeros
+    k = torch.randn(n, Di, generator=g)
+    want = topk_indices(indexer_scores(q, w, k), n_cached=0, topk=6)
+    pages = torch.zeros(8, S, Di)
+    table = torch.arange(1, 8, dtype=torch.int32)[None]  # 112 positions for 70 tokens: padded rows
+    got = indexer_topk(q.to(dev), w.to(dev), pages.to(dev), k.to(dev), table.to(dev),
+                       torch.zeros(n, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev),
+                       torch.tensor([0, n], dtype=torch.int32, device=dev), torch.arange(n, device=dev),
+                       scale=Di ** -0.5, topk=6)
+    assert torch.equal(got.cpu().sort(dim=-1).values, want.sort(dim=-1).values)
