@@ -22,7 +22,6 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import astuple, dataclass, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -34,9 +33,7 @@ from .checks import fail
 from .deltas import StepDeltas
 from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, StaleStateError
 from .spec import LayerSpec
-
-if TYPE_CHECKING:
-    from .transfer import RequestState
+from .transfer import RequestState  # also lets torch.load(weights_only=True) rebuild payloads
 
 _versions = itertools.count(1)
 _APPLIED_KEPT = 64  # applied step ids a storage remembers
@@ -142,7 +139,8 @@ def _checkpoint_from_values(requests: tuple, recurrent: tuple, lineage: int, ser
                       MappingProxyType({(pool, name): t for pool, name, t in recurrent}), lineage, serial)
 
 
-# A checkpoint saved with torch.save loads with torch.load(weights_only=True) once fnattn is imported.
+# A checkpoint saved with torch.save loads with torch.load(weights_only=True) once this module is imported
+# (`fnattn.State` or `fnattn.Checkpoint` named; `fnattn` loads its names on first use).
 torch.serialization.add_safe_globals([_checkpoint_from_values])
 
 
@@ -497,7 +495,7 @@ class State:
                                boundary=pages.drop_boundaries(self._boundary, request_id))
 
     # --------------------------------------------------------------- transfer
-    def export_request(self, request_id: int) -> "RequestState":
+    def export_request(self, request_id: int) -> RequestState:
         """One request's storage rows (every kind's declared tensors), cursor, spec fingerprint and
         checksum, as a portable CPU value (`fnattn.transfer`). Changes nothing."""
         from .transfer import export_request

@@ -235,7 +235,8 @@ def _from_flat(header: dict, tensors: list[Tensor]) -> RequestState:
     return RequestState.from_flat(header, tensors)
 
 
-# A payload saved with torch.save loads with torch.load(weights_only=True) once fnattn is imported.
+# A payload saved with torch.save loads with torch.load(weights_only=True) once this module is imported
+# (`fnattn.RequestState`, `State` or `Checkpoint` named; `fnattn` loads its names on first use).
 torch.serialization.add_safe_globals([_from_flat])
 
 

@@ -15,6 +15,8 @@ import io
 import json
 import pickle
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -108,6 +110,28 @@ def test_a_checkpoint_copies_pickles_and_torch_saves(how):
                     {0: full_inputs(SPECS[0], 1), 1: recurrent_inputs(SPECS[1], 1, seed=1)})
     st = st.apply(deltas).restore(back)
     assert st.export_request(3).to_bytes() == want
+
+
+def test_another_process_loads_them_with_weights_only_after_naming_a_public_class(tmp_path):
+    """`import fnattn` loads its names on first use: naming `fnattn.RequestState` (for a payload), `State` or
+    `Checkpoint` (for both; a checkpoint only restores into the State it was taken of) is all
+    `torch.load(weights_only=True)` needs to rebuild them in another process."""
+    st = prefilled()
+    torch.save(st.export_request(3), tmp_path / "payload.pt")
+    torch.save([st.export_request(3), st.checkpoint([3])], tmp_path / "both.pt")
+    # One process, names in turn: RequestState, whose payload then loads; State, after which both load.
+    code = (
+        "import sys, torch\n"
+        "import fnattn as fa\n"
+        "fa.RequestState\n"
+        "payload = torch.load(sys.argv[1] + '/payload.pt', weights_only=True)\n"
+        "fa.State\n"
+        "again, checkpoint = torch.load(sys.argv[1] + '/both.pt', weights_only=True)\n"
+        "assert isinstance(checkpoint, fa.Checkpoint) and again.to_bytes() == payload.to_bytes()\n"
+        "sys.stdout.buffer.write(payload.to_bytes())\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout == st.export_request(3).to_bytes()
 
 
 # --------------------------------------------------------------------------- what no transport produces
