@@ -6,6 +6,7 @@ namespace portions, and an installed package of the same name (transformers impo
 ``kernels``) still wins; fnattn maps them in as ``fnattn.kernels`` and ``fnattn.models``.
 """
 
+import ast
 import json
 import os
 import subprocess
@@ -53,3 +54,13 @@ def test_the_subpackages_import_from_a_bare_checkout(tmp_path):
         "'scatter_rows' in fnattn.kernels.__all__)",
         cwd=tmp_path, PYTHONPATH=str(ROOT))
     assert out.split() == [str(ROOT / "kernels" / "scatter.py"), str(ROOT / "models" / "tiny.py"), "True"]
+
+
+def test_the_kernels_folder_imports_nothing_from_fnattn():
+    """kernels/ is plain tensors in and out; its package file (fnattn/kernels/__init__.py) may know fnattn."""
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] == "fnattn" for a in node.names), path.name
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level <= 1 and (node.level or node.module.split(".")[0] != "fnattn"), path.name
