@@ -57,8 +57,9 @@ def check_batch(state, batch, where: str) -> None:
     this State as it is now, its tensors untouched since (`unchanged_since_built`),
     is what that derivation gives: only its tensors' dtypes and devices are checked.
     """
-    from .batch import PHASES, TENSOR_DTYPES, expected_tensors, pad_lane, ring_of, unchanged_since_built
+    from .batch import PHASES, TENSOR_DTYPES, check_tensors, expected_tensors, pad_lane, ring_of, unchanged_since_built
 
+    check_tensors(batch, where)
     if batch.page_size != state.page_size or batch.ring_size != state.recurrent_ring:
         fail(where, "batch", f"a batch of this State (page_size {state.page_size}, ring {state.recurrent_ring})",
              (batch.page_size, batch.ring_size))

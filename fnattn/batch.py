@@ -335,9 +335,7 @@ def unchanged_since_built(batch: Batch, state) -> bool:
 
     On an accelerator the contents are not read back (that is a sync, and a captured step cannot): a write
     into a batch's device memory through another library's handle to it (DLPack, a raw pointer) is not seen.
-
-    Every check of a batch starts here, so malformed tensor fields are refused here (`check_tensors`)."""
-    check_tensors(batch, "Batch")
+    Its caller has refused malformed tensor fields first (`check_tensors`)."""
     seal = batch.__dict__.get("_sealed")
     if seal is None:
         return False

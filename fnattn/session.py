@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from .apply import capturing, check_batch
-from .batch import PHASES, Batch, check_tensors
+from .batch import PHASES, Batch
 from .checks import CHECKS_ENABLED, fail
 from .declare import StepMeta
 from .deltas import Writes
@@ -189,8 +189,7 @@ def check_of_state(state, batch: Batch, where: str) -> None:
     A copy of a batch (`dataclasses.replace`) pointing at another request's pages, or a batch whose tensors
     were rewritten after it was built, is refused here, before any backend reads through it."""
     check_version(state, batch, where)
-    check_tensors(batch, where)
-    check_batch(state, batch, where)
+    check_batch(state, batch, where)  # its tensors' layout first
 
 
 class _Watch:
