@@ -17,10 +17,10 @@ import argparse
 import json
 
 import torch
-from fnattn.kernels import chunk_indices, gdn_conv
 from fnattn.kernels.gdn_conv import _conv_kernel, causal_conv1d
 
 from fnattn.bench import environment
+from fnattn.kernels import chunk_indices, gdn_conv
 
 
 def launch(x, weight, pool, slots, cu, y, out, *, bt: int, bc: int, warps: int, interior: bool = False):

@@ -14,9 +14,9 @@ import argparse
 import itertools
 
 import torch
-from fnattn.kernels import paged_attention as pa
 
 from fnattn.bench import timed, write_json
+from fnattn.kernels import paged_attention as pa
 
 
 def cache(batch, ctx, hq, hkv, dim, page, dev, dt):

@@ -14,11 +14,11 @@ import json
 import time
 
 import torch
-from fnattn.kernels import causal_conv1d, gdn_conv
 
 from fnattn import Batch, ModelAttention
 from fnattn.bench import environment, timed
 from fnattn.bench.setup import cached_state
+from fnattn.kernels import causal_conv1d, gdn_conv
 from fnattn.kinds.delta_rule.bench import _inputs, _spec
 from fnattn.kinds.delta_rule.triton import _fla_gdn_forward, _qkv_channels, plan
 

@@ -20,11 +20,11 @@ import json
 import statistics
 
 import torch
-from fnattn.kernels import pdl
 from fnattn.kernels._triton import tl, triton
 from fnattn.kernels.skinny_linear import _prefetch_l2, configured, skinny_linear
 
 from fnattn.bench import environment
+from fnattn.kernels import pdl
 
 HIDDEN, QKVZ, VALUE, INTER, LAYERS = 1024, 8224, 2048, 3584, 24
 

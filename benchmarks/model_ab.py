@@ -83,14 +83,14 @@ import statistics
 
 import fnattn.kernels.skinny_linear as skinny
 import torch
-from fnattn.kernels import _triton, gdn_conv, gdn_decode_fused, paged_attention
-from fnattn.models import fused
 
 from fnattn.bench import write_json
 from fnattn.bench.model import _record, build_model, decode_state, time_decode, time_prefill
+from fnattn.kernels import _triton, gdn_conv, gdn_decode_fused, paged_attention
 from fnattn.kinds.delta_rule import triton as delta_rule
 from fnattn.kinds.mla import latent as mla_latent
 from fnattn.kinds.sparse_mla import flashmla as sparse_flashmla
+from fnattn.models import fused
 
 TOGGLES = {  # name: (switch, its default now, what on / off mean)
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,

@@ -203,9 +203,9 @@ def test_a_model_too_big_for_the_device_is_refused_before_allocating(tmp_path, c
 
 def test_every_record_names_the_switches_in_force():
     from fnattn.kernels.skinny_linear import configured
-    from fnattn.models import fused
 
     from fnattn.bench import environment
+    from fnattn.models import fused
 
     plain = environment()["switches"]
     assert plain["fused"] is True and plain["gemv_config"] == {} and set(plain) >= {"pdl", "qk_one_launch",

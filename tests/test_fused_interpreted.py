@@ -15,11 +15,11 @@ if torch.cuda.is_available():  # there the kernels run compiled, in bf16: tests/
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from fnattn.models import fused  # noqa: E402
 from fnattn.models.registry import random_model  # noqa: E402
 
 import fnattn as fa  # noqa: E402
 from fnattn.driver import prefill, run_step  # noqa: E402
+from fnattn.models import fused  # noqa: E402
 
 KERNELS = {  # module: the functions models.fused calls
     "skinny_linear": ["skinny_linear"],
@@ -147,8 +147,9 @@ def test_split_norm_in_the_unchained_decoder_layer(monkeypatch):
     import types
 
     import torch.nn.functional as F
-    from fnattn.models import qwen3_5 as q
     from fnattn.models.common import logit_rows, rms_norm, rope_cos_sin
+
+    from fnattn.models import qwen3_5 as q
 
     def unchained(params, session, tokens):
         cos, sin = rope_cos_sin(session.batch.positions, params.inv_freq)

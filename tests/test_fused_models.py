@@ -11,7 +11,6 @@ The kernel bodies of `models.fused` run on the H200 (tests/gpu/test_fused_gpu.py
 import pytest
 import torch
 import torch.nn.functional as F
-from fnattn.models import fused
 from fnattn.models.common import apply_rope, rms_norm, rope_cos_sin, swiglu
 from fnattn.models.gdn_layer import GDNWeights, gdn_finish, gdn_project
 from fnattn.models.qwen3_5 import LINEAR, moe
@@ -19,6 +18,7 @@ from fnattn.models.registry import family_named, random_checkpoint
 
 import fnattn as fa
 from fnattn.driver import prefill, run_step
+from fnattn.models import fused
 
 
 def unfused_step(cfg, w, params, session, tokens):

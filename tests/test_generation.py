@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fnattn.models import tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_model_qwen import hf_model, hf_torch_path  # noqa: F401 (a fixture)
@@ -17,6 +16,7 @@ from test_model_qwen import hf_model, hf_torch_path  # noqa: F401 (a fixture)
 import fnattn as fa
 from fnattn.driver import generate, generate_completions
 from fnattn.generation import Sampler, StopCriteria, StopText, TextStream
+from fnattn.models import tiny
 
 SENTENCES = ["the café sat on the mat", "naïve résumé déjà vu", "中文 字符 测试 中文", "emoji 🎉🚀 party 🎉",
              "attention is a pure function", "ünïcödé ßtraße ½ €"]

@@ -4,13 +4,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fnattn.models import tiny
 from fnattn.models.registry import FAMILIES, _load_builtin, random_model
 from helpers import gdn_spec
 
 import fnattn as fa
 from fnattn.graph import StepRunner
 from fnattn.lanes import Bucket, HostReadError, Lane, LaneError, Manifest, check_lanes, no_host_reads, step_manifest
+from fnattn.models import tiny
 from fnattn.speculative import Speculator
 
 _load_builtin()

@@ -3,13 +3,13 @@
 
 import pytest
 import torch
-from fnattn.models import common, fused
 from fnattn.models.common import StackedExperts, grouped_moe, moe_sum
 from fnattn.models.registry import FAMILIES, _load_builtin, random_model
 from test_graph import _decode_run
 
 import fnattn as fa
 from fnattn.graph import StepRunner
+from fnattn.models import common, fused
 
 _load_builtin()
 

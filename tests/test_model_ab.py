@@ -1,9 +1,10 @@
 """benchmarks/model_ab.py's plan: the defaults, then each toggle flipped from its default, under its switch."""
 
 
+from helpers import benchmark_module
+
 from fnattn.kernels import _triton
 from fnattn.models import fused
-from helpers import benchmark_module
 
 
 def _module():
@@ -88,6 +89,7 @@ def test_a_variant_whose_step_fails_leaves_the_state_live_for_the_others(monkeyp
     import contextlib
 
     import torch
+
     from fnattn.models import qwen3_5
 
     torch.set_num_threads(1)

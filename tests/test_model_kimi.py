@@ -16,9 +16,10 @@ import fnattn as fa
 from fnattn.driver import run_step
 
 transformers = pytest.importorskip("transformers")
-from fnattn.models import kimi_linear  # noqa: E402
 from fnattn.models.loading import CheckpointError  # noqa: E402
 from fnattn.models.registry import load_model, random_model  # noqa: E402
+
+from fnattn.models import kimi_linear  # noqa: E402
 
 ATOL = 1e-4
 NO_TOKENS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)

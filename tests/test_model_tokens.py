@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fnattn.models import common, tiny
 from fnattn.models.registry import family_named, random_model
 
 import fnattn as fa
+from fnattn.models import common, tiny
 
 TARGETS = ("qwen3_5", "qwen3_next", "deepseek_v32", "deepseek_v3", "glm5", "kimi_linear")
 DRAFTS = ("qwen3_5", "qwen3_next", "deepseek_v32", "deepseek_v3")  # families with an MTP / NextN draft

@@ -12,13 +12,13 @@ import dataclasses
 
 import pytest
 import torch
-from fnattn.models import deepseek_mtp, qwen3_5_mtp
 from fnattn.models.loading import CheckpointError, CheckpointReader
 from fnattn.models.registry import family_named, random_model
 from safetensors.torch import save_file
 
 import fnattn as fa
 from fnattn.driver import run_step
+from fnattn.models import deepseek_mtp, qwen3_5_mtp
 
 EXACT = dict(atol=1e-5, rtol=0)
 DRAFTS = {"qwen3_5": qwen3_5_mtp, "qwen3_next": qwen3_5_mtp, "deepseek_v3": deepseek_mtp, "deepseek_v32": deepseek_mtp}

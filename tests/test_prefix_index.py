@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fnattn.models import tiny
 from fnattn.models.registry import random_model
 
 import fnattn as fa
 from fnattn.driver import GenerateResult, generate, generate_completions
 from fnattn.generation import StopCriteria
+from fnattn.models import tiny
 from fnattn.prefix_index import PrefixIndex, block_keys
 
 PAGE = 4

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from fnattn.models import tiny
 
 import fnattn as fa
 from fnattn.driver import generate
+from fnattn.models import tiny
 from fnattn.speculative import Speculator
 
 K = 3

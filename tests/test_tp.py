@@ -23,13 +23,13 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
-from fnattn.models import tp as mtp
 from fnattn.models.registry import FAMILIES, Family, _load_builtin, random_model
 from test_generation import bpe  # noqa: F401 (a fixture: the trained byte-level BPE tokenizer)
 
 import fnattn as fa
 from fnattn import tp
 from fnattn.graph import StepRunner
+from fnattn.models import tp as mtp
 from fnattn.transfer import recv_request, send_request
 
 _load_builtin()

@@ -18,11 +18,11 @@ import types
 
 import pytest
 import torch
-from fnattn.models import tiny
 from fnattn.models.registry import random_model
 from helpers import assert_refused, bookkeeping, registry_scope, same_bits, snapshot, unchanged
 
 import fnattn as fa
+from fnattn.models import tiny
 from fnattn.transfer import RequestState
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -8,15 +8,15 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from fnattn.kernels import gdn_decode_fused, paged_attention
 from fnattn.kernels.skinny_linear import configured
-from fnattn.models import fused
 from fnattn.models.common import rope_cos_sin, rope_inv_freq
 from fnattn.models.registry import random_model
 
 import fnattn as fa
 from fnattn import kernels
 from fnattn.driver import prefill, run_step
+from fnattn.kernels import gdn_decode_fused, paged_attention
+from fnattn.models import fused
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -121,9 +121,10 @@ def test_skinny_linear_with_pdl_is_the_plain_launch_bits(prefetch, record):
     counters, silu_mul, the add + norm epilogue), eager and replayed, gives the bits of the chain launched
     without PDL."""
     pytest.importorskip("triton")
-    from fnattn.kernels import skinny_linear as skinny
     from fnattn.kernels.skinny_folds import skinny_linear_add_norm
     from fnattn.kernels.skinny_linear import skinny_linear
+
+    from fnattn.kernels import skinny_linear as skinny
 
     x, r = _randn(1, 1024, seed=60), _randn(1, 1024, seed=61)
     w_up, w_down, w_o = _randn(7168, 1024, seed=62, scale=1 / 32), _randn(1024, 3584, seed=63, scale=1 / 64), \

@@ -10,6 +10,7 @@ in a CUDA graph, which fails on any host read. Set FNATTN_GPU_RESULTS=path.json 
 
 import pytest
 import torch
+
 from fnattn.kernels import gdn_gating, gdn_gating_ref
 
 pytestmark = pytest.mark.gpu

@@ -150,6 +150,7 @@ def test_mtp_through_the_verify_graph_equals_eager(recovery, record):
 def _own_kernels():
     """Every switch that routes a small op of the step to fnattn's own PDL kernels, and the GEMVs' prefetch."""
     from fnattn.kernels.skinny_linear import configured
+
     from fnattn.models import fused
 
     stack = contextlib.ExitStack()

@@ -5,12 +5,12 @@ expert on every token; their eager prefill and decode with it on close to the ea
 
 import pytest
 import torch
-from fnattn.models import common, fused
 from fnattn.models.common import StackedExperts, grouped_moe, moe_sum
 from test_graph_gpu import build, decode_run, prefill, state
 
 import fnattn as fa
 from fnattn.driver import run_step
+from fnattn.models import common, fused
 
 MOE = ["deepseek_v32", "kimi_linear", "deepseek_v4"]
 

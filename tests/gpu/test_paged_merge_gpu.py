@@ -3,8 +3,9 @@ merges the splits, against the same kernel with its merge kernel, eager and repl
 
 import pytest
 import torch
-from fnattn.kernels import _counters, paged_attention
 from fnattn.kernels.paged_attention import paged_decode
+
+from fnattn.kernels import _counters, paged_attention
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -26,12 +26,12 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA devices", allow_module_level=True)
 
-from fnattn.models import tp as mtp  # noqa: E402
 from fnattn.models.registry import random_model  # noqa: E402
 from test_generation import bpe  # noqa: E402, F401 (a fixture: the trained byte-level BPE tokenizer)
 from test_tp import CASES, DECODE, _case, _free_port, _generate_args, _Runner, checkpoint  # noqa: E402, F401
 
 from fnattn import tp  # noqa: E402
+from fnattn.models import tp as mtp  # noqa: E402
 
 DEADLINE = 540.0
 # fp32: absolute (other kernels' and head counts' rounding); bf16: relative to the largest logit

@@ -12,7 +12,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from fnattn.kernels import skinny_folds as folds  # noqa: E402
 from fnattn.kernels.skinny_folds import (  # noqa: E402
     skinny_linear_add_norm,
     skinny_linear_gating,
@@ -22,6 +21,8 @@ from fnattn.kernels.skinny_folds import (  # noqa: E402
 from fnattn.kernels.skinny_linear import SkinnyConfig, rms_norm_ref, skinny_linear, skinny_linear_ref  # noqa: E402
 from fnattn.models.common import rms_norm  # noqa: E402
 from skinny_helpers import TOL, close, lopsided, randn  # noqa: E402
+
+from fnattn.kernels import skinny_folds as folds  # noqa: E402
 
 SWIGLU_CONFIGS = [None, SkinnyConfig(block_n=16, block_k=32, split_k=1),
                   SkinnyConfig(block_n=32, block_k=16, split_k=3),

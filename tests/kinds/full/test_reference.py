@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from fnattn.models import tiny
 from helpers import full_inputs, full_spec, nan_state, phase_batch, run, same_bits
 
 import fnattn as fa
 from fnattn.driver import generate, prefill, run_step
+from fnattn.models import tiny
 
 
 def naive(q, k, v, *, scale, window=0, softcap=0.0, sinks=None):
