@@ -5,11 +5,16 @@ GLM-MoE-DSA's full + shared layer pair, and a step-by-step runner over a
 
 from __future__ import annotations
 
+import contextlib
+from collections import namedtuple
+
 import torch
+from fnattn.kernels.indexer import ordered_topk
 from fnattn.models.dsa_layer import IndexerWeights
 from fnattn.models.mla_layer import MLAWeights
 from transformers import DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
 
@@ -184,9 +189,44 @@ class HFRunner:
 def assert_same_selection(ours: torch.Tensor, hf: torch.Tensor, n_past: int) -> None:
     """HF picks min(topk, N) keys including masked ones when fewer are visible;
     compare the visible picks as sets. With 2 indexer heads many scores are
-    exactly 0 (every head's ReLU is 0); such ties are resolved by torch.topk,
-    which sees rows with the same ordering on both sides and picks alike."""
+    exactly 0 (every head's ReLU is 0); ours gives such ties to the earlier
+    position (`ordered_topk`), so the HF side must run with the same rule
+    where a tie falls at the cut-off (`ties_to_earlier` below)."""
     for i in range(ours.shape[0]):
         hf_set = {j for j in hf[i].tolist() if j <= n_past + i}
         ours_set = {j for j in ours[i].tolist() if j >= 0}
         assert ours_set == hf_set, (i, ours[i].tolist(), hf[i].tolist())
+
+
+_TopK = namedtuple("_TopK", "values indices")
+
+
+def _topk_earlier(self, k, dim=-1, largest=True, sorted=True):
+    assert largest and dim in (-1, self.dim() - 1), "the indexers select the largest scores of the last dim"
+    idx = ordered_topk(self.reshape(-1, self.shape[-1]), k).view(*self.shape[:-1], k)
+    return _TopK(self.gather(-1, idx), idx)
+
+
+@contextlib.contextmanager
+def ties_to_earlier():
+    """Within this block transformers' indexers (and only they: not the MoE routers) break ties of their
+    top-k toward the earlier position, as fnattn does."""
+    saved = {cls: cls.forward for cls in (DeepseekV4Indexer, hf_v32.DeepseekV32Indexer, hf_glm.GlmMoeDsaIndexer)}
+
+    def wrap(forward):
+        def forward_with_ordered_ties(*args, **kwargs):
+            plain = torch.Tensor.topk
+            torch.Tensor.topk = _topk_earlier
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                torch.Tensor.topk = plain
+        return forward_with_ordered_ties
+
+    for cls, forward in saved.items():
+        cls.forward = wrap(forward)
+    try:
+        yield
+    finally:
+        for cls, forward in saved.items():
+            cls.forward = forward

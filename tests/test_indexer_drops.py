@@ -13,19 +13,14 @@ config with many heads checks that without ties the two agree with transformers 
 
 from __future__ import annotations
 
-import contextlib
-from collections import namedtuple
-
 import pytest
 import test_model_deepseek as dsa_hf
 import test_model_deepseek_v4 as v4_hf
 import torch
 from fnattn.kernels.indexer import ordered_topk
 from fnattn.models.registry import family_named, load_model, random_model
+from hf_mla import ties_to_earlier
 from transformers.cache_utils import DynamicCache
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
-from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
-from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
 
 import fnattn as fa
 from fnattn.driver import run_step
@@ -35,40 +30,6 @@ TOL = 1e-4
 LENGTHS = (40, 70)
 V4 = dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}, index_topk=5,
           sliding_window=8)
-_TopK = namedtuple("_TopK", "values indices")
-
-
-def _topk_earlier(self, k, dim=-1, largest=True, sorted=True):
-    assert largest and dim in (-1, self.dim() - 1), "the indexers select the largest scores of the last dim"
-    idx = ordered_topk(self.reshape(-1, self.shape[-1]), k).view(*self.shape[:-1], k)
-    return _TopK(self.gather(-1, idx), idx)
-
-
-@contextlib.contextmanager
-def ties_to_earlier():
-    """Within this block transformers' indexers (and only they: not the MoE routers) break ties of their
-    top-k toward the earlier position, as fnattn does."""
-    saved = {cls: cls.forward for cls in (DeepseekV4Indexer, DeepseekV32Indexer, GlmMoeDsaIndexer)}
-
-    def wrap(forward):
-        def forward_with_ordered_ties(*args, **kwargs):
-            plain = torch.Tensor.topk
-            torch.Tensor.topk = _topk_earlier
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                torch.Tensor.topk = plain
-        return forward_with_ordered_ties
-
-    for cls, forward in saved.items():
-        cls.forward = wrap(forward)
-    try:
-        yield
-    finally:
-        for cls, forward in saved.items():
-            cls.forward = forward
-
-
 class Pair:
     """A transformers model with random weights and ours loaded from its checkpoint."""
 

@@ -31,6 +31,7 @@ from hf_mla import (
     assert_same_selection,
     glm_config,
     randomize_,
+    ties_to_earlier,
     v32_config,
     weights_of,
 )
@@ -46,8 +47,6 @@ from fnattn.kinds.sparse_mla.indexer import indexer_scores, topk_indices, topk_m
 def _hf_indexer_ties_to_earlier():
     """With 2 indexer heads many scores are exactly 0: ours go to the earlier position, transformers' to
     torch.topk's algorithm, which follows the row's length; transformers' indexers run with ours here."""
-    from test_indexer_drops import ties_to_earlier
-
     with ties_to_earlier():
         yield
 

@@ -42,6 +42,7 @@ from hf_mla import (
     build_v32,
     glm_config,
     hf_cache_rows,
+    ties_to_earlier,
     tiny_config,
     v32_config,
     weights_of,
@@ -217,7 +218,13 @@ def phase_step(model, st, xs, phase, counts):
 
 
 def check_two_requests_prefill_then_decode_match_hf(kind):
-    """Outputs per step, cached latent (and index key) rows against HF; ``-> (model, state, results, hf)``."""
+    """Outputs per step, cached latent (and index key) rows against HF; ``-> (model, state, results, hf)``.
+    HF's indexers give equal scores to the earlier position here, as ours do (`ties_to_earlier`)."""
+    with ties_to_earlier():
+        return _two_requests_prefill_then_decode_match_hf(kind)
+
+
+def _two_requests_prefill_then_decode_match_hf(kind):
     model = Model(kind)
     lens = {0: 12, 1: 5}
     xs = hidden(model, {r: n + 3 for r, n in lens.items()})
