@@ -12,7 +12,7 @@ Scores cover ``N = block_table.shape[1] * page_size`` positions, a bound fixed b
 the launch never depends on a cache length read on the host (CUDA-graph safe).
 
 ``indexer_topk_ref`` keeps the ``topk`` best visible positions per token, best first, ``-1`` padded;
-``indexer_topk`` the same set in position order (a row with fewer visible positions
+``indexer_topk`` the same set in the order its selection leaves it (a row with fewer visible positions
 has its ``-1`` anywhere). Equal scores go to the earlier position (`ordered_topk`): ReLU scores are often
 exactly 0, and a tie left to ``torch.topk`` is decided by its algorithm, which follows the row's length, so
 a token's selection would change with the tokens after it in its prompt, the chunking or the padding.
@@ -179,42 +179,27 @@ def indexer_scores_paged(q, w, cache_k, new_k, block_table, token_request, cache
 
 def ordered_topk(scores: Float[Tensor, "T N"], k: int, *, best_first: bool = True) -> Int[Tensor, "T k"]:
     """The positions of the ``k`` largest scores of each row (int64), equal scores to the earlier position:
-    best first, or without ``best_first`` in position order (the same set).
+    best first, or without ``best_first`` in the order the selection leaves them (the same set).
 
     The order is total, so the set depends on the scores alone: not on the row's length, its padding or the
     selection algorithm (``torch.topk`` breaks ties by its algorithm, which changes with the row's length).
-    Only the ties at the cut-off are open: ``torch.topk`` over the scores gives the k-th best value; every
-    score above it is kept, and of the scores equal to it the earliest ones, as many as are still needed.
-    Scores must not be NaN; no host sync (capturable)."""
-    T, N = scores.shape
-    scores = scores.float()
-    positions = torch.arange(N, device=scores.device)
-    if k >= N:
-        idx = positions.expand(T, N).clone()
-    else:
-        kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [T, 1]
-        above, tied = scores > kth, scores == kth  # -0.0 == 0.0, as the floats compare
-        wanted = k - above.sum(dim=-1, keepdim=True)  # of the tied, the earliest this many
-        keep = above | (tied & (tied.cumsum(dim=-1) <= wanted))  # exactly k a row
-        column = keep.cumsum(dim=-1) - 1  # a kept position's place among the kept, in position order
-        # Positions not kept land in spare columns, spread so that no one address takes every write.
-        spare = k + positions % _SPARE_COLUMNS
-        out = torch.empty(T, k + _SPARE_COLUMNS, dtype=torch.int64, device=scores.device)
-        out.scatter_(1, torch.where(keep, column, spare), positions.expand(T, N))
-        idx = out[:, :k]
-    if best_first:  # a stable sort of the position-ordered picks: equal scores stay earlier first
-        order = scores.gather(1, idx).sort(dim=-1, descending=True, stable=True).indices
-        idx = idx.gather(1, order)
-    return idx
-
-
-_SPARE_COLUMNS = 256  # where `ordered_topk` drops the positions it does not keep
+    Each fp32 score becomes an int32 in the same order (-0.0 as 0.0; -inf lowest) and goes above the reversed
+    position in one int64 key, all keys distinct. Scores must not be NaN; no host sync (capturable).
+    On the H200 at [64, 32768] scores and k = 2048 the indexer took 417 us with these keys, against 547 us when
+    torch.topk over the fp32 scores settled only the cut-off's ties afterwards (cumsums and a scatter over the
+    row) and 331 us with torch.topk's own tie order."""
+    N = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 ties with 0.0, as the floats compare
+    monotone = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse their magnitude bits
+    later = torch.arange(N - 1, -1, -1, device=scores.device)  # an earlier position ranks higher
+    keys = monotone.to(torch.int64) * (1 << 32) + later
+    return torch.topk(keys, k, dim=-1, sorted=best_first).indices
 
 
 def _topk(scores, topk: int, *, best_first: bool = True):
     """The ``topk`` best finite scores of each row as int64 positions (`ordered_topk`: ties to the earlier
-    position), ``-1`` padded: best first, or without ``best_first`` in position order (the same set, without
-    the final sort by score)."""
+    position), ``-1`` padded: best first, or without ``best_first`` in the order the selection leaves them
+    (the same set, without the final sort by score)."""
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk: expected a positive int, got {topk!r}")
     idx = ordered_topk(scores, min(topk, scores.shape[1]), best_first=best_first)
@@ -290,7 +275,7 @@ def _radix_select(scores, positions, topk: int):
 
 def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
                  *, scale: float, topk: int, cache_scale=None, new_scale=None, radix: bool = False):
-    """``indexer_topk_ref``'s set with the Triton scores; the selection is `ordered_topk`'s in position order (no host
+    """``indexer_topk_ref``'s set with the Triton scores; the selection is `ordered_topk`'s, unsorted (no host
     sync), or with ``radix`` where `radix_reasons` finds none, `radix_topk`'s (ordered by position)."""
     if not isinstance(radix, bool):
         raise ValueError(f"radix: expected True or False, got {radix!r}")
