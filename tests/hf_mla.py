@@ -203,6 +203,8 @@ _TopK = namedtuple("_TopK", "values indices")
 
 def _topk_earlier(self, k, dim=-1, largest=True, sorted=True):
     assert largest and dim in (-1, self.dim() - 1), "the indexers select the largest scores of the last dim"
+    if self.numel() == 0 or k == 0:  # nothing to rank (no entry yet): an empty selection of the asked shape
+        return _TopK(self.new_empty(*self.shape[:-1], k), self.new_empty(*self.shape[:-1], k, dtype=torch.long))
     idx = ordered_topk(self.reshape(-1, self.shape[-1]), k).view(*self.shape[:-1], k)
     return _TopK(self.gather(-1, idx), idx)
 
