@@ -50,6 +50,22 @@ def run(ma, state, batch, layer_inputs):
     return outs, fa.StepDeltas.collect(batch, groups)
 
 
+def full_state_with(spec, cached, *, page_size=4):
+    """A full-attention layer's State whose request ``r`` holds ``cached[r]`` tokens written through a reference
+    prefill; the rest of its storage NaN, so a stray read shows."""
+    st = nan_state([spec], num_pages=64, page_size=page_size, max_requests=len(cached))
+    for r in range(len(cached)):
+        st = st.admit(r)
+    counts = {r: c for r, c in enumerate(cached) if c}
+    if counts:
+        st = st.reserve(counts)
+        b = fa.Batch.prefill(st, counts)
+        ma = fa.ModelAttention([spec], prefer=("reference",))
+        _, d = run(ma, st, b, {spec.index: full_inputs(spec, b.num_tokens, gen=torch.Generator().manual_seed(3))})
+        st = st.apply(d)
+    return st
+
+
 def snapshot(state):
     return {(p, t): x.clone() for p, pool in state.pools.items() for t, x in pool.tensors.items()}
 

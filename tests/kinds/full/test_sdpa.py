@@ -4,26 +4,10 @@ the step leaves (through `fnattn.probe`). Also: it is the CPU default, and refus
 
 import pytest
 import torch
-from helpers import full_inputs, full_spec, nan_state, phase_batch, run
+from helpers import full_inputs, full_spec, full_state_with, phase_batch
 
 import fnattn as fa
 from fnattn.registry import lookup
-
-
-def _state_with(spec, cached, *, page_size=4):
-    """Requests holding ``cached[r]`` tokens written through a reference prefill; the rest of storage NaN."""
-    st = nan_state([spec], num_pages=64, page_size=page_size, max_requests=len(cached))
-    for r in range(len(cached)):
-        st = st.admit(r)
-    counts = {r: c for r, c in enumerate(cached) if c}
-    if counts:
-        st = st.reserve(counts)
-        b = fa.Batch.prefill(st, counts)
-        ma = fa.ModelAttention([spec], prefer=("reference",))
-        _, d = run(ma, st, b, {spec.index: full_inputs(spec, b.num_tokens, gen=torch.Generator().manual_seed(3))})
-        st = st.apply(d)
-    return st
-
 
 CASES = [  # (phase, cached per request, new per request)
     ("prefill", [0], 9), ("prefill", [0, 0, 0], 5), ("prefill", [7, 0, 12], 6), ("decode", [5, 1, 17], 1),
@@ -37,7 +21,7 @@ CASES = [  # (phase, cached per request, new per request)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_sdpa_matches_the_reference(phase, cached, new, hq, hkv, window, dtype, tol):
     spec = full_spec(0, hq=hq, hkv=hkv, d=16, sliding_window=window, dtype=dtype)
-    st = _state_with(spec, cached)
+    st = full_state_with(spec, cached)
     counts = {r: new for r in range(len(cached))}
     st = st.reserve(counts)
     b = phase_batch(st, phase, counts)

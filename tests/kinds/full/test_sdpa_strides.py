@@ -5,7 +5,7 @@ contiguous whatever its stride says, so a slice along it read the neighbouring v
 
 import pytest
 import torch
-from helpers import full_inputs, full_spec, nan_state, phase_batch, run
+from helpers import full_inputs, full_spec, full_state_with, phase_batch, run
 
 import fnattn as fa
 from fnattn.kinds.cpu_sdpa import flash
@@ -28,21 +28,6 @@ def _strided(x: torch.Tensor, how: str) -> torch.Tensor:
     return x[:, :1].expand(T, H, D)
 
 
-def _state_with(spec, cached):
-    """Requests holding ``cached[r]`` tokens written by a reference prefill; the rest of storage NaN."""
-    st = nan_state([spec], num_pages=32, page_size=4, max_requests=len(cached))
-    for r in range(len(cached)):
-        st = st.admit(r)
-    counts = {r: c for r, c in enumerate(cached) if c}
-    if counts:
-        st = st.reserve(counts)
-        b = fa.Batch.prefill(st, counts)
-        ma = fa.ModelAttention([spec], prefer=("reference",))
-        _, d = run(ma, st, b, {0: full_inputs(spec, b.num_tokens, gen=torch.Generator().manual_seed(3))})
-        st = st.apply(d)
-    return st
-
-
 HOWS = ["every_other_in_head_dim", "column_of_a_projection", "heads_major", "broadcast_head"]
 
 
@@ -52,7 +37,7 @@ HOWS = ["every_other_in_head_dim", "column_of_a_projection", "heads_major", "bro
 @pytest.mark.parametrize("how", HOWS)
 def test_non_contiguous_q_k_v_give_the_reference_output(phase, cached, new, hq, hkv, window, how):
     spec = full_spec(0, hq=hq, hkv=hkv, d=8, sliding_window=window)
-    st = _state_with(spec, cached)
+    st = full_state_with(spec, cached)
     counts = {r: new for r in range(len(cached))}
     st = st.reserve(counts)
     b = phase_batch(st, phase, counts)
