@@ -1,0 +1,325 @@
+"""The GPU suites: each one device call (under 10 minutes) that rewrites the repository's current records.
+
+On the GPU machine, from the repository root:
+
+    source .gpu/install.sh; FNATTN_COMMIT=<commit> bash benchmarks/gpu_suites.sh parity
+    bash benchmarks/gpu_suites.sh --list          # the suites, their time limits and the records each writes
+    bash benchmarks/gpu_suites.sh --place DIR     # copy the records found in DIR to their places in the repository
+
+Every record lands in $OUT (or ./gpu-out) under its own name; `--place` puts it where the committed one lives
+(`tests/gpu_results/` for test runs, `benchmarks/results/` for timings), so a re-run replaces the record it
+measures again. A suite is a list of parts; each part has its own time limit (SIGTERM, then SIGKILL 20 s later)
+so one slow compile cannot take the rest down, and a pytest part still writes the cases that finished. Every
+part's whole output goes to $OUT/session.log (a device call returns only the end of what it prints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_RESULTS = "tests/gpu_results"  # pytest runs: outcomes per test, or the cases a test compared
+RESULTS = "benchmarks/results"  # timings: `fnattn bench ...` with its peers
+DEVICE_LIMIT_S = 600  # one device call
+GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished cases in this time
+TAIL_LINES = 25
+
+# A record no committed copy exists of yet; drop the mark once its first run is committed.
+NEW = {"flashinfer_tc_gpu.json", "tp_gpu.json", "bench_model_qwen3_5_0.8b_profile.json"}
+
+RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
+PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
+BENCH = "python -m fnattn bench"
+
+
+@dataclass(frozen=True)
+class Part:
+    limit_s: int
+    command: str  # `{out}` is the output folder
+    env: dict[str, str] = field(default_factory=dict)
+
+    def records(self) -> list[str]:
+        """The files this part writes: every `{out}/NAME` in its command or environment."""
+        text = " ".join([self.command, *self.env.values()])
+        return re.findall(r"\{out\}/([\w.+-]+)", text)
+
+    def folder(self) -> str:
+        return GPU_RESULTS if "pytest" in self.command else RESULTS
+
+
+@dataclass(frozen=True)
+class Suite:
+    about: str
+    parts: tuple[Part, ...]
+    gpus: int = 1
+
+    def limit_s(self) -> int:
+        return sum(p.limit_s for p in self.parts)
+
+
+def tests(limit_s: int, record: str, args: str) -> Part:
+    return Part(limit_s, f"{RECORD} {{out}}/{record} -- {args}")
+
+
+def bench(limit_s: int, args: str, record: str, **env: str) -> Part:
+    return Part(limit_s, f"{BENCH} {args} --out {{out}}/{record}", env)
+
+
+# The tiny CPU records are timed on one thread, without CUDA, wherever they run.
+CPU = {"CUDA_VISIBLE_DEVICES": "", "FNATTN_THREADS": "1"}
+TINY = "--shape tiny --batch 1 8 --prompt 512 --device cpu"
+
+SUITES: dict[str, Suite] = {
+    "parity": Suite("full attention: Triton and FlashInfer against the reference, FlashInfer's tensor-core decode", (
+        Part(330, f"{PYTEST} tests/gpu/test_full_backends_gpu.py",  # FlashInfer compiles each variant: most of it
+             {"FNATTN_GPU_RESULTS": "{out}/full_attention_parity.json"}),
+        tests(200, "flashinfer_tc_gpu.json", "tests/gpu/test_flashinfer_tc_gpu.py"),
+    )),
+    "parity-recurrent": Suite("GDN / KDA backends and speculative decoding against the reference; the prefill paths", (
+        Part(240, f"{PYTEST} tests/gpu/test_recurrent_backends_gpu.py tests/gpu/test_speculative_gpu.py",
+             {"FNATTN_GPU_RESULTS": "{out}/recurrent_parity.json"}),
+        # fla-core autotunes its prefill on a fresh machine (184 s once)
+        tests(300, "chunk_tiles_gpu.json", "tests/gpu/test_recurrent_backends_gpu.py "
+              "-k 'qkv_apart or prefill or fla_direct or chunk_tiles'"),
+    )),
+    "parity-mla": Suite("MLA, sparse MLA and the DSA indexer, DeepSeek-V4's FlashMLA, the merges' shared LSE weights", (
+        tests(270, "sparse_indexer_gpu.json", "tests/gpu/test_mla_backends_gpu.py tests/kernels/test_indexer.py "
+              "-k 'sparse or indexer or ties'"),
+        tests(200, "lse_weights_gpu.json", "tests/kernels/test_latent_absorb.py tests/kernels/test_merge_scatter.py "
+              "tests/gpu/test_mla_backends_gpu.py -k 'absorb or merge or real'"),
+        tests(90, "dsv4_flashmla_gpu.json", "tests/test_indexer_drops.py tests/gpu/test_dsv4_flashmla_gpu.py -m gpu"),
+    )),
+    "graphs": Suite("captured steps: replay == the capture-free step for every family, the framework's overhead "
+                    "ways, the verify bug classes and padded lanes under capture", (
+        tests(270, "graph_gpu.json", "tests/gpu/test_graph_gpu.py tests/gpu/test_overhead_gpu.py"),
+        tests(240, "bug_classes_gpu.json", "tests/gpu/test_verify_bug_classes_gpu.py "
+              "tests/gpu/test_padded_lanes_gpu.py tests/test_indexer_drops.py -m gpu"),
+    )),
+    "kernels": Suite("GDN gating and fused decode, the paged decode's merge in launch, FlashInfer sampling, grouped "
+                     "experts, transfer between devices", (
+        tests(120, "gdn_pdl_gpu.json", "tests/gpu/test_gdn_gating_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py"),
+        tests(90, "paged_merge_gpu.json", "tests/gpu/test_paged_merge_gpu.py"),
+        tests(150, "sampling_gpu.json", "tests/gpu/test_sampling_gpu.py"),
+        tests(150, "grouped_experts_gpu.json", "tests/gpu/test_grouped_experts_gpu.py"),
+        tests(60, "transfer_gpu.json", "tests/test_transfer.py tests/test_transfer_dist.py -m gpu"),
+    )),
+    "kernels-fused": Suite("the fused Qwen3.5 paths: output gates in the GEMVs, split norms, the fused GDN decode's "
+                           "switches, the workspace's events", (
+        tests(200, "gate_prologue_gpu.json", "tests/gpu/test_fused_gpu.py tests/gpu/test_workspace_gpu.py "
+              "-k 'gate_prologue or (whole_model and prologue and tiny) or reused_event'"),
+        tests(270, "split_norm_gpu.json", "tests/gpu/test_fused_gpu.py -k 'whole_model and split'"),
+        tests(60, "state_first_rerun_gpu.json", "tests/gpu/test_gdn_decode_fused_gpu.py "
+              "-k 'state_first or fill_device'"),
+    )),
+    "tp": Suite("tensor parallelism over NCCL: tp=2 against tp=1 (two GPUs: nvidia-h200-x2)", (
+        tests(300, "tp_gpu.json", "tests/gpu/test_tp_gpu.py"),
+    ), gpus=2),
+    "bench": Suite("`fnattn bench`: the paged decode, the GDN decode and prefill, the full-attention prefill", (
+        bench(150, "decode --batch 1 8 64 --layers 1", "bench_decode_layers.json"),
+        bench(80, "gdn-decode", "bench_gdn_decode.json"),
+        bench(90, "prefill --tokens 16384", "bench_prefill.json"),
+        bench(150, "gdn-prefill", "bench_gdn_prefill.json"),
+    )),
+    "bench-linear": Suite("`fnattn bench linear`: the skinny GEMV and its folds against cuBLAS and FlashInfer", (
+        bench(300, "linear --batch 1", "bench_linear_b1.json"),
+        bench(200, "linear --batch 8 16 --no-sweep", "bench_linear_b8_16.json"),
+    )),
+    "bench-mla": Suite("`fnattn bench`: dense and sparse MLA decode and the DSA indexer against raw FlashMLA", (
+        bench(90, "mla-decode --batch 64 --ctx 4096", "bench_mla_decode_b64.json"),
+        bench(90, "mla-decode --batch 128 --ctx 8192", "bench_mla_decode_b128.json"),
+        bench(120, "mla-sparse --batch 64 --ctx 32768", "bench_mla_sparse.json"),
+        bench(120, "indexer --batch 64 --ctx 32768", "bench_mla_sparse_indexer.json"),
+    )),
+    "model": Suite("the whole Qwen3.5-0.8B shape at 512 tokens, eager and replayed, then beside transformers", (
+        Part(300, f"{BENCH} model --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --prompt 512 --no-transformers "
+             "--out {out}/bench_model_qwen3_5_0.8b_p512.json --png {out}/bench_model_qwen3_5_0.8b_p512.png"),
+        bench(270, "model --family qwen3_5 --shape 0.8b --batch 1 32 --prompt 512",
+              "bench_model_qwen3_5_0.8b_p512_hf.json"),
+    )),
+    "model-long": Suite("Qwen3.5-0.8B with 8192-token prompts; the framework's overhead over the same kernels", (
+        bench(300, "model --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 16 --profile 1",
+              "bench_model_qwen3_5_0.8b_p8192.json"),
+        bench(250, "overhead --family qwen3_5 --shape 0.8b --batch 1 8 --prompt 512 --steps 32 --device cuda",
+              "bench_overhead_qwen3_5_0.8b.json"),
+    )),
+    "model-moe": Suite("DeepSeek-V3.2 and Kimi Linear at their released layer shapes (fewer layers)", (
+        bench(280, "model --family deepseek_v32 --shape 2-layer --batch 1 8 32 --prompt 2048 --no-transformers",
+              "bench_model_deepseek_v32_2-layer.json"),
+        bench(280, "model --family kimi_linear --shape 4-layer --batch 1 8 32 --prompt 2048 --no-transformers",
+              "bench_model_kimi_linear_4-layer.json"),
+    )),
+    "profile": Suite("where the Qwen3.5-0.8B decode step's time goes: kernels per step (eager and replayed), then "
+                     "eager host time (printed, in session.log)", (
+        bench(300, "model --family qwen3_5 --shape 0.8b --batch 1 32 --prompt 512 --steps 16 --no-transformers "
+              "--profile 4", "bench_model_qwen3_5_0.8b_profile.json"),
+        Part(120, "python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 "
+             "--rows 25"),
+    )),
+    "cpu": Suite("every family's tiny model and the framework's overhead on one CPU thread (any machine)", (
+        bench(70, f"model --family qwen3_5 {TINY} --steps 64", "bench_model_tiny_cpu.json", **CPU),
+        bench(70, f"model --family deepseek_v3 {TINY}", "bench_model_deepseek_v3_tiny_cpu.json", **CPU),
+        bench(70, f"model --family deepseek_v32 {TINY}", "bench_model_deepseek_v32_tiny_cpu.json", **CPU),
+        bench(70, f"model --family deepseek_v4 {TINY}", "bench_model_deepseek_v4_tiny_cpu.json", **CPU),
+        bench(70, f"model --family glm5 {TINY}", "bench_model_glm5_tiny_cpu.json", **CPU),
+        bench(70, f"model --family kimi_linear {TINY}", "bench_model_kimi_linear_tiny_cpu.json", **CPU),
+        bench(150, "overhead --family qwen3_5 --shape tiny --batch 1 8 64 --prompt 512 --steps 256 --device cpu",
+              "bench_overhead_tiny_cpu.json", **CPU),
+    )),
+}
+
+
+def records() -> dict[str, str]:
+    """Every record a suite writes, by file name, with its path in the repository."""
+    return {name: f"{part.folder()}/{name}" for suite in SUITES.values() for part in suite.parts
+            for name in part.records()}
+
+
+def listing() -> str:
+    lines = []
+    for name, suite in SUITES.items():
+        gpus = f", {suite.gpus} GPUs" if suite.gpus > 1 else ""
+        lines.append(f"{name}  ({suite.limit_s()} s{gpus}): {suite.about}")
+        for part in suite.parts:
+            for record in part.records():
+                lines.append(f"    {part.folder()}/{record}{'  (new)' if record in NEW else ''}")
+    return "\n".join(lines)
+
+
+def switch_snapshot() -> dict | None:
+    """`fnattn.switches.snapshot()` where the package has one: the switches in force, for the records."""
+    import fnattn.switches
+
+    snapshot = getattr(fnattn.switches, "snapshot", None)
+    return snapshot() if callable(snapshot) else None
+
+
+def stamp(path: Path, switches: dict | None) -> None:
+    """Give a record written by a part the switch snapshot, where its writer did not."""
+    if switches is None or path.suffix != ".json" or not path.exists():
+        return
+    doc = json.loads(path.read_text())
+    if isinstance(doc, dict) and "switches" not in doc:
+        doc["switches"] = switches
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def run_part(part: Part, out: Path, log: Path) -> int:
+    command = part.command.replace("{out}", str(out))
+    argv = shlex.split(command)
+    if argv[0] == "python":  # the interpreter running the suites, whatever `python` names on this machine
+        argv[0] = sys.executable
+    env = {**os.environ, **{k: v.replace("{out}", str(out)) for k, v in part.env.items()}}
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in part.env.items())
+    header = f"== [{part.limit_s} s] {shown + ' ' if shown else ''}{command}"
+    print(header, flush=True)
+    with log.open("a") as session:
+        session.write(header + "\n")
+        session.flush()
+        begun = time.monotonic()
+        # a session of its own, so the limit reaches the part's children (compilers, spawned ranks) too
+        child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True, text=True)
+        tail = _drain(child, session, part.limit_s)
+        rc = child.returncode
+        session.write(f"== rc {rc} after {time.monotonic() - begun:.0f} s\n")
+    print("".join(tail), end="", flush=True)
+    print(f"== rc {rc} after {time.monotonic() - begun:.0f} s", flush=True)
+    return rc
+
+
+def _drain(child: subprocess.Popen, session, limit_s: int) -> list[str]:
+    """Copy the child's output into the session log until it ends or its time is up (SIGTERM, then SIGKILL)."""
+    tail: list[str] = []
+
+    def copy() -> None:
+        for line in child.stdout:
+            session.write(line)
+            tail.append(line)
+            del tail[:-TAIL_LINES]
+
+    reader = threading.Thread(target=copy, daemon=True)
+    reader.start()
+    try:
+        child.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        note = f"== past its limit of {limit_s} s: SIGTERM\n"
+        session.write(note)
+        tail.append(note)
+        os.killpg(child.pid, signal.SIGTERM)
+        try:
+            child.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    reader.join(timeout=5)
+    return list(tail)
+
+
+def commit() -> str | None:
+    """The commit the records will name: FNATTN_COMMIT, else git's answer where this copy has its history."""
+    if os.environ.get("FNATTN_COMMIT"):
+        return os.environ["FNATTN_COMMIT"]
+    from fnattn.bench import commit as from_git
+
+    return from_git()
+
+
+def run(names: list[str], out: Path) -> int:
+    sha = commit()
+    if sha is None:
+        print("gpu_suites: set FNATTN_COMMIT=<commit>: this copy has no git history, and a record names its "
+              "commit", file=sys.stderr)
+        return 2
+    os.environ["FNATTN_COMMIT"] = sha  # every part's records name the same commit
+    os.environ["FNATTN_CHECKS"] = "0"  # the checks cost host time in every timed step (the test suite runs them)
+    out.mkdir(parents=True, exist_ok=True)
+    switches, failed = switch_snapshot(), 0
+    for name in names:
+        for part in SUITES[name].parts:
+            rc = run_part(part, out, out / "session.log")
+            failed += rc != 0
+            for record in part.records():
+                stamp(out / record, switches)
+    return 1 if failed else 0
+
+
+def place(found: Path) -> int:
+    """Copy each record found in `found` over its committed copy (or to where it will be committed)."""
+    placed = 0
+    for name, path in records().items():
+        if (found / name).exists():
+            shutil.copyfile(found / name, ROOT / path)
+            print(f"{found / name} -> {path}")
+            placed += 1
+    print(f"{placed} records placed")
+    return 0 if placed else 1
+
+
+def main(argv: list[str]) -> int:
+    usage = f"usage: gpu_suites.sh --list | --place DIR | SUITE... ({' '.join(SUITES)})"
+    if argv == ["--list"]:
+        print(listing())
+        return 0
+    if len(argv) == 2 and argv[0] == "--place":
+        return place(Path(argv[1]))
+    unknown = [name for name in argv if name not in SUITES]
+    if not argv or unknown:
+        print(f"gpu_suites: no suite {' '.join(unknown)}\n" if unknown else "", end="", file=sys.stderr)
+        print(usage, file=sys.stderr)
+        return 2
+    return run(argv, Path(os.environ.get("OUT") or "gpu-out"))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
