@@ -1,4 +1,5 @@
-"""Run pytest on the GPU machine and record every test's outcome as JSON (command, commit, device).
+"""Run pytest on the GPU machine and record every test's outcome as JSON (command, commit, device, and the
+switches in force where `fnattn.switches` can give a snapshot of them).
 
     python benchmarks/gpu_pytest_record.py OUT.json -- tests/test_transfer.py -m gpu
 """
@@ -37,11 +38,15 @@ def main(argv: list[str]) -> int:
                           "seconds": float(case.get("time", 0)), **({"why": why} if why else {})})
     import torch
 
+    import fnattn.switches
     from fnattn.bench import commit
+
+    snapshot = getattr(fnattn.switches, "snapshot", None)
 
     doc = {"command": "python benchmarks/gpu_pytest_record.py OUT.json -- " + " ".join(args), "commit": commit(),
            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+           **({"switches": snapshot()} if callable(snapshot) else {}),
            "exit_code": int(rc), **({"interrupted": True} if int(rc) == 2 else {}),
            **{s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "skipped")},
            "cases": cases}
