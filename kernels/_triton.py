@@ -6,7 +6,7 @@ stay usable on machines without it; a kernel called there raises ImportError.
 
 import functools
 
-from ._switch import switched
+from ._switch import declare, switched
 
 try:
     import triton
@@ -98,7 +98,12 @@ def num_sms(device_index):
 # 1668 at batch 8, the variants' steps interleaved (benchmarks/results/bench_switches_ab_dd3d3d6.json; off took
 # 1.10x / 1.09x as long at de9b969, bench_switches_ab.json); replays under it are the plain step's bits
 # (tests/gpu_results/graph_pdl_gpu.json, graph_pdl_kimi_gpu.json).
-_PDL = [True]
+_PDL = declare(
+    "pdl", True, __name__,
+    on="fnattn's decode kernels launch with programmatic dependent launch where the device has it (Hopper on)",
+    off="each kernel launches after the one before it ends",
+    why="the whole Qwen3.5-0.8B graph step on the H200 took 0.89x / 0.91x as long with it at batch 1 / 8, "
+        "the same bits; off is the plain launch order, for comparison and devices without PDL")
 
 
 def pdl(enabled: bool):

@@ -11,14 +11,29 @@ entries of z (after every token, with per_position_states). The pool is never wr
 
 import torch
 
-from ._switch import switched
+from ._switch import declare, switched
 from ._triton import require_triton, tl, triton
 from .gdn_common import cdiv, check_out, check_varlen, pow2
 from .gdn_naive import causal_conv1d_seq
 
-_INTERIOR = [True]  # timed on the H200 (`interior_tiles`)
-_CHUNK_TILES = [True]  # timed on the H200 (`chunk_tiles`)
-_INTERIOR_APART = [False]  # not yet timed on the H200 (`interior_apart`)
+_INTERIOR = declare(
+    "interior_tiles", True, __name__,
+    on="`causal_conv1d`'s tiles inside one request read x alone (no saved-window loads, no per-token masks)",
+    off="every tile takes the general path",
+    why="the Qwen3.5-0.8B GDN layer's conv of an 8192-token prefill took 134 us against 202 on the H200, the "
+        "same bits; off is the general path every tile can take")
+_CHUNK_TILES = declare(
+    "chunk_tiles", True, __name__,
+    on="`causal_conv1d` given a prefill's chunk list tiles by those chunks (calls of at least 16384 tokens)",
+    off="packed tiles of the whole batch, each token's request found by a binary search",
+    why="16 requests of 4096 tokens x 8192 channels took 837 us against 1507 on the H200, the same bits; "
+        "the packed tiles serve smaller calls in one launch")
+_INTERIOR_APART = declare(
+    "interior_apart", False, __name__,
+    on="the packed conv tiles are two launches: the interior ones compiled without the general path, then the rest",
+    off="one launch over every tile",
+    why="the interior-only kernel takes 94 registers a thread against 241 (sm_90), which may raise a "
+        "memory-bound kernel's occupancy; not yet timed on the H200, so off")
 # The chunk tiles' launch: channels a program, warps, whether neighbouring programs take the same tokens' next
 # channels (True) or the next tokens' same channels, and the fewest tokens they tile (below it the packed tiles
 # serve). The sweep's best at 16 x 4096 tokens x 8192 channels (837 us, 2.57 TB/s; 128 channels and 4 warps 1587

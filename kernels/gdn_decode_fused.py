@@ -23,13 +23,19 @@ ring rows, never ones `slots` reads).
 
 import torch
 
-from ._switch import switched
+from ._switch import declare, switched
 from ._triton import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch, require_triton, tl, triton
 from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, inner_contiguous, pow2, state_outputs
 from .gdn_conv import causal_conv1d_ref
 from .gdn_recurrent import _delta_token, _store_state, gated_delta_recurrent_ref
 
-_FILL_DEVICE = [True]  # timed in a whole step on the H200 (`fill_device`)
+_FILL_DEVICE = declare(
+    "fill_device", True, __name__,
+    on="`gated_delta_decode_fused`'s default V tile halves (down to 16 columns) while its grid has fewer "
+       "programs than the device has SMs",
+    off="the usual V tile (64 columns, 32 at key dims >= 256)",
+    why="the whole Qwen3.5-0.8B graph step on the H200 took 0.980x / 0.995x as long with it at batch 1 / 8; "
+        "outputs may differ from the usual tile's in the last bits")
 _NARROWEST_V = 16
 
 
@@ -46,7 +52,13 @@ def fill_device(enabled: bool):
     return switched(_FILL_DEVICE, "fill_device", enabled)
 
 
-_STATE_FIRST = [True]  # timed in a whole step on the H200 (`state_first`)
+_STATE_FIRST = declare(
+    "state_first", True, __name__,
+    on="the fused GDN decode, launched with PDL, reads its state tile, conv window and batch rows before it "
+       "waits for the launch before it (grids of at most two programs an SM)",
+    off="it reads everything after the wait",
+    why="the whole Qwen3.5-0.8B graph step on the H200 took 0.982x / 0.988x as long with it at batch 1 / 8 "
+        "(1.021x at batch 128 over every grid, hence the grid bound), the same bits")
 _STATE_FIRST_PROGRAMS_PER_SM = 2  # larger grids read after the wait (slower otherwise at batch 128)
 
 

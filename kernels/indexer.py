@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from ._switch import declare_tiles
 from ._tiles import overridden
 from ._triton import next_pow2, require_triton, tl, triton
 
@@ -134,7 +135,10 @@ def _scores_kernel(q_ptr, w_ptr, kc_ptr, kn_ptr, bt_ptr, req_ptr, cl_ptr, cu_ptr
 # program (the queries loaded once for all) 311-450 us: more programs hide the key loads better. FP8 keys
 # (indexer_sweep_fp8.json, c87f563): 128 positions 255.5 us, 64 positions 483.8.
 _DEFAULT_TILE = {"block_n": 128, "blocks": 1, "num_warps": 4, "num_stages": 3}  # Triton's warps and stages
-_OVERRIDES: list[dict] = [{}]
+_OVERRIDES = declare_tiles(
+    "indexer_tiles", __name__,
+    overrides="`indexer_scores_paged`'s launch (block_n, blocks, num_warps, num_stages) over `_DEFAULT_TILE` "
+              "(`configured`)")
 
 
 def configured(**fields):

@@ -20,6 +20,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ._checks import check_like
+from ._switch import declare_tiles
 from ._tiles import overridden
 from ._triton import next_pow2, require_triton, tl, triton
 from .lse_merge import no_cached_key, own_row_weights
@@ -187,7 +188,10 @@ def _merge_own_values_kernel(
         tl.store(LSE_OUT + t * H + h, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=t_ok)
 
 
-_MERGE_OVERRIDES: list[dict] = [{}]
+_MERGE_OVERRIDES = declare_tiles(
+    "merge_values_tiles", __name__,
+    overrides="`merge_own_values`'s launch (block_t, block_r, block_v, num_warps) where its caller passes none "
+              "(`configured_merge`)")
 
 
 def configured_merge(**fields):

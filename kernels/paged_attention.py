@@ -23,7 +23,7 @@ Nothing here writes into its arguments (see `scatter.py` for the writes).
 import torch
 
 from ._counters import tile_counters
-from ._switch import switched
+from ._switch import declare, declare_tiles, switched
 from ._tiles import overridden
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
 from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_rows_when_last, merge_splits  # noqa: F401
@@ -304,7 +304,12 @@ def pick_num_splits(programs, max_keys, device=None):
     return max(1, min(want, max_keys // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
-_MERGE_IN_LAUNCH = [False]  # timed on the H200: slower (`merge_in_launch`)
+_MERGE_IN_LAUNCH = declare(
+    "merge_in_launch", False, __name__,
+    on="a split decode (or prefill) merges its splits in its own launch: the last split of each tile to finish",
+    off="a second launch, the merge kernel, merges them",
+    why="on, the whole Qwen3.5-0.8B graph step on the H200 took 1.021x / 1.014x as long at batch 1 / 8: off; "
+        "kept while a larger batch or longer context could turn it")
 
 
 def merge_in_launch(enabled: bool):
@@ -318,7 +323,10 @@ def merge_in_launch(enabled: bool):
 
 
 _TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
-_OVERRIDES: list[dict] = [{}]
+_OVERRIDES = declare_tiles(
+    "paged_attention_tiles", __name__,
+    overrides="`paged_decode` / `paged_prefill`'s launch (block_m, block_n, num_warps, num_stages) over "
+              "`_config`'s choice (`configured`)")
 
 
 def configured(**fields):

@@ -52,6 +52,7 @@ import torch
 
 from ._checks import check_finite_float, check_like, shares_storage
 from ._counters import tile_counters
+from ._switch import declare_tiles
 from ._triton import (
     gdc_launch_dependents,
     gdc_wait,
@@ -139,7 +140,9 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None =
     return dataclasses.replace(cfg, **_OVERRIDES[-1]) if _OVERRIDES[-1] else cfg
 
 
-_OVERRIDES: list[dict] = [{}]
+_OVERRIDES = declare_tiles(
+    "gemv_config", __name__,
+    overrides="the `SkinnyConfig` fields `pick_config` returns over its table's (`configured`): every GEMV's")
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from fnattn import checks
+from fnattn import checks, switches
 from fnattn.checks import expect_shape, fail
 from fnattn.lanes import in_static_step
 
@@ -317,9 +317,7 @@ def _grouped(x: Tensor, down: Tensor | None) -> bool:
     eager or static, in bf16 with rows of 16-byte multiples (what CUDA's grouped GEMM takes), so no step reads
     the routing back to the host; on a CPU a static-shape step in any float dtype, while the eager step keeps
     the loop over the picked experts (no device to wait for there, and the loop is the plain reading)."""
-    from .fused import _GROUPED_EXPERTS  # imported here: models.fused imports this module
-
-    if down is None or not _GROUPED_EXPERTS[-1]:
+    if down is None or not switches.value("grouped_experts"):
         return False
     if not x.is_cuda:
         return in_static_step() and x.dtype.is_floating_point

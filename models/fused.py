@@ -43,21 +43,69 @@ from fnattn.kernels._checks import shares_storage
 from jaxtyping import Float
 from torch import Tensor
 
-from fnattn.switches import switched
+from fnattn import switches as registry
+from fnattn.switches import declare, switched
 from fnattn.tp import all_reduce, current
 
 from .common import apply_rope, rms_norm
 
-_ENABLED = [True]
-_EPILOGUE = [False]  # timed on the H200: no faster at batch 1, slower at 8 (`add_norm_epilogue`)
-_QK_ONE_LAUNCH = [True]  # timed on the H200 (`qk_one_launch`)
-_OUTPUT_GATES = [True]  # timed on the H200 (`output_gates`)
-_OWN_NORM_ACT = [True]  # timed on the H200 (`own_norm_act`)
-_GATING_EPILOGUE = [True]  # timed on the H200 (`gating_epilogue`)
-_SWIGLU_EPILOGUE = [True]  # timed on the H200 (`swiglu_epilogue`)
-_GATE_PROLOGUE = [False]  # slower in the whole step on the H200 (`gate_prologue`)
-_GROUPED_EXPERTS = [True]  # timed on the H200 (`grouped_experts`)
-_SPLIT_NORM = [True]  # timed on the H200 (`split_norm`)
+# The figures are ``benchmarks/model_ab.py``'s, the variants' steps interleaved.
+_ENABLED = declare(
+    "fused", True, __name__,
+    on="each function here calls its kernel where one serves (CUDA, bf16 / fp16, the package installed)",
+    off="every function runs its torch body (`unfused()`)",
+    why="the torch bodies are the truth the kernels are checked against: parity tests run them")
+_EPILOGUE = declare(
+    "add_norm_epilogue", False, __name__,
+    on="`project_add_norm` takes decode-sized CUDA inputs to one launch (`skinny_linear_add_norm`)",
+    off="the projection, then the residual add + RMSNorm",
+    why="on, the Qwen3.5-0.8B graph step (H200) took 1.00x / 1.16x as long at batch 1 / 8; `split_norm` "
+        "took the add + norm's launch away instead")
+_QK_ONE_LAUNCH = declare(
+    "qk_one_launch", True, __name__,
+    on="`qk_norm_rope` runs `fnattn.kernels.qk_norm_rope` on CUDA: q / k norms, rope and v's copy in one launch",
+    off="FlashInfer's norms and rope (and the copies)",
+    why="off, the Qwen3.5-0.8B graph step (H200) took 1.03x / 1.06x as long at batch 1 / 8")
+_OUTPUT_GATES = declare(
+    "output_gates", True, __name__,
+    on="`gated_rms_norm_silu` and `sigmoid_gate` run `fnattn.kernels.output_gate` on CUDA: one PDL launch each, "
+       "the gate read in place",
+    off="fla's gated norm and the torch gate",
+    why="on, the Qwen3.5-0.8B graph step (H200) took 0.958x / 0.945x as long at batch 1 / 8")
+_OWN_NORM_ACT = declare(
+    "own_norm_act", True, __name__,
+    on="`add_rms_norm_offset_` and `silu_and_mul` run `fnattn.kernels.norm_act` on CUDA, which hand the stream "
+       "to the next launch as they start",
+    off="FlashInfer's kernels, which hand it over at their end",
+    why="on, the Qwen3.5-0.8B graph step (H200) took 0.952x / 0.958x as long at batch 1 / 8")
+_GATING_EPILOGUE = declare(
+    "gating_epilogue", True, __name__,
+    on="`project_and_gate` takes decode-sized CUDA inputs to one launch: GDN's g and beta written by the GEMV",
+    off="the GEMV, then `gdn_gating`",
+    why="on, the Qwen3.5-0.8B graph step (H200) took 0.983x / 0.988x as long at batch 1 / 8")
+_SWIGLU_EPILOGUE = declare(
+    "swiglu_epilogue", True, __name__,
+    on="`gate_up_silu` takes decode-sized CUDA inputs to one launch: the gate / up GEMV writes silu(gate) * up",
+    off="the GEMV, then `silu_and_mul`",
+    why="on, the Qwen3.5-0.8B graph step (H200) took 0.970x / 0.979x as long at batch 1 / 8")
+_GATE_PROLOGUE = declare(
+    "gate_prologue", False, __name__,
+    on="`gated_projection` hands a mixer's output gate to the output projection's GEMV, applied as it loads",
+    off="the gate a launch of its own, then the GEMV",
+    why="on, the Qwen3.5-0.8B graph step (H200) took 1.020x / 1.019x as long at batch 1 / 8: every GEMV "
+        "program repeats the norm before its first weight load")
+_GROUPED_EXPERTS = declare(
+    "grouped_experts", True, __name__,
+    on="a MoE layer's routed experts run as two grouped GEMMs over the picked experts (`common.grouped_moe`)",
+    off="a captured step runs every expert on every token; an eager one loops over the picked experts",
+    why="on, DeepSeek-V3.2's 2-layer graph step on the H200 took 0.154x / 0.192x / 0.219x as long at batch "
+        "1 / 8 / 32; the loop is the plain reading")
+_SPLIT_NORM = declare(
+    "split_norm", True, __name__,
+    on="`project_add_norm(split=True)` leaves the next RMSNorm to the GEMVs on either side of it (`SplitNorm`)",
+    off="the residual add + RMSNorm a launch of its own",
+    why="on, the Qwen3.5-0.8B graph step (H200) took 0.974x / 0.988x as long at batch 1 / 8; the norm's "
+        "rounding moves to the product (bf16 agreement)")
 
 
 def unfused():
@@ -190,18 +238,14 @@ class SplitNorm:
         return rms_norm_offset(self.x, self.weight, self.eps)
 
 
+def switches() -> dict[str, bool]:
+    """Which way each switch declared here stands now (`fnattn.switches.snapshot` has every module's)."""
+    return {name: registry.value(name) for name, s in registry.switches().items() if s.module == __name__}
+
+
 def _takes_split(x, w: Tensor) -> bool:
     """Whether ``x`` is a `SplitNorm` whose rest the GEMV of ``x.scaled @ w.T`` can finish."""
     return isinstance(x, SplitNorm) and x.scaled.dim() == 2 and _skinny(x.scaled, w, w.shape[-1])
-
-
-def switches() -> dict[str, bool]:
-    """Which way each switch here stands now (benchmarks record it beside their timings)."""
-    return {"fused": _ENABLED[-1], "qk_one_launch": _QK_ONE_LAUNCH[-1], "add_norm_epilogue": _EPILOGUE[-1],
-            "output_gates": _OUTPUT_GATES[-1], "own_norm_act": _OWN_NORM_ACT[-1],
-            "gating_epilogue": _GATING_EPILOGUE[-1], "swiglu_epilogue": _SWIGLU_EPILOGUE[-1],
-            "gate_prologue": _GATE_PROLOGUE[-1], "grouped_experts": _GROUPED_EXPERTS[-1],
-            "split_norm": _SPLIT_NORM[-1]}
 
 
 @cache

@@ -17,19 +17,30 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ...checks import fail
-from ...switches import switched
+from ...switches import declare, switched
 
 LN2 = math.log(2.0)
 
 
 # mla_absorb_sweep.json (c32b134, H200, 128 heads): the query in one launch 11.8 / 12.9 / 13.8 / 16.8 / 21.2 us
 # against 14.5 / 15.8 / 16.6 / 18.3 / 21.3 for the batched product and copy at 1 / 8 / 32 / 64 / 128 tokens: on.
-_ABSORB_KERNEL = [True]
+_ABSORB_KERNEL = declare(
+    "absorb_kernel", True, __name__,
+    on="a decode-sized absorbed MLA query on the GPU ([q_nope W_UK, q_pe]) takes one launch "
+       "(`fnattn.kernels.absorb_query`)",
+    off="a batched product and a copy of q_pe (`absorbed_query_torch`)",
+    why="with 128 heads on the H200 the query took 11.8 / 13.8 / 21.2 us against 14.5 / 16.6 / 21.3 at 1 / 32 "
+        "/ 128 tokens; the torch form is what an engine's MLA layer runs")
 # mla_absorb_sweep_e322246.json: the own-row merge with W_UV in one launch (the merged latent through one product,
 # 16 tokens a program) 13.8 / 14.4 / 16.6 / 21.4 / 28.3 us against 14.8 / 15.4 / 18.5 / 23.0 / 30.8 for the merge
 # kernel and the batched product at 1 / 8 / 32 / 64 / 128 tokens; in the dense FlashMLA layer (mla_merge_layers.json,
 # 9a881b6) 58.9 against 62.2 us at B8 ctx 4k, 152.4 against 154.3 at B64: on.
-_MERGE_VALUES = [True]
+_MERGE_VALUES = declare(
+    "merge_values_kernel", True, __name__,
+    on="a dense MLA decode token's own-row merge and W_UV take one launch "
+       "(`fnattn.kernels.latent_absorb.merge_own_values`)",
+    off="the merge kernel and a batched product",
+    why="the dense FlashMLA layer on the H200 took 58.9 against 62.2 us at B8 ctx 4k, 152.4 against 154.3 at B64")
 ABSORB_KERNEL_MAX_TOKENS = 256  # beyond decode / verify sizes the product is compute-bound: cuBLAS's
 
 

@@ -27,7 +27,7 @@ from ...lanes import in_static_step
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
-from ...switches import switched
+from ...switches import declare, switched
 from ..availability import needs_cuda, needs_dtype, package_missing
 from ..mla.flashmla import latent_shape_reasons
 from ..mla.latent import absorbed_query, fold_own_rows_out, merge, no_keys_as_neg_inf, uniform_new, values_out
@@ -37,12 +37,22 @@ from .reference import check_reused, own_index_values
 LN2 = math.log(2.0)
 TOPK_BLOCK = 128  # top-k lists are padded to a multiple of this (the kernel walks them in blocks)
 LSE_BASE2 = True  # flash_mla_sparse_fwd returns log2-sum-exp2 (its docstring; its max_logits are log2e-scaled too)
-_ONE_PASS = [True]  # bench_mla_sparse.json (2be8144): 113.5 against 165.2 us a B64 layer through the torch form
+_ONE_PASS = declare(
+    "one_pass_slots", True, __name__,
+    on="a sparse layer's top-k positions become pool slots, own-row indices and the picked mask in one launch "
+       "(`fnattn.kernels.topk_slots`)",
+    off="its torch form `topk_slots_ref` (the same values, some fifteen launches)",
+    why="a B64 sparse MLA layer on the H200 took 113.5 against 165.2 us through the torch form")
 
 
 # bench_mla_sparse_indexer.json (988bab1): the indexer 311.5 against 353.6 us with it, but where more than 16384 of a
 # row's scores share its first pass's bin it keeps another set than torch.topk, not the same every run: off
-_RADIX = [False]
+_RADIX = declare(
+    "radix_select", False, __name__,
+    on="a layer's own top-k of 2048 is selected by sgl_kernel's radix select (`fnattn.kernels.radix_topk`)",
+    off="torch.topk",
+    why="the indexer took 311.5 against 353.6 us with it, but where more than 16384 of a row's scores share "
+        "its first pass's bin it keeps another set than torch.topk, not the same every run: off")
 
 
 def radix_select(enabled: bool):
@@ -54,14 +64,20 @@ def radix_select(enabled: bool):
 
 # mla_merge_layers.json (9a881b6): the own-row merge and W_UV in one launch in the sparse layer (B x ctx 32k, top-k
 # 2048) 91.0 against 91.6 us at B8, 117.7 against 110.7 at B64 (111.8 at its best tile): off, unlike dense MLA's.
-_MERGE_VALUES = [False]
+_MERGE_VALUES = declare(
+    "sparse_merge_values_kernel", False, __name__,
+    on="a sparse decode token's own-row merge and W_UV take one launch "
+       "(`fnattn.kernels.latent_absorb.merge_own_values`)",
+    off="the merge kernel and a batched product",
+    why="in the sparse layer (ctx 32k, top-k 2048) on the H200 it took 91.0 against 91.6 us at B8 but 117.7 "
+        "against 110.7 at B64: off, unlike dense MLA's")
 
 
 def merge_values_kernel(enabled: bool):
     """Within this block a sparse decode token's own-row merge and ``W_UV`` take one launch
     (`fnattn.kernels.latent_absorb.merge_own_values`) instead of the merge kernel and a batched product (the
     default)."""
-    return switched(_MERGE_VALUES, "merge_values_kernel", enabled)
+    return switched(_MERGE_VALUES, "sparse_merge_values_kernel", enabled)
 
 
 def one_pass_slots(enabled: bool):
