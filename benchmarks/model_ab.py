@@ -20,61 +20,17 @@ its quartiles and take the run with the most steps.
 ``--shape tiny --device cpu`` is a smoke run of the same plan (capture-free, each step eager under its
 switches; tests/test_model_ab.py runs it).
 
-Switches:
+Toggles: every switch of `fnattn.switches` by its name (``python -m fnattn.switches`` lists them, each with its
+default and what runs on either side), and these fields of every GEMV's config (`SkinnyConfig`):
 
 - ``one_launch``: skinny_linear's split-K partials summed in the GEMV's own launch (on, the default) or by
   a second reduce kernel (`SkinnyConfig.one_launch`).
 - ``prefetch``: under PDL each GEMV program asks L2 for its whole weight slab before it waits
   (`SkinnyConfig.prefetch`), or loads only its first tile then (off, the default).
-- ``pdl``: fnattn's decode kernels launched with programmatic dependent launch (`fnattn.kernels.pdl`): each
-  may start while the launch before it finishes (a GEMV loads its first weight tile), or after it ends.
-- ``add_norm_epilogue``: each residual add + RMSNorm in the output projection's launch
-  (`models.fused.add_norm_epilogue`) or FlashInfer's fused add + RMSNorm after it.
-- ``output_gates``: GDN's gated output norm and gated attention's sigmoid gate as fnattn's own launches,
-  which read the gate in place and launch with PDL (`models.fused.output_gates`, the default), or fla-core's
-  gated norm and torch's sigmoid and product.
-- ``gating_epilogue``: GDN's g and beta written by the input projection's GEMV (`models.fused.gating_epilogue`,
-  the default), or by a launch of their own after it.
-- ``own_norm_act``: the residual add + RMSNorm and SiLU-and-mul as fnattn's own kernels, which hand the
-  stream over at their start under PDL (`models.fused.own_norm_act`, the default), or FlashInfer's.
-- ``grouped_experts``: a MoE step's routed experts as grouped GEMMs over the experts its tokens picked
-  (`models.fused.grouped_experts`, the default), or, captured, every expert on every token (a MoE family's
-  ``--family``).
-- ``fla_direct`` (prefill): the fla provider calls fla-core's chunk forward itself
-  (`fnattn.kinds.delta_rule.triton.fla_direct`, the default), or its public function.
-- ``absorb_kernel`` (MLA families): the absorbed decode query ``[q_nope W_UK, q_pe]`` in one launch
-  (`fnattn.kinds.mla.latent.absorb_kernel`, the default), or a batched product and a copy of ``q_pe``.
-- ``merge_values_kernel`` (MLA families): a dense decode token's own-row merge and ``W_UV`` in one launch (the
-  default), or the merge kernel and a batched product; ``sparse_merge_values_kernel`` the same for sparse MLA
-  (`fnattn.kinds.sparse_mla.flashmla.merge_values_kernel`, off by default).
-- ``qkv_apart`` (prefill): the fla provider's conv writes q, k and v each contiguous
-  (`fnattn.kinds.delta_rule.triton.qkv_apart`, the default), or one output whose slices fla-core copies.
-- ``qk_one_launch``: attention's q / k norms, rope and v's copy in one launch (`models.fused.qk_one_launch`)
-  or FlashInfer's norms and rope.
-- ``swiglu_epilogue``: SwiGLU's SiLU-and-mul written by the gate / up GEMV (`models.fused.swiglu_epilogue`,
-  the default) or by a launch of its own after it.
-- ``fill_device``: the fused GDN decode's V tile narrowed until its grid fills the SMs
-  (`fnattn.kernels.gdn_decode_fused.fill_device`, the default; at batch 1, 16 columns instead of 64), or the
-  usual tile.
-- ``gate_prologue``: GDN's gated output norm and attention's sigmoid gate applied by the output projection's
-  GEMV as it loads the mixer's output (`models.fused.gate_prologue`), or as launches of their own (the default).
-- ``split_norm``: each decode residual add in the output projection's GEMV, which leaves the next norm's
-  sums of squares and its rows times ``1 + weight``, and the GEMV after it scaling its product's rows by the
-  rms (`models.fused.split_norm`, the default), or the add + RMSNorm as a launch of its own.
-- ``state_first``: the fused GDN decode reads its state tile, conv window and batch rows before it waits for
-  the input projection (`fnattn.kernels.gdn_decode_fused.state_first`, the default), or after it.
-- ``interior_tiles`` (prefill): the GDN conv's tiles inside one request read x alone
-  (`fnattn.kernels.gdn_conv.interior_tiles`, the default), or every tile takes the general path.
-- ``merge_in_launch``: a split attention decode's splits merged by its last split of each tile
-  (`fnattn.kernels.paged_attention.merge_in_launch`), or by a merge kernel after it (the default).
 - ``early2``, ``early4``: each GEMV's first load 2 or 4 K tiles wide (`SkinnyConfig.early`), in registers
   before it waits under PDL, or one tile (the default).
 - ``stages3``: every GEMV pipelines 3 K tiles (`SkinnyConfig.num_stages`), or the table's stages (the
   default: 4 up to 32 rows).
-- ``interior_apart`` (prefill): the GDN conv's packed tiles as two launches, the interior ones compiled without
-  the general path (`fnattn.kernels.gdn_conv.interior_apart`), or one launch (the default).
-- ``chunk_tiles`` (prefill): the GDN conv tiled by the plan's chunks from 16384 tokens
-  (`fnattn.kernels.gdn_conv.chunk_tiles`, the default), or the packed tiles at every size.
 """
 
 import argparse
@@ -84,26 +40,13 @@ import statistics
 import fnattn.kernels.skinny_linear as skinny
 import torch
 
+import fnattn.switches
 from fnattn.bench import write_json
 from fnattn.bench.model import _record, build_model, decode_state, time_decode, time_prefill
-from fnattn.kernels import _triton, gdn_conv, gdn_decode_fused, paged_attention
-from fnattn.kinds.delta_rule import triton as delta_rule
-from fnattn.kinds.mla import latent as mla_latent
-from fnattn.kinds.sparse_mla import flashmla as sparse_flashmla
-from fnattn.models import fused
 
-TOGGLES = {  # name: (switch, its default now, what on / off mean)
+GEMV_TOGGLES = {  # name: (switch, its default now, what on / off mean): fields of every GEMV's config
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
                    {True: "split-K sums in the GEMV's launch", False: "a second reduce kernel"}),
-    "interior_tiles": (gdn_conv.interior_tiles, lambda: gdn_conv._INTERIOR[-1],
-                       {True: "GDN conv tiles inside a request read x alone", False: "every conv tile general"}),
-    "chunk_tiles": (gdn_conv.chunk_tiles, lambda: gdn_conv._CHUNK_TILES[-1],
-                    {True: "GDN prefill conv tiled by the plan's chunks (from 16384 tokens)",
-                     False: "packed tiles, a binary search"}),
-    "interior_apart": (gdn_conv.interior_apart, lambda: gdn_conv._INTERIOR_APART[-1],
-                       {True: "GDN conv's interior tiles a launch of their own", False: "packed tiles in one launch"}),
-    "merge_in_launch": (paged_attention.merge_in_launch, lambda: paged_attention._MERGE_IN_LAUNCH[-1],
-                        {True: "attention's splits merged in its launch", False: "a merge kernel after it"}),
     "early2": (lambda on: skinny.configured(early=2 if on else 1), lambda: False,
                {True: "GEMVs load 2 K tiles before they wait", False: "one tile"}),
     "early4": (lambda on: skinny.configured(early=4 if on else 1), lambda: False,
@@ -112,45 +55,16 @@ TOGGLES = {  # name: (switch, its default now, what on / off mean)
                 {True: "GEMVs pipeline 3 K tiles", False: "the table's stages (4 up to 32 rows)"}),
     "prefetch": (lambda on: skinny.configured(prefetch=on), lambda: False,
                  {True: "GEMVs ask L2 for their weight slab before they wait", False: "first weight tile only"}),
-    "pdl": (_triton.pdl, lambda: _triton._PDL[-1],
-            {True: "kernels launched with PDL", False: "each kernel launched after the last ends"}),
-    "add_norm_epilogue": (fused.add_norm_epilogue, lambda: fused._EPILOGUE[-1],
-                          {True: "add + norm in the projection's launch",
-                           False: "FlashInfer's add + norm after the projection"}),
-    "output_gates": (fused.output_gates, lambda: fused._OUTPUT_GATES[-1],
-                     {True: "GDN norm and attention gate, own PDL launches", False: "fla's gated norm, torch gate"}),
-    "gating_epilogue": (fused.gating_epilogue, lambda: fused._GATING_EPILOGUE[-1],
-                        {True: "GDN gating in the input projection's launch", False: "gating apart"}),
-    "own_norm_act": (fused.own_norm_act, lambda: fused._OWN_NORM_ACT[-1],
-                     {True: "own add + norm and SiLU-and-mul (early handover)", False: "FlashInfer's"}),
-    "qk_one_launch": (fused.qk_one_launch, lambda: fused._QK_ONE_LAUNCH[-1],
-                      {True: "q/k norms, rope, v copy in one launch", False: "q norm, k norm, rope (+ copies)"}),
-    "swiglu_epilogue": (fused.swiglu_epilogue, lambda: fused._SWIGLU_EPILOGUE[-1],
-                        {True: "SiLU-and-mul in the gate / up GEMV's launch", False: "SiLU-and-mul apart"}),
-    "fill_device": (gdn_decode_fused.fill_device, lambda: gdn_decode_fused._FILL_DEVICE[-1],
-                    {True: "GDN decode tiles narrowed to fill the SMs", False: "the usual GDN decode tile"}),
-    "split_norm": (fused.split_norm, lambda: fused._SPLIT_NORM[-1],
-                   {True: "residual add in the output projection, the norm finished by the next GEMV",
-                    False: "add + RMSNorm a launch of its own"}),
-    "gate_prologue": (fused.gate_prologue, lambda: fused._GATE_PROLOGUE[-1],
-                      {True: "output gates applied by the output projections' GEMVs", False: "output gates apart"}),
-    "state_first": (gdn_decode_fused.state_first, lambda: gdn_decode_fused._STATE_FIRST[-1],
-                    {True: "GDN decode reads its state before it waits", False: "GDN decode reads after it waits"}),
-    "grouped_experts": (fused.grouped_experts, lambda: fused._GROUPED_EXPERTS[-1],
-                        {True: "routed experts as grouped GEMMs over the picked ones",
-                         False: "every routed expert on every token"}),
-    "fla_direct": (delta_rule.fla_direct, lambda: delta_rule._FLA_DIRECT[-1],
-                   {True: "fla-core's chunk forward called itself", False: "fla-core's public function"}),
-    "absorb_kernel": (mla_latent.absorb_kernel, lambda: mla_latent._ABSORB_KERNEL[-1],
-                      {True: "MLA's absorbed decode query in one launch", False: "a batched product and a copy"}),
-    "merge_values_kernel": (mla_latent.merge_values_kernel, lambda: mla_latent._MERGE_VALUES[-1],
-                            {True: "MLA's own-row merge and W_UV in one launch", False: "merge kernel, batched W_UV"}),
-    "sparse_merge_values_kernel": (sparse_flashmla.merge_values_kernel, lambda: sparse_flashmla._MERGE_VALUES[-1],
-                                   {True: "sparse MLA's own-row merge and W_UV in one launch",
-                                    False: "sparse MLA's merge kernel, batched W_UV"}),
-    "qkv_apart": (delta_rule.qkv_apart, lambda: delta_rule._QKV_APART[-1],
-                  {True: "the conv writes q, k, v each contiguous", False: "q, k, v copied out of one conv output"}),
 }
+
+
+def _registered(switch):
+    """A registry switch as a toggle: set by name, read by name, described by its record."""
+    return (lambda on: fnattn.switches.set(**{switch.name: on}), lambda: fnattn.switches.value(switch.name),
+            {True: switch.on, False: switch.off})
+
+
+TOGGLES = {**GEMV_TOGGLES, **{name: _registered(s) for name, s in fnattn.switches.switches().items()}}
 
 
 def variants(toggles):

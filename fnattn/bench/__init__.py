@@ -101,29 +101,10 @@ def environment() -> dict:
 
 
 def switches() -> dict:
-    """The fast-path switches in force: `fnattn.kernels.pdl`, `fnattn.models.fused`'s, the fields
-    `skinny_linear.configured` replaces in the GEMV's config table, the fused GDN decode's `fill_device` and
-    `state_first`, the paged decode's `merge_in_launch`, sparse MLA's `one_pass_slots` and `radix_select`, MLA's
-    `absorb_kernel` and `merge_values_kernel` (sparse MLA's own too), the fla provider's `fla_direct` and
-    `qkv_apart`, the GDN conv's `interior_tiles`, `chunk_tiles` and `interior_apart`."""
-    from ..kernels import _triton, gdn_conv, gdn_decode_fused, paged_attention
-    from ..kernels import skinny_linear as skinny
-    from ..kinds.delta_rule import triton as delta_rule
-    from ..kinds.mla import latent as mla_latent
-    from ..kinds.sparse_mla import flashmla as sparse
-    from ..models import fused
+    """Every fast-path switch and tile override stack in force (`fnattn.switches.snapshot`)."""
+    from .. import switches as registry
 
-    return {"pdl": _triton._PDL[-1], **fused.switches(), "gemv_config": dict(skinny._OVERRIDES[-1]),
-            "gdn_decode_fill_device": gdn_decode_fused._FILL_DEVICE[-1],
-            "gdn_decode_state_first": gdn_decode_fused._STATE_FIRST[-1],
-            "paged_merge_in_launch": paged_attention._MERGE_IN_LAUNCH[-1],
-            "sparse_one_pass_slots": sparse._ONE_PASS[-1],
-            "sparse_radix_select": sparse._RADIX[-1], "mla_absorb_kernel": mla_latent._ABSORB_KERNEL[-1],
-            "mla_merge_values_kernel": mla_latent._MERGE_VALUES[-1],
-            "sparse_merge_values_kernel": sparse._MERGE_VALUES[-1],
-            "fla_direct": delta_rule._FLA_DIRECT[-1], "qkv_apart": delta_rule._QKV_APART[-1],
-            "conv_interior_tiles": gdn_conv._INTERIOR[-1], "conv_chunk_tiles": gdn_conv._CHUNK_TILES[-1],
-            "conv_interior_apart": gdn_conv._INTERIOR_APART[-1]}
+    return registry.snapshot()
 
 
 def commit() -> str | None:
