@@ -153,8 +153,3 @@ def test_no_module_reads_another_modules_switch_list():
 # shrinks (the test fails when one is gone, so that it cannot stay listed).
 READS_LEFT_TO_MOVE = ["benchmarks/gdn_prefill_profile.py: v._CHUNK_TILES"]
 
-
-@pytest.mark.parametrize("page", ["switches.md", "switches.zh.md"])
-def test_the_docs_table_is_the_registry(page):
-    text = (ROOT / "docs" / page).read_text()
-    assert fnattn.switches.describe() in text, f"docs/{page}: paste `python -m fnattn.switches` in place of its table"
