@@ -50,6 +50,7 @@ class _Entry:
     inputs: dict[str, Tensor]  # lane -> static buffer the step reads
     staging: Staging  # the batch lanes of `inputs` are its device views: the runner builds batches into them
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    lineage: int | None = None  # the State storage the graph was captured on: its replays write there
     outputs: dict[str, Tensor] = field(default_factory=dict)  # captured output lanes
     generated: dict[str, Tensor] = field(default_factory=dict)
     replay_outputs: dict[int, object] = field(default_factory=dict)
@@ -58,6 +59,14 @@ class _Entry:
     # `StepRunner._prepare_next`
     prepared: tuple[Batch, tuple] | None = None
     prepared_used: int = 0  # decode steps that took the prepared batch
+
+
+def _check_lineage(state, entry: _Entry, where: str) -> None:
+    """A captured graph replays into the pools of the State it was captured on, whatever handle the step is
+    given: another State's step would read and write that first State's storage."""
+    if entry.graph is not None and state.lineage != entry.lineage:
+        fail(where, "state", f"a handle of the State this runner's graphs were captured on (lineage "
+             f"{entry.lineage}; another State needs a StepRunner of its own)", f"lineage {state.lineage}")
 
 
 class StepRunner:
@@ -168,7 +177,9 @@ class StepRunner:
                  getattr(table, "shape", type(table).__name__))
         bucket = Bucket("decode", batch.num_requests, 0, table.shape[1])
         entry = self._entries.get((bucket, "native"))
-        if entry is None:
+        if entry is not None:
+            _check_lineage(state, entry, "StepRunner.run")
+        else:
             if batch.num_requests not in self.buckets or bucket.columns != self.columns(state):
                 raise LaneError(f"batch: expected a bucket of {self.buckets} lanes and {self.columns(state)} "
                                 f"block-table columns, got {batch.num_requests} lanes and {bucket.columns}")
@@ -322,6 +333,7 @@ class StepRunner:
         key = (bucket, recovery)
         entry = self._entries.get(key)
         if entry is not None:
+            _check_lineage(state, entry, f"StepRunner.{bucket.phase}")
             return state, entry
         capture = self.capture if bucket.phase == "decode" else self.capture_verify
         if bucket.phase == "verify" and state.has_recurrent and capture and \
@@ -374,6 +386,7 @@ class StepRunner:
             self._write(state, deltas)
         state = self._advance(state, batch, deltas.cursor)
         entry.graph, entry.outputs, entry.replay_outputs = graph, outputs, replay_outputs
+        entry.lineage = state.lineage
         return state
 
     @staticmethod

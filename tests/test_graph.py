@@ -280,6 +280,24 @@ def test_run_refuses_a_non_tensor_or_strided_lane_by_name_before_copying(field):
     assert _unchanged(runner, before) and st.is_live
 
 
+def test_a_captured_bucket_refuses_another_states_step_before_anything_is_copied():
+    """A captured graph replays into the pools it was captured on: a step of another State (a twin built the
+    same way) through that bucket would read and write the first State's storage, so it is refused by name.
+    The CPU runner captures nothing: its bucket is marked captured on ``st`` here to reach the check (the CUDA
+    twin runs in tests/gpu/test_graph_gpu.py)."""
+    cfg, runner, st = _tiny()
+    (entry,) = runner._entries.values()
+    entry.graph, entry.lineage = object(), st.lineage
+    _, _, twin = _tiny()
+    before = _buffers(runner)
+    with pytest.raises(ValueError, match=r"StepRunner.decode: `state` must be a handle of the State"):
+        runner.decode(twin, [0, 1], torch.tensor([3, 4]))
+    batch, tokens = _good(runner, twin)
+    with pytest.raises(ValueError, match=r"StepRunner.run: `state` must be a handle of the State"):
+        runner.run(twin, batch, tokens)
+    assert _unchanged(runner, before) and twin.is_live
+
+
 def test_a_verify_step_is_refused_once_a_later_batch_overwrote_its_lanes():
     """`Verified.accept` applies the batch built into the bucket's staging: a later batch built there (a
     verify of other requests) rewrites its lanes, so the acceptance is refused instead of writing request 0's

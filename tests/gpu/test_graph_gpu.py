@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 from fnattn.models.registry import FAMILIES, _load_builtin, family_named, random_checkpoint
+from helpers import same_bits
 
 import fnattn as fa
 from fnattn import kernels
@@ -179,3 +180,22 @@ def test_graph_replay_with_pdl_equals_the_plain_step_bitwise(name, own, record):
     record({"case": f"graph with pdl == eager without, {name}{what}", "steps": 32, "replays": replays,
             "bitwise": equal, "finite": finite, "ok": equal and finite and replays == 32})
     assert equal and finite and replays == 32
+
+
+def test_a_captured_runner_refuses_another_states_step():
+    """The graph replays into the pools it was captured on: a twin State's step is refused by name, and
+    neither State's storage changes."""
+    fam, cfg, params, page = build("llama")
+    attn = fa.ModelAttention(cfg.specs)
+    runner = StepRunner(fam.step, params, attn, fam.manifest(cfg), buckets=(2,))
+    prompts = {0: [1, 2, 3], 1: [4, 5]}
+    states = []
+    for _ in range(2):
+        st, last = prefill(fam, params, attn, state(cfg.specs, page), prompts)
+        states.append((st.reserve({0: 1, 1: 1}), torch.tensor([last[0], last[1]], device="cuda")))
+    (st, tokens), (twin, _) = states
+    st, _ = runner.decode(st, [0, 1], tokens)  # captured on st
+    before = {k: t.clone() for k, t in twin.views(0).items()}
+    with pytest.raises(ValueError, match=r"`state` must be a handle of the State"):
+        runner.decode(twin, [0, 1], tokens)
+    assert all(same_bits(t, before[k]) for k, t in twin.views(0).items())
