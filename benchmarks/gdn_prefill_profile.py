@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from fnattn import Batch, ModelAttention
+from fnattn import Batch, ModelAttention, switches
 from fnattn.bench import environment, timed
 from fnattn.bench.setup import cached_state
 from fnattn.kernels import causal_conv1d, gdn_conv
@@ -62,7 +62,7 @@ def main() -> None:
         gdn_conv.CHUNK_LAUNCH.update(block_c=a.chunk_launch[0], num_warps=a.chunk_launch[1])
     if a.chunk_tiles == "on":
         gdn_conv.CHUNK_LAUNCH.update(min_tokens=0)
-    a.chunk_tiles_on = gdn_conv._CHUNK_TILES[-1] if a.chunk_tiles == "default" else a.chunk_tiles == "on"
+    a.chunk_tiles_on = switches.value("chunk_tiles") if a.chunk_tiles == "default" else a.chunk_tiles == "on"
     with gdn_conv.chunk_tiles(a.chunk_tiles_on):
         run(a)
 

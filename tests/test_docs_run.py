@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = ("guide.md", "variants.md", "graphs.md", "transfer.md")
+PAGES = ("guide.md", "variants.md", "graphs.md", "transfer.md", "switches.md")
 SKIP_REASONS = ("needs CUDA", "needs torch.distributed", "needs a checkpoint directory")
 SKIP = re.compile(r"<!-- skip: (.*) -->")
 
