@@ -160,7 +160,8 @@ def run(args) -> int:
     if args.case == "linear":  # cuBLAS vs skinny_linear on Qwen3.5-0.8B's projections (fnattn/bench/linear.py)
         from .linear import run_linear
 
-        return run_linear(args, LINEAR_BATCH if args.batch is DEFAULT_BATCH else args.batch)
+        return run_linear(args, LINEAR_BATCH if args.batch is DEFAULT_BATCH else args.batch,
+                          command=argv_command(args.case))
     if not torch.cuda.is_available():
         print("fnattn bench: needs a CUDA device (none found)", file=sys.stderr)
         return 2
