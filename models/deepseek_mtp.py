@@ -112,3 +112,6 @@ def step(params: NextNParams, session, tokens: Int[Tensor, " T"], hidden: Float[
     x, deltas = ds.decoder_layer(session, params.layer_index, params.layer, cfg, x, cos, sin, sparse, {})
     out = rms_norm(x, params.norm, eps)  # [T, D]
     return F.linear(logit_rows(batch, out), params.head).float(), out, StepDeltas.collect(batch, [deltas])
+
+
+ds.draft.register(draft)  # the target family reaches its draft through this (it cannot import this module)

@@ -53,6 +53,7 @@ from .common import (
 )
 from .dsa_layer import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers
 from .mla_layer import MLAWeights, mla_project, mla_shapes, mla_softmax_scale, pad_heads, padded_kv_b, unpad_heads
+from .mtp import DraftHook
 from .registry import Family, register_family
 
 _MISSING = object()
@@ -488,11 +489,8 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
     return logits, deltas
 
 
-def draft(cfg: DeepseekConfig, target_params: Params, weights=None, *, seed: int = 0):
-    """The NextN (MTP) draft model (`models/deepseek_mtp.py`, imported lazily: it builds on this module)."""
-    from .deepseek_mtp import draft as nextn_draft
-
-    return nextn_draft(cfg, target_params, weights, seed=seed)
+# The NextN (MTP) draft model: `models/deepseek_mtp.py` builds on this module and registers itself here.
+draft = DraftHook("models/deepseek_mtp.py")
 
 
 # --------------------------------------------------------------------------- #

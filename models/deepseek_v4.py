@@ -33,6 +33,7 @@ from .deepseek_v32 import get_field, rope_tables
 from .dsv4_layer import AttnWeights, attention_inputs, output_projection, unweighted_norm
 from .dsv4_layer import rope_tables as cos_sin
 from .mla_layer import unpad_heads
+from .mtp import DraftHook
 from .registry import Family, register_family
 
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -455,11 +456,8 @@ def generated_lanes(cfg: DeepseekV4Config) -> tuple:
                  for i, s in enumerate(cfg.specs) if s.config.indexer is not None)
 
 
-def draft(cfg: DeepseekV4Config, target_params: Params, weights=None, *, seed: int = 0):
-    """The MTP draft model (`models/deepseek_v4_mtp.py`, imported lazily: it builds on this module)."""
-    from .deepseek_v4_mtp import draft as mtp_draft
-
-    return mtp_draft(cfg, target_params, weights, seed=seed)
+# The MTP draft model: `models/deepseek_v4_mtp.py` builds on this module and registers itself here.
+draft = DraftHook("models/deepseek_v4_mtp.py")
 
 
 def tiny_config() -> dict:

@@ -108,4 +108,8 @@ def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Te
     return F.linear(logit_rows(batch, out), params.head).float(), out, StepDeltas.collect(batch, [deltas])
 
 
+
+v4.draft.register(draft)  # the target family reaches its draft through this (it cannot import this module)
+
+
 __all__ = ["draft", "mtp_weight_shapes", "step"]

@@ -12,6 +12,10 @@ The draft's attention layers are its own: ``specs`` carry layer indices after
 the target's (``num_hidden_layers + j``) and live in a separate fnattn
 `State`; a draft step runs through a session over that state with
 ``batch.positions`` equal to the target positions it drafts from.
+
+A draft module builds on its target family's module, so the family cannot
+import it: the family's ``draft`` is a `DraftHook` that the draft module fills
+when imported (`models.registry` imports the draft modules after the families).
 """
 
 from __future__ import annotations
@@ -35,6 +39,28 @@ class DraftModel:
     params: Any
     # (params, session, tokens [T] int64, hidden [T, D]) -> (logits [T, vocab] fp32, hidden_out [T, D], StepDeltas)
     step: Callable
+
+
+class DraftHook:
+    """A target family's ``draft`` builder, registered by the draft module (``module``) when it is imported.
+
+    Called as the builder: ``(model config, target params, weights mapping | None, *, seed) -> DraftModel``.
+    """
+
+    def __init__(self, module: str):
+        self.module = module  # the draft module's path, for the error when nothing has registered
+        self.build: Callable | None = None
+
+    def register(self, build: Callable) -> None:
+        if self.build is not None:
+            raise ValueError(f"{self.module}: a draft builder is already registered ({self.build.__qualname__})")
+        self.build = build
+
+    def __call__(self, cfg, target_params, weights: Mapping | None = None, *, seed: int = 0) -> DraftModel:
+        if self.build is None:
+            raise RuntimeError(f"{self.module} has not registered its draft builder: importing it does (the "
+                               "registry's family_named and random_model import it)")
+        return self.build(cfg, target_params, weights, seed=seed)
 
 
 def has_weights(weights: Mapping | None, marker: str) -> bool:

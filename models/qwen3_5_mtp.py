@@ -107,3 +107,6 @@ def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Te
         layer_deltas.append(deltas)
     out = rms_norm(x, params.norm, eps, offset=1.0)  # [T, D]
     return F.linear(logit_rows(batch, out), params.lm_head).float(), out, StepDeltas.collect(batch, layer_deltas)
+
+
+q.draft.register(draft)  # the target family reaches its draft through this (it cannot import this module)

@@ -62,10 +62,12 @@ def register_family(family: Family) -> Family:
 def _load_builtin() -> None:
     import importlib
 
-    for module in ("qwen3_5", "qwen3_next", "deepseek_v32", "glm5", "kimi_linear", "llama", "deepseek_v4"):
+    # Each draft module builds on its target family's module and registers its builder there: families first.
+    for module in ("qwen3_5", "qwen3_next", "deepseek_v32", "glm5", "kimi_linear", "llama", "deepseek_v4",
+                   "qwen3_5_mtp", "deepseek_mtp", "deepseek_v4_mtp"):
         try:
             importlib.import_module(f"{__package__}.{module}")
-        except ModuleNotFoundError as e:  # a family not shipped in this build
+        except ModuleNotFoundError as e:  # a family or draft not shipped in this build
             if e.name != f"{__package__}.{module}":
                 raise
 
