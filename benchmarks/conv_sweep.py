@@ -4,13 +4,12 @@ at ``--requests R --tokens T --channels C`` (`fnattn bench gdn-prefill`'s 16 x 4
 
     python benchmarks/conv_sweep.py [--tokens 8192] [--channels 6144] [--requests 1] [--split] [--out x.json]
 
-The packed tiles: each (BT, BC, num_warps), with and without interior tiles (`kernels.gdn_conv.interior_tiles`:
-a tile inside one request reads x alone), and at the shipped tile as two launches (`interior_apart`). The chunk
-tiles (`kernels.gdn_conv.chunk_tiles`: one chunk of 64 tokens of one request a program, the requests' first
-chunks in a second launch): each channel width and warp count, both program orders at a few. fla-core's conv on
-the same input, when installed. Each launch is checked against the shipped path's output first, then timed with
-``triton.testing.do_bench``; TB/s counts x read once, y written once. ``--split``: q / k / v written apart
-(the fla provider's form).
+The packed tiles: each (BT, BC, num_warps), with and without interior tiles (`kernels.gdn_conv.interior_tiles`: a
+tile inside one request reads x alone). The chunk tiles (`kernels.gdn_conv.chunk_tiles`: one chunk of 64 tokens of
+one request a program, the requests' first chunks in a second launch): each channel width and warp count, both
+program orders at a few. fla-core's conv on the same input, when installed. Each launch is checked against the
+shipped path's output first, then timed with ``triton.testing.do_bench``; TB/s counts x read once, y written once.
+``--split``: q / k / v written apart (the fla provider's form).
 """
 
 import argparse
@@ -121,11 +120,6 @@ def main() -> None:
                 records.append(_chunked(shipped, want, moved, bc, warps, first, do_bench))
     with gdn_conv.chunk_tiles(False):
         packed_us = do_bench(shipped) * 1e3
-        with gdn_conv.interior_apart(True):  # the packed tiles as two launches: interior ones, then the rest
-            apart_same = torch.equal(_flat(shipped()[0]), want)
-            apart_us = do_bench(shipped) * 1e3
-    print(f"packed tiles, interior apart: {apart_us:.1f} us {moved / apart_us / 1e6:.2f} TB/s "
-          f"{'equal' if apart_same else 'DIFFERENT'}")
     saved = dict(gdn_conv.CHUNK_LAUNCH)
     gdn_conv.CHUNK_LAUNCH.update(min_tokens=0)  # the chunk tiles at any size
     with gdn_conv.chunk_tiles(True):
@@ -155,7 +149,6 @@ def main() -> None:
                f"{' --split' if a.split else ''}{' --no-packed' if a.no_packed else ''} --out {a.out}")
         with open(a.out, "w") as f:
             json.dump({"command": cmd, "environment": environment(), "shipped_us": packed_us,
-                       "interior_apart_us": apart_us, "interior_apart_equal": apart_same,
                        "chunk_tiles_us": chunk_us, "chunk_launch": dict(gdn_conv.CHUNK_LAUNCH), "fla_core": fla,
                        "records": records}, f, indent=1)
 

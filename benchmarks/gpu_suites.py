@@ -106,10 +106,8 @@ SUITES: dict[str, Suite] = {
         tests(240, "bug_classes_gpu.json", "tests/gpu/test_verify_bug_classes_gpu.py "
               "tests/gpu/test_padded_lanes_gpu.py tests/test_indexer_drops.py -m gpu"),
     )),
-    "kernels": Suite("GDN gating and fused decode, the paged decode's merge in launch, FlashInfer sampling, grouped "
-                     "experts, transfer between devices", (
+    "kernels": Suite("GDN gating and fused decode, FlashInfer sampling, grouped experts, transfer between devices", (
         tests(120, "gdn_pdl_gpu.json", "tests/gpu/test_gdn_gating_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py"),
-        tests(90, "paged_merge_gpu.json", "tests/gpu/test_paged_merge_gpu.py"),
         tests(150, "sampling_gpu.json", "tests/gpu/test_sampling_gpu.py"),
         tests(150, "grouped_experts_gpu.json", "tests/gpu/test_grouped_experts_gpu.py"),
         tests(60, "transfer_gpu.json", "tests/test_transfer.py tests/test_transfer_dist.py -m gpu"),

@@ -1,8 +1,7 @@
 """Arrival counters for kernels whose last program to finish a tile does the tile's last step (Triton).
 
-A split-K GEMV's last piece of a column tile sums the partials (`skinny_linear`), a split paged decode's
-last split of a tile merges the splits (`paged_attention`): each counts its pieces' arrivals in an int32
-that is zero between launches.
+A split-K GEMV's last piece of a column tile sums the partials (`skinny_linear`): it counts its pieces'
+arrivals in an int32 that is zero between launches.
 """
 
 import torch

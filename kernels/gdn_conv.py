@@ -28,13 +28,6 @@ _CHUNK_TILES = declare(
     off="packed tiles of the whole batch, each token's request found by a binary search",
     why="16 requests of 4096 tokens x 8192 channels took 837 us against 1507 on the H200, the same bits; "
         "the packed tiles serve smaller calls in one launch")
-_INTERIOR_APART = declare(
-    "interior_apart", False, __name__,
-    on="the packed conv tiles are two launches: the interior ones compiled without the general path, then the rest",
-    off="one launch over every tile",
-    why="the interior-only kernel takes 94 registers a thread against 241 (sm_90), but on the H200 the "
-        "Qwen3.5-0.8B layer's 8192-token conv took 162.7 us against the one launch's 144.2 (the prefill step "
-        "1.005x): the second launch costs more than the registers save, so off")
 # The chunk tiles' launch: channels a program, warps, whether neighbouring programs take the same tokens' next
 # channels (True) or the next tokens' same channels, and the fewest tokens they tile (below it the packed tiles
 # serve). The sweep's best at 16 x 4096 tokens x 8192 channels (837 us, 2.57 TB/s; 128 channels and 4 warps 1587
@@ -52,15 +45,6 @@ def interior_tiles(enabled: bool):
     an 8192-token prefill took 134 us with them against 202 us without on the H200, bit for bit the same
     output (``python benchmarks/conv_sweep.py``, benchmarks/results/conv_sweep.json at 8cb76cd)."""
     return switched(_INTERIOR, "interior_tiles", enabled)
-
-
-def interior_apart(enabled: bool):
-    """Within this block `causal_conv1d`'s packed tiles (with `interior_tiles`) are two launches over the same
-    grid: the interior tiles, compiled without the general path, then the others. Each tile's products are the
-    same, so the same bits. Compiled for sm_90 the one-launch kernel takes 241 registers a thread at its tile
-    (32 tokens x 128 channels, 4 warps) and its interior-only form 94: on the H200 a memory-bound kernel's
-    occupancy. Off by default until timed there (`benchmarks/conv_sweep.py`)."""
-    return switched(_INTERIOR_APART, "interior_apart", enabled)
 
 
 def chunk_tiles(enabled: bool):
@@ -86,11 +70,12 @@ def _conv_kernel(
     sx_t, sw_c, sw_w, sp_n, sp_c, sp_w, sy_t, so_t, so_c, so_w,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PER_POS: tl.constexpr, INTERIOR: tl.constexpr = False,
-    c1=0, c2=0, SPLIT: tl.constexpr = False, ONLY: tl.constexpr = 0,
+    c1=0, c2=0, SPLIT: tl.constexpr = False,
 ):
-    """``BT`` tokens of the packed batch x ``BC`` channels. ONLY (with INTERIOR): 0 every tile, 1 the interior
-    tiles alone, 2 the others alone; the two launches of 1 then 2 give 0's output, and a launch of 1 compiles no
-    general path, whose window loads take ~2.5x the registers (ptxas: 241 against 94 at 32 x 128, 4 warps)."""
+    """``BT`` tokens of the packed batch x ``BC`` channels. One launch takes the interior tiles and the others
+    alike, though the general path's window loads take ~2.5x the registers (ptxas: 241 against 94 at 32 x 128,
+    4 warps): the interior tiles as a launch of their own took 162.7 us against 144.2 for the Qwen3.5-0.8B
+    layer's 8192-token conv on the H200, the second launch costing more than the registers saved."""
     rt = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # T * C may pass 2^31
     rc = tl.program_id(1) * BC + tl.arange(0, BC)
     mt = rt < T
@@ -108,7 +93,6 @@ def _conv_kernel(
     slot = tl.load(slots_ptr + lo, mask=mt, other=-1).to(tl.int64)
 
     tl.static_assert(not (INTERIOR and PER_POS), "interior tiles store no per-position windows")
-    tl.static_assert(ONLY == 0 or INTERIOR, "ONLY splits the interior tiles from the others")
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     # A tile of one request whose taps all reach back into that request's own tokens reads only x: no window
     # loads and no per-token masks (the same products in the same order as the general path below).
@@ -116,25 +100,13 @@ def _conv_kernel(
     if INTERIOR:
         t0 = tl.program_id(0).to(tl.int64) * BT
         inside = (tl.min(lo, axis=0) == tl.max(lo, axis=0)) & (t0 + BT <= T) & (t0 - (W - 1) >= tl.max(bos, axis=0))
-    if ONLY == 1:
-        if inside:
-            acc = _conv_interior_taps(x_ptr, w_ptr, rt, rc, mc[None, :], mc, acc, sx_t, sw_c, sw_w, W)
-            _conv_store(acc, bias_ptr, y_ptr, rt, rc, 0, mt, mc, 0, T, C, sy_t, c1, c2, BC,
-                        HAS_BIAS, SILU, SPLIT)
-    elif ONLY == 2:
-        if inside == 0:
-            acc = _conv_taps(x_ptr, w_ptr, pool_ptr, out_ptr, rt, rc, mt, mc, bos, slot, acc, sx_t, sw_c, sw_w,
-                             sp_n, sp_c, sp_w, so_t, so_c, so_w, W, PER_POS)
-            _conv_store(acc, bias_ptr, y_ptr, rt, rc, 0, mt, mc, 0, T, C, sy_t, c1, c2, BC,
-                        HAS_BIAS, SILU, SPLIT)
+    if inside:
+        acc = _conv_interior_taps(x_ptr, w_ptr, rt, rc, mc[None, :], mc, acc, sx_t, sw_c, sw_w, W)
     else:
-        if inside:
-            acc = _conv_interior_taps(x_ptr, w_ptr, rt, rc, mc[None, :], mc, acc, sx_t, sw_c, sw_w, W)
-        else:
-            acc = _conv_taps(x_ptr, w_ptr, pool_ptr, out_ptr, rt, rc, mt, mc, bos, slot, acc, sx_t, sw_c, sw_w,
-                             sp_n, sp_c, sp_w, so_t, so_c, so_w, W, PER_POS)
-        _conv_store(acc, bias_ptr, y_ptr, rt, rc, 0, mt, mc, 0, T, C, sy_t, c1, c2, BC,
-                    HAS_BIAS, SILU, SPLIT)
+        acc = _conv_taps(x_ptr, w_ptr, pool_ptr, out_ptr, rt, rc, mt, mc, bos, slot, acc, sx_t, sw_c, sw_w,
+                         sp_n, sp_c, sp_w, so_t, so_c, so_w, W, PER_POS)
+    _conv_store(acc, bias_ptr, y_ptr, rt, rc, 0, mt, mc, 0, T, C, sy_t, c1, c2, BC,
+                HAS_BIAS, SILU, SPLIT)
 
 
 @triton.jit
@@ -406,17 +378,15 @@ def causal_conv1d(
             weight.stride(1), *conv_state_pool.stride(), C, c1, c2, **common)
     elif T > 0:
         BT = min(pow2(T), 32)
-        interior = _INTERIOR[-1] and not per_position_states
-        for only in (1, 2) if interior and _INTERIOR_APART[-1] else (0,):
-            _conv_kernel[(cdiv(T, BT), cdiv(C, BC))](
-                x, weight, bias if bias is not None else weight, conv_state_pool, slots, cu_seqlens, y, out_states,
-                T, C, B, B.bit_length(),
-                x.stride(0), weight.stride(0), weight.stride(1), *conv_state_pool.stride(), C,
-                *(out_states.stride() if per_position_states else (0, 0, 0)),
-                W=W, BT=BT, BC=BC, HAS_BIAS=bias is not None, SILU=activation is not None,
-                PER_POS=bool(per_position_states), INTERIOR=interior,
-                c1=split[0] if split else 0, c2=split[1] if split else 0, SPLIT=split is not None, ONLY=only,
-            )
+        _conv_kernel[(cdiv(T, BT), cdiv(C, BC))](
+            x, weight, bias if bias is not None else weight, conv_state_pool, slots, cu_seqlens, y, out_states,
+            T, C, B, B.bit_length(),
+            x.stride(0), weight.stride(0), weight.stride(1), *conv_state_pool.stride(), C,
+            *(out_states.stride() if per_position_states else (0, 0, 0)),
+            W=W, BT=BT, BC=BC, HAS_BIAS=bias is not None, SILU=activation is not None,
+            PER_POS=bool(per_position_states), INTERIOR=_INTERIOR[-1] and not per_position_states,
+            c1=split[0] if split else 0, c2=split[1] if split else 0, SPLIT=split is not None,
+        )
     if not per_position_states and B > 0:
         _conv_final_window_kernel[(B, cdiv(C, BC))](
             x, conv_state_pool, slots, cu_seqlens, out_states,

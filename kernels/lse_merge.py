@@ -75,40 +75,6 @@ def _merge_splits_kernel(
     tl.store(LSE + t * sl_t + h * sl_h, lse)
 
 
-@triton.jit
-def merge_rows_when_last(O_PART, LSE_PART, SINKS, OUT, LSE, C, num_splits, t_row, head, row_ok, dv, dv_ok,
-                         sop_t, sop_h, sop_s, slp_t, slp_h, so_t, so_h, sl_t, sl_h, HAS_SINK: tl.constexpr):
-    """Count this split of a tile at ``C``; the last of ``num_splits`` to arrive merges the tile's rows
-    ``(t_row, head)`` [BM] over every split (`_merge_splits_kernel`'s arithmetic, the splits summed in order)
-    into ``OUT`` and ``LSE``, then zeroes ``C``. The partials are read from L2: another SM wrote them."""
-    tl.debug_barrier()  # this split's partials are stored before its arrival is counted (released)
-    arrived = tl.atomic_add(C, 1, sem="acq_rel")
-    if arrived == num_splits - 1:  # every split's partials are visible (acquired)
-        lse_rows = LSE_PART + t_row * slp_t + head * slp_h  # [BM]
-        m = tl.full(t_row.shape, float("-inf"), tl.float32)
-        for s in range(num_splits):
-            m = tl.maximum(m, tl.load(lse_rows + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros(t_row.shape, tl.float32)
-        o = tl.zeros((t_row.shape[0], dv.shape[0]), tl.float32)
-        o_rows = O_PART + t_row[:, None] * sop_t + head[:, None] * sop_h + dv[None, :]  # [BM, DV_PAD]
-        mask = row_ok[:, None] & dv_ok[None, :]
-        for s in range(num_splits):
-            w = tl.exp(tl.load(lse_rows + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-            o_s = tl.load(o_rows + s * sop_s, mask=mask, other=0.0, cache_modifier=".cg")
-            o += tl.where(w[:, None] > 0, o_s, 0.0) * w[:, None]  # a split that attended nothing adds nothing
-            total += w
-        if HAS_SINK:
-            denom = total + tl.exp(tl.load(SINKS + head, mask=row_ok, other=0.0) - m_safe)
-        else:
-            denom = tl.where(total > 0, total, 1.0)
-        tl.store(OUT + t_row[:, None] * so_t + head[:, None] * so_h + dv[None, :],
-                 (o / denom[:, None]).to(OUT.dtype.element_ty), mask=mask)
-        lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-        tl.store(LSE + t_row * sl_t + head * sl_h, lse, mask=row_ok)
-        tl.atomic_xchg(C, 0)  # zero again for the next launch
-
-
 def merge_splits(o_part, lse_part, o, lse, *, sinks=None):
     """Merge split-K partials into `o` / `lse` (fresh outputs of the caller).
 

@@ -13,8 +13,9 @@ log-sum-exp without the sink and `-inf` when nothing was attended.
 The query heads sharing a kv head are packed into the rows of one tile (row =
 token * G_PAD + head in group), so each K/V tile is loaded once per kv head.
 Long contexts with few programs are split over the key range (split-K); a
-small second kernel merges the partial results by LSE and applies the sinks,
-or, under `merge_in_launch`, the last split of each tile to finish does.
+small second kernel merges the partial results by LSE and applies the sinks
+(the last split of each tile merging them in the same launch, through arrival
+counters, made the Qwen3.5-0.8B decode step 1.02x slower on the H200).
 
 Nothing here writes into its arguments (see `scatter.py` for the writes).
 """
@@ -22,11 +23,10 @@ Nothing here writes into its arguments (see `scatter.py` for the writes).
 
 import torch
 
-from ._counters import tile_counters
-from ._switch import declare, declare_tiles, switched
+from ._switch import declare_tiles
 from ._tiles import overridden
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
-from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_rows_when_last, merge_splits  # noqa: F401
+from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_splits  # noqa: F401
 from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -82,7 +82,7 @@ def _online_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attn_kernel(
     Q, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, CACHE_LENS, CU_SEQLENS, SINKS,
-    OUT, LSE, O_PART, LSE_PART, C,
+    OUT, LSE, O_PART, LSE_PART,
     sm_scale, softcap, window, num_splits,
     sq_t, sq_h, skn_t, skn_h, svn_t, svn_h,
     skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
@@ -92,7 +92,7 @@ def _paged_attn_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr, HAS_NEW: tl.constexpr, HAS_SINK: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr, MERGE_HERE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # inputs are read only after the launch before this one has finished
         gdc_wait()
@@ -202,10 +202,6 @@ def _paged_attn_kernel(
             o, mask=row_ok[:, None] & dv_ok[None, :],
         )
         tl.store(LSE_PART + t_row * slp_t + head * slp_h + split, lse, mask=row_ok)
-        if MERGE_HERE:  # the tile's last split to finish merges them (a counter per tile: C)
-            merge_rows_when_last(O_PART, LSE_PART, SINKS, OUT, LSE, C + tl.program_id(0) * tl.num_programs(1)
-                                 + tl.program_id(1), num_splits, t_row, head, row_ok, dv, dv_ok, sop_t, sop_h,
-                                 sop_s, slp_t, slp_h, so_t, so_h, sl_t, sl_h, HAS_SINK)
     else:
         denom = l_safe
         if HAS_SINK:
@@ -304,24 +300,6 @@ def pick_num_splits(programs, max_keys, device=None):
     return max(1, min(want, max_keys // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
-_MERGE_IN_LAUNCH = declare(
-    "merge_in_launch", False, __name__,
-    on="a split decode (or prefill) merges its splits in its own launch: the last split of each tile to finish",
-    off="a second launch, the merge kernel, merges them",
-    why="on, the whole Qwen3.5-0.8B graph step on the H200 took 1.021x / 1.014x as long at batch 1 / 8: off; "
-        "kept while a larger batch or longer context could turn it")
-
-
-def merge_in_launch(enabled: bool):
-    """Within this block a split decode (or prefill) merges its splits in its own launch: the last split of
-    each tile to finish (an arrival counter, `_counters.tile_counters`) merges the tile's rows, in place of
-    the second merge kernel; with more tiles than there are counters the merge kernel still runs. The same
-    values as the merge kernel on the H200 (tests/gpu_results/paged_merge_gpu.json). Off: on, the whole
-    Qwen3.5-0.8B graph step took 1.021x as long at batch 1 and 1.014x at batch 8 (``benchmarks/model_ab.py
-    --toggle merge_in_launch``, benchmarks/results/bench_merge_state_ab.json at 092036d)."""
-    return switched(_MERGE_IN_LAUNCH, "merge_in_launch", enabled)
-
-
 _TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 _OVERRIDES = declare_tiles(
     "paged_attention_tiles", __name__,
@@ -395,11 +373,10 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     cu = cu_seqlens if cu_seqlens is not None else cache_lens
 
     grid = (m_tiles, B * Hkv, num_splits)
-    counters = tile_counters(q.device, m_tiles * B * Hkv) if split and _MERGE_IN_LAUNCH[-1] else None
     pdl = pdl_launch(q.device)
     _paged_attn_kernel[grid](
         q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu, sinks_f,
-        o, lse, o_part, lse_part, lse if counters is None else counters,
+        o, lse, o_part, lse_part,
         float(scale), float(softcap), int(window), num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1),
@@ -413,9 +390,9 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
         DECODE=decode, HAS_NEW=has_new, HAS_SINK=sinks is not None,
         SOFTCAP=softcap > 0, WINDOW=window > 0, SPLIT=split,
         IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl, MERGE_HERE=counters is not None,
+        num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl,
     )
-    if split and counters is None:
+    if split:
         merge_splits(o_part, lse_part, o, lse, sinks=sinks_f if sinks is not None else None)
     return o, lse
 

@@ -15,7 +15,7 @@ from fnattn.models.registry import random_model
 import fnattn as fa
 from fnattn import kernels
 from fnattn.driver import prefill, run_step
-from fnattn.kernels import gdn_decode_fused, paged_attention
+from fnattn.kernels import gdn_decode_fused
 from fnattn.models import fused
 
 pytestmark = pytest.mark.gpu
@@ -340,7 +340,6 @@ VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
             "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on),
             "own norm and act": fused.own_norm_act, "gating epilogue": fused.gating_epilogue,
             "swiglu epilogue": fused.swiglu_epilogue, "gemv early4": lambda on: configured(early=4 if on else 1),
-            "attention merge in launch": paged_attention.merge_in_launch,
             "gdn state first": gdn_decode_fused.state_first, "gate prologue": fused.gate_prologue,
             "split norm": fused.split_norm}
 
@@ -354,9 +353,8 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     on (GDN's gated norm and the attention gate as fnattn's own launches), the GEMVs' L2 prefetch on,
     `fused.own_norm_act` on (fnattn's add + RMSNorm and SiLU-and-mul), `fused.gating_epilogue` on (GDN's
     gating in its input projection's GEMV), `fused.swiglu_epilogue` on (SiLU-and-mul in the gate / up
-    GEMV's launch), the GEMVs' first load four K tiles wide (`SkinnyConfig.early`), attention's splits merged in
-    its own launch (`kernels.paged_attention.merge_in_launch`), the fused GDN decode's state read before its
-    PDL wait (`kernels.gdn_decode_fused.state_first`), the output gates in the output projections' GEMVs
+    GEMV's launch), the GEMVs' first load four K tiles wide (`SkinnyConfig.early`), the fused GDN decode's state
+    read before its PDL wait (`kernels.gdn_decode_fused.state_first`), the output gates in the output projections' GEMVs
     (`fused.gate_prologue`), the residual adds in the output projections and the norms after them finished by
     the next GEMVs (`fused.split_norm`)."""
     pytest.importorskip("flashinfer")

@@ -86,15 +86,13 @@ def paged_decode_cases():
 
     ptr = {p: "*bf16" for p in ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "OUT")}
     ptr.update(BLOCK_TABLE="*i32", CACHE_LENS="*i32", CU_SEQLENS="*i32", SINKS="*fp32", LSE="*fp32",
-               O_PART="*fp32", LSE_PART="*fp32", C="*i32")
+               O_PART="*fp32", LSE_PART="*fp32")
     base = dict(HKV=2, G=4, G_PAD=4, D=256, D_PAD=256, DV=256, DV_PAD=256, PAGE=16, BLOCK_M=16, BLOCK_N=32,
                 DECODE=True, HAS_NEW=True, HAS_SINK=False, SOFTCAP=False, WINDOW=False, SPLIT=True, IEEE=False,
-                PDL=True, MERGE_HERE=False)
+                PDL=True)
     variants = {
         "paged decode d256 split": {},
-        "paged decode d256 split, merged in launch": dict(MERGE_HERE=True),
-        "paged decode d128 split, sinks, merged in launch": dict(D=128, D_PAD=128, DV=128, DV_PAD=128,
-                                                                 BLOCK_N=64, HAS_SINK=True, MERGE_HERE=True),
+        "paged decode d128 split, sinks": dict(D=128, D_PAD=128, DV=128, DV_PAD=128, BLOCK_N=64, HAS_SINK=True),
     }
     for name, change in variants.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(_paged_attn_kernel, c, ptr,
@@ -106,12 +104,10 @@ def conv_cases():
 
     ptr = {p: "*bf16" for p in ("x_ptr", "w_ptr", "bias_ptr", "pool_ptr", "y_ptr", "out_ptr")}
     ptr.update(slots_ptr="*i64", cu_ptr="*i32")
-    base = dict(W=4, BT=32, BC=128, HAS_BIAS=False, SILU=True, PER_POS=False, INTERIOR=False, SPLIT=False, ONLY=0)
+    base = dict(W=4, BT=32, BC=128, HAS_BIAS=False, SILU=True, PER_POS=False, INTERIOR=False, SPLIT=False)
     for name, change in {"gdn conv": {}, "gdn conv, interior tiles": dict(INTERIOR=True),
                          "gdn conv, per-position windows": dict(PER_POS=True),
-                         "gdn conv, q / k / v apart": dict(INTERIOR=True, SPLIT=True),
-                         "gdn conv, interior tiles alone": dict(INTERIOR=True, SPLIT=True, ONLY=1),
-                         "gdn conv, the other tiles alone": dict(INTERIOR=True, SPLIT=True, ONLY=2)}.items():
+                         "gdn conv, q / k / v apart": dict(INTERIOR=True, SPLIT=True)}.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(_conv_kernel, c, ptr)
     chunk_ptr = {**ptr, "seq_ptr": "*i32", "idx_ptr": "*i32"}
     base = dict(W=4, BT=64, BC=128, HAS_BIAS=True, SILU=True, SPLIT=False, EVEN_C=False)

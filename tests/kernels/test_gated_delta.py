@@ -346,29 +346,6 @@ def test_conv_interior_tiles_give_the_general_paths_bits(dtype, per_pos):
     assert torch.equal(inner[1], s_ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("split", [None, (16, 32)], ids=["one output", "split"])
-def test_conv_interior_apart_gives_the_one_launchs_bits(dtype, split):
-    """`gdn_conv.interior_apart`: the packed tiles as two launches, the interior ones (compiled without the
-    general path) then the others: every tile written once, the one launch's bits, windows included."""
-    from fnattn.kernels import gdn_conv
-
-    gen = torch.Generator().manual_seed(37)
-    lens = [70, 5, 130, 33, 1]
-    x = torch.randn(sum(lens), CONV_C, generator=gen).to(DEV, dtype)
-    w = (torch.randn(CONV_C, CONV_W, generator=gen) * 0.5).to(DEV, dtype)
-    bias = torch.randn(CONV_C, generator=gen).to(DEV, dtype)
-    pool = make_pool(7, (CONV_C, CONV_W - 1), live=[0, 2, 5, 6], dtype=dtype)
-    args = (x, w, bias, pool, slots_of([5, -1, 0, 2, 6]), cu_of(lens))
-    with gdn_conv.interior_apart(False):
-        one = causal_conv1d(*args, split=split)
-    with gdn_conv.interior_apart(True):
-        two = causal_conv1d(*args, split=split)
-    for a, b in zip(two[0] if split else two[:1], one[0] if split else one[:1]):
-        assert not a.isnan().any() and torch.equal(a, b)
-    assert torch.equal(two[1], one[1])
-
-
 @pytest.mark.parametrize("interior", [False, True], ids=["general", "interior"])
 @pytest.mark.parametrize("split", [(16, 32), (5, 41), (1, 47)], ids=["even", "uneven", "edges"])
 def test_conv_split_outputs_are_the_column_slices_contiguous(split, interior):
