@@ -3,7 +3,7 @@
 Each function has two bodies with one contract: on a CUDA tensor in bf16 / fp16
 (with the kernel's package installed) it calls FlashInfer's, fla-core's or
 fnattn's own Triton kernel; otherwise it runs the unfused torch math of
-`models.common` (or ``F.linear``), which is also what `unfused()` forces for
+`models.norm_rope` (or ``F.linear``), which is also what `unfused()` forces for
 parity checks. The torch bodies are the truth; the kernels agree with them to
 bf16 rounding (tests/gpu/test_fused_gpu.py).
 
@@ -47,7 +47,7 @@ from fnattn import switches as registry
 from fnattn.switches import declare, switched
 from fnattn.tp import all_reduce, current
 
-from .common import apply_rope, rms_norm
+from .norm_rope import apply_rope, rms_norm
 
 # The figures are ``benchmarks/model_ab.py``'s, the variants' steps interleaved.
 _ENABLED = declare(
@@ -349,7 +349,7 @@ def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, table: Tensor | None =
 
     The kernel (FlashInfer's apply_rope_with_cos_sin_cache_inplace, reading
     `rope_table`) rotates ``q`` and ``k`` in place, both in one launch; they
-    must be contiguous. The torch body is `common.apply_rope` (fp32 rotation,
+    must be contiguous. The torch body is `norm_rope.apply_rope` (fp32 rotation,
     rounded once).
     """
     if table is not None and _rope_kernel_fits(q, table) and _kernel("flashinfer", q, k) and q.is_contiguous() \
