@@ -1,5 +1,5 @@
 """The store side of `skinny_linear`'s kernel: the residual add, the tile's store (plain or SwiGLU's
-activation), the norm after the last tile, and the split-K partials' reduce kernel (Triton).
+activation) and the split-K partials' reduce kernel (Triton).
 
 Kept apart from the kernel's body so each file stays readable; `skinny_linear` is the only user.
 """
@@ -40,39 +40,6 @@ def _store_tile(Y, y_at, acc, m, m_ok, mask, pid_n, N, sym, SWIGLU: tl.constexpr
                  mask=m_ok[:, None] & (c < N // 2)[None, :])
     else:
         tl.store(y_at, acc.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_rows_when_last(Y, H, EW, CG, n_tiles, M, N, sym, shm, eps, offset, OFFSET: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Count this tile at ``CG``; the last of ``n_tiles`` reads the whole rows of ``Y`` back (rounded, from
-    L2) and writes ``H = rms_norm(Y, EW, eps, offset)`` with `rms_norm_ref`'s roundings, then zeroes ``CG``."""
-    tl.debug_barrier()  # this tile's sums are stored before its arrival is counted (released)
-    arrived = tl.atomic_add(CG, 1, sem="acq_rel")
-    if arrived == n_tiles - 1:  # every tile's sums are visible (acquired)
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < M
-        y_rows = Y + m.to(tl.int64)[:, None] * sym
-        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_E):
-            e = n0 + tl.arange(0, BLOCK_E)
-            ok = m_ok[:, None] & (e < N)[None, :]
-            y = tl.load(y_rows + e[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            sq += tl.sum(y * y, axis=1)
-        rstd = 1.0 / tl.sqrt_rn(sq / N + eps)  # [BM]; padded rows: y = 0, rstd finite
-        h_rows = H + m.to(tl.int64)[:, None] * shm
-        for n0 in range(0, N, BLOCK_E):
-            e = n0 + tl.arange(0, BLOCK_E)
-            ok = m_ok[:, None] & (e < N)[None, :]
-            y = tl.load(y_rows + e[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            w = tl.load(EW + e, mask=e < N, other=0.0).to(tl.float32)[None, :]
-            h = y * rstd[:, None]
-            if OFFSET:  # rms_norm's roundings: with an offset, one (after the scale); without, before and after
-                h = h * (offset + w)
-            else:
-                h = h.to(H.dtype.element_ty).to(tl.float32) * w
-            tl.store(h_rows + e[None, :], h.to(H.dtype.element_ty), mask=ok)
-        tl.atomic_xchg(CG, 0)  # zero again for the next launch
 
 
 @triton.jit

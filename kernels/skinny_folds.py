@@ -14,12 +14,8 @@ than `_counters.COUNTERS`, an empty K), the product and the op run apart, with t
   of the new rows, and the rows times the norm's ``offset + weight``. The GEMV after it streams those rows
   into its dots as loaded and scales each row of its product by the rms (`skinny_linear`'s ``rms=``, also
   taken by `skinny_linear_swiglu` and `skinny_linear_gating`). The add + norm launch between the two is gone,
-  and nothing waits on an arrival counter for it.
-- `skinny_linear_add_norm`: an output projection plus the residual, and the RMSNorm of the sum: the last
-  column tile to finish (an arrival counter) reads the whole rows back from L2 and normalizes them. In a
-  whole Qwen3.5-0.8B graph step on the H200 it saves nothing at one row and loses at eight (1283 against
-  1285 us, 1770 against 1521: benchmarks/results/bench_switches_ab_dd3d3d6.json), so the models leave it
-  off.
+  and nothing waits on an arrival counter for it (a form whose last column tile normalized the whole rows
+  itself lost in a whole Qwen3.5-0.8B graph step on the H200: 1.16x the step at eight rows).
 """
 
 from __future__ import annotations
@@ -31,16 +27,7 @@ from torch import Tensor
 from ._checks import check_finite_float, check_like, shares_storage
 from .gdn_gate import gdn_gating
 from .norm_act import silu_and_mul_ref
-from .skinny_linear import (
-    SkinnyConfig,
-    _check,
-    _check_act_norm,
-    _check_operand,
-    _launch,
-    column_tiles,
-    rms_norm_ref,
-    skinny_linear,
-)
+from .skinny_linear import SkinnyConfig, _check, _check_operand, _launch, column_tiles, skinny_linear
 
 
 def skinny_linear_swiglu(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"], *, rms=None,
@@ -50,7 +37,7 @@ def skinny_linear_swiglu(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"], *, r
     computes ``block_n / 2`` gate and up products of the same columns and writes their activation.
     ``rms``: the products' rows scaled before the activation, as `skinny_linear`'s.
     ``config``: for the ``[M, K] @ [2I, K]^T`` product (`pick_config`'s by default)."""
-    _check(x, w, None, None, config, None, None, None, rms)
+    _check(x, w, None, None, config, None, None, rms)
     M, N = x.shape[0], w.shape[0]
     if N % 2:
         raise ValueError(f"w: expected an even number of rows (gate rows, then as many up rows), got {N}")
@@ -95,26 +82,6 @@ def skinny_linear_swiglu_ref(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"]) 
     return silu_and_mul_ref((x.float() @ w.float().T).to(x.dtype))
 
 
-def skinny_linear_add_norm(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], residual: Float[Tensor, "M N"], norm,
-                           *, config: SkinnyConfig | None = None) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M N"]]:
-    """``y = residual + x @ w.T`` (as `skinny_linear`'s ``residual=``) and ``h = rms_norm(y, *norm)``
-    (``norm=(weight [N], eps, offset)``, `models.common`'s roundings, of the rounded ``y``): ``-> (y, h)``,
-    both ``[M, N]`` in ``x.dtype``. One launch: the last column tile to finish reads the whole rows of ``y``
-    back from L2 and normalizes them (an output projection, then the next block's input norm).
-    """
-    norm_after = _check_act_norm(None, norm)
-    _check(x, w, None, None, config, residual, None)
-    if residual is None:
-        raise ValueError("residual: expected an [M, N] tensor (the residual stream the sum joins), got None")
-    _check_operand("norm weight", norm_after[0], (w.shape[0],), x, row_strided=False)
-    M, N = x.shape[0], w.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    h = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if not _launch(x, w, y, None, residual, None, config, norm_after=(h, *norm_after)) and M and N:
-        h.copy_(rms_norm_ref(y, *norm_after))  # no counters for this many tiles, or an empty K: the norm apart
-    return y, h
-
-
 def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: int, neg_decay: Float[Tensor, " H"],
                          dt_bias: Float[Tensor, " H"], *, rms=None, config: SkinnyConfig | None = None
                          ) -> tuple[Float[Tensor, "M N"], Float[Tensor, "M H"], Float[Tensor, "M H"]]:
@@ -123,7 +90,7 @@ def skinny_linear_gating(x: Float[Tensor, "M K"], w: Float[Tensor, "N K"], col: 
     (``x.dtype``) as `gdn_gating` computes them: ``-> (y [M, N], g [M, H], beta [M, H])``. One launch: the
     tile that holds those columns writes g and beta too (an input projection, then its gating);
     ``neg_decay``, ``dt_bias``: fp32 ``[H]``. ``rms``: the product's rows scaled first, as `skinny_linear`'s."""
-    _check(x, w, None, None, config, None, None, None, rms)
+    _check(x, w, None, None, config, None, None, rms)
     M, N = x.shape[0], w.shape[0]
     H = neg_decay.shape[0] if isinstance(neg_decay, torch.Tensor) and neg_decay.dim() == 1 else None
     if H is None or neg_decay.dtype != torch.float32 or neg_decay.device != x.device or neg_decay.stride(0) != 1:

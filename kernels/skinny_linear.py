@@ -15,8 +15,7 @@ same as ``SkinnyConfig(one_launch=False)``'s second reduce kernel gives.
 
 Folds on load (prologues) and on store (epilogues): ``act="silu_mul"`` (``x [M, 2K]``
 is ``gate | up``: ``silu(gate) * up`` in fp32, rounded to ``x.dtype``, as
-``silu_and_mul`` then a linear layer compute it); ``gate=`` (a token mixer's output
-gate, `output_gate.gate_tile`); ``norm=(weight, eps, offset)`` (each program sums
+``silu_and_mul`` then a linear layer compute it); ``norm=(weight, eps, offset)`` (each program sums
 the squares of its rows over all of K itself, a second read of ``x`` from L2, then
 normalizes with `models.common.rms_norm`'s roundings); ``residual=`` (added to the
 fp32 accumulator, rounded once; with split-K after the fixed-order sum). The norm
@@ -27,7 +26,7 @@ streamed into the dots as loaded: with `skinny_folds.skinny_linear_add_` before 
 GEMVs, which the models do use (`models.fused.split_norm`).
 
 `fnattn.kernels.skinny_folds` takes the op after the product into the same launch (SwiGLU's
-activation, GDN's gating, a residual add + RMSNorm) as an epilogue.
+activation, GDN's gating, a residual add and the next RMSNorm's row-local half) as an epilogue.
 
 Under `fnattn.kernels.pdl` (on by default), on Hopper, the kernel launches with programmatic dependent launch: each
 program loads its first weight tile while the launch before it on the stream finishes, then waits for it
@@ -65,8 +64,7 @@ from ._triton import (
     triton,
 )
 from .gdn_gate import gate_columns
-from .output_gate import check_gate, gate_ref, gate_tile
-from .skinny_epilogues import _add_residual, _norm_rows_when_last, _skinny_gemv_splitk_reduce, _store_tile
+from .skinny_epilogues import _add_residual, _skinny_gemv_splitk_reduce, _store_tile
 
 MAX_M = 64
 ACTS = (None, "silu_mul")
@@ -183,34 +181,30 @@ def triton_cdiv(a: int, b: int) -> int:
 
 @triton.jit
 def _skinny_gemv_kernel(
-    X, W, Y, P, C, R, NW, H, EW, M, N, K, k_per_split, n_split, n_tiles, sxm, sym, srm, shm, eps, offset,
-    e_eps, e_offset, GG, GB, GND, GDTB, g_col, g_heads, Z, szm, szh, SQ_IN, s_parts, SQ_OUT, U, UW, u_offset,
+    X, W, Y, P, C, R, NW, M, N, K, k_per_split, n_split, n_tiles, sxm, sym, srm, eps, offset,
+    GG, GB, GND, GDTB, g_col, g_heads, SQ_IN, s_parts, SQ_OUT, U, UW, u_offset,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-    NORM_AFTER: tl.constexpr, NORM_AFTER_OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr, SWIGLU: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    EARLY: tl.constexpr, WIDEN: tl.constexpr, GATE: tl.constexpr, HEAD: tl.constexpr,
-    RMS_SCALE: tl.constexpr, BLOCK_P: tl.constexpr, ADD_SQUARES: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr,
+    SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EARLY: tl.constexpr, WIDEN: tl.constexpr, RMS_SCALE: tl.constexpr, BLOCK_P: tl.constexpr,
+    ADD_SQUARES: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
 
     ``SPLIT``: the tile's fp32 partial goes to ``P[pid_k]`` (``P``: ``[n_split, M, N]``, contiguous); with
     ``ONE_LAUNCH`` the piece that arrives last at ``C[pid_n]`` (an int32 counter, zero between launches)
     sums the partials and resets the counter, else a second kernel sums them. ``NORM``: rows of ``x``
-    RMS-normalized on load (weight ``NW [K]``); ``HAS_RESIDUAL``: ``R [M, N]`` added to the fp32 sum before rounding.
-    ``NORM_AFTER``: each tile's finisher counts itself at ``C[n_tiles]``; the last normalizes the whole rows
-    of ``Y`` into ``H`` (weight ``EW [N]``, `_norm_rows_when_last`). ``GATING``: the tile that holds GDN's b
-    and a columns (``g_col`` on) also writes beta and g from them (`gdn_gate.gate_columns`). ``SWIGLU``:
-    ``W`` is ``[gate; up]`` (``N = 2I`` rows); the tile's products alternate gate and up rows of the same
-    pairs, and it writes ``silu(gate) * up`` into ``Y [M, I]`` (`_store_tile`). ``WIDEN``: ``Y`` is fp32 and each
-    sum is rounded to ``W``'s dtype first (the bits of the product in that dtype, widened). ``GATE``: x's heads
-    of ``HEAD`` columns gated on load by ``Z`` (`output_gate.gate_tile`, its weight ``NW``, ``eps``).
-    ``RMS_SCALE``: each row's sums times ``1 / sqrt(sum(SQ_IN[m]) / K + eps)`` before the store (``SQ_IN
-    [M, s_parts]``: fp32 sums of squares in pieces), so x streams into the dots as loaded. ``ADD_SQUARES``
-    (with ``HAS_RESIDUAL``): the product is rounded, then the residual added and the sum rounded (the
-    unfused ops' bits); the tile's sums of squares of the rounded sum go to ``SQ_OUT[m, pid_n]`` (``[M,
-    n_tiles]``) and the sum times ``u_offset + UW[n]``, rounded, to ``U [M, N]`` (contiguous)."""
+    RMS-normalized on load (weight ``NW [K]``); ``HAS_RESIDUAL``: ``R [M, N]`` added to the fp32 sum before
+    rounding. ``GATING``: the tile that holds GDN's b and a columns (``g_col`` on) also writes beta and g from
+    them (`gdn_gate.gate_columns`). ``SWIGLU``: ``W`` is ``[gate; up]`` (``N = 2I`` rows); the tile's products
+    alternate gate and up rows of the same pairs, and it writes ``silu(gate) * up`` into ``Y [M, I]``
+    (`_store_tile`). ``WIDEN``: ``Y`` is fp32 and each sum is rounded to ``W``'s dtype first (the bits of the
+    product in that dtype, widened). ``RMS_SCALE``: each row's sums times ``1 / sqrt(sum(SQ_IN[m]) / K + eps)``
+    before the store (``SQ_IN [M, s_parts]``: fp32 sums of squares in pieces), so x streams into the dots as
+    loaded. ``ADD_SQUARES`` (with ``HAS_RESIDUAL``): the product is rounded, then the residual added and the sum
+    rounded (the unfused ops' bits); the tile's sums of squares of the rounded sum go to ``SQ_OUT[m, pid_n]``
+    (``[M, n_tiles]``) and the sum times ``u_offset + UW[n]``, rounded, to ``U [M, N]`` (contiguous)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)  # [BM]
@@ -218,7 +212,6 @@ def _skinny_gemv_kernel(
     m_ok = m < M
     n_ok = n < N
     x_rows = X + m.to(tl.int64)[:, None] * sxm  # [BM, 1]
-    z_rows = Z + m.to(tl.int64)[:, None] * szm  # [BM, 1]; read under GATE only
     if SWIGLU:  # product n is gate row n // 2 (n even) or the up row of the same pair (n odd)
         w_rows = W + (n // 2 + (n % 2) * (N // 2)).to(tl.int64)[:, None] * K  # [BN, 1]
     else:
@@ -257,13 +250,13 @@ def _skinny_gemv_kernel(
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_first = _x_tile(x_rows, NW, k_first, m_ok, k_first < k_hi, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL,
-                      NORM, NORM_OFFSET, z_rows, szh, eps, GATE, HEAD, BLOCK_M, EARLY * BLOCK_K)
+                      NORM, NORM_OFFSET)
     acc = _accumulate(acc, x_first, w_first, USE_DOT, FP32_DOT)
     for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = k < k_hi
         xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM,
-                     NORM_OFFSET, z_rows, szh, eps, GATE, HEAD, BLOCK_M, BLOCK_K)
+                     NORM_OFFSET)
         wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         acc = _accumulate(acc, xt, wt, USE_DOT, FP32_DOT)
     mask = m_ok[:, None] & n_ok[None, :]
@@ -291,9 +284,6 @@ def _skinny_gemv_kernel(
                     if (pid_n * BLOCK_N < g_col + 2 * g_heads) & (pid_n * BLOCK_N + BLOCK_N > g_col):
                         gate_columns(total.to(Y.dtype.element_ty), m, n, m_ok, GG, GB, GND, GDTB, g_col, g_heads,
                                      1.0, 20.0, LIBDEVICE)
-                if NORM_AFTER:
-                    _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
-                                         NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
     else:
         if RMS_SCALE:
             acc = acc * row_scale[:, None]
@@ -307,9 +297,6 @@ def _skinny_gemv_kernel(
             if (pid_n * BLOCK_N < g_col + 2 * g_heads) & (pid_n * BLOCK_N + BLOCK_N > g_col):
                 gate_columns(acc.to(Y.dtype.element_ty), m, n, m_ok, GG, GB, GND, GDTB, g_col, g_heads, 1.0,
                              20.0, LIBDEVICE)
-        if NORM_AFTER:
-            _norm_rows_when_last(Y, H, EW, C + n_tiles, n_tiles, M, N, sym, shm, e_eps, e_offset,
-                                 NORM_AFTER_OFFSET, BLOCK_M, BLOCK_E)
 
 
 @triton.jit
@@ -321,10 +308,8 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, dtype: tl.constexpr, ACT_SILU_MUL: tl.constexpr,
-            NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, z_rows, szh, eps, GATE: tl.constexpr, HEAD: tl.constexpr,
-            BM: tl.constexpr, WIDTH: tl.constexpr):
-    """The ``[BM, WIDTH]`` operand of x at columns ``k``: as stored, ``silu(gate) * up``, RMS-normalized, or
-    gated (`output_gate.gate_tile`)."""
+            NORM: tl.constexpr, NORM_OFFSET: tl.constexpr):
+    """The operand of x at columns ``k``: as stored, ``silu(gate) * up`` or RMS-normalized."""
     xm = m_ok[:, None] & k_ok[None, :]
     if ACT_SILU_MUL:
         g = tl.load(x_rows + k[None, :], mask=xm, other=0.0).to(tl.float32)
@@ -339,8 +324,6 @@ def _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, dtype: tl.constexpr, ACT
             xt = (h * (offset + nw)[None, :]).to(dtype)
         else:
             xt = (h.to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
-    if GATE:
-        xt = gate_tile(xt, z_rows, NW, k, xm, szh, eps, GATE, HEAD, BM, WIDTH)
     return xt
 
 
@@ -373,14 +356,10 @@ def _check_act_norm(act, norm):
     return weight, float(eps), float(offset)
 
 
-def _check(x, w, out, act, config, residual=None, norm=None, gate=None, rms=None):
+def _check(x, w, out, act, config, residual=None, norm=None, rms=None):
     norm = _check_act_norm(act, norm)
-    if rms is not None and (act is not None or norm is not None or gate is not None):
-        raise ValueError(f"rms: expected no act, norm or gate beside it (the row scale is of the product), got "
-                         f"act={act!r}, norm={'given' if norm is not None else None}, "
-                         f"gate={'given' if gate is not None else None}")
-    if gate is not None and (act is not None or norm is not None):
-        raise ValueError(f"gate: expected no act or norm beside it (each changes how x loads), got "
+    if rms is not None and (act is not None or norm is not None):
+        raise ValueError(f"rms: expected no act or norm beside it (the row scale is of the product), got "
                          f"act={act!r}, norm={'given' if norm is not None else None}")
     if config is not None and not isinstance(config, SkinnyConfig):
         raise ValueError(f"config: expected a SkinnyConfig or None, got {type(config).__name__}")
@@ -456,7 +435,7 @@ def _check_operand(name, t, shape, x, *, row_strided):
         raise ValueError(f"{name}: expected {what}, got strides {t.stride()}")
 
 
-def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, gate=None, rms=None, config=None):
+def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, rms=None, config=None):
     """``x [M, K] @ w[N, K]^T -> y [M, N]`` in ``x.dtype`` with fp32 accumulation, M <= 64.
 
     ``act="silu_mul"``: ``x`` is ``[M, 2K]`` (gate | up) and the product is of
@@ -468,31 +447,25 @@ def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, gate=No
     ``w`` is contiguous. ``out``: an ``[M, N]`` tensor to write (unit inner
     stride, sharing no storage with ``x`` or ``residual``), returned; in fp32 it holds the product rounded
     to ``x.dtype``, widened (``skinny_linear(x, w).float()`` without the second launch: logits).
-    ``gate``: the product is of a token mixer's output gated on load (`output_gate.check_gate`:
-    ``("silu_norm", z, weight, eps)``, GDN's per-head norm, or ``("sigmoid", z)``, gated attention's), one
-    launch fewer than `output_gate`'s kernel before the projection.
     ``rms=(squares, eps)``: each row of the product times ``1 / sqrt(squares[m].sum() / K + eps)`` before its
     rounding (``squares``: fp32 ``[M, P]``, sums of squares in pieces). With ``x`` rows times an RMSNorm's
     ``offset + weight`` and ``squares`` the rows' own (both as `skinny_folds.skinny_linear_add_` leaves
     them), the product is of the RMSNorm, its rounding moved from the normed rows to the product, and x
-    streams into the dots as loaded. Not with ``act``, ``norm`` or ``gate``.
+    streams into the dots as loaded. Not with ``act`` or ``norm``.
     ``config``: a `SkinnyConfig` instead of `pick_config`'s.
     """
-    norm = _check(x, w, out, act, config, residual, norm, gate, rms)
-    if gate is not None:
-        gate = check_gate(gate, x, (config or pick_config(x.shape[0], w.shape[0], w.shape[1], x.dtype)).block_k)
+    norm = _check(x, w, out, act, config, residual, norm, rms)
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
-    if not _launch(x, w, y, act, residual, norm, config, gate=gate, rms=rms) and rms is not None:
+    if not _launch(x, w, y, act, residual, norm, config, rms=rms) and rms is not None:
         y.copy_(rms_scaled_ref(x, w, rms, residual))  # a split launch without its counters: the truth apart
     return y
 
 
-def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, swiglu=False, gate=None,
-            rms=None, add_squares=None) -> bool:
-    """Write ``y`` (checked arguments); ``norm_after=(h, weight, eps, offset)``: also ``h``, or
-    ``gating=(g, beta, neg_decay, dt_bias, col, H)``: also g and beta, when the launch can (``-> whether it
-    did``). ``swiglu``: ``y [M, N / 2]`` is ``silu(gate) * up`` of the products, when the launch can; when it
-    cannot (no counters for a split launch, an empty K), nothing is written. ``gate``: `check_gate`'s result.
+def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms=None, add_squares=None) -> bool:
+    """Write ``y`` (checked arguments); ``gating=(g, beta, neg_decay, dt_bias, col, H)``: also g and beta,
+    when the launch can (``-> whether it did``). ``swiglu``: ``y [M, N / 2]`` is ``silu(gate) * up`` of the
+    products, when the launch can; when it cannot (no counters for a split launch, an empty K), nothing is
+    written.
     ``rms=(squares [M, P], eps)``: each row's product times ``1 / sqrt(squares[m].sum() / K + eps)``, when the
     launch can (a split launch needs its counters); when it cannot, nothing is written. ``add_squares=(squares
     [M, column_tiles(...)], scaled [M, N], weight [N], offset)`` (with ``residual``): the residual added as
@@ -519,57 +492,43 @@ def _launch(x, w, y, act, residual, norm, config, norm_after=None, gating=None, 
     nw, eps, offset = (x, 0.0, 0.0) if norm is None else norm
     if rms is not None:
         eps = rms[1]
-    kind, z, szm, szh, head = 0, x, 0, 0, 1
-    if gate is not None:
-        kind, z, nw, eps, head = gate
-        szm, szh = z.stride(0), z.stride(1)
-    # Counters: one per column tile (split-K arrivals), one more for the tiles (the norm after).
-    counters = None
-    if norm_after is not None or (split > 1 and cfg.one_launch):
-        counters = tile_counters(x.device, grid[0] + (norm_after is not None))
-    if norm_after is not None and counters is None:
-        norm_after = None
+    # Counters: one per column tile, for the split-K arrivals.
+    counters = tile_counters(x.device, grid[0]) if split > 1 and cfg.one_launch else None
     if split > 1 and counters is None:  # the reduce kernel has no gating, SwiGLU, row scale or squares epilogue
         gating = None
         if swiglu or add_squares is not None or rms is not None:
             return False
     gg, gb, gnd, gdtb, g_col, g_heads = (y, y, y, y, 0, 0) if gating is None else gating
-    h, ew, e_eps, e_offset = (y, y, 0.0, 0.0) if norm_after is None else norm_after
     pdl = pdl_launch(x.device)  # the first weight tile loads while the launch before finishes
     common = dict(ACT_SILU_MUL=act == "silu_mul", NORM=norm is not None, NORM_OFFSET=offset != 0.0,
-                  USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, NORM_AFTER=norm_after is not None,
-                  NORM_AFTER_OFFSET=e_offset != 0.0, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  BLOCK_E=min(1024, next_pow2(N)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
                   LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
                   LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu, EARLY=cfg.early,
-                  WIDEN=y.dtype != x.dtype, GATE=kind, HEAD=head, RMS_SCALE=rms is not None,
+                  WIDEN=y.dtype != x.dtype, RMS_SCALE=rms is not None,
                   BLOCK_P=1 if rms is None else next_pow2(rms[0].shape[1]), ADD_SQUARES=add_squares is not None)
     sq_in, parts = (y, 1) if rms is None else (rms[0], rms[0].shape[1])
     sq_out, u, uw, u_offset = (y, y, y, 0.0) if add_squares is None else add_squares
     c = y if counters is None else counters
     if split == 1:
-        _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, h, ew, M, N, K, k_per_split, 1, grid[0], x.stride(0),
-                                  y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb,
-                                  g_col, g_heads, z, szm, szh, sq_in, parts, sq_out, u, uw, u_offset,
-                                  HAS_RESIDUAL=residual is not None, SPLIT=False,
-                                  ONE_LAUNCH=False,
-                                  **common)
-        return norm_after is not None or gating is not None or swiglu or add_squares is not None or rms is not None
+        _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, M, N, K, k_per_split, 1, grid[0], x.stride(0),
+                                  y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in, parts,
+                                  sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=False,
+                                  ONE_LAUNCH=False, **common)
+        return gating is not None or swiglu or add_squares is not None or rms is not None
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     one_launch = counters is not None
-    _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, h, ew, M, N, K, k_per_split, split, grid[0], x.stride(0),
-                              y.stride(0), srm, h.stride(0), eps, offset, e_eps, e_offset, gg, gb, gnd, gdtb, g_col,
-                              g_heads, z, szm, szh, sq_in, parts, sq_out, u, uw, u_offset,
-                              HAS_RESIDUAL=residual is not None,
-                              SPLIT=True,
+    _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, M, N, K, k_per_split, split, grid[0], x.stride(0),
+                              y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in, parts,
+                              sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=True,
                               ONE_LAUNCH=one_launch, **common)
     if not one_launch:
         block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
         _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
                                                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                                WIDEN=y.dtype != x.dtype, num_warps=4)
-    return norm_after is not None or gating is not None or swiglu or add_squares is not None or rms is not None
+    return gating is not None or swiglu or add_squares is not None or rms is not None
 
 
 def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):
@@ -590,14 +549,10 @@ def rms_scaled_ref(x, w, rms, residual=None):
     return (y if residual is None else y + residual.float()).to(x.dtype)
 
 
-def skinny_linear_ref(x, w, *, act=None, residual=None, norm=None, gate=None):
+def skinny_linear_ref(x, w, *, act=None, residual=None, norm=None):
     """The truth of `skinny_linear`: fp32 products and sums (the residual added to the fp32 product), rounded
-    once to ``x.dtype``; ``act``, ``norm`` and ``gate`` round their operand to ``x.dtype`` first, as the unfused
-    ops do (`output_gate.gate_ref` for the gate)."""
+    once to ``x.dtype``; ``act`` and ``norm`` round their operand to ``x.dtype`` first, as the unfused ops do."""
     norm = _check_act_norm(act, norm)
-    if gate is not None:
-        check_gate(gate, x)
-        x = gate_ref(gate, x)
     if act == "silu_mul":
         g, u = x.float().chunk(2, dim=-1)
         x = (torch.nn.functional.silu(g) * u).to(x.dtype)

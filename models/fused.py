@@ -18,7 +18,9 @@ against 7.8 us for the 0.8B MLP's down projection), so the models do not use it;
 activation into the gate / up projection's epilogue instead (`gate_up_silu`, `swiglu_epilogue`).
 `gdn_gating` computes GDN's g and beta in one launch (`fnattn.kernels.gdn_gating`). `project_add_norm` with
 ``split=True`` (`split_norm`, on) splits a residual add + RMSNorm between the GEMVs on either side of it
-(`SplitNorm`): no launch of its own at decode sizes.
+(`SplitNorm`): no launch of its own at decode sizes. A mixer's output gate stays a launch of its own before
+the output projection (`gated_projection`): applied in that GEMV as it loaded x, every program repeated the
+norm before its first weight load, and the Qwen3.5-0.8B step on the H200 took 1.02x as long.
 
 Where fp32 stays in a bf16 model, the math needs it: RMSNorm statistics (inside
 the kernels), the rope angles (one fp32 table per step, shared by every layer),
@@ -55,12 +57,6 @@ _ENABLED = declare(
     on="each function here calls its kernel where one serves (CUDA, bf16 / fp16, the package installed)",
     off="every function runs its torch body (`unfused()`)",
     why="the torch bodies are the truth the kernels are checked against: parity tests run them")
-_EPILOGUE = declare(
-    "add_norm_epilogue", False, __name__,
-    on="`project_add_norm` takes decode-sized CUDA inputs to one launch (`skinny_linear_add_norm`)",
-    off="the projection, then the residual add + RMSNorm",
-    why="on, the Qwen3.5-0.8B graph step (H200) took 1.00x / 1.16x as long at batch 1 / 8; `split_norm` "
-        "took the add + norm's launch away instead")
 _QK_ONE_LAUNCH = declare(
     "qk_one_launch", True, __name__,
     on="`qk_norm_rope` runs `fnattn.kernels.qk_norm_rope` on CUDA: q / k norms, rope and v's copy in one launch",
@@ -88,12 +84,6 @@ _SWIGLU_EPILOGUE = declare(
     on="`gate_up_silu` takes decode-sized CUDA inputs to one launch: the gate / up GEMV writes silu(gate) * up",
     off="the GEMV, then `silu_and_mul`",
     why="on, the Qwen3.5-0.8B graph step (H200) took 0.970x / 0.979x as long at batch 1 / 8")
-_GATE_PROLOGUE = declare(
-    "gate_prologue", False, __name__,
-    on="`gated_projection` hands a mixer's output gate to the output projection's GEMV, applied as it loads",
-    off="the gate a launch of its own, then the GEMV",
-    why="on, the Qwen3.5-0.8B graph step (H200) took 1.020x / 1.019x as long at batch 1 / 8: every GEMV "
-        "program repeats the norm before its first weight load")
 _GROUPED_EXPERTS = declare(
     "grouped_experts", True, __name__,
     on="a MoE layer's routed experts run as two grouped GEMMs over the picked experts (`common.grouped_moe`)",
@@ -111,14 +101,6 @@ _SPLIT_NORM = declare(
 def unfused():
     """Within this block every function here runs its torch body (the reference for parity tests)."""
     return switched(_ENABLED, "unfused", False)
-
-
-def add_norm_epilogue(enabled: bool):
-    """Within this block `project_add_norm` takes decode-sized inputs on CUDA to one launch
-    (`skinny_linear_add_norm`) when ``enabled``. Off by default: on, the whole Qwen3.5-0.8B graph step on
-    the H200 took 1.00x as long at batch 1 and 1.16x at batch 8 (``benchmarks/model_ab.py``,
-    benchmarks/results/bench_switches_ab_dd3d3d6.json)."""
-    return switched(_EPILOGUE, "add_norm_epilogue", enabled)
 
 
 def qk_one_launch(enabled: bool):
@@ -164,19 +146,6 @@ def swiglu_epilogue(enabled: bool):
     return switched(_SWIGLU_EPILOGUE, "swiglu_epilogue", enabled)
 
 
-def gate_prologue(enabled: bool):
-    """Within this block `gated_projection` hands a token mixer's output gate (GDN's gated output norm,
-    attention's sigmoid gate) to the output projection's GEMV, which applies it as it loads the mixer's
-    output (`skinny_linear`'s ``gate=``), at decode sizes on CUDA: one launch fewer a layer. The norm's
-    sums of squares are trees over each head in either kernel, in different orders, so the two may differ in
-    the last bit of fp32 before the rounding. Off by default: on, the whole Qwen3.5-0.8B graph step on the H200
-    took 1.020x as long at batch 1 and 1.019x at batch 8, paired by round (``benchmarks/model_ab.py --toggle
-    gate_prologue``, benchmarks/results/bench_gate_prologue_ab.json at d708b38): every program of the GEMV
-    gates its own K tiles, so the norm's work repeats across the output columns' programs and sits in front of
-    each program's first weight load, which costs more than the launch it saves."""
-    return switched(_GATE_PROLOGUE, "gate_prologue", enabled)
-
-
 def grouped_experts(enabled: bool):
     """Within this block a MoE layer's routed experts run as two grouped GEMMs over the experts its tokens
     picked (`common.grouped_moe`: ``torch._grouped_mm`` over the weights stacked at load, the groups found on
@@ -191,10 +160,10 @@ def grouped_experts(enabled: bool):
 
 
 def split_norm(enabled: bool):
-    """Within this block `project_add_norm(..., split=True)` takes decode-sized inputs on CUDA (without TP
-    or a gate) to `skinny_linear_add_`: the output projection's GEMV adds into the residual stream itself and
-    leaves the parts of the next RMSNorm that need no whole row (each column tile's sums of squares, the rows
-    times ``1 + weight``); the next projection's GEMV streams those rows into its dots as loaded and scales
+    """Within this block `project_add_norm(..., split=True)` takes decode-sized inputs on CUDA (without TP)
+    to `skinny_linear_add_`: the output projection's GEMV adds into the residual stream itself and leaves the
+    parts of the next RMSNorm that need no whole row (each column tile's sums of squares, the rows times
+    ``1 + weight``); the next projection's GEMV streams those rows into its dots as loaded and scales
     each row of its product by the rms (`SplitNorm`): the residual add + RMSNorm launch between them is gone.
     The norm's rounding moves from the normed rows to the product, so the two agree to bf16 rounding. On by
     default: on, the whole Qwen3.5-0.8B graph step on the H200 took 0.974x as long at batch 1 and 0.988x at
@@ -416,11 +385,10 @@ def _skinny(x: Tensor, w: Tensor, width: int, residual: Tensor | None = None,
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
-           norm: tuple[Tensor, float, float] | None = None, widen: bool = False, gate: tuple | None = None) -> Tensor:
+           norm: tuple[Tensor, float, float] | None = None, widen: bool = False) -> Tensor:
     """``F.linear(x, w, bias)`` over the last dim, any leading dims; at most 16 rows without a bias run
     `skinny_linear` (fp32 accumulation, one rounding, as cuBLAS's). ``widen``: the result in fp32, the
-    product's bits widened (``.float()`` of it), which the GEMV stores itself: logits. ``gate``: ``x [T, H * D]``
-    is a token mixer's output, gated first (`gated_projection`'s ``gate``; in the GEMV where it takes it).
+    product's bits widened (``.float()`` of it), which the GEMV stores itself: logits.
 
     ``norm=(weight, eps, offset)``: the product is of ``rms_norm(x, weight, eps, offset=offset)``;
     ``residual`` (the output's shape): added to the product. The kernel folds both (the norm on load, the
@@ -429,59 +397,33 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor
     (without ``norm``): its GEMV finishes the norm where it takes it.
     """
     if isinstance(x, SplitNorm):
-        if norm is None and bias is None and residual is None and gate is None and _takes_split(x, w):
+        if norm is None and bias is None and residual is None and _takes_split(x, w):
             from fnattn.kernels.skinny_linear import skinny_linear
 
             out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.x.device) if widen else None
             return skinny_linear(x.scaled, w, rms=x.rms, out=out)
         x = x.tensor()
-    if gate is not None and not (norm is None and bias is None and _skinny(x, w, w.shape[-1], residual)
-                                 and _gate_fits(x, gate)):
-        x, gate = _gated(x.view(gate[1].shape), gate).reshape(x.shape), None
     if bias is None and _skinny(x, w, w.shape[-1], residual, norm):
         from fnattn.kernels.skinny_linear import skinny_linear
 
         r = None if residual is None else residual.reshape(-1, w.shape[0])  # read only: a copy would do too
         rows = x.reshape(-1, x.shape[-1])
         out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32, device=x.device) if widen else None
-        y = skinny_linear(rows, w, residual=r, norm=norm, out=out, gate=gate)
+        y = skinny_linear(rows, w, residual=r, norm=norm, out=out)
         return y.view(*x.shape[:-1], w.shape[0])
     y = F.linear(x if norm is None else rms_norm(x, norm[0], norm[1], offset=norm[2]), w, bias)
     y = y if residual is None else y + residual
     return y.float() if widen else y
 
 
-def _gated(o: Float[Tensor, "T H D"], gate: tuple) -> Float[Tensor, "T H D"]:
-    return gated_rms_norm_silu(o, *gate[1:]) if gate[0] == "silu_norm" else sigmoid_gate(o, gate[1])
-
-
-def _gate_fits(x: Tensor, gate: tuple) -> bool:
-    """Whether the GEMV over ``x [T, H * D]`` (contiguous rows) takes ``gate`` as it loads x: what
-    `output_gate.check_gate` accepts for the table's K tile (asked at decode sizes only, where it does)."""
-    from fnattn.kernels.output_gate import check_gate
-    from fnattn.kernels.skinny_linear import pick_config
-
-    if not x.is_contiguous():
-        return False
-    try:
-        check_gate(gate, x, pick_config(x.shape[0], 1, x.shape[-1], x.dtype).block_k)
-    except ValueError:
-        return False
-    return True
-
-
 def gated_projection(o: Float[Tensor, "T H D"], gate: tuple, w: Float[Tensor, "N K"], project=None):
     """``project(gate applied to o, as [T, H * D], w)``: ``gate`` is ``("silu_norm", z, weight, eps)``, GDN's
     output norm (`gated_rms_norm_silu`), or ``("sigmoid", z)``, gated attention's (`sigmoid_gate`), with
-    ``z [T, H, D]`` as the input projection left it; ``project`` defaults to `linear`. Under `gate_prologue`
-    ``project`` gets o's rows ungated and ``gate=`` to pass to `linear` (as `project_add_norm` does), whose
-    GEMV applies it on load where it takes it."""
+    ``z [T, H, D]`` as the input projection left it; ``project`` defaults to `linear`."""
     project = linear if project is None else project
     o = o.to(gate[1].dtype)
-    T = o.shape[0]
-    if _GATE_PROLOGUE[-1] and _kernel("triton", o, gate[1]):
-        return project(o.reshape(T, -1), w, gate=gate)
-    return project(_gated(o, gate).reshape(T, -1), w)
+    gated = gated_rms_norm_silu(o, *gate[1:]) if gate[0] == "silu_norm" else sigmoid_gate(o, gate[1])
+    return project(gated.reshape(o.shape[0], -1), w)
 
 
 def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -527,34 +469,26 @@ def gate_up_silu(x: Float[Tensor, "T D"], gate_up: Float[Tensor, "I2 D"]) -> Flo
 
 
 def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual: Float[Tensor, "T D"],
-                     weight: Float[Tensor, " D"], eps: float, gate: tuple | None = None, split: bool = False
+                     weight: Float[Tensor, " D"], eps: float, split: bool = False
                      ) -> tuple[Float[Tensor, "T D"], Float[Tensor, "T D"] | SplitNorm]:
     """An output projection, the residual add and the next block's input norm (Qwen's ``1 + weight``):
     ``-> (residual + linear(x, w), rms_norm_offset(that sum, weight, eps))``.
 
     The projection is row-parallel under TP: its partial products are all-reduced before the add
     (`fnattn.tp.all_reduce`). Otherwise `linear` then `add_rms_norm_offset_`, which on CUDA writes the sum
-    into ``residual`` (pass the step's own tensor). Under `add_norm_epilogue`, at decode sizes on CUDA and
-    without TP, one launch: the GEMV's last tile adds the residual (the sum rounded once) and normalizes the
-    rounded sum. ``gate``: as `linear`'s (the epilogue then stays apart). ``split``: the caller hands the
-    norm to a projection that takes a `SplitNorm` (`linear`, `project_and_gate`, `gate_up_silu`); under
-    `split_norm`, at decode sizes on CUDA without TP or a gate, it gets one (`skinny_linear_add_`).
+    into ``residual`` (pass the step's own tensor). ``split``: the caller hands the norm to a projection
+    that takes a `SplitNorm` (`linear`, `project_and_gate`, `gate_up_silu`); under `split_norm`, at decode
+    sizes on CUDA without TP, it gets one (`skinny_linear_add_`).
     """
     group = current()
-    if split and _SPLIT_NORM[-1] and gate is None and (group is None or group.size == 1) and x.dim() == 2 \
+    if split and _SPLIT_NORM[-1] and (group is None or group.size == 1) and x.dim() == 2 \
             and _skinny(x, w, w.shape[-1], residual) and not shares_storage(x, residual) \
             and weight.dtype == x.dtype and weight.shape == (w.shape[0],) and weight.is_contiguous():
         from fnattn.kernels.skinny_folds import skinny_linear_add_
 
         residual, scaled, squares = skinny_linear_add_(x, w, residual, weight, 1.0)
         return residual, SplitNorm(residual, scaled, squares, weight, eps)
-    if gate is None and (group is None or group.size == 1) and _EPILOGUE[-1] and x.dim() == 2 \
-            and _skinny(x, w, w.shape[-1], residual) and weight.dtype == x.dtype and weight.shape == (w.shape[0],) \
-            and weight.is_contiguous():
-        from fnattn.kernels.skinny_folds import skinny_linear_add_norm
-
-        return skinny_linear_add_norm(x, w, residual, (weight, eps, 1.0))
-    return add_rms_norm_offset_(all_reduce(linear(x, w, gate=gate)), residual, weight, eps)
+    return add_rms_norm_offset_(all_reduce(linear(x, w)), residual, weight, eps)
 
 
 def qk_norm_rope(q: Float[Tensor, "T Hq D"], k: Float[Tensor, "T Hkv D"], v: Float[Tensor, "T Hkv Dv"],

@@ -292,8 +292,7 @@ def gdn_project(
 
 def gdn_finish(w: GDNWeights, o: Float[Tensor, "T H V"], z: Float[Tensor, "T H V"], project=linear):
     """The gated RMSNorm and the output projection, in ``z.dtype`` (the activation dtype): ``[T, Dmodel]``.
-    ``project(x, weight)``: the projection (a model may fold the residual add and the next norm into it; under
-    `fused.gate_prologue` it is also handed ``gate=``, `fused.gated_projection`)."""
+    ``project(x, weight)``: the projection (a model may fold the residual add and the next norm into it)."""
     expect_shape("o", o, (None, w.num_v_heads, w.head_v_dim))
     expect_shape("z", z, (o.shape[0], w.num_v_heads, w.head_v_dim))
     return gated_projection(o, ("silu_norm", z, w.norm_weight, w.eps), w.out_proj, project)

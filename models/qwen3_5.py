@@ -412,8 +412,7 @@ def load_layer(cfg: QwenConfig, weights, i: int, L: str) -> Layer:
 def gated_attention(session, layer: int, w: Attention, h: Float[Tensor, "T D"], cos: Tensor, sin: Tensor,
                     cfg: QwenConfig, table: Tensor | None = None, project=linear):
     """``-> (output [T, D], layer deltas)``; ``table``: the step's `rope_table` (FlashInfer's rope on CUDA);
-    ``project(x, weight)``: o_proj (`step_hidden` folds the residual add and the next norm into it; under
-    `fused.gate_prologue` it is also handed ``gate=``, `fused.gated_projection`)."""
+    ``project(x, weight)``: o_proj (`step_hidden` folds the residual add and the next norm into it)."""
     T, Dh = h.shape[0], cfg.head_dim
     qg, k, v = linear(h, w.qkv).split([w.qkv.shape[0] - 2 * w.kv_rows, w.kv_rows, w.kv_rows], dim=-1)
     q, gate = qg.view(T, -1, 2 * Dh).chunk(2, dim=-1)  # [T, Hq, Dh] each (Hq of this rank under TP)
@@ -465,8 +464,7 @@ def _mixer_and_post_norm(session, i: int, layer: Layer, x: Tensor, h: Tensor, co
     A dense MLP's projection may finish the norm (`fused.split_norm`); ``h`` may be such a norm (`fused.SplitNorm`)."""
     eps, split = cfg.rms_norm_eps, not isinstance(layer.mlp, MoE)
     (x, h), deltas = _mixer(session, i, layer, h, cos, sin, cfg, table,
-                            lambda o, w, gate=None: project_add_norm(o, w, x, layer.post_norm, eps, gate=gate,
-                                                                     split=split))
+                            lambda o, w: project_add_norm(o, w, x, layer.post_norm, eps, split=split))
     return x, h, deltas
 
 
@@ -488,8 +486,8 @@ def _chained_layer(session, i: int, layer: Layer, x: Tensor, h: Tensor, next_nor
     under `fused.split_norm` it may come back as a `fused.SplitNorm`.
 
     Each residual add and the norm after it go with the projection before them (`fused.project_add_norm`:
-    on CUDA FlashInfer's fused add + RMSNorm after the GEMV, or one launch for both under
-    `fused.add_norm_epilogue`; under TP the row-parallel projection's output all-reduced first).
+    on CUDA an add + RMSNorm launch after the GEMV, or its halves in the GEMVs around it under
+    `fused.split_norm`; under TP the row-parallel projection's output all-reduced first).
     """
     eps = cfg.rms_norm_eps
     x, h, deltas = _mixer_and_post_norm(session, i, layer, x, h, cos, sin, cfg, table)

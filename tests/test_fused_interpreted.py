@@ -93,31 +93,6 @@ def test_every_kernel_path_gives_the_unfused_logits(monkeypatch):
     _assert_close_logits(got, want)
 
 
-def test_gate_prologue_moves_both_output_gates_into_the_projections(monkeypatch):
-    """Under `fused.gate_prologue` the decode steps' GDN output norm and attention gate run inside the output
-    projections' GEMV (`skinny_linear(gate=...)`), not as launches of their own; the logits stay the
-    unfused model's."""
-    from fnattn.kernels import output_gate, skinny_linear
-
-    model, ma, want = _model_and_unfused_logits()
-    _allow_triton_on_cpu(monkeypatch)
-    folded, apart = {}, {}
-    _count_calls(monkeypatch, skinny_linear, "skinny_linear", folded,
-                 key=lambda *a, **k: k["gate"][0] if k.get("gate") else None)
-    for name in ("gated_rms_norm_silu", "sigmoid_gate"):
-        _count_calls(monkeypatch, output_gate, name, apart, key=lambda *a, name=name, **k: name)
-    with fused.gate_prologue(True), fused.output_gates(True):
-        got = _run(model, ma)
-    linear_layers = sum(s.kind == "gdn" for s in model.specs)
-    attention_layers = len(model.specs) - linear_layers
-    assert folded == {"silu_norm": 2 * linear_layers, "sigmoid": 2 * attention_layers}, folded  # 2 decode steps
-    assert apart == {"gated_rms_norm_silu": linear_layers, "sigmoid_gate": attention_layers}, apart  # the prefill
-    _assert_close_logits(got, want)
-    with pytest.raises(ValueError, match="gate_prologue: expected True or False"):
-        with fused.gate_prologue(None):
-            pass
-
-
 def test_split_norm_takes_each_add_norm_launch_into_the_projections(monkeypatch):
     """Under `fused.split_norm` a decode step's residual adds run in the output projections' GEMVs
     (`skinny_linear_add_`) and every norm after one but the final is finished by the GEMV that reads it: the

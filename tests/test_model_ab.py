@@ -13,14 +13,14 @@ def _module():
 
 def test_each_toggle_is_flipped_from_its_default_and_switched_while_traced():
     ab = _module()
-    plan = ab.variants(["pdl", "add_norm_epilogue"])
+    plan = ab.variants(["pdl", "swiglu_epilogue"])
     assert [values for _, values in plan] == [{}, {"pdl": not _triton._PDL[-1]},
-                                              {"add_norm_epilogue": not fused._EPILOGUE[-1]}]
-    assert plan[0][0] == "defaults" and plan[2][0].startswith("add_norm_epilogue=on")
-    before = (_triton._PDL[-1], fused._EPILOGUE[-1])
-    with ab.switched({"pdl": False, "add_norm_epilogue": True}):
-        assert (_triton._PDL[-1], fused._EPILOGUE[-1]) == (False, True)
-    assert (_triton._PDL[-1], fused._EPILOGUE[-1]) == before
+                                              {"swiglu_epilogue": not fused._SWIGLU_EPILOGUE[-1]}]
+    assert plan[0][0] == "defaults" and plan[2][0].startswith("swiglu_epilogue=off")
+    before = (_triton._PDL[-1], fused._SWIGLU_EPILOGUE[-1])
+    with ab.switched({"pdl": False, "swiglu_epilogue": False}):
+        assert (_triton._PDL[-1], fused._SWIGLU_EPILOGUE[-1]) == (False, False)
+    assert (_triton._PDL[-1], fused._SWIGLU_EPILOGUE[-1]) == before
 
 
 def test_joined_toggles_flip_together_and_unknown_names_are_refused():

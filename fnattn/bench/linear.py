@@ -12,9 +12,8 @@ The ``skinny best`` record lists the whole sweep (config and time each): the tab
 
 The fold cases time a residual-add + RMSNorm between an output projection and the next input projection:
 unfused, [down GEMV; `add_rms_norm_offset_` (FlashInfer's fused add + RMSNorm); up GEMV], against the
-folded pair [down GEMV with ``residual=``; up GEMV with ``norm=``] and the epilogue pair [down GEMV whose
-last tile adds the residual and normalizes the rows (`skinny_linear_add_norm`); up GEMV], every GEMV
-`skinny_linear` with the table's configs, one call being the whole pair.
+folded pair [down GEMV with ``residual=``; up GEMV with ``norm=``], every GEMV `skinny_linear` with the
+table's configs, one call being the whole pair.
 """
 
 from __future__ import annotations
@@ -143,7 +142,6 @@ def fold_case(*, rows: int, name: str, K: int, N: int, hidden: int = HIDDEN, log
     residual, as in a model (its values grow over replays; the times do not depend on them)."""
     import importlib.util
 
-    from ..kernels.skinny_folds import skinny_linear_add_norm
     from ..kernels.skinny_linear import pick_config, skinny_linear
     from ..models.fused import add_rms_norm_offset_
 
@@ -173,17 +171,11 @@ def fold_case(*, rows: int, name: str, K: int, N: int, hidden: int = HIDDEN, log
         hidden_state = skinny_linear(x, downs[i], residual=residual)
         return skinny_linear(hidden_state, ups[i], norm=(weight, FOLD_EPS, 1.0))
 
-    def epilogue(i):
-        _, h = skinny_linear_add_norm(x, downs[i], residual, (weight, FOLD_EPS, 1.0))
-        return skinny_linear(h, ups[i])
-
     records = []
-    for backend, call in ((peer, unfused), ("skinny fold (residual=, norm=)", folded),
-                          ("skinny add + norm epilogue", epilogue)):
+    for backend, call in ((peer, unfused), ("skinny fold (residual=, norm=)", folded)):
         us = timer(call, copies)
         records.append({**base, "backend": backend, "time_us": us, "tb_s": wbytes / (us * 1e-6) / 1e12})
-    log(f"{case}: unfused {records[0]['time_us']:.2f} us, folded {records[1]['time_us']:.2f} us, "
-        f"epilogue {records[2]['time_us']:.2f} us")
+    log(f"{case}: unfused {records[0]['time_us']:.2f} us, folded {records[1]['time_us']:.2f} us")
     return records
 
 

@@ -8,7 +8,8 @@ write into their arguments. `skinny_linear` is ``x @ w.T`` for decode-sized ``x`
 (at most 64 rows), optionally with SwiGLU's SiLU-and-mul or an RMSNorm folded into its load and a
 residual added to its result (``norm=``, ``residual=``); `skinny_folds` takes the op after it into the same
 launch: `skinny_linear_swiglu` (SwiGLU's activation), `skinny_linear_gating` (GDN's g and beta),
-`skinny_linear_add_norm` (the residual add and the rows' RMSNorm); `gdn_gating` is GDN's g and beta in one launch, and
+`skinny_linear_add_` (the residual add and the next RMSNorm's row-local half); `gdn_gating` is GDN's g and beta in one
+launch, and
 `qk_norm_rope` is attention's q / k head norms and rope (and v's copy to contiguous heads) in one;
 `gated_rms_norm_silu` and `sigmoid_gate` are the gates on a mixer's output, reading strided gates in place;
 `add_rms_norm_` and `silu_and_mul` the residual add + RMSNorm and SwiGLU's activation; `topk_slots` a
@@ -56,7 +57,7 @@ _EXPORTS = {
     "gdn_gating": "gdn_gate", "gdn_gating_ref": "gdn_gate",
     "qk_norm_rope_ref": "qk_norm_rope",
     "skinny_linear_ref": "skinny_linear",
-    "skinny_linear_add_norm": "skinny_folds",
+    "skinny_linear_add_": "skinny_folds",
     "skinny_linear_gating": "skinny_folds",
     "skinny_linear_swiglu": "skinny_folds", "skinny_linear_swiglu_ref": "skinny_folds",
     "SkinnyConfig": "skinny_linear",

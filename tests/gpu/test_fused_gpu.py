@@ -118,10 +118,10 @@ def test_skinny_linear(M, K, N, record):
 def test_skinny_linear_with_pdl_is_the_plain_launch_bits(prefetch, record):
     """Under `kernels.pdl(True)` a GEMV loads its first weight tile before the launch before it ends (and
     with ``prefetch`` asks L2 for the rest of its slab): a chain of them (a split one with its arrival
-    counters, silu_mul, the add + norm epilogue), eager and replayed, gives the bits of the chain launched
-    without PDL."""
+    counters, silu_mul, the residual add with the next norm's row-local half, the GEMV that finishes that
+    norm), eager and replayed, gives the bits of the chain launched without PDL."""
     pytest.importorskip("triton")
-    from fnattn.kernels.skinny_folds import skinny_linear_add_norm
+    from fnattn.kernels.skinny_folds import skinny_linear_add_
     from fnattn.kernels.skinny_linear import skinny_linear
 
     from fnattn.kernels import skinny_linear as skinny
@@ -133,8 +133,8 @@ def test_skinny_linear_with_pdl_is_the_plain_launch_bits(prefetch, record):
 
     def chain():
         h = skinny_linear(skinny_linear(x, w_up), w_down, act="silu_mul")  # 1024 columns: split-K
-        y, normed = skinny_linear_add_norm(torch.cat([h, h], dim=-1), w_o, r, (nw, 1e-6, 1.0))
-        return skinny_linear(normed, w_up), y
+        y, scaled, squares = skinny_linear_add_(torch.cat([h, h], dim=-1), w_o, r.clone(), nw, 1.0)
+        return skinny_linear(scaled, w_up, rms=(squares, 1e-6)), y
 
     want = chain()
     with kernels.pdl(True), skinny.configured(prefetch=prefetch):
@@ -246,33 +246,6 @@ def test_skinny_linear_folds_replay_in_a_cuda_graph(record):
            skinny_linear_ref(want_hidden, w_up, norm=norm), 2e-2)
 
 
-@pytest.mark.parametrize("M, K", [(1, 3584), (1, 2048), (8, 3584), (16, 2048)])
-def test_skinny_linear_add_norm_epilogue(M, K, record):
-    """An output projection (K -> hidden 1024) whose last column tile adds the residual and RMS-normalizes
-    the rows (the next block's input norm), eager and in a CUDA-graph replay, against skinny_linear with
-    ``residual=`` then the torch norm."""
-    pytest.importorskip("triton")
-    from fnattn.kernels.skinny_folds import skinny_linear_add_norm
-    from fnattn.kernels.skinny_linear import rms_norm_ref, skinny_linear
-
-    x, res = _randn(M, K, seed=60), _randn(M, 1024, seed=61, scale=4.0)
-    w = _randn(1024, K, seed=62, scale=K ** -0.5)
-    norm = (_randn(1024, seed=63, scale=0.1), 1e-6, 1.0)
-    y, h = skinny_linear_add_norm(x, w, res, norm)
-    want_y = skinny_linear(x, w, residual=res)
-    _check(record, f"skinny_linear_add_norm sum M{M} K{K}", y, want_y, 1e-2)
-    assert torch.equal(y, want_y)  # the same fixed-order sums
-    _check(record, f"skinny_linear_add_norm norm(1+w) M{M} K{K}", h, rms_norm_ref(want_y, *norm), 2e-2)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gy, gh = skinny_linear_add_norm(x, w, res, norm)
-    x.copy_(_randn(M, K, seed=64))
-    g.replay()
-    torch.cuda.synchronize()
-    want_y = skinny_linear(x, w, residual=res)
-    _check(record, f"skinny_linear_add_norm M{M} K{K}, graph replay", gh, rms_norm_ref(want_y, *norm), 2e-2)
-
-
 @pytest.mark.parametrize("rows", [1, 16, 17])
 def test_fused_linear_routes_and_reshapes(rows, record):
     """3-D inputs, strided rows and the 16-row bound (17 rows: cuBLAS) all give F.linear's answer."""
@@ -284,31 +257,6 @@ def test_fused_linear_routes_and_reshapes(rows, record):
     _check(record, f"fused.linear [1, {rows}, 2048]", got, F.linear(x3, w), 1e-2)
     wide = _randn(rows, 3072, seed=21)[:, 512:2560]  # strided rows
     _check(record, f"fused.linear strided rows {rows}", fused.linear(wide, w), F.linear(wide, w), 1e-2)
-
-
-@pytest.mark.parametrize("M", [1, 8, 16])
-@pytest.mark.parametrize("kind", ["silu_norm", "sigmoid"])
-def test_skinny_linear_gate_prologue(M, kind, record):
-    """`fused.gate_prologue`'s GEMV at the 0.8B out_proj / o_proj (K 2048): GDN's gated norm (16 heads of 128,
-    z a column slice of the input projection) or attention's sigmoid gate (8 heads of 256, the gate the second
-    half of each q | gate pair) on load, against the own gate kernel then the GEMV (recorded: bitwise or not)."""
-    pytest.importorskip("triton")
-    from fnattn.kernels.output_gate import gated_rms_norm_silu, sigmoid_gate
-    from fnattn.kernels.skinny_linear import skinny_linear
-
-    H, D = (16, 128) if kind == "silu_norm" else (8, 256)
-    o = _randn(M, H, D, seed=24)
-    w = _randn(1024, H * D, seed=25, scale=(H * D) ** -0.5)
-    if kind == "silu_norm":
-        z = _randn(M, 3 * H * D, seed=26)[:, H * D:2 * H * D].view(M, H, D)
-        weight = (1 + 0.1 * _randn(D, seed=27).float()).to(BF16)
-        gate, apart = ("silu_norm", z, weight, 1e-6), gated_rms_norm_silu(o, z, weight, 1e-6)
-    else:
-        z = _randn(M, H, 2 * D, seed=26)[..., D:]
-        gate, apart = ("sigmoid", z), sigmoid_gate(o, z)
-    got, want = skinny_linear(o.reshape(M, -1), w, gate=gate), skinny_linear(apart.reshape(M, -1), w)
-    _check(record, f"skinny_linear gate {kind} M{M}", got, want, 1e-2, reference="gate kernel + GEMV",
-           bitwise=torch.equal(got, want))
 
 
 @pytest.mark.parametrize("rows", [1, 8, 17])
@@ -335,28 +283,25 @@ SLICE_0_8B = {  # four layers of the Qwen3.5-0.8B shape (3 GDN + 1 gated full at
 }
 
 
-VARIANTS = {"default": None, "add + norm epilogue": fused.add_norm_epilogue,
-            "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl,
+VARIANTS = {"default": None, "qk norms and rope apart": lambda on: fused.qk_one_launch(not on), "pdl": kernels.pdl,
             "output gates": fused.output_gates, "gemv l2 prefetch": lambda on: configured(prefetch=on),
             "own norm and act": fused.own_norm_act, "gating epilogue": fused.gating_epilogue,
             "swiglu epilogue": fused.swiglu_epilogue, "gemv early4": lambda on: configured(early=4 if on else 1),
-            "gdn state first": gdn_decode_fused.state_first, "gate prologue": fused.gate_prologue,
+            "gdn state first": gdn_decode_fused.state_first,
             "split norm": fused.split_norm}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("name, config", [("tiny", None), ("0.8b slice", SLICE_0_8B)])
 def test_whole_model_fused_matches_unfused(name, config, variant, record):
-    """Also with each switch the other way: `fused.add_norm_epilogue` on (decode steps of two rows: each
-    residual add + norm in the output projection's launch), `fused.qk_one_launch` off (FlashInfer's q / k
+    """Also with each switch the other way: `fused.qk_one_launch` off (FlashInfer's q / k
     norms and rope, v copied apart), `kernels.pdl` on (the kernels launched with PDL), `fused.output_gates`
     on (GDN's gated norm and the attention gate as fnattn's own launches), the GEMVs' L2 prefetch on,
     `fused.own_norm_act` on (fnattn's add + RMSNorm and SiLU-and-mul), `fused.gating_epilogue` on (GDN's
     gating in its input projection's GEMV), `fused.swiglu_epilogue` on (SiLU-and-mul in the gate / up
     GEMV's launch), the GEMVs' first load four K tiles wide (`SkinnyConfig.early`), the fused GDN decode's state
-    read before its PDL wait (`kernels.gdn_decode_fused.state_first`), the output gates in the output projections' GEMVs
-    (`fused.gate_prologue`), the residual adds in the output projections and the norms after them finished by
-    the next GEMVs (`fused.split_norm`)."""
+    read before its PDL wait (`kernels.gdn_decode_fused.state_first`), the residual adds in the
+    output projections and the norms after them finished by the next GEMVs (`fused.split_norm`)."""
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")

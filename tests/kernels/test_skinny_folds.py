@@ -13,14 +13,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from fnattn.kernels.skinny_folds import (  # noqa: E402
-    skinny_linear_add_norm,
     skinny_linear_gating,
     skinny_linear_swiglu,
     skinny_linear_swiglu_ref,
 )
-from fnattn.kernels.skinny_linear import SkinnyConfig, rms_norm_ref, skinny_linear, skinny_linear_ref  # noqa: E402
+from fnattn.kernels.skinny_linear import SkinnyConfig, skinny_linear  # noqa: E402
 from fnattn.models.common import rms_norm  # noqa: E402
-from skinny_helpers import TOL, close, lopsided, randn  # noqa: E402
+from skinny_helpers import close, randn  # noqa: E402
 
 from fnattn.kernels import skinny_folds as folds  # noqa: E402
 
@@ -75,85 +74,20 @@ def test_swiglu_arguments_name_themselves():
         skinny_linear_swiglu(randn(2, 8), randn(10, 16))
 
 
-ADD_NORM_CONFIGS = [SkinnyConfig(block_n=16, block_k=32, split_k=1), SkinnyConfig(block_n=16, block_k=16, split_k=3),
-                    SkinnyConfig(block_n=32, block_k=16, split_k=8, one_launch=False),
-                    SkinnyConfig(block_n=16, block_k=32, split_k=2, dot=False)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M", [1, 3, 16])
-@pytest.mark.parametrize("offset", [0.0, 1.0])
-@pytest.mark.parametrize("config", ADD_NORM_CONFIGS, ids=["split1", "split3", "split8", "fma-split2"])
-def test_add_norm_is_the_residual_sum_then_its_rms_norm(M, offset, dtype, config):
-    """The last tile to finish normalizes whole rows: the same as skinny_linear(residual=) then rms_norm of
-    its rounded output; every counter is zero again after the launch."""
-    from fnattn.kernels import skinny_linear as module
-
-    N, K = 70, 150  # five column tiles of 16, the last one ragged
-    x, w = randn(M, K, dtype=dtype, seed=30 + M), randn(N, K, dtype=dtype, seed=31) / K ** 0.5
-    res = lopsided(M, N, dtype, seed=32)
-    nw = randn(N, dtype=dtype, seed=33) * 0.2 + (0.0 if offset else 1.0)
-    y, h = skinny_linear_add_norm(x, w, res, (nw, 1e-6, offset), config=config)
-    want_y = skinny_linear(x, w, residual=res, config=config)
-    assert torch.equal(y, want_y)
-    torch.testing.assert_close(h.float(), rms_norm_ref(y, nw, 1e-6, offset).float(), rtol=TOL[dtype],
-                               atol=TOL[dtype] * 4)
-    close(h, rms_norm(skinny_linear_ref(x, w, residual=res), nw, 1e-6, offset=offset), dtype)
-    assert not module.tile_counters(x.device, 1).any()
-    y2, h2 = skinny_linear_add_norm(x, w, res, (nw, 1e-6, offset), config=config)  # counters reused from zero
-    assert torch.equal(y2, y) and torch.equal(h2, h)
-
-
-def test_add_norm_beyond_the_counters_normalizes_apart(monkeypatch):
-    from fnattn.kernels import _counters as counters
-
-    x, w, res = randn(2, 64, seed=34), randn(80, 64, seed=35), randn(2, 80, seed=36)
-    nw = randn(80, seed=37)
-    cfg = SkinnyConfig(block_n=16, block_k=16, split_k=2)  # 5 column tiles, 6 counters with the norm's
-    want = skinny_linear_add_norm(x, w, res, (nw, 1e-6, 1.0), config=cfg)
-    monkeypatch.setattr(counters, "COUNTERS", 5)
-    got = skinny_linear_add_norm(x, w, res, (nw, 1e-6, 1.0), config=cfg)
-    assert torch.equal(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
-
-
-def test_add_norm_arguments_name_themselves():
-    x, w, res, nw = randn(2, 16), randn(8, 16), randn(2, 8), randn(8)
-    with pytest.raises(ValueError, match="residual: expected an \\[M, N\\] tensor"):
-        skinny_linear_add_norm(x, w, None, (nw, 1e-6, 1.0))
-    with pytest.raises(ValueError, match="norm weight: expected shape \\(8,\\), got \\(16,\\)"):
-        skinny_linear_add_norm(x, w, res, (randn(16), 1e-6, 1.0))
-    with pytest.raises(ValueError, match="norm: expected a \\(weight, eps, offset\\) triple"):
-        skinny_linear_add_norm(x, w, res, nw)
-    with pytest.raises(ValueError, match="residual: expected shape \\(2, 8\\), got \\(2, 9\\)"):
-        skinny_linear_add_norm(x, w, randn(2, 9), (nw, 1e-6, 1.0))
-
-
 @pytest.mark.parametrize("rows", [1, 4, 17])
-def test_models_project_add_norm_takes_the_epilogue_only_when_asked(rows, monkeypatch):
-    """`models.fused.project_add_norm`: the projection then the fused add + RMSNorm, or under
-    `add_norm_epilogue` (decode sizes, here with the kernel path allowed on this device) one launch that
-    agrees with it; above 16 rows the unfused form either way."""
+def test_models_project_add_norm_is_the_projection_then_the_add_and_norm(rows, monkeypatch):
+    """`models.fused.project_add_norm` without ``split`` (decode sizes, here with the kernel path allowed on
+    this device; above 16 rows the projection on ``F.linear``): the projection, then the residual add and the
+    next block's input norm (Qwen's ``1 + weight``)."""
     from fnattn.models import fused
 
     monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
-    calls = []
-    real = folds.skinny_linear_add_norm
-    monkeypatch.setattr(folds, "skinny_linear_add_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     D, K = 48, 96
     x, w = randn(rows, K, seed=40), randn(D, K, seed=41) / K ** 0.5
     res, nw = randn(rows, D, seed=42), randn(D, seed=43) * 0.2
-    plain = fused.project_add_norm(x, w, res.clone(), nw, 1e-6)
-    assert not calls
-    with fused.add_norm_epilogue(True):
-        got = fused.project_add_norm(x, w, res.clone(), nw, 1e-6)
-    assert len(calls) == (rows <= 16)
-    for a, b in zip(got, plain):
-        close(a, b, torch.float32)
-    torch.testing.assert_close(plain[0], res + x @ w.T, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="add_norm_epilogue: expected True or False, got 1"):
-        with fused.add_norm_epilogue(1):
-            pass
+    got_x, got_h = fused.project_add_norm(x, w, res.clone(), nw, 1e-6)
+    torch.testing.assert_close(got_x, res + x @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_h, rms_norm(got_x, nw, 1e-6, offset=1.0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("config", [None, SkinnyConfig(block_n=16, block_k=16, split_k=1),

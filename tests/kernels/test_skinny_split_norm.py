@@ -124,7 +124,7 @@ def test_split_norm_beyond_the_counters_runs_apart(monkeypatch):
 def test_split_norm_arguments_name_themselves():
     x, w, nw = randn(2, 16), randn(8, 16), randn(8)
     ones = torch.ones(2, 1, device=x.device)
-    with pytest.raises(ValueError, match="rms: expected no act, norm or gate beside it"):
+    with pytest.raises(ValueError, match="rms: expected no act or norm beside it"):
         skinny_linear(x, w, norm=(randn(16), 1e-6, 1.0), rms=(ones, 1e-6))
     with pytest.raises(ValueError, match=r"rms: expected a \(squares, eps\) pair, got Tensor"):
         skinny_linear(x, w, rms=ones)
