@@ -36,7 +36,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"flashinfer_tc_gpu.json", "tp_gpu.json", "bench_model_qwen3_5_0.8b_profile.json"}
+NEW = {"flashinfer_tc_gpu.json", "tp_gpu.json", "bench_model_qwen3_5_0.8b_profile.json", "fused_gpu.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -112,10 +112,10 @@ SUITES: dict[str, Suite] = {
         tests(150, "grouped_experts_gpu.json", "tests/gpu/test_grouped_experts_gpu.py"),
         tests(60, "transfer_gpu.json", "tests/test_transfer.py tests/test_transfer_dist.py -m gpu"),
     )),
-    "kernels-fused": Suite("the fused Qwen3.5 paths: output gates in the GEMVs, split norms, the fused GDN decode's "
+    "kernels-fused": Suite("the fused Qwen3.5 paths: the fused kernels and the whole model, split norms, the fused GDN decode's "
                            "switches, the workspace's events", (
-        tests(200, "gate_prologue_gpu.json", "tests/gpu/test_fused_gpu.py tests/gpu/test_workspace_gpu.py "
-              "-k 'gate_prologue or (whole_model and prologue and tiny) or reused_event'"),
+        tests(240, "fused_gpu.json", "tests/gpu/test_fused_gpu.py tests/gpu/test_workspace_gpu.py "
+              "-k 'not (whole_model and split)'"),
         tests(270, "split_norm_gpu.json", "tests/gpu/test_fused_gpu.py -k 'whole_model and split'"),
         tests(60, "state_first_rerun_gpu.json", "tests/gpu/test_gdn_decode_fused_gpu.py "
               "-k 'state_first or fill_device'"),
