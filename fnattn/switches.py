@@ -59,16 +59,23 @@ def _load_all() -> None:
         _loaded = True
 
 
+def _in_module_order(records: dict) -> dict:
+    """``records`` in `DECLARING_MODULES`' order, each module's in its declaration order: the same whatever order
+    the modules happened to be imported in."""
+    rank = {module: i for i, module in enumerate(DECLARING_MODULES)}
+    return dict(sorted(records.items(), key=lambda item: rank[item[1].module]))
+
+
 def switches() -> dict[str, Switch]:
     """Every switch, by name."""
     _load_all()
-    return _declared_switches()
+    return _in_module_order(_declared_switches())
 
 
 def tiles() -> dict[str, Tiles]:
     """Every tile override stack, by name."""
     _load_all()
-    return _declared_tiles()
+    return _in_module_order(_declared_tiles())
 
 
 def value(name: str):
@@ -78,9 +85,11 @@ def value(name: str):
 
 
 def snapshot() -> dict:
-    """``{name: value in force}`` for every switch (a bool) and tile stack (the fields it overrides now)."""
-    _load_all()
-    return _snapshot_declared()
+    """``{name: value in force}`` for every switch (a bool) and tile stack (the fields it overrides now), in the
+    order of `switches` then `tiles`."""
+    names = [*switches(), *tiles()]  # loads every declaring module first
+    values = _snapshot_declared()
+    return {name: values[name] for name in names}
 
 
 def set(**values):  # noqa: A001 - read as fnattn.switches.set(...), beside the builtin it never meets here

@@ -153,3 +153,14 @@ def test_no_module_reads_another_modules_switch_list():
 def test_the_docs_table_is_the_registry(page):
     text = (ROOT / "docs" / page).read_text()
     assert fnattn.switches.describe() in text, f"docs/{page}: paste `python -m fnattn.switches` in place of its table"
+
+
+def test_the_table_does_not_depend_on_the_order_modules_were_imported():
+    """A process that imports the declaring modules in another order describes the same table."""
+    import subprocess
+    import sys
+
+    reversed_imports = "; ".join(f"import {m}" for m in reversed(fnattn.switches.DECLARING_MODULES))
+    code = f"{reversed_imports}; import fnattn.switches as s; print(s.describe())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.rstrip("\n") == fnattn.switches.describe()
