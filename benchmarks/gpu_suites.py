@@ -112,8 +112,8 @@ SUITES: dict[str, Suite] = {
         tests(150, "grouped_experts_gpu.json", "tests/gpu/test_grouped_experts_gpu.py"),
         tests(60, "transfer_gpu.json", "tests/test_transfer.py tests/test_transfer_dist.py -m gpu"),
     )),
-    "kernels-fused": Suite("the fused Qwen3.5 paths: the fused kernels and the whole model, split norms, the fused GDN decode's "
-                           "switches, the workspace's events", (
+    "kernels-fused": Suite("the fused Qwen3.5 paths: the fused kernels and the whole model, split norms, the "
+                           "fused GDN decode's switches, the workspace's events", (
         tests(240, "fused_gpu.json", "tests/gpu/test_fused_gpu.py tests/gpu/test_workspace_gpu.py "
               "-k 'not (whole_model and split)'"),
         tests(270, "split_norm_gpu.json", "tests/gpu/test_fused_gpu.py -k 'whole_model and split'"),
