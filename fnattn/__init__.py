@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 # Public name -> the module (relative to this package) that defines it.
 _EXPORTS = {
     **dict.fromkeys(["PHASES", "Batch"], "batch"),
-    **dict.fromkeys(["CursorAdvance", "Output", "StepDeltas", "Writes", "writes"], "deltas"),
+    "CursorAdvance": "cursor",
+    **dict.fromkeys(["Output", "StepDeltas", "Writes", "writes"], "deltas"),
     **dict.fromkeys(["DoubleApplyError", "LeaseError", "NoBackendError", "OutsideSessionError",
                      "PoolExhaustedError", "PurityError", "SessionClosedError", "StaleDeltasError",
                      "StaleStateError"], "errors"),

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .checks import fail
-from .deltas import CursorAdvance
+from .cursor import CursorAdvance
 from .staging import Staging, packed
 
 PHASES = ("prefill", "decode", "verify")
@@ -251,9 +251,8 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
            recovery: str = "native", pad_to: int | None = None, columns: int | None = None,
            pad_tokens: int = 1, staging=None, logits_for: str = "all") -> Batch:
     where = f"Batch.{phase}"
-    from .state import State
-
-    if not isinstance(state, State):
+    # Known by what a batch reads of it: this module sits below `fnattn.state`, which builds on batches.
+    if not isinstance(getattr(state, "requests", None), Mapping) or not callable(getattr(state, "reserve", None)):
         fail(where, "state", "a State", type(state).__name__)
     if staging is not None and (not isinstance(staging, Staging) or staging.device != state.device):
         fail(where, "staging", f"None or a fnattn.staging.Staging on {state.device}",

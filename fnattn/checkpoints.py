@@ -7,13 +7,12 @@ from torch import Tensor
 
 from . import pages
 from .checks import fail
+from .request import Request
 
 
 def check_restore(state, checkpoint, where: str) -> dict:
     """``checkpoint``'s requests are still those it was taken of, none rolled back below it or sharing pages
     it would write, and its copies match the recurrent tensors; ``-> {(pool, tensor): live tensor}``."""
-    from .state import Request
-
     for old in checkpoint.requests:
         if old.id not in state._requests:
             fail(where, "checkpoint", f"requests that are still admitted (request {old.id} is not)",

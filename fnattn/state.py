@@ -32,6 +32,7 @@ from .checkpoints import check_restore
 from .checks import fail
 from .deltas import StepDeltas
 from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, StaleStateError
+from .request import Request
 from .spec import LayerSpec
 from .transfer import RequestState  # also lets torch.load(weights_only=True) rebuild payloads
 
@@ -95,19 +96,6 @@ class Views(Mapping):
 
     def __repr__(self) -> str:
         return "Views(" + ", ".join(f"{n}={tuple(t.shape)}" for n, t in self._tensors.items()) + ")"
-
-
-@dataclass(frozen=True)
-class Request:
-    """Host bookkeeping of one admitted request."""
-
-    id: int
-    slot: int  # recurrent state slot
-    pages: tuple[int, ...]  # reserved pages, in token order
-    length: int  # the cursor: tokens already in the cache / recurrent steps taken
-    ring_pos: int = 0  # which of the slot's ring rows holds its current recurrent state
-    admission: int = 0  # unique per admission: a released and readmitted id is another request
-    rollbacks: tuple[tuple[int, int], ...] = ()  # (serial, length) of every restore since admission
 
 
 @dataclass(frozen=True)
