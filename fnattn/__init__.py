@@ -8,7 +8,6 @@ package alone imports no torch, so ``fnattn --help`` answers at once.
 """
 
 import importlib
-import os
 import sys
 import types
 
@@ -56,6 +55,10 @@ __all__ = [
 def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Every public name may look a built-in kind or backend up by name (`kind_info("full")`, `register`): they
+    # are registered first. The core below them names no kind; this package, at the top, may.
+    from . import kinds  # noqa: F401
+
     value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     globals()[name] = value  # later uses are plain lookups
     return value
@@ -75,18 +78,3 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
-
-
-def _checkout_folder(name: str) -> list[str]:
-    """``[<repository>/<name>]`` when fnattn runs from a source checkout, else ``[]``.
-
-    The repository's kernels/ and models/ folders sit beside fnattn/ with no ``__init__.py``: Python
-    started in the repository root then never takes them for installed packages of those names (the
-    ``kernels`` that transformers imports). They are the modules of fnattn.kernels / fnattn.models,
-    whose ``__init__.py`` files are fnattn/kernels/ and fnattn/models/ and add this folder to their path;
-    an install copies the modules beside those files instead.
-    """
-    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
-    in_checkout = os.path.isfile(os.path.join(os.path.dirname(folder), "pyproject.toml"))
-    plain_folder = os.path.isdir(folder) and not os.path.exists(os.path.join(folder, "__init__.py"))
-    return [folder] if in_checkout and plain_folder else []

@@ -108,19 +108,19 @@ def register_kind(name: str, *, config: type, inputs, replace: bool = False) -> 
     return info
 
 
-def _load_builtin() -> None:
-    from . import kinds  # noqa: F401 - importing the package registers the built-in kinds
+# The built-in kinds register themselves like any other (the kinds build on this module, which names none of
+# them): the package `fnattn` imports them before it hands out any public name, `import fnattn.kinds` does too.
 
 
 def kind_info(name: str) -> KindInfo:
-    _load_builtin()
+    """The registered kind ``name``: its config class, its inputs classes, whether it is built in."""
     if name not in _KINDS:
         fail("fnattn", "kind", f"a registered kind (known: {sorted(_KINDS)})", name)
     return _KINDS[name]
 
 
 def known_kinds() -> tuple[str, ...]:
-    _load_builtin()
+    """The names of the registered kinds, sorted."""
     return tuple(sorted(_KINDS))
 
 

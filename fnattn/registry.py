@@ -119,7 +119,6 @@ def _session_only(fn, key):
 
 
 def lookup(kind: str, phase: str, name: str) -> Backend:
-    known_kinds()
     try:
         return _REGISTRY[(kind, phase, name)]
     except KeyError:
@@ -128,10 +127,8 @@ def lookup(kind: str, phase: str, name: str) -> Backend:
 
 
 def backend_names(kind: str | None = None, phase: str | None = None) -> list[str]:
-    known_kinds()
     return sorted({n for (k, p, n) in _REGISTRY if (kind is None or k == kind) and (phase is None or p == phase)})
 
 
 def all_backends() -> list[Backend]:
-    known_kinds()  # importing the kinds registers every built-in backend
     return list(_REGISTRY.values())

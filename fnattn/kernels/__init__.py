@@ -24,9 +24,9 @@ The modules live in the repository's top-level kernels/ folder; an install copie
 
 import importlib
 
-from .. import _checkout_folder
+from ..checkout import checkout_folder
 
-__path__ += _checkout_folder("kernels")  # noqa: F821 - the package's own search path
+__path__ += checkout_folder("kernels")  # noqa: F821 - the package's own search path
 
 # `skinny_linear` and `qk_norm_rope` are not exported here: a name shared with its module would be the
 # function before the module is first imported and the module after. Import them from their modules.

@@ -3,6 +3,6 @@
 The modules live in the repository's top-level models/ folder; an install copies them beside this file.
 """
 
-from .. import _checkout_folder
+from ..checkout import checkout_folder
 
-__path__ += _checkout_folder("models")  # noqa: F821 - the package's own search path
+__path__ += checkout_folder("models")  # noqa: F821 - the package's own search path
