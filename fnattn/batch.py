@@ -27,6 +27,17 @@ from .cursor import CursorAdvance
 from .staging import Staging, packed
 
 PHASES = ("prefill", "decode", "verify")
+
+# `fnattn.state.State`, which registers itself here when its module loads (`accept_states_of`): this module sits
+# below it (State builds on batches), so it cannot import the class it checks its argument against.
+_STATE_CLASS: list[type] = []
+
+
+def accept_states_of(cls: type) -> None:
+    """Make ``cls`` the one class whose instances the builders take as ``state``."""
+    if _STATE_CLASS and _STATE_CLASS[0] is not cls:
+        fail("accept_states_of", "cls", f"{_STATE_CLASS[0].__qualname__}, the class already accepted", cls)
+    _STATE_CLASS[:] = [cls]
 LOGITS_FOR = ("all", "last")
 #: Page and recurrent slot of pad lanes (State.NULL_PAGE / NULL_SLOT).
 _NULL = 0
@@ -251,8 +262,7 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
            recovery: str = "native", pad_to: int | None = None, columns: int | None = None,
            pad_tokens: int = 1, staging=None, logits_for: str = "all") -> Batch:
     where = f"Batch.{phase}"
-    # Known by what a batch reads of it: this module sits below `fnattn.state`, which builds on batches.
-    if not isinstance(getattr(state, "requests", None), Mapping) or not callable(getattr(state, "reserve", None)):
+    if not (_STATE_CLASS and isinstance(state, _STATE_CLASS[0])):
         fail(where, "state", "a State", type(state).__name__)
     if staging is not None and (not isinstance(staging, Staging) or staging.device != state.device):
         fail(where, "staging", f"None or a fnattn.staging.Staging on {state.device}",

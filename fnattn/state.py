@@ -26,6 +26,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
+from . import batch as _batch
 from . import pages
 from .apply import validate_step, write_step
 from .checkpoints import check_restore
@@ -592,3 +593,6 @@ class State:
         return (f"State(v{self._version}, {live}, layers={len(self.specs)}, pools={list(self._storage.pools)}, "
                 f"requests={ {r.id: r.length for r in self._requests.values()} }, "
                 f"free_pages={len(self._free_pages)}/{self.num_pages})")
+
+
+_batch.accept_states_of(State)  # the batch builders take this class's handles
