@@ -50,7 +50,7 @@ _ONE_PASS = declare(
 _RADIX = declare(
     "radix_select", False, __name__,
     on="a layer's own top-k of 2048 is selected by sgl_kernel's radix select (`fnattn.kernels.radix_topk`)",
-    off="torch.topk",
+    off="`fnattn.kernels.indexer.ordered_topk`: torch.topk over keys of score then earlier position",
     why="the indexer took 311.5 against 353.6 us with it, but where more than 16384 of a row's scores share "
         "its first pass's bin it keeps another set than torch.topk, not the same every run: off")
 
