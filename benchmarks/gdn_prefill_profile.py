@@ -17,9 +17,9 @@ import torch
 
 from fnattn import Batch, ModelAttention, switches
 from fnattn.bench import environment, timed
+from fnattn.bench.cases.delta_rule import recurrent_inputs, recurrent_spec
 from fnattn.bench.setup import cached_state
 from fnattn.kernels import causal_conv1d, gdn_conv
-from fnattn.kinds.delta_rule.bench import _inputs, _spec
 from fnattn.kinds.delta_rule.triton import _fla_gdn_forward, _qkv_channels, plan
 
 
@@ -72,11 +72,11 @@ def run(a) -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     T = a.requests * a.length
-    spec = _spec("gdn", hk=16, hv=32, dim=128, dtype=torch.bfloat16)
+    spec = recurrent_spec("gdn", hk=16, hv=32, dim=128, dtype=torch.bfloat16)
     c = spec.config
     state = cached_state(spec, batch=a.requests, ctx=0, page_size=a.length, extra=a.length)
     batch = Batch.prefill(state, {r: a.length for r in range(a.requests)})
-    inputs = _inputs(spec, T)
+    inputs = recurrent_inputs(spec, T)
     ma = ModelAttention([spec], prefer=("fla",), device="cuda", phases=("prefill",))
     cu, cu_cpu = batch.cu_seqlens.long(), torch.tensor(batch.host_cu_seqlens, dtype=torch.long)
     qk = c.num_k_heads * c.head_k_dim

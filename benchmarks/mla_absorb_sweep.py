@@ -16,7 +16,7 @@ import torch
 from fnattn.kernels.latent_absorb import absorb_query, merge_own_values
 
 from fnattn.bench import environment, timed
-from fnattn.kinds.mla.bench import deepseek_mla, random_inputs
+from fnattn.bench.cases.mla import deepseek_mla, random_inputs
 from fnattn.kinds.mla.latent import absorbed_query_torch, fold_own_rows, values_out
 
 

@@ -16,10 +16,10 @@ from fnattn.kernels.latent_absorb import configured_merge
 
 from fnattn import Batch, LayerSpec, ModelAttention
 from fnattn.bench import environment, timed_session
+from fnattn.bench.cases.mla import deepseek_mla, random_inputs
+from fnattn.bench.cases.sparse_mla import sparse_decode_setup
 from fnattn.bench.setup import cached_state
-from fnattn.kinds.mla.bench import deepseek_mla, random_inputs
 from fnattn.kinds.mla.latent import merge_values_kernel
-from fnattn.kinds.sparse_mla.bench import sparse_decode_setup
 from fnattn.kinds.sparse_mla.flashmla import merge_values_kernel as sparse_merge_values_kernel
 
 # (block_t, block_r, block_v, num_warps); None: the shipped tile for the step's token count

@@ -16,10 +16,10 @@ import torch
 
 from fnattn import Batch, LayerSpec, ModelAttention
 from fnattn.apply import validate_step, write_step
+from fnattn.bench.cases.mla import deepseek_mla, random_inputs, raw_flashmla
 from fnattn.bench.profile import kernel_profile, print_profile
 from fnattn.bench.setup import cached_state
 from fnattn.deltas import StepDeltas
-from fnattn.kinds.mla.bench import deepseek_mla, random_inputs, raw_flashmla
 
 
 def main() -> None:
@@ -58,7 +58,7 @@ def main() -> None:
 
 
 def sparse(a) -> None:
-    from fnattn.kinds.sparse_mla.bench import sparse_decode_setup
+    from fnattn.bench.cases.sparse_mla import sparse_decode_setup
     from fnattn.kinds.sparse_mla.flashmla import one_pass_slots
 
     specs, state, batch, inputs, kernel, _ = sparse_decode_setup(batch=a.batch, ctx=a.ctx, heads=a.heads, topk=a.topk)

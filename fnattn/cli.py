@@ -537,10 +537,11 @@ def main(argv=None) -> int:
                    help="tensor-parallel ranks (default 1); N > 1 under torchrun --nproc-per-node N, each rank "
                         "holding 1/N of the heads and MLP (NCCL with --device cuda, else gloo)")
     g.set_defaults(fn=generate_text)
-    from .bench.cli import add_arguments
+    from .bench.cli import ABOUT, add_arguments
     from .bench.cli import run as bench
 
-    b = sub.add_parser("bench", help="time kernels and backends on a GPU against their peers (JSON, PNG)")
+    b = sub.add_parser("bench", help="time kernels and backends on a GPU against their peers (JSON, PNG)",
+                       description=ABOUT)
     add_arguments(b)
     b.set_defaults(fn=bench)
     words = sys.argv[1:] if argv is None else list(argv)

@@ -9,9 +9,13 @@ import sys
 
 from . import draw_png, print_table, with_ratios, write_json
 
-CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "mla-decode",
-         "mla-sparse", "indexer", "standard", "model", "overhead", "linear")
+CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "kda-prefill", "mla-decode", "mla-sparse", "indexer",
+         "standard", "model", "overhead", "linear")
 MLA_CASES = ("mla-decode", "mla-sparse", "indexer")
+# what `fnattn bench --help` says above the options (and `python -m fnattn.bench --help`)
+ABOUT = ("Time fnattn's standard cases next to their peers (FlashInfer, FlashMLA, fla-core, torch SDPA, "
+         "transformers, the memory roofline) and write the records as JSON (and a PNG). Tile sweeps and A/B "
+         "comparisons of fast-path switches are scripts in the repository's benchmarks/ folder.")
 DEFAULT_BATCH = [1, 8, 64]
 LINEAR_BATCH = [1, 8, 32]  # rows of a decode-sized projection (fnattn bench linear)
 
@@ -165,7 +169,7 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("fnattn bench: needs a CUDA device (none found)", file=sys.stderr)
         return 2
-    from ..kinds.full.bench import decode_case, prefill_case
+    from .cases.full import decode_case, prefill_case
 
     records = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
@@ -186,10 +190,10 @@ def run(args) -> int:
         if args.case in ("prefill", "standard"):
             for t in args.tokens:
                 records += prefill_case(tokens=t, hq=args.hq, hkv=args.hkv, dim=args.dim)
-        if args.case in ("gdn-prefill", "gdn-decode", "gdn-decode-sweep", "kda-prefill", "standard"):
-            from ..kinds.delta_rule.bench import recurrent_cases
+        if args.case in ("gdn-prefill", "gdn-decode", "kda-prefill", "standard"):
+            from .cases.delta_rule import recurrent_cases
 
-            records += recurrent_cases(args.case, batches=args.batch)
+            records += recurrent_cases(args.case)
     finally:
         with_ratios(records)
         print_table(records)
@@ -200,8 +204,8 @@ def run(args) -> int:
 
 
 def mla_cases(args, graph: bool) -> list[dict]:
-    from ..kinds.mla.bench import decode_case as mla_decode
-    from ..kinds.sparse_mla.bench import indexer_case, sparse_decode_case
+    from .cases.mla import decode_case as mla_decode
+    from .cases.sparse_mla import indexer_case, sparse_decode_case
 
     records, page = [], args.page_size or 64
     for b in args.batch:
@@ -221,7 +225,7 @@ def mla_cases(args, graph: bool) -> list[dict]:
 def main(argv=None) -> int:
     from ..threads import apply_thread_policy
 
-    p = argparse.ArgumentParser(prog="fnattn bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="fnattn bench", description=ABOUT)
     add_arguments(p)
     args = p.parse_args(argv)
     try:

@@ -3,7 +3,9 @@
 fnattn's time covers the whole backend (causal conv, q/k/v split, l2 norm,
 recurrence); fla-core's covers its kernel on q/k/v taken from the same conv
 output. The "fnattn fla" rows run fla-core's kernel inside the fnattn backend,
-so the gap between them and the fla-core rows is the conv and the plumbing.
+so the gap between them and the fla-core rows is the conv and the plumbing. Tile sweeps and the fast-path
+switches' other sides are timed outside the package (``benchmarks/gdn_decode_sweep.py``,
+``benchmarks/switch_ab.py gdn-prefill``).
 """
 
 from __future__ import annotations
@@ -13,21 +15,20 @@ import torch.nn.functional as F
 
 from ... import Batch, GDNConfig, KDAConfig, LayerSpec, ModelAttention
 from ...apply import validate_step, write_step
-from ...bench import timed, timed_session
-from ...bench.setup import cached_state
 from ...deltas import StepDeltas
-from .config import RecurrentInputs
+from ...kinds.delta_rule.config import RecurrentInputs
+from .. import timed, timed_session
+from ..setup import cached_state
 
 DEVICE = "cuda"
 
 
-def recurrent_cases(case: str, batches=(1, 8, 64)) -> list[dict]:
+def recurrent_cases(case: str) -> list[dict]:
     """Records of the bench CLI cases "gdn-prefill", "gdn-decode", "kda-prefill" ("standard": all three).
 
     "gdn-decode" times the ``triton`` and the opt-in ``triton_fused`` backends next to fla-core, and
     the decode kernels alone (two launches against `kernels.gated_delta_decode_fused`), also at
-    Qwen3.5-0.8B's 16qk/16v and at batch 1. "gdn-decode-sweep" times the recurrent kernel's tiles at
-    batch 64 and 256 (16qk/32v) and the fused decode kernel's at ``batches`` (Qwen3.5-0.8B's 16qk/16v)."""
+    Qwen3.5-0.8B's 16qk/16v and at batch 1."""
     records = []
     if case in ("gdn-prefill", "standard"):
         for requests, length in ((16, 4096), (1, 65536)):
@@ -38,18 +39,13 @@ def recurrent_cases(case: str, batches=(1, 8, 64)) -> list[dict]:
         for hk, hv in ((16, 32), (16, 16)):
             for batch in (1, 64, 256):
                 records += decode_kernels_case(batch=batch, hk=hk, hv=hv, dim=128)
-    if case == "gdn-decode-sweep":
-        for batch in (64, 256):
-            records += decode_tile_sweep(batch=batch, hk=16, hv=32, dim=128)
-        for batch in batches:
-            records += decode_fused_sweep(batch=batch, hk=16, hv=16, dim=128)
     if case in ("kda-prefill", "standard"):
         for requests, length in ((1, 16384), (4, 4096)):
             records += prefill_case("kda", requests=requests, length=length, hk=32, hv=32, dim=128)
     return records
 
 
-def _spec(kind: str, *, hk: int, hv: int, dim: int, dtype) -> LayerSpec:
+def recurrent_spec(kind: str, *, hk: int, hv: int, dim: int, dtype) -> LayerSpec:
     if kind == "gdn":
         cfg = GDNConfig(num_k_heads=hk, num_v_heads=hv, head_k_dim=dim, head_v_dim=dim)
     else:
@@ -57,7 +53,7 @@ def _spec(kind: str, *, hk: int, hv: int, dim: int, dtype) -> LayerSpec:
     return LayerSpec(index=0, config=cfg, dtype=dtype)
 
 
-def _inputs(spec: LayerSpec, T: int) -> RecurrentInputs:
+def recurrent_inputs(spec: LayerSpec, T: int) -> RecurrentInputs:
     """Conv input and gates shaped like a model's projections (log decays near 0, beta in (0, 1))."""
     c = spec.config
     H = c.num_state_heads
@@ -82,7 +78,7 @@ def _peer_qkv(spec, state, batch, inputs):
             v.unflatten(1, (-1, c.head_v_dim)).contiguous())
 
 
-def _session_run(name, spec, state, batch, inputs, *, graph: bool, apply: bool = False) -> float:
+def session_time(name, spec, state, batch, inputs, *, graph: bool, apply: bool = False) -> float:
     """One layer through backend ``name``; with a graph its session (and plan) opens outside the
     captured region (`timed_session`). ``apply``: the step's apply checks and writes are timed too."""
     ma = ModelAttention([spec], prefer=(name,), device=DEVICE, phases=(batch.phase,))
@@ -95,7 +91,7 @@ def _session_run(name, spec, state, batch, inputs, *, graph: bool, apply: bool =
     return timed_session(ma, state, batch, step, graph=graph)
 
 
-def _measure(case: str, peer: str, shape: dict, runs: dict, rate) -> list[dict]:
+def measure_runs(case: str, peer: str, shape: dict, runs: dict, rate) -> list[dict]:
     """Time every run; ``rate(us) -> {"tb_s" or "mtok_s": value}``. One failure never hides the others."""
     records = []
     for name, measure in runs.items():
@@ -110,7 +106,7 @@ def _measure(case: str, peer: str, shape: dict, runs: dict, rate) -> list[dict]:
     return records
 
 
-def _failed(case: str, peer: str, shape: dict, names, e: Exception) -> list[dict]:
+def failed_records(case: str, peer: str, shape: dict, names, e: Exception) -> list[dict]:
     err = f"setup {type(e).__name__}: {e}"
     return [{"case": case, "backend": n, "peer": peer, "shape": shape, "error": err} for n in names]
 
@@ -123,15 +119,14 @@ def prefill_case(kind: str, *, requests: int, length: int, hk: int, hv: int, dim
     heads = f"{hk}qk/{hv}v" if kind == "gdn" else f"{hv}h"
     case = f"{kind} prefill {requests}x{length} (T={T}) {heads} d{dim}"
     shape = {"requests": requests, "length": length, "tokens": T, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype)}
-    names = ("fnattn triton", "fnattn fla", "fnattn fla, one conv output", peer,
-             "fla-core conv + " + peer[len("fla-core "):])
+    names = ("fnattn triton", "fnattn fla", peer, "fla-core conv + " + peer[len("fla-core "):])
     try:
-        spec = _spec(kind, hk=hk, hv=hv, dim=dim, dtype=dtype)
+        spec = recurrent_spec(kind, hk=hk, hv=hv, dim=dim, dtype=dtype)
         state = cached_state(spec, batch=requests, ctx=0, page_size=length, extra=length)
         batch = Batch.prefill(state, {r: length for r in range(requests)})
-        inputs = _inputs(spec, T)
+        inputs = recurrent_inputs(spec, T)
     except Exception as e:  # noqa: BLE001 - a case that cannot be set up still leaves its records
-        return _failed(case, peer, shape, names, e)
+        return failed_records(case, peer, shape, names, e)
 
     def fla_peer():
         if kind == "gdn":
@@ -169,23 +164,12 @@ def prefill_case(kind: str, *, requests: int, length: int, hk: int, hv: int, dim
         return timed(run, graph=False)
 
     runs = {
-        "fnattn triton": lambda: _session_run("triton", spec, state, batch, inputs, graph=False),
-        "fnattn fla": lambda: _session_run("fla", spec, state, batch, inputs, graph=False),
-        "fnattn fla, one conv output": lambda: _one_output(lambda: _session_run("fla", spec, state, batch, inputs,
-                                                                                 graph=False)),
+        "fnattn triton": lambda: session_time("triton", spec, state, batch, inputs, graph=False),
+        "fnattn fla": lambda: session_time("fla", spec, state, batch, inputs, graph=False),
         peer: fla_peer,
-        names[4]: fla_layer_peer,
+        names[3]: fla_layer_peer,
     }
-    return _measure(case, peer, shape, runs, lambda us: {"mtok_s": T / us})
-
-
-def _one_output(run):
-    """``run()`` with the fla provider's conv writing one [T, C] output whose q, k and v slices fla-core copies
-    (`triton.qkv_apart(False)`; the default writes them apart)."""
-    from .triton import qkv_apart
-
-    with qkv_apart(False):
-        return run()
+    return measure_runs(case, peer, shape, runs, lambda us: {"mtok_s": T / us})
 
 
 def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16) -> list[dict]:
@@ -196,14 +180,14 @@ def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16)
     names = ("fnattn triton", "fnattn triton + apply", "fnattn triton + apply, no ring", "fnattn triton_fused",
              "fnattn triton_fused + apply", "fnattn triton_fused + apply, no ring", peer)
     try:
-        spec = _spec("gdn", hk=hk, hv=hv, dim=dim, dtype=dtype)
+        spec = recurrent_spec("gdn", hk=hk, hv=hv, dim=dim, dtype=dtype)
         state = cached_state(spec, batch=batch, ctx=16, page_size=16)
         b = Batch.decode(state, range(batch))  # spare ring rows: states written in place, the apply moves cursors
-        inputs = _inputs(spec, batch)
+        inputs = recurrent_inputs(spec, batch)
         flat = cached_state(spec, batch=batch, ctx=16, page_size=16, recurrent_ring=1)
         b_flat = Batch.decode(flat, range(batch))  # one row per slot: the apply copies every new state
     except Exception as e:  # noqa: BLE001
-        return _failed(case, peer, shape, names, e)
+        return failed_records(case, peer, shape, names, e)
     # read + write of each request's [HV, K, V] fp32 state; q/k/v/o and the conv window are small
     state_bytes = 2 * batch * hv * dim * dim * 4
 
@@ -218,47 +202,22 @@ def decode_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16)
             output_final_state=True, use_qk_l2norm_in_kernel=True), graph=True)
 
     runs = {
-        "fnattn triton": lambda: _session_run("triton", spec, state, b, inputs, graph=True),
-        "fnattn triton + apply": lambda: _session_run("triton", spec, state, b, inputs, graph=True, apply=True),
-        "fnattn triton + apply, no ring": lambda: _session_run("triton", spec, flat, b_flat, inputs, graph=True,
+        "fnattn triton": lambda: session_time("triton", spec, state, b, inputs, graph=True),
+        "fnattn triton + apply": lambda: session_time("triton", spec, state, b, inputs, graph=True, apply=True),
+        "fnattn triton + apply, no ring": lambda: session_time("triton", spec, flat, b_flat, inputs, graph=True,
                                                                apply=True),
         # the opt-in one-launch decode (conv window update fused into the recurrent kernel)
-        "fnattn triton_fused": lambda: _session_run("triton_fused", spec, state, b, inputs, graph=True),
-        "fnattn triton_fused + apply": lambda: _session_run("triton_fused", spec, state, b, inputs, graph=True,
+        "fnattn triton_fused": lambda: session_time("triton_fused", spec, state, b, inputs, graph=True),
+        "fnattn triton_fused + apply": lambda: session_time("triton_fused", spec, state, b, inputs, graph=True,
                                                             apply=True),
-        "fnattn triton_fused + apply, no ring": lambda: _session_run("triton_fused", spec, flat, b_flat, inputs,
+        "fnattn triton_fused + apply, no ring": lambda: session_time("triton_fused", spec, flat, b_flat, inputs,
                                                                      graph=True, apply=True),
         peer: fla_peer,
     }
-    return _measure(case, peer, shape, runs, lambda us: {"tb_s": state_bytes / (us * 1e-6) / 1e12})
+    return measure_runs(case, peer, shape, runs, lambda us: {"tb_s": state_bytes / (us * 1e-6) / 1e12})
 
 
-def decode_tile_sweep(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16) -> list[dict]:
-    """The recurrent decode kernel alone (states into spare pool rows) over V tiles and warps."""
-    from ...kernels import gated_delta_recurrent
-
-    case = f"gdn decode kernel sweep B{batch} {hk}qk/{hv}v d{dim} graph"
-    shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "dtype": str(dtype), "state_dtype": "torch.float32"}
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    r = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
-    q, k = r(batch, hk, dim).to(dtype), r(batch, hk, dim).to(dtype)
-    v, g, beta = r(batch, hv, dim).to(dtype), F.logsigmoid(r(batch, hv) + 3.0), torch.sigmoid(r(batch, hv)).to(dtype)
-    pool = r(2 * batch, hv, dim, dim)  # rows 0..B-1 read, B..2B-1 written
-    slots = torch.arange(batch, device=DEVICE)
-    rows = slots + batch
-    cu = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
-    state_bytes = 2 * batch * hv * dim * dim * 4
-    runs = {}
-    for block_v in (16, 32, 64):
-        for warps in (1, 2, 4, 8):
-            runs[f"BV{block_v} w{warps}"] = (lambda bv=block_v, w=warps: timed(lambda: gated_delta_recurrent(
-                q, k, v, g, beta, pool, slots, cu, scale=dim ** -0.5, out_states=pool, out_rows=rows,
-                use_qk_l2norm=True, block_v=bv, num_warps=w), graph=True))
-    # the peer is the default tile (BV 32, 4 warps): ratios > 1 beat it
-    return _measure(case, "BV32 w4", shape, runs, lambda us: {"tb_s": state_bytes / (us * 1e-6) / 1e12})
-
-
-def _decode_inputs(batch: int, hk: int, hv: int, dim: int, dtype, width: int):
+def decode_kernel_inputs(batch: int, hk: int, hv: int, dim: int, dtype, width: int):
     """``(x, conv weight, conv windows, g, beta, state pool, slots, out rows, cu_seqlens)`` of one decode
     step: the pool's rows 0..B-1 are read, B..2B-1 written."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -273,30 +232,6 @@ def _decode_inputs(batch: int, hk: int, hv: int, dim: int, dtype, width: int):
     return x, weight, conv_pool, g, beta, pool, slots, slots + batch, cu
 
 
-def decode_fused_sweep(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16, width: int = 4) -> list[dict]:
-    """`kernels.gated_delta_decode_fused` alone over V tiles and warps, replayed from a CUDA graph; the peer
-    is the tile the kernel picks by default (ratios > 1 beat it)."""
-    from ...kernels import gated_delta_decode_fused
-
-    case = f"gdn fused decode sweep B{batch} {hk}qk/{hv}v d{dim} graph"
-    shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "conv_kernel": width, "dtype": str(dtype),
-             "state_dtype": "torch.float32"}
-    x, weight, conv_pool, g, beta, pool, slots, rows, cu = _decode_inputs(batch, hk, hv, dim, dtype, width)
-
-    def run(**tile):
-        return timed(lambda: gated_delta_decode_fused(x, weight, None, conv_pool, g, beta, pool, slots, cu,
-                                                      num_k_heads=hk, head_k_dim=dim, scale=dim ** -0.5,
-                                                      out_states=pool, out_rows=rows, **tile), graph=True)
-
-    peer = "default tile"
-    runs = {peer: run}
-    for block_v in (16, 32, 64):
-        for warps in (1, 2, 4, 8):
-            runs[f"BV{block_v} w{warps}"] = lambda bv=block_v, w=warps: run(block_v=bv, num_warps=w)
-    moved = 2 * batch * hv * dim * dim * 4 + batch * x.shape[1] * (1 + 2 * (width - 1)) * 2 + batch * hv * dim * 2
-    return _measure(case, peer, shape, runs, lambda us: {"tb_s": moved / (us * 1e-6) / 1e12})
-
-
 def decode_kernels_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.bfloat16, width: int = 4) -> list[dict]:
     """The decode kernels alone, states into spare pool rows, replayed from a CUDA graph: the conv and the
     recurrence as two launches (and each alone) against `kernels.gated_delta_decode_fused`."""
@@ -306,7 +241,7 @@ def decode_kernels_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.b
     case = f"gdn decode kernels B{batch} {hk}qk/{hv}v d{dim} graph"
     shape = {"batch": batch, "hk": hk, "hv": hv, "dim": dim, "conv_kernel": width, "dtype": str(dtype),
              "state_dtype": "torch.float32"}
-    x, weight, conv_pool, g, beta, pool, slots, rows, cu = _decode_inputs(batch, hk, hv, dim, dtype, width)
+    x, weight, conv_pool, g, beta, pool, slots, rows, cu = decode_kernel_inputs(batch, hk, hv, dim, dtype, width)
     qk, C, scale = hk * dim, x.shape[1], dim ** -0.5
 
     def conv():
@@ -330,7 +265,7 @@ def decode_kernels_case(*, batch: int, hk: int, hv: int, dim: int, dtype=torch.b
     }
     # the state is read and written; x, the windows (read and written) and o are the rest
     moved = 2 * batch * hv * dim * dim * 4 + batch * C * (1 + 2 * (width - 1)) * 2 + batch * hv * dim * 2
-    records = _measure(case, peer, shape, runs, lambda us: {"tb_s": moved / (us * 1e-6) / 1e12})
+    records = measure_runs(case, peer, shape, runs, lambda us: {"tb_s": moved / (us * 1e-6) / 1e12})
     for rec in records:  # the step's bytes over one of its two kernels' time is no bandwidth of either
         if rec["backend"] in ("causal_conv1d", "gated_delta_recurrent"):
             rec.pop("tb_s", None)

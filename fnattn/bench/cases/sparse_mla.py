@@ -5,7 +5,9 @@ fnattn's FlashMLA backend (index translation to pool slots, the kernel over the 
 beside it, LSE merge, ``W_UV``) against the kernel alone on precomputed slots over caches that
 already hold the new token, and against the usual layer (the latent written into the pool first, then the
 absorption, the kernel and ``W_UV``: the same work as fnattn's but the merge and the slot translation, which
-its precomputed slots leave out; a second usual row translates the top-k positions each step). "indexer":
+its precomputed slots leave out; a second usual row translates the top-k positions each step). The fnattn row
+runs the backend's defaults, named in it (the slots in one pass, the one-launch absorb, the merge kernel and a
+batched ``W_UV``); ``benchmarks/switch_ab.py mla-sparse`` times those switches' other sides. "indexer":
 the Triton indexer scores plus ``torch.topk`` at the given context, reported next to the sparse attention time
 of the same shape.
 """
@@ -15,12 +17,12 @@ from __future__ import annotations
 import torch
 
 from ... import Batch, IndexerConfig, LayerSpec, ModelAttention, SparseMLAConfig, SparseMLAInputs, SparseQueryMetadata
-from ...bench import timed, timed_session
-from ...bench.setup import cached_state
-from ..mla.bench import DEVICE, deepseek_mla, random_inputs
-from ..mla.latent import absorb_kernel, values_out
-from ..mla.latent import absorbed_query_torch as absorbed_query
-from .flashmla import TOPK_BLOCK, merge_values_kernel, one_pass_slots
+from ...kinds.mla.latent import absorb_kernel, values_out
+from ...kinds.mla.latent import absorbed_query_torch as absorbed_query
+from ...kinds.sparse_mla.flashmla import TOPK_BLOCK, merge_values_kernel, one_pass_slots
+from .. import timed, timed_session
+from ..setup import cached_state
+from .mla import DEVICE, deepseek_mla, random_inputs
 
 
 def _specs(heads, topk, Hi, Di):
@@ -41,7 +43,10 @@ def _setup(batch, ctx, heads, topk, Hi, Di, page_size):
     return specs, state, b, idx
 
 
-def _record(case, name, peer, shape, measure, extra=None):
+FNATTN_ROW = "fnattn flashmla (attention, shared top-k, one-pass slots)"  # the indexer's rows name it their peer
+
+
+def record(case, name, peer, shape, measure, extra=None):
     rec = {"case": case, "backend": name, "peer": peer, "shape": shape}
     try:
         rec["time_us"] = measure()
@@ -122,24 +127,18 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
     case = f"sparse mla decode B{batch} ctx{ctx} h{heads} topk{topk}" + (" graph" if graph else " eager")
     shape = {"batch": batch, "ctx": ctx, "heads": heads, "topk": topk, "page_size": page_size}
     flops = lambda us: {"tflop_s": batch * heads * topk * (576 + 512) * 2 / (us * 1e-6) / 1e12}  # noqa: E731
-    def through_fnattn(one_pass: bool, absorb: bool = True, merge_values: bool = False):
-        # in force while the step is traced (a graph keeps what it captured)
-        with one_pass_slots(one_pass), absorb_kernel(absorb), merge_values_kernel(merge_values):
+
+    def through_fnattn():
+        # the switches the row's name states, in force while the step is traced (a graph keeps what it captured)
+        with one_pass_slots(True), absorb_kernel(True), merge_values_kernel(False):
             return timed_session(ma, state, b, lambda s: s.forward(1, inputs), graph=graph)
 
-    return [_record(case, peer, peer, shape, lambda: timed(kernel, graph=graph), flops),
-            _record(case, "usual (append + absorb + kernel + W_UV)", peer, shape, lambda: timed(usual, graph=graph),
-                    flops),
-            _record(case, "usual + slot translation (append + slots + absorb + kernel + W_UV)", peer, shape,
-                    lambda: timed(usual_translating, graph=graph), flops),
-            _record(case, "fnattn flashmla (attention, shared top-k)", peer, shape, lambda: through_fnattn(False),
-                    flops),
-            _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots)", peer, shape,
-                    lambda: through_fnattn(True), flops),
-            _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots, batched absorb)", peer, shape,
-                    lambda: through_fnattn(True, absorb=False), flops),
-            _record(case, "fnattn flashmla (attention, shared top-k, one-pass slots, merge + W_UV kernel)",
-                    peer, shape, lambda: through_fnattn(True, merge_values=True), flops)]
+    return [record(case, peer, peer, shape, lambda: timed(kernel, graph=graph), flops),
+            record(case, "usual (append + absorb + kernel + W_UV)", peer, shape, lambda: timed(usual, graph=graph),
+                   flops),
+            record(case, "usual + slot translation (append + slots + absorb + kernel + W_UV)", peer, shape,
+                   lambda: timed(usual_translating, graph=graph), flops),
+            record(case, FNATTN_ROW, peer, shape, through_fnattn, flops)]
 
 
 def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi: int = 64, Di: int = 128,
@@ -161,8 +160,8 @@ def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi
     for rec in records:
         rec["case"] = case
     tb = lambda us: {"tb_s": batch * (ctx + 1) * Di * 2 / (us * 1e-6) / 1e12}  # noqa: E731
-    records.append(_record(case, "fnattn indexer (triton scores + topk)", "fnattn flashmla (attention, shared top-k)",
-                           shape, lambda: timed(run, graph=graph), tb))
+    records.append(record(case, "fnattn indexer (triton scores + topk)", FNATTN_ROW, shape,
+                          lambda: timed(run, graph=graph), tb))
     # the same keys cached as FP8 e4m3 with a scale per token (`IndexerConfig.key_dtype`): half the bytes read
     ix = IndexerConfig(num_heads=Hi, head_dim=Di, topk=topk, key_dtype="fp8_e4m3")
     stored, scales = ix.encode_keys(pages.flatten(0, 1))
@@ -172,13 +171,12 @@ def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi
                                 b.cu_seqlens, b.positions, scale=Di ** -0.5, topk=topk, cache_scale=scales8,
                                 new_scale=ks)
     tb8 = lambda us: {"tb_s": batch * (ctx + 1) * (Di + 4) / (us * 1e-6) / 1e12}  # noqa: E731
-    records.append(_record(case, "fnattn indexer (triton scores + topk, fp8 keys)",
-                           "fnattn flashmla (attention, shared top-k)", shape, lambda: timed(run8, graph=graph), tb8))
+    records.append(record(case, "fnattn indexer (triton scores + topk, fp8 keys)", FNATTN_ROW, shape,
+                          lambda: timed(run8, graph=graph), tb8))
     # the same scores, the selection by sgl_kernel's radix select (`radix_select`; top-k 2048 only)
     if topk == RADIX_TOPK:
         radix = lambda: indexer_topk(q, w, pages, k, b.block_table, sparse.request_of_token, b.cache_lens,  # noqa: E731
                                      b.cu_seqlens, b.positions, scale=Di ** -0.5, topk=topk, radix=True)
-        records.append(_record(case, "fnattn indexer (triton scores + radix select)",
-                               "fnattn flashmla (attention, shared top-k)", shape, lambda: timed(radix, graph=graph),
-                               tb))
+        records.append(record(case, "fnattn indexer (triton scores + radix select)", FNATTN_ROW, shape,
+                              lambda: timed(radix, graph=graph), tb))
     return records

@@ -6,10 +6,10 @@ import torch
 
 from ... import Batch, FullAttentionConfig, FullAttentionInputs, LayerSpec, ModelAttention
 from ...apply import validate_step, write_step
-from ...bench import timed, timed_session
-from ...bench.setup import cached_state
 from ...deltas import StepDeltas
-from .flashinfer import cache_layout
+from ...kinds.full.flashinfer import cache_layout
+from .. import timed, timed_session
+from ..setup import cached_state
 
 
 def _inputs(spec, T):

@@ -6,8 +6,7 @@ attention layer does around it: write the new latent row, absorb ``W_UK``, the k
 fnattn rows are whole pure steps: the backend (absorb, kernel over the cache, the new row beside it,
 LSE merge, ``W_UV``) and the one apply of the step's rows. They build the absorbed query in one launch
 (`fnattn.kinds.mla.latent.absorb_kernel`) and take the own row's merge and ``W_UV`` in one launch
-(`merge_values_kernel`); "batched absorb" runs the usual layer's product instead, and "merge kernel + batched
-W_UV" the merge and ``W_UV``'s batched product apart.
+(`merge_values_kernel`). Those two switches' other sides are timed by ``benchmarks/switch_ab.py mla-decode``.
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from ... import Batch, LayerSpec, MLAConfig, MLAInputs, ModelAttention
-from ...bench import timed
-from ...bench.setup import cached_state
-from ..full.bench import time_fnattn
+from .. import timed
+from ..setup import cached_state
+from .full import time_fnattn
 
 DEVICE = "cuda"
 
@@ -40,8 +39,8 @@ def raw_flashmla(state, batch, cfg: MLAConfig, inputs: MLAInputs, layers):
     """Closures for the raw kernel and the usual append-then-attend layer, over ``cache_lens + 1`` tokens."""
     from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
-    from .latent import absorbed_query_torch as absorbed_query
-    from .latent import values_out
+    from ...kinds.mla.latent import absorbed_query_torch as absorbed_query
+    from ...kinds.mla.latent import values_out
 
     T, H = inputs.q_nope.shape[:2]
     lens = batch.cache_lens + 1  # the new token is in the cache already, as the usual design has it
@@ -66,14 +65,6 @@ def raw_flashmla(state, batch, cfg: MLAConfig, inputs: MLAInputs, layers):
     return kernel, usual
 
 
-def _switched(*, measure, absorb_kernel: bool = True, merge_values_kernel: bool = True):
-    from . import latent
-
-    # in force while the step is traced (a graph keeps what it captured)
-    with latent.absorb_kernel(absorb_kernel), latent.merge_values_kernel(merge_values_kernel):
-        return measure()
-
-
 def decode_case(*, batch: int, ctx: int, heads: int = 128, page_size: int = 64, layers: int = 1,
                 graph: bool = True) -> list[dict]:
     cfg = deepseek_mla(heads)
@@ -91,11 +82,6 @@ def decode_case(*, batch: int, ctx: int, heads: int = 128, page_size: int = 64, 
         ma = ModelAttention(specs, prefer=(name,), device=DEVICE, phases=("decode",))
         runs[f"fnattn {name} (pure)" + ("" if g == graph else " eager")] = (
             lambda ma=ma, g=g: time_fnattn(ma, state, b, specs, inputs, graph=g))
-        if name == "flashmla":
-            runs["fnattn flashmla (pure, batched absorb)"] = lambda ma=ma: _switched(
-                absorb_kernel=False, measure=lambda: time_fnattn(ma, state, b, specs, inputs, graph=graph))
-            runs["fnattn flashmla (pure, merge kernel + batched W_UV)"] = lambda ma=ma: _switched(
-                merge_values_kernel=False, measure=lambda: time_fnattn(ma, state, b, specs, inputs, graph=graph))
     latent_bytes = layers * batch * (ctx + 1) * cfg.latent_dim * 2
     flops = layers * batch * heads * (ctx + 1) * (cfg.latent_dim + cfg.kv_lora_rank) * 2
     records = []
