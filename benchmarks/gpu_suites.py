@@ -129,8 +129,9 @@ SUITES: dict[str, Suite] = {
         bench(90, "prefill --tokens 16384", "bench_prefill.json"),
         bench(150, "gdn-prefill", "bench_gdn_prefill.json"),
     )),
-    "bench-linear": Suite("`fnattn bench linear`: the skinny GEMV and its folds against cuBLAS and FlashInfer", (
-        bench(300, "linear --batch 1", "bench_linear_b1.json"),
+    "bench-linear": Suite("`fnattn bench linear`: the skinny GEMV and its folds against cuBLAS and FlashInfer; at one "
+                          "row the config sweep its table is tuned from", (
+        Part(300, "python benchmarks/linear_sweep.py --batch 1 --out {out}/bench_linear_b1.json"),
         bench(200, "linear --batch 8 16 --no-sweep", "bench_linear_b8_16.json"),
     )),
     "bench-mla": Suite("`fnattn bench`: dense and sparse MLA decode and the DSA indexer against raw FlashMLA", (

@@ -1,6 +1,7 @@
-"""`fnattn bench linear` on CPU: it refuses cleanly (no CUDA, rows out of the kernel's range), its sweep grid
-holds only configs the kernel takes, and a case's records and a fold case's (with a stand-in timer over the
-interpreted kernel) say what they promise. The timings themselves run on a GPU."""
+"""`fnattn bench linear` on CPU: it refuses cleanly (no CUDA, rows out of the kernel's range), the sweep grid of
+``benchmarks/linear_sweep.py`` holds only configs the kernel takes, and a case's records with the sweep's best and
+a fold case's (with a stand-in timer over the interpreted kernel) say what they promise. The timings themselves run
+on a GPU."""
 
 import itertools
 import os
@@ -12,21 +13,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fnattn.kernels.skinny_linear import pick_config  # noqa: E402
+from helpers import benchmark_module  # noqa: E402
 
 from fnattn.bench import with_ratios  # noqa: E402
 from fnattn.bench.linear import (  # noqa: E402
     CALLS,
-    FMA_PRODUCTS,
-    FMA_ROWS,
     FOLD_EPS,
-    GRID,
     SHAPES,
     fold_case,
-    linear_case,
     print_linear_table,
-    sweep_configs,
 )
 from fnattn.cli import main  # noqa: E402
+
+linear_sweep = benchmark_module("linear_sweep")
+FMA_PRODUCTS, FMA_ROWS, GRID = linear_sweep.FMA_PRODUCTS, linear_sweep.FMA_ROWS, linear_sweep.GRID
+sweep_configs = linear_sweep.sweep_configs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
@@ -75,8 +76,8 @@ def test_case_records_cublas_table_and_the_best_of_the_sweep(act):
         return next(times)
 
     K, N, rows = 96, 40, 3
-    records = with_ratios(linear_case(rows=rows, name="tiny", K=K, N=N, act=act, dtype=torch.float32,
-                                      device="cpu", timer=timer))
+    records = with_ratios(linear_sweep.sweep_case(rows=rows, name="tiny", K=K, N=N, act=act, dtype=torch.float32,
+                                                  device="cpu", timer=timer))
     peer, table, best = records
     assert [r["backend"] for r in records] == [peer["peer"], "skinny table", "skinny best"]
     assert all(r["weight_bytes"] == N * K * 4 and r["weight_copies"] == CALLS and r["act"] == act for r in records)

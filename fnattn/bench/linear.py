@@ -1,14 +1,13 @@
 """``fnattn bench linear``: decode-sized projections, cuBLAS (``F.linear``) vs `skinny_linear`.
 
 For each row count M and each of Qwen3.5-0.8B's per-token projections ``[M, K] @ [N, K]^T`` (bf16), one
-case times cuBLAS, `skinny_linear` with `pick_config`'s config, and `skinny_linear` with every config of a
-small sweep grid, keeping the best. A time is one call's share of a CUDA graph of 20 calls, each call
-reading its own copy of the weight (as a decode step's layers each read their own), so the weight comes
-from memory, not L2; ``do_bench`` flushes L2 between replays too. TB/s counts the weight's bytes only
-(the rows of ``x`` and ``y`` are a rounding error at these shapes).
+case times cuBLAS and `skinny_linear` with `pick_config`'s config (the table). A time is one call's share
+of a CUDA graph of 20 calls, each call reading its own copy of the weight (as a decode step's layers each
+read their own), so the weight comes from memory, not L2; ``do_bench`` flushes L2 between replays too. TB/s
+counts the weight's bytes only (the rows of ``x`` and ``y`` are a rounding error at these shapes).
 
-The ``skinny best`` record lists the whole sweep (config and time each): the table in
-`fnattn.kernels.skinny_linear` is tuned from it.
+The table in `fnattn.kernels.skinny_linear` is tuned from a sweep of configs around it,
+``benchmarks/linear_sweep.py``, whose ``skinny best`` record lists the whole sweep (config and time each).
 
 The fold cases time a residual-add + RMSNorm between an output projection and the next input projection:
 unfused, [down GEMV; `add_rms_norm_offset_` (FlashInfer's fused add + RMSNorm); up GEMV], against the
@@ -18,7 +17,6 @@ table's configs, one call being the whole pair.
 
 from __future__ import annotations
 
-import itertools
 import sys
 from dataclasses import asdict, replace
 
@@ -46,28 +44,6 @@ FOLD_PAIRS = (
     ("mlp down + norm + attn qkv", 3584, 5120),
 )
 FOLD_EPS = 1e-6
-# Each config compiles once per row bucket (about a second each): the grid stays a few dozen per shape. With a
-# program's K loop a handful of tiles long, pipeline depth matters little, so it is not swept.
-GRID = dict(block_n=(16, 32, 64), block_k=(128, 256), split_k=(1, 2, 4, 8), num_warps=(4, 8), num_stages=(4,),
-            dot=(True, False))
-FMA_ROWS = 4  # the FMA form (dot=False) is timed up to this many rows
-FMA_PRODUCTS = 128 * 128  # and only while [rows, block_n, block_k] products fit 128 fp32 registers a thread
-
-
-def sweep_configs(K: int, rows: int) -> list:
-    """The grid's configs for ``rows`` rows and a reduction of length K: a K piece holds at least two K
-    tiles; the FMA form only for a few rows and tiles whose products fit in registers."""
-    from ..kernels.skinny_linear import SkinnyConfig
-
-    out = []
-    for bn, bk, split, warps, stages, dot in itertools.product(*GRID.values()):
-        if split > 1 and K // split < 2 * bk:
-            continue
-        padded = 1 << (rows - 1).bit_length()  # the FMA form's rows: the next power of two
-        if not dot and (rows > FMA_ROWS or padded * bn * bk > FMA_PRODUCTS * warps // 4):
-            continue
-        out.append(SkinnyConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, dot=dot))
-    return out
 
 
 def per_call_us(call, copies: int, *, rep_ms: int = 25) -> float:
@@ -81,18 +57,26 @@ def per_call_us(call, copies: int, *, rep_ms: int = 25) -> float:
     return timed(body, warmup=1, bench_warmup_ms=5, rep_ms=rep_ms) / CALLS
 
 
-def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, sweep: bool = True,
-                log=lambda line: None, dtype=torch.bfloat16, device="cuda", timer=per_call_us) -> list[dict]:
-    """cuBLAS (after `silu_and_mul` with ``act``), the table's config and the sweep's best on one shape.
+def linear_inputs(*, rows: int, K: int, N: int, act: str | None, dtype=torch.bfloat16, device="cuda"):
+    """``-> (x, weight copies)`` of one shape, the same for the same arguments (seeded): ``x`` [rows, K] (2K
+    with ``act``: `silu_and_mul`'s input) and as many [N, K] weights as `COPY_BYTES` holds, at most `CALLS`."""
+    copies = max(1, min(CALLS, COPY_BYTES // (N * K * dtype.itemsize)))
+    g = torch.Generator(device=device).manual_seed(0)
+    ws = [(torch.randn(N, K, device=device, generator=g) * K ** -0.5).to(dtype) for _ in range(copies)]
+    x = torch.randn(rows, 2 * K if act else K, device=device, generator=g).to(dtype)
+    return x, ws
+
+
+def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, log=lambda line: None,
+                dtype=torch.bfloat16, device="cuda", timer=per_call_us) -> list[dict]:
+    """cuBLAS (after `silu_and_mul` with ``act``) and the table's config on one shape.
     ``timer(call, copies, **options)``: `per_call_us` (another only to check the records without a GPU)."""
     from ..kernels.skinny_linear import pick_config, skinny_linear
     from ..models.fused import silu_and_mul
 
     wbytes = N * K * dtype.itemsize
-    copies = max(1, min(CALLS, COPY_BYTES // wbytes))
-    g = torch.Generator(device=device).manual_seed(0)
-    ws = [(torch.randn(N, K, device=device, generator=g) * K ** -0.5).to(dtype) for _ in range(copies)]
-    x = torch.randn(rows, 2 * K if act else K, device=device, generator=g).to(dtype)
+    x, ws = linear_inputs(rows=rows, K=K, N=N, act=act, dtype=dtype, device=device)
+    copies = len(ws)
     case = f"linear {name} M{rows} K{K} N{N}"
     base = {"case": case, "rows": rows, "K": K, "N": N, "act": act, "weight_bytes": wbytes, "calls": CALLS,
             "weight_copies": copies, "dtype": str(dtype).removeprefix("torch.")}
@@ -116,22 +100,6 @@ def linear_case(*, rows: int, name: str, K: int, N: int, act: str | None, sweep:
         records.append(record("skinny table, reduce kernel",
                               timer(lambda i: skinny_linear(x, ws[i], act=act, config=two), copies),
                               config=asdict(two)))
-    if not sweep:
-        return records
-    timings = []
-    for cfg in sweep_configs(K, rows):
-        try:
-            us = timer(lambda i, cfg=cfg: skinny_linear(x, ws[i], act=act, config=cfg), copies, rep_ms=15)
-            timings.append({**asdict(cfg), "time_us": us})
-        except Exception as e:  # noqa: BLE001 - a config the device cannot run (shared memory) is a result
-            timings.append({**asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:120]}"})
-    ok = [t for t in timings if "time_us" in t]
-    if ok:
-        best = min(ok, key=lambda t: t["time_us"])
-        config = {k: v for k, v in best.items() if k != "time_us"}
-        records.append(record("skinny best", best["time_us"], config=config, table_time_us=records[1]["time_us"],
-                              table_vs_best=records[1]["time_us"] / best["time_us"], sweep=timings))
-        log(f"{case}: best {best['time_us']:.2f} us {config}")
     return records
 
 
@@ -208,7 +176,7 @@ def run_linear(args, batches: list[int], *, command: str) -> int:
     try:
         for rows in batches:
             for name, K, N, act in SHAPES:
-                records += linear_case(rows=rows, name=name, K=K, N=N, act=act, sweep=not args.no_sweep,
+                records += linear_case(rows=rows, name=name, K=K, N=N, act=act,
                                        log=lambda line: print(line, file=sys.stderr))
             for name, K, N in FOLD_PAIRS:
                 records += fold_case(rows=rows, name=name, K=K, N=N, log=lambda line: print(line, file=sys.stderr))
