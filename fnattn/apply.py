@@ -25,9 +25,12 @@ from torch import Tensor
 from .checks import _STRIDED, CHECKS_ENABLED, fail
 from .deltas import StepDeltas, Writes, check_accepted
 from .errors import StaleDeltasError
+from .rows import ring_of, step_rows
 
 
-class _Target(NamedTuple):  # a tuple: one is built per layer and tensor every step
+class Target(NamedTuple):  # a tuple: one is built per layer and tensor every step
+    """One checked write: ``value`` goes to rows ``index`` of the layer's slice of a pool tensor."""
+
     pool: str
     tensor: str
     layer_pos: int  # position of the layer on the pool's leading axis
@@ -57,7 +60,7 @@ def check_batch(state, batch, where: str) -> None:
     this State as it is now, its tensors untouched since (`unchanged_since_built`),
     is what that derivation gives: only its tensors' dtypes and devices are checked.
     """
-    from .batch import PHASES, TENSOR_DTYPES, check_tensors, expected_tensors, pad_lane, ring_of, unchanged_since_built
+    from .batch import PHASES, TENSOR_DTYPES, check_tensors, expected_tensors, pad_lane, unchanged_since_built
 
     check_tensors(batch, where)
     if batch.page_size != state.page_size or batch.ring_size != state.recurrent_ring:
@@ -65,7 +68,8 @@ def check_batch(state, batch, where: str) -> None:
              (batch.page_size, batch.ring_size))
     if batch.phase not in PHASES:
         fail(where, "batch.phase", f"one of {PHASES}", batch.phase)
-    if not state._shared and unchanged_since_built(batch, state):  # shared pages: the full check below
+    shared, requests = state.shared_pages, state.requests
+    if not shared and unchanged_since_built(batch, state):  # shared pages: the full check below
         _check_tensor_types(state, batch, dict.fromkeys(TENSOR_DTYPES), where)
         return
     S = state.page_size
@@ -81,9 +85,9 @@ def check_batch(state, batch, where: str) -> None:
                      "null page and the null slot", (batch.host_cache_lens[b], batch.host_pages[b]))
             reqs.append((pad, n))  # (a request after a pad lane puts that pad before `live`: refused here)
             continue
-        req = state._requests.get(rid)
+        req = requests.get(rid)
         if req is None:
-            fail(where, "batch", f"requests admitted in this State (admitted: {sorted(state._requests)})", rid)
+            fail(where, "batch", f"requests admitted in this State (admitted: {sorted(requests)})", rid)
         if (batch.host_cache_lens[b], batch.host_pages[b], batch.host_ring_pos[b]) != (
                 req.length, req.pages, req.ring_pos):
             fail(where, "batch", f"request {rid}'s cursor, pages and ring position in this State",
@@ -92,7 +96,7 @@ def check_batch(state, batch, where: str) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(req.pages) * S - req.length:
             fail(where, f"batch.host_new_lens[{b}]", f"an int in 1..{len(req.pages) * S - req.length} "
                  f"(request {rid}'s reserved room)", n)
-        if state._shared:  # pages more than one request holds (a shared prefix): none is written
+        if shared:  # pages more than one request holds (a shared prefix): none is written
             _check_unshared(state, req.pages[req.length // S:(req.length + n - 1) // S + 1], where)
         reqs.append((req, n))
     if len(set(batch.request_ids)) != len(batch.request_ids) or not reqs:
@@ -113,7 +117,7 @@ def _check_tensor_types(state, batch, values: dict, where: str) -> None:
     expected rows (not None) and it reads back without a sync, it holds them (and no shared page's slot)."""
     from .batch import TENSOR_DTYPES
 
-    S, device, shared = state.page_size, state.device, state._shared
+    S, device, shared = state.page_size, state.device, state.shared_pages
     for name, want in values.items():
         got = getattr(batch, name)
         if not isinstance(got, Tensor) or got.dtype is not TENSOR_DTYPES[name] or got.device != device:
@@ -129,37 +133,31 @@ def _check_tensor_types(state, batch, values: dict, where: str) -> None:
 
 def _check_unshared(state, pages, where: str) -> None:
     """No token row of the step lands in a page more than one request holds (a shared prefix page)."""
-    shared = sorted(p for p in pages if p in state._shared)
+    holders = state.shared_pages
+    shared = sorted(p for p in pages if p in holders)
     if shared:
         fail(where, "batch", "a batch that writes no page another request also holds (shared prefix pages are "
-             f"read-only; pages {shared} are held by {[state._shared[p] for p in shared]} requests)", shared)
+             f"read-only; pages {shared} are held by {[holders[p] for p in shared]} requests)", shared)
 
 
 def _owners(state, layers) -> tuple[list[int], list[int]]:
     """(the layers that own storage, those of them with per-request storage), limited to ``layers``."""
     if layers is None:  # every step asks this: the declarations never change, so once per storage
-        found = state._storage.__dict__.get("_owners")
-        if found is not None:
-            return found
-    owners = [layer for layer, spaces in state.storage_spaces.items() if spaces and (layers is None or layer in layers)]
+        return state.storage.derived(("apply", "owners"), lambda: _owners(state, frozenset(state.storage_spaces)))
+    owners = [layer for layer, spaces in state.storage_spaces.items() if spaces and layer in layers]
     recurrent = [layer for layer in owners if "request" in state.storage_spaces[layer].values()]
-    if layers is None:
-        state._storage._owners = (owners, recurrent)
     return owners, recurrent
 
 
 def _names(state, replay_mode: bool) -> dict:
     """layer -> ((names the step's writes must hold, sorted), (names the replay's must hold, sorted)), for every
     layer; built once per storage and mode (the layers' declarations never change)."""
-    cache = state._storage.__dict__.setdefault("_names", {})
-    names = cache.get(replay_mode)
-    if names is None:
-        names = cache[replay_mode] = {}
-        for layer, spaces in state.storage_spaces.items():
-            token = frozenset(n for n, s in spaces.items() if s == "token")
-            request = frozenset(n for n, s in spaces.items() if s == "request")
-            names[layer] = (token, request) if replay_mode else (token | request, frozenset())
-            names[layer] = tuple((want, tuple(sorted(want))) for want in names[layer])  # with their order
+    names = {}
+    for layer, spaces in state.storage_spaces.items():
+        token = frozenset(n for n, s in spaces.items() if s == "token")
+        request = frozenset(n for n, s in spaces.items() if s == "request")
+        names[layer] = (token, request) if replay_mode else (token | request, frozenset())
+        names[layer] = tuple((want, tuple(sorted(want))) for want in names[layer])  # with their order
     return names
 
 
@@ -182,7 +180,7 @@ def _by_layer(state, writes, step_id: int, where: str) -> dict[int, Writes]:
 
 
 def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool = False,
-                  main_written: bool = False) -> list[_Target]:
+                  main_written: bool = False) -> list[Target]:
     """Check the whole step; ``-> the resolved targets``. ``layers`` limits it to some layers (probe).
 
     A captured verify is applied in two halves (`fnattn.graph`): inside the graph, before acceptance, the
@@ -225,18 +223,17 @@ def validate_step(state, deltas: StepDeltas, *, layers=None, defer_replay: bool 
     for layer in set(main) | set(extra):
         if layer not in owners:
             fail(where, "writes", f"writes only for layers that own storage {owners}", layer)
-    # (writes by layer, the batch whose rows they take, its token rows, its state rows); the replay's
-    # writes are per-request only, so it has no token rows.
-    parts = [None if main_written else
-             (main, batch, batch.token_rows(deltas.accepted), batch.state_rows(deltas.accepted))]
+    # (writes by layer, the batch whose rows they take), and per part what every one of its writes is checked
+    # against, by index space (`fnattn.rows`; indexed False: request, True: token): the rows it goes to, how
+    # many, whether no row is skipped. The replay's writes are per-request only.
+    parts = [None if main_written else (main, batch)]
+    rows_by_space = [None if main_written else step_rows(batch, deltas.accepted)]
     if replay is not None:
-        parts.append((extra, replay.batch, None, replay.batch.state_rows()))
-    targets: list[_Target] = []
-    storage = state._storage
-    spans, checks = _spans(storage), _checks(state, replay_mode)
-    # Per part, what every one of its writes is checked against, by index space (False: request, True: token):
-    # (the rows it goes to, how many, whether no row is skipped).
-    rows_by_space = [None if part is None else _part_rows(*part[1:]) for part in parts]
+        parts.append((extra, replay.batch))
+        rows_by_space.append(step_rows(replay.batch, tokens=False))
+    targets: list[Target] = []
+    storage = state.storage
+    spans, checks = _spans(storage), _checks(state, storage, replay_mode)
     for layer in owners:
         for part, spaces, (want, entries) in zip(parts, rows_by_space, checks[layer]):
             if not want or part is None:
@@ -284,25 +281,15 @@ def _refuse_in_place(storage, layer: int, name: str, token_space: bool, batch) -
                            "session per batch and apply it before the next)")
 
 
-def _checks(state, replay_mode: bool) -> dict:
+def _checks(state, storage, replay_mode: bool) -> dict:
     """layer -> per part of the step (its own writes, the replay's): (the names its writes must hold, and
     each of them in order with its layout, `_layouts`); built once per storage and mode."""
-    storage = state._storage
-    cache = storage.__dict__.setdefault("_checks", {})
-    found = cache.get(replay_mode)
-    if found is None:
+    def build():
         layouts = _layouts(storage)
-        found = cache[replay_mode] = {
-            layer: tuple((want, tuple((name, layouts[(layer, name)]) for name in order)) for want, order in parts)
-            for layer, parts in _names(state, replay_mode).items()}
-    return found
+        return {layer: tuple((want, tuple((name, layouts[(layer, name)]) for name in order)) for want, order in parts)
+                for layer, parts in _names(state, replay_mode).items()}
 
-
-def _part_rows(batch, token_rows, state_rows) -> tuple:
-    """``(request space, token space)``, each ``(index, rows, every row written)``, for the writes of one batch."""
-    every_state = state_rows is batch.recurrent_write_rows and (batch.phase != "verify" or batch.ring > 0)
-    return ((state_rows, batch.recurrent_write_rows.shape[0], every_state),
-            (token_rows, batch.num_tokens, token_rows is batch.slot_mapping))
+    return storage.derived(("apply", "checks", replay_mode), build)
 
 
 class _Where:
@@ -322,26 +309,20 @@ def _layouts(storage) -> dict:
     """(layer, tensor name) -> (pool, its tensor, its dtype, token space?, row shape as a tuple, the layer's
     position, the tensor's device index, its device kind: 1 CUDA, 0 CPU, -1 another, its memory key), fixed for
     the life of a storage: built once."""
-    layouts = storage.__dict__.get("_layouts")
-    if layouts is None:
-        layouts = storage._layouts = {
+    return storage.derived(("apply", "layouts"), lambda: {
             (lay, t): (pool, live, live.dtype, pool.index_space == "token",
                        tuple(live.shape[3:] if pool.index_space == "token" else live.shape[2:]), pool.position(lay),
                        live.get_device(), 1 if live.is_cuda else 0 if live.is_cpu else -1, _memory_key(live))
             for lay, names in storage.layer_pools.items() for p in names
-            for pool in (storage.pools[p],) for t, live in pool.tensors.items()}
-    return layouts
+            for pool in (storage.pools[p],) for t, live in pool.tensors.items()})
 
 
 def _spans(storage) -> dict:
     """memory key -> (starts, ends) of the pools' storages (`_disjoint_spans`), fixed for the life of a storage."""
-    spans = storage.__dict__.get("_spans")
-    if spans is None:
-        spans = storage._spans = _disjoint_spans(storage)
-    return spans
+    return storage.derived(("apply", "spans"), lambda: _disjoint_spans(storage))
 
 
-def _target(storage, layer: int, name: str, value, layout: tuple, spaces: tuple, spans: dict) -> _Target:
+def _target(storage, layer: int, name: str, value, layout: tuple, spaces: tuple, spans: dict) -> Target:
     """The checked target of one written tensor (not None: `validate_step` takes those)."""
     pool, live, dtype, token_space, row, position, device_index, kind, key = layout
     index, rows, every_row = spaces[token_space]
@@ -360,7 +341,7 @@ def _target(storage, layer: int, name: str, value, layout: tuple, spaces: tuple,
                     fail(_Where(layer), name, "a tensor that does not share memory with the State's storage "
                          "(clone it)", "memory of the storage")
         # tuple.__new__ straight: the NamedTuple's own __new__ is a Python call, a third of this check's time
-        return _NEW_TARGET(_Target, (pool.name, name, position, index, value.detach() if value.requires_grad else value,
+        return _NEW_TARGET(Target, (pool.name, name, position, index, value.detach() if value.requires_grad else value,
                                      every_row))
     # Not the usual case: the same checks one at a time, each naming what is wrong.
     where = _Where(layer)  # formatted only when a check fails
@@ -376,7 +357,7 @@ def _target(storage, layer: int, name: str, value, layout: tuple, spaces: tuple,
     if value.numel() and _overlaps_storage(value, storage):
         fail(where, name, "a tensor that does not share memory with the State's storage (clone it)",
              "memory of the storage")
-    return _Target(pool.name, name, position, index, value.detach() if value.requires_grad else value, every_row)
+    return Target(pool.name, name, position, index, value.detach() if value.requires_grad else value, every_row)
 
 
 def _memory_key(t: Tensor):
@@ -419,14 +400,14 @@ def _disjoint_spans(storage) -> dict:
     return out
 
 
-def write_step(pools, targets: list[_Target]) -> None:
+def write_step(pools, targets: list[Target]) -> None:
     """Scatter every target into its pool tensor (in place), outside autograd.
 
     On a GPU, when every layer of a pool writes the same rows (the usual case:
     all layers see the same tokens), the pool tensor gets one scatter launch for
     all its layers instead of one per layer.
     """
-    groups: dict[tuple[str, str], list[_Target]] = {}
+    groups: dict[tuple[str, str], list[Target]] = {}
     for t in targets:
         groups.setdefault((t.pool, t.tensor), []).append(t)
     with torch.no_grad():
@@ -437,7 +418,7 @@ def write_step(pools, targets: list[_Target]) -> None:
             live = pools[pool].tensors[tensor]
             if live.dtype.is_floating_point and live.dtype.itemsize == 1:  # index_copy_ has no float8 kernels
                 live = live.view(torch.uint8)
-                ts = [_Target(t.pool, t.tensor, t.layer_pos, t.index, t.value.view(torch.uint8), *rest(t))
+                ts = [Target(t.pool, t.tensor, t.layer_pos, t.index, t.value.view(torch.uint8), *rest(t))
                       for t in ts]
             row = ts[0].value.shape[1:]
             if live.is_cuda and _whole_pool(ts, live.shape[0]):
@@ -458,12 +439,12 @@ def write_step(pools, targets: list[_Target]) -> None:
                     flat.index_copy_(0, index[keep], t.value[keep])
 
 
-def rest(t: _Target) -> tuple:
+def rest(t: Target) -> tuple:
     """A target's fields after its value (kept when the value is reinterpreted)."""
-    return tuple(t[_Target._fields.index("value") + 1:])
+    return tuple(t[Target._fields.index("value") + 1:])
 
 
-def _stacked(ts: list[_Target]):
+def _stacked(ts: list[Target]):
     """Values of every layer of a pool as [L, N, *row], in pool order (a view when L == 1)."""
     ts.sort(key=lambda t: t.layer_pos)
     return ts[0].value.unsqueeze(0) if len(ts) == 1 else torch.stack([t.value for t in ts])
@@ -488,6 +469,6 @@ def _fused_kv(pools, groups) -> set:
     return done
 
 
-def _whole_pool(ts: list[_Target], num_layers: int) -> bool:
+def _whole_pool(ts: list[Target], num_layers: int) -> bool:
     return (len(ts) == num_layers and len({t.layer_pos for t in ts}) == num_layers
             and all(t.index is ts[0].index for t in ts))

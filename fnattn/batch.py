@@ -22,6 +22,7 @@ import optree
 import torch
 from torch import Tensor
 
+from . import rows
 from .checks import fail
 from .cursor import CursorAdvance
 from .staging import Staging, packed
@@ -101,9 +102,8 @@ class Batch:
         return any(self.host_cache_lens)
 
     # ------------------------------------------------------------- the write plan
-    # One place for the arithmetic of where a step's rows go and where the ring
-    # moves: the apply, `StepDeltas.collect/accept` and the speculative driver
-    # all read it from here.
+    # Where the ring moves and what the cursor advances by: the apply, `StepDeltas.collect/accept`
+    # and the speculative driver all read it from here. Which rows a step writes is `fnattn.rows`'.
 
     def ring_after(self, counts) -> tuple[int, ...] | None:
         """Ring positions holding each request's state after ``counts[b]`` tokens; None: no ring move.
@@ -135,26 +135,17 @@ class Batch:
         return cursor
 
     def token_rows(self, accepted: tuple[int, ...] | None = None) -> Tensor:
-        """``[T]`` flat cache slot of each new token; -1 (not written) for rejected tokens."""
-        if accepted is None or tuple(accepted) == self.host_new_lens:
-            return self.slot_mapping
-        keep = [i < n for n, m in zip(accepted, self.host_new_lens) for i in range(m)]
-        keep_t = torch.tensor(keep, dtype=torch.bool, device=self.slot_mapping.device)
-        return torch.where(keep_t, self.slot_mapping, torch.full_like(self.slot_mapping, -1))
+        """``[T]`` flat cache slot of each new token; -1 (not written) for rejected tokens (`fnattn.rows`)."""
+        return rows.token_rows(self, accepted)
 
     def state_rows(self, accepted: tuple[int, ...] | None = None) -> Tensor:
         """``[R]`` recurrent storage row of each new state (R = B, or T for verify); -1: not written.
 
         With a ring every row is a spare one (rows of rejected tokens are
         written but never pointed at); without one only the state after each
-        request's last accepted token goes to its current row.
+        request's last accepted token goes to its current row (`fnattn.rows`).
         """
-        if self.phase != "verify" or self.ring or accepted is None or tuple(accepted) == self.host_new_lens:
-            return self.recurrent_write_rows
-        cu = self.host_cu_seqlens
-        last = [cu[b] + n - 1 for b, n in enumerate(accepted)]
-        rows = torch.full((self.num_tokens,), -1, dtype=torch.long, device=self.recurrent_write_rows.device)
-        return rows.index_copy(0, torch.tensor(last, dtype=torch.long, device=rows.device), self.recurrent_slots)
+        return rows.state_rows(self, accepted)
 
     # --------------------------------------------------------------- builders
     @staticmethod
@@ -322,7 +313,7 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
     # CPU, a copy of the contents (a write through NumPy's view of the memory moves no counter). A copy made
     # by `dataclasses.replace` has no seal, and unpickling rebuilds the tensors: both are checked in full.
     object.__setattr__(batch, "_sealed", _Seal(
-        state._storage.lineage, state.version, tuple((name, t, t._version) for name, t in tensors.items()),
+        state.lineage, state.version, tuple((name, t, t._version) for name, t in tensors.items()),
         None if staging is None else staging.generation, None if staging is None else staging.generation.value,
         {name: t.clone() for name, t in tensors.items()} if device.type == "cpu" else None))
     return batch
@@ -337,6 +328,18 @@ class _Seal(NamedTuple):
     contents: dict | None  # name -> a copy of the tensor (the CPU only: there reading it back costs no sync)
 
 
+def rebound(batch: Batch, *, state_version: int, step_id: int) -> Batch:
+    """``batch`` for another handle of the same bookkeeping (the same requests, lengths, pages and ring
+    positions): the same rows and tensors, a new state version and step id. The copy is not sealed: the seal
+    vouches for the handle the original was built from, so the apply checks the copy in full."""
+    # A frozen dataclass copied field for field (`dataclasses.replace` costs more than the rest of a step's check).
+    fresh = object.__new__(Batch)
+    fresh.__dict__.update(batch.__dict__)
+    fresh.__dict__.pop("_sealed", None)
+    fresh.__dict__.update(state_version=state_version, step_id=step_id)
+    return fresh
+
+
 def unchanged_since_built(batch: Batch, state) -> bool:
     """Whether ``batch``'s device tensors still hold what `Batch` derived from ``state``'s storage at its
     version: the same tensors, no in-place op on them since, no later batch built into the same staging and,
@@ -348,7 +351,7 @@ def unchanged_since_built(batch: Batch, state) -> bool:
     seal = batch.__dict__.get("_sealed")
     if seal is None:
         return False
-    if seal.lineage != state._storage.lineage or seal.version != state.version \
+    if seal.lineage != state.lineage or seal.version != state.version \
             or len(seal.tensors) != len(TENSOR_DTYPES):
         return False
     if seal.generation is not None and seal.generation.value != seal.written:
@@ -397,49 +400,19 @@ def expected_tensors(state, phase: str, reqs, *, columns: int | None = None,
     # Whole runs at a time, not token by token: a long prefill's rows are thousands of tokens, and the host
     # time of building them is part of the step's.
     positions = list(itertools.chain.from_iterable(range(r.length, r.length + n) for r, n in reqs))
-    slots = list(itertools.chain.from_iterable(run for r, n in reqs for run in _slot_runs(r.pages, r.length, n, S)))
-    rows, write_rows, ring = _recurrent_rows(state, phase, reqs)
+    slots = list(itertools.chain.from_iterable(
+        run for r, n in reqs for run in rows.slot_runs(r.pages, r.length, n, S)))
+    read_rows, write_rows, ring = rows.recurrent_rows(state, phase, reqs)
     values = {
         "cu_seqlens": list(itertools.accumulate((n for _, n in reqs), initial=0)),
         "cache_lens": [r.length for r, _ in reqs],
         "positions": positions,
         "block_table": [list(r.pages) + [0] * (max_pages - len(r.pages)) for r, _ in reqs],
         "slot_mapping": slots,
-        "recurrent_slots": rows,
+        "recurrent_slots": read_rows,
         "recurrent_write_rows": write_rows,
     }
     return values, ring
-
-
-def _slot_runs(pages, start: int, n: int, S: int):
-    """The cache slots of positions ``start .. start + n - 1`` as one range per page they touch."""
-    end = start + n
-    for i in range(start // S, -(-end // S)):  # the pages from start's to the last one end reaches into
-        lo, hi = max(start, i * S), min(end, (i + 1) * S)
-        yield range(pages[i] * S + lo - i * S, pages[i] * S + hi - i * S)
-
-
-def ring_of(state, phase: str, reqs) -> int:
-    """The ring a batch of ``reqs`` writes new recurrent states into (0: none, they overwrite the row)."""
-    R = state.recurrent_ring
-    fits = max(n for _, n in reqs) <= R - 1 if phase == "verify" else R >= 2
-    return R if state.has_recurrent and fits else 0
-
-
-def _recurrent_rows(state, phase: str, reqs) -> tuple[list[int], list[int], int]:
-    """``-> (row read per request, row written per state, ring)``; see `State` on the ring."""
-    N, R = state.slots_per_ring, state.recurrent_ring
-    ring = ring_of(state, phase, reqs)
-    rows = [r.ring_pos * N + r.slot for r, _ in reqs]
-    write_rows = []
-    for (r, n), row in zip(reqs, rows):
-        if phase != "verify":
-            write_rows.append((r.ring_pos + 1) % R * N + r.slot if ring else row)
-        elif ring:
-            write_rows += [(r.ring_pos + 1 + i) % R * N + r.slot for i in range(n)]
-        else:  # states after every token, but only the last one's row is the slot's
-            write_rows += [-1] * (n - 1) + [row]
-    return rows, write_rows, ring
 
 
 _TENSORS = ("cu_seqlens", "cache_lens", "positions", "block_table", "slot_mapping", "recurrent_slots",

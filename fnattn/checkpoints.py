@@ -13,11 +13,12 @@ from .request import Request
 def check_restore(state, checkpoint, where: str) -> dict:
     """``checkpoint``'s requests are still those it was taken of, none rolled back below it or sharing pages
     it would write, and its copies match the recurrent tensors; ``-> {(pool, tensor): live tensor}``."""
+    requests, shared = state.requests, state.shared_pages
     for old in checkpoint.requests:
-        if old.id not in state._requests:
+        if old.id not in requests:
             fail(where, "checkpoint", f"requests that are still admitted (request {old.id} is not)",
-                 sorted(state._requests))
-        cur = state._requests[old.id]
+                 sorted(requests))
+        cur = requests[old.id]
         if not isinstance(old, Request) or not 0 <= old.ring_pos < state.recurrent_ring \
                 or not 0 <= old.length <= len(old.pages) * state.page_size:
             fail(where, "checkpoint", f"request {old.id} with a cursor inside its pages and a ring position "
@@ -35,8 +36,8 @@ def check_restore(state, checkpoint, where: str) -> dict:
         if held:
             fail(where, "checkpoint", f"a checkpoint after which request {old.id} writes no page another "
                  f"request holds (pages {held} past its {old.length} tokens are shared since)",
-                 {p: state._shared[p] for p in held})
-    expected = {(p.name, t): tensor for p in state._storage.pools.values() if p.index_space == "request"
+                 {p: shared[p] for p in held})
+    expected = {(p.name, t): tensor for p in state.pools.values() if p.index_space == "request"
                 for t, tensor in p.tensors.items()}
     if set(checkpoint.recurrent) != set(expected):
         fail(where, "checkpoint", f"copies of the recurrent tensors {sorted(expected)}",

@@ -32,8 +32,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .apply import validate_step, write_step
-from .batch import RECOVERY, TENSOR_DTYPES, Batch, next_step_id
+from .batch import RECOVERY, TENSOR_DTYPES, Batch, next_step_id, rebound
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
 from .lanes import BATCH_LANES, Bucket, LaneError, Manifest, check_lanes, check_out, no_host_reads, static_shapes
@@ -195,7 +194,7 @@ class StepRunner:
         outputs, deltas, _ = self._run(state, entry, batch, tokens, out, built_here=built_here)
         if entry.graph is None:
             return state.apply(deltas), outputs["logits"]
-        return self._advance(state, batch, batch.cursor_after(batch.host_new_lens)), outputs["logits"]
+        return _advance_past(state, batch, batch.cursor_after(batch.host_new_lens)), outputs["logits"]
 
     def verify(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " T"], *, num_draft: int,
                recovery: str = "native") -> "Verified":
@@ -229,7 +228,7 @@ class StepRunner:
         builds its own into the staging, which its copies overwrite. A request without room for one more token
         (its next page not reserved yet) leaves nothing prepared."""
         entry.prepared = None
-        S, reqs = state.page_size, state._requests
+        S, reqs = state.page_size, state.requests
         if any(reqs[r].length + 1 > len(reqs[r].pages) * S for r in ids):
             return
         b = entry.bucket
@@ -246,13 +245,8 @@ class StepRunner:
         if batch.live_ids != ids or _derivation(state, ids) != derived_from:
             return None
         entry.prepared_used += 1
-        # The same rows the builder would derive from ``state`` now: only the version and the step are new. A
-        # frozen dataclass copied field for field (`dataclasses.replace` costs more than the rest of the check).
-        fresh = object.__new__(Batch)
-        fresh.__dict__.update(batch.__dict__)
-        fresh.__dict__.pop("_sealed", None)  # sealed for the handle it was built from, not this one
-        fresh.__dict__.update(state_version=state.version, step_id=next_step_id())
-        return fresh
+        # The same rows the builder would derive from ``state`` now: only the version and the step are new.
+        return rebound(batch, state_version=state.version, step_id=next_step_id())
 
     def _check_tokens(self, tokens, live: int, device: torch.device, out: Tensor | None) -> None:
         """The requests' new tokens (and an ``out=`` buffer for their logits), before anything is copied."""
@@ -365,7 +359,7 @@ class StepRunner:
 
     def _write(self, state, deltas: StepDeltas):
         """The device half of the apply (what a captured graph holds)."""
-        write_step(state._storage.pools, validate_step(state, deltas, defer_replay=True))
+        state.write(deltas, defer_replay=True)
 
     def _capture(self, state, entry: _Entry):
         stream = torch.cuda.Stream(device=state.device)
@@ -375,7 +369,7 @@ class StepRunner:
                 batch = self._pad_batch(state, entry)
                 outputs, deltas, _ = self._eager(state, entry, batch)
                 self._write(state, deltas)
-                state = self._advance(state, batch, deltas.cursor)
+                state = _advance_past(state, batch, deltas.cursor)
         torch.cuda.current_stream(state.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -384,25 +378,26 @@ class StepRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs, deltas, replay_outputs = self._eager(state, entry, batch)
             self._write(state, deltas)
-        state = self._advance(state, batch, deltas.cursor)
+        state = _advance_past(state, batch, deltas.cursor)
         entry.graph, entry.outputs, entry.replay_outputs = graph, outputs, replay_outputs
         entry.lineage = state.lineage
         return state
 
-    @staticmethod
-    def _advance(state, batch: Batch, cursor):
-        if batch.state_version != state.version:
-            fail("StepRunner", "state", f"the state the batch was built from (version {batch.state_version})",
-                 state.version)
-        return state._advance(cursor, batch.step_id, state._storage)
+
+def _advance_past(state, batch: Batch, cursor):
+    """The host half of the apply of ``batch``'s step, whose rows are written (`State.advance`)."""
+    if batch.state_version != state.version:
+        fail("StepRunner", "state", f"the state the batch was built from (version {batch.state_version})",
+             state.version)
+    return state.advance(cursor, batch.step_id)
 
 
 def _derivation(state, ids: tuple) -> tuple:
     """What `Batch.decode` derives a batch of ``ids`` from: the storage, and each request's length, pages, ring
     position and slot (pad lanes and the block table's width are the bucket's); None for a request no longer
     admitted."""
-    reqs = state._requests
-    return (state._storage.lineage, tuple((r, q.length, q.pages, q.ring_pos, q.slot) if (q := reqs.get(r)) else None
+    reqs = state.requests
+    return (state.lineage, tuple((r, q.length, q.pages, q.ring_pos, q.slot) if (q := reqs.get(r)) else None
                                           for r in ids))
 
 
@@ -465,8 +460,8 @@ def accept_written(state, batch: Batch, accepted: Mapping[int, int], replay: Ste
     acceptance and the cursor, write the replay's recurrent rows (none with native recovery), move the
     cursors; ``-> the new state``."""
     deltas = StepDeltas.collect(batch, []).accept(batch, accepted, replay=replay)
-    write_step(state._storage.pools, validate_step(state, deltas, main_written=True))
-    return StepRunner._advance(state, batch, deltas.cursor)
+    state.write(deltas, main_written=True)
+    return _advance_past(state, batch, deltas.cursor)
 
 
 __all__ = ["DEFAULT_BUCKETS", "StepRunner", "Verified"]

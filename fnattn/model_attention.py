@@ -171,6 +171,20 @@ class ModelAttention:
                             for (layer, p), c in self.choices.items() if p == phase}
         return cache[phase]
 
+    def check_storage_of(self, state, where: str) -> None:
+        """``state`` holds storage for every layer of this ModelAttention as its spec says, or the error names
+        the first that differs. A State's specs are its storage's for good (its successor handles share the same
+        tuple): compared once per tuple."""
+        checked, specs = self.__dict__.setdefault("_storage_specs_checked", {}), state.specs
+        if checked.get(id(specs)) is specs:
+            return
+        for spec in self.specs:
+            if state.spec(spec.index) != spec:
+                fail(where, "state", f"storage for layer {spec.index} as {spec}", state.spec(spec.index))
+        if len(checked) >= 8:  # the States a ModelAttention serves are few; keep the recent ones
+            checked.clear()
+        checked[id(specs)] = specs  # held: its id cannot be reused while it is here
+
     def session(self, state, batch):
         from .session import AttentionSession
 

@@ -1,7 +1,7 @@
 """Shared prefixes: page reference counts and prefix admission (host bookkeeping of `State`).
 
 A page is held by one request, or by several that share a common prefix:
-``State._shared`` maps each page held by more than one request to its number
+``State.shared_pages`` maps each page held by more than one request to its number
 of holders (a held page absent from it has one holder; a free page none). Only
 *full* pages below every holder's cursor are ever shared, so no request writes
 into them; a prefix that ends inside a page gets that page's rows copied into a
@@ -21,21 +21,23 @@ from .checks import fail
 from .errors import PoolExhaustedError
 
 
-def prefix_plan(state, request_id: int, prefix_of, tokens) -> tuple:
+def prefix_plan(state, boundary: Mapping, request_id: int, prefix_of, tokens) -> tuple:
     """Check a prefix admission; ``-> (other request, tokens, shared pages, tail rows, saved recurrent rows)``
-    (the last None: copy ``other``'s current rows). Changes nothing."""
+    (the last None: copy ``other``'s current rows). ``boundary``: the State's boundary checkpoints (below).
+    Changes nothing."""
     where = "State.admit"
-    if isinstance(prefix_of, bool) or not isinstance(prefix_of, int) or prefix_of not in state._requests:
-        fail(where, "prefix_of", f"an admitted request id (admitted: {sorted(state._requests)})", prefix_of)
-    other = state._requests[prefix_of]
+    requests = state.requests
+    if isinstance(prefix_of, bool) or not isinstance(prefix_of, int) or prefix_of not in requests:
+        fail(where, "prefix_of", f"an admitted request id (admitted: {sorted(requests)})", prefix_of)
+    other = requests[prefix_of]
     n = other.length if tokens is None else tokens
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= other.length:
         fail(where, "tokens", f"an int in 0..{other.length} (request {prefix_of}'s cached tokens)", n)
     saved = None
     if state.has_recurrent and n != other.length:
-        saved = state._boundary.get((prefix_of, n))
+        saved = boundary.get((prefix_of, n))
         if saved is None:
-            kept = sorted(m for r, m in state._boundary if r == prefix_of)
+            kept = sorted(m for r, m in boundary if r == prefix_of)
             why = (f"checkpoints at page boundaries are kept at {kept}" if state.prefix_checkpoints
                    else "no checkpoints at page boundaries are kept: State(prefix_checkpoints=True) keeps them")
             fail(where, "tokens", f"{other.length}, request {prefix_of}'s cursor, or a page boundary it keeps a "
@@ -43,10 +45,10 @@ def prefix_plan(state, request_id: int, prefix_of, tokens) -> tuple:
                  f"other request's cursor or such a boundary ({why})", n)
     S = state.page_size
     full, tail = divmod(n, S)
-    if not state._free_slots:
+    if not state.free_slots:
         raise PoolExhaustedError(f"{where}: no free request slot for request {request_id} "
                                  f"(max_requests={state.max_requests}, all in use)")
-    if tail and not state._free_pages:
+    if tail and not state.free_pages:
         raise PoolExhaustedError(f"{where}: request {request_id} needs a page for the copy of the last {tail} "
                                  f"prefix tokens of request {prefix_of}, none is free (num_pages={state.num_pages})")
     return other, n, other.pages[:full], tail, saved
@@ -60,7 +62,7 @@ def copy_prefix(state, other, n: int, slot: int, page: int | None, saved: Mappin
     full, tail = divmod(n, S)
     src_row = other.ring_pos * N + other.slot
     with torch.no_grad():
-        for pool in state._storage.pools.values():
+        for pool in state.pools.values():
             for name, t in pool.tensors.items():
                 if pool.index_space == "request":
                     t[:, slot] = t[:, src_row] if saved is None else saved[(pool.name, name)]
@@ -94,12 +96,13 @@ def unshare(free, shared: Mapping[int, int], pages) -> tuple[tuple[int, ...], di
 def shared_after(state, req, length: int) -> list[int]:
     """Pages of ``req`` at or after the one holding token ``length`` that another request also holds: the
     pages a request with its cursor at ``length`` would write into."""
-    return [p for p in req.pages[length // state.page_size:] if p in state._shared]
+    shared = state.shared_pages
+    return [p for p in req.pages[length // state.page_size:] if p in shared]
 
 
 # ------------------------------------------------------- boundary checkpoints
 # With ``State(prefix_checkpoints=True)`` a State keeps, for each request whose cursor lands on a page
-# boundary after an apply, copies of its current recurrent rows: ``State._boundary`` maps
+# boundary after an apply, copies of its current recurrent rows: its boundary checkpoints map
 # ``(request, length)`` to ``{(pool, tensor): [L, *row]}``. A prefix admission on another request may then
 # start at any such length (its recurrent state is known there), not only at the other request's cursor.
 
@@ -110,7 +113,7 @@ def recurrent_rows(state, rows: Mapping[int, int]) -> dict:
     idx = torch.tensor(list(rows.values()), dtype=torch.long, device=state.device)
     out: dict = {r: {} for r in rows}
     with torch.no_grad():
-        for pool in state._storage.pools.values():
+        for pool in state.pools.values():
             if pool.index_space == "request":
                 for t, tensor in pool.tensors.items():
                     copies = tensor.index_select(1, idx)
@@ -119,9 +122,9 @@ def recurrent_rows(state, rows: Mapping[int, int]) -> dict:
     return out
 
 
-def keep_boundaries(state, reqs: Mapping, request_ids) -> dict | None:
-    """The boundary checkpoints after an apply that moved ``request_ids`` to the cursors in ``reqs``:
-    one more for each whose cursor is a positive multiple of the page size; None if nothing changes."""
+def new_boundaries(state, reqs: Mapping, request_ids) -> dict | None:
+    """The boundary checkpoints an apply that moved ``request_ids`` to the cursors in ``reqs`` adds: one
+    for each whose cursor is a positive multiple of the page size; None if none."""
     if not (state.prefix_checkpoints and state.has_recurrent):
         return None
     S, N = state.page_size, state.slots_per_ring
@@ -129,10 +132,7 @@ def keep_boundaries(state, reqs: Mapping, request_ids) -> dict | None:
             if reqs[r].length > 0 and reqs[r].length % S == 0}
     if not rows:
         return None
-    out = dict(state._boundary)
-    for r, copies in recurrent_rows(state, rows).items():
-        out[(r, reqs[r].length)] = MappingProxyType(copies)
-    return out
+    return {(r, reqs[r].length): MappingProxyType(copies) for r, copies in recurrent_rows(state, rows).items()}
 
 
 def drop_boundaries(boundary: Mapping, request_id: int, above: int = -1) -> dict:

@@ -27,6 +27,7 @@ from .checks import fail
 from .deltas import StepDeltas, Writes
 from .model_attention import ModelAttention
 from .registry import Backend
+from .rows import step_rows
 
 
 @dataclass(frozen=True)
@@ -82,14 +83,15 @@ def _left_rows(state, spec, batch, attn, out, writes) -> list[torch.Tensor]:
         deltas = None if writes is None else StepDeltas.collect(batch, [writes])
     if deltas is None:
         return []
-    after = state._apply(deltas, inplace=False, layers={spec.index})
+    after = state.apply(deltas, inplace=False, layers={spec.index})
     views = after.views(spec.index)
-    rows = [after.recurrent_row(r) for r in batch.request_ids]
+    rows = [after.recurrent_row(r) for r in batch.request_ids]  # each request's current state, after the step
+    token_rows = step_rows(batch).token.index  # every new token's (a verify's: every draft accepted)
     left = []
     for name, space in state.storage_spaces[spec.index].items():
         t = views[name]
         if space == "token":
-            left.append(t.flatten(0, 1).index_select(0, batch.slot_mapping))
+            left.append(t.flatten(0, 1).index_select(0, token_rows))
         else:
             left.append(t[rows])
     return left

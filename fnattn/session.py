@@ -21,6 +21,7 @@ spare ring rows the batch handed out are the one declared exception.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -46,7 +47,7 @@ class AttentionSession:
         self._closed = False
         self._plans: dict[int, object] = {}
         self._metas: dict = {}  # group -> the StepMeta its layers' inputs carry, from entry on
-        self._views: dict = {}  # layer -> its Views: the storage's, built once (`State.views`)
+        self._views: Mapping = {}  # layer -> its Views: the storage's, built once (`State.views`)
         self._dispatch: dict = {}  # layer -> (spec, backend, input types, group), from entry on
         self._lease = None
         self._done: set[int] = set()
@@ -65,16 +66,7 @@ class AttentionSession:
         if batch.phase not in PHASES:
             fail("AttentionSession", "batch.phase", f"one of {PHASES}", batch.phase)
         check_version(state, batch, "AttentionSession")
-        # A State's specs are its storage's for good (successor handles share the mapping): compared once.
-        checked, specs = ma.__dict__.setdefault("_storage_specs_checked", {}), state._spec_by_layer
-        if checked.get(id(specs)) is not specs:
-            for spec in ma.specs:
-                if state.spec(spec.index) != spec:
-                    fail("AttentionSession", "state", f"storage for layer {spec.index} as {spec}",
-                         state.spec(spec.index))
-            if len(checked) >= 8:  # the States a ModelAttention serves are few; keep the recent ones
-                checked.clear()
-            checked[id(specs)] = specs  # held: its id cannot be reused while it is here
+        ma.check_storage_of(state, "AttentionSession")
         if batch.page_size != state.page_size:
             fail("AttentionSession", "batch.page_size", f"the state's page size {state.page_size}", batch.page_size)
         for name, size in ma.page_sizes(batch.phase):  # a backend that serves one page size (FlashMLA: 64)
@@ -96,10 +88,11 @@ class AttentionSession:
         self._metas = {group: StepMeta(batch=batch, plan=plan, workspace=self._lease)
                        for group, plan in self._plans.items()}
         self._metas.setdefault(None, StepMeta(batch=batch, plan=None, workspace=self._lease))
-        self._views = state._storage.__dict__.setdefault("_views", {})
+        storage = state.storage
+        self._views = storage.views  # filled by `State.views`, shared by every session over this storage
         self._device = state.device
         if batch.ring:
-            state._storage.lend_ring(batch.state_version, self.id)
+            storage.lend_ring(batch.state_version, self.id)
         self._open = True
         return self
 
@@ -135,7 +128,7 @@ class AttentionSession:
         inputs.validate(spec, batch, self._device)
         meta = self._metas.get(group) or self._metas[None]
         state = self.state
-        state._check_live()
+        state.check_live()
         views = self._views.get(layer)
         if views is None:
             views = state.views(layer)

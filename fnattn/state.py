@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import astuple, dataclass, replace
 from types import MappingProxyType
 
@@ -31,34 +31,22 @@ from . import pages
 from .apply import validate_step, write_step
 from .checkpoints import check_restore
 from .checks import fail
+from .cursor import CursorAdvance
 from .deltas import StepDeltas
 from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, StaleStateError
 from .request import Request
 from .spec import LayerSpec
+from .storage import Pool, Storage, allocate
 from .transfer import RequestState  # also lets torch.load(weights_only=True) rebuild payloads
 
 _versions = itertools.count(1)
 _APPLIED_KEPT = 64  # applied step ids a storage remembers
-_lineages = itertools.count(1)
 _admissions = itertools.count(1)
 _serials = itertools.count(1)  # orders checkpoints and rollbacks
 
 #: The page and the recurrent slot no request holds: pad lanes read and write only these.
 NULL_PAGE = 0
 NULL_SLOT = 0
-
-
-@dataclass(frozen=True)
-class Pool:
-    """One storage tensor group shared by layers of identical shape."""
-
-    name: str
-    index_space: str  # "token": rows are flat cache slots; "request": rows are recurrent slots
-    layers: tuple[int, ...]  # layer indices, in the order of the leading axis
-    tensors: Mapping[str, Tensor]  # e.g. {"k": [L, P, S, Hkv, D], "v": [L, P, S, Hkv, Dv]}
-
-    def position(self, layer: int) -> int:
-        return self.layers.index(layer)
 
 
 class Views(Mapping):
@@ -133,20 +121,6 @@ def _checkpoint_from_values(requests: tuple, recurrent: tuple, lineage: int, ser
 torch.serialization.add_safe_globals([_checkpoint_from_values])
 
 
-def _pool_layouts(spec: LayerSpec, *, num_pages: int, page_size: int, num_slots: int):
-    """(pool key, index space, {tensor: (shape, dtype)}) for each pool a layer uses, from its kind's
-    storage declaration: declarations under one pool label and space form one pool."""
-    decls = spec.config.storage(spec.dtype)
-    groups: dict[tuple[str, str], list] = {}
-    for d in decls:
-        groups.setdefault((d.pool, d.space), []).append(d)
-    for (label, space), ds in groups.items():
-        lead = (num_pages, page_size) if space == "token" else (num_slots,)
-        layout = {d.name: (lead + d.shape, d.dtype) for d in ds}
-        key = (label, space, tuple((d.name, d.shape, d.dtype) for d in ds))
-        yield key, space, layout
-
-
 def _check_decls(spec: LayerSpec) -> None:
     from .declare import StorageDecl
 
@@ -157,31 +131,6 @@ def _check_decls(spec: LayerSpec) -> None:
     names = [d.name for d in decls]
     if len(set(names)) != len(names):
         fail(f"{type(spec.config).__name__}.storage", "return", "declarations with unique names", names)
-
-
-class _Storage:
-    """Tensors shared by the handles of one lineage, and which handle is live."""
-
-    def __init__(self, pools: dict[str, Pool], layer_pools: dict, live_version: int, applied: tuple,
-                 ring_lent=None):
-        self.pools = pools
-        self.layer_pools = layer_pools  # layer -> tuple of pool names
-        self.live_version = live_version
-        self.applied_steps = applied
-        self.lineage = next(_lineages)
-        # (state version, session) the spare ring rows were last handed to: a session over a ring
-        # batch is where backends fill them, so only that session's in-place states are valid.
-        self.ring_lent = ring_lent
-
-    def cloned(self, version: int) -> "_Storage":
-        pools = {
-            name: replace(p, tensors=MappingProxyType({k: t.clone() for k, t in p.tensors.items()}))
-            for name, p in self.pools.items()
-        }
-        return _Storage(pools, self.layer_pools, version, self.applied_steps, self.ring_lent)
-
-    def lend_ring(self, version: int, session: int) -> None:
-        self.ring_lent = (version, session)
 
 
 class State:
@@ -230,24 +179,6 @@ class State:
             fail("State", "device", "a device that holds the storage's values (cpu, cuda, ...), not meta", device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # tensors report their index
-        groups: dict[tuple, dict] = {}  # storage signature -> pool under construction
-        layer_pools: dict[int, list[str]] = {s.index: [] for s in specs}
-        for spec in specs:
-            for key, space, layout in _pool_layouts(spec, num_pages=num_pages + 1, page_size=page_size,
-                                                    num_slots=(max_requests + 1) * recurrent_ring):
-                group = groups.get(key)
-                if group is None:
-                    group = groups[key] = {"name": f"{key[0]}{len(groups)}", "space": space,
-                                           "layout": layout, "layers": []}
-                group["layers"].append(spec.index)
-                layer_pools[spec.index].append(group["name"])
-        pools = {}
-        for g in groups.values():
-            tensors = {
-                t: torch.full((len(g["layers"]),) + shape, fill, dtype=dtype, device=device)
-                for t, (shape, dtype) in g["layout"].items()
-            }
-            pools[g["name"]] = Pool(g["name"], g["space"], tuple(g["layers"]), MappingProxyType(tensors))
         self.specs: tuple[LayerSpec, ...] = specs
         self.page_size = page_size
         self.num_pages = num_pages
@@ -256,13 +187,15 @@ class State:
         # Copies of recurrent rows at page boundaries, (request, length) -> {(pool, tensor): rows} (`pages`)
         self.prefix_checkpoints = prefix_checkpoints
         self._boundary: Mapping[tuple[int, int], Mapping] = MappingProxyType({})
-        self.has_recurrent = any(p.index_space == "request" for p in pools.values())
         # layer -> {view name: space}: what the apply expects every step to write
         self.storage_spaces = MappingProxyType({
             s.index: MappingProxyType({d.name: d.space for d in s.config.storage(s.dtype)}) for s in specs})
         self.device = device
         self._version = next(_versions)
-        self._storage = _Storage(pools, {k: tuple(v) for k, v in layer_pools.items()}, self._version, ())
+        pools, layer_pools = allocate(specs, num_pages=num_pages + 1, page_size=page_size,
+                                      num_slots=(max_requests + 1) * recurrent_ring, fill=fill, device=device)
+        self._storage = Storage(pools, layer_pools, self._version, ())
+        self.has_recurrent = any(p.index_space == "request" for p in pools.values())
         self._requests: Mapping[int, Request] = MappingProxyType({})
         self._free_pages: tuple[int, ...] = tuple(range(1, num_pages + 1))  # page 0 is the null page
         self._free_slots: tuple[int, ...] = tuple(range(1, max_requests + 1))  # slot 0 is the null slot
@@ -270,13 +203,16 @@ class State:
         self._spec_by_layer = {s.index: s for s in specs}
 
     # ----------------------------------------------------------------- handles
-    def _check_live(self) -> None:
+    def check_live(self, where: str = "") -> None:
+        """Raise `StaleStateError` (naming ``where``, if given) unless this handle is its storage's live one."""
         if self._storage.live_version != self._version:
             raise StaleStateError(
-                f"this State handle (version {self._version}) was replaced by version "
+                f"{where}{': ' if where else ''}this State handle (version {self._version}) was replaced by version "
                 f"{self._storage.live_version}; use the handle returned by the last "
                 "apply/admit/reserve/release/restore"
             )
+
+    _check_live = check_live  # the name State's own methods call
 
     def _successor(self, *, requests=None, free_pages=None, free_slots=None, storage=None, applied=None,
                    shared=None, boundary=None) -> "State":
@@ -380,17 +316,17 @@ class State:
             fail("State.views", "layer", "an int layer index", layer)
         self.spec(layer)
         # The pools' tensors are fixed for the life of a storage, so are a layer's views of them: built once.
-        cache = self._storage.__dict__.setdefault("_views", {})
-        views = cache.get(layer)
-        if views is None:
-            parts = {}
-            for name in self._storage.layer_pools[layer]:
-                pool = self._storage.pools[name]
-                pos = pool.position(layer)
-                for t, tensor in pool.tensors.items():
-                    parts[t] = tensor[pos]
-            views = cache[layer] = Views(parts)
-        return views
+        storage = self._storage
+        return storage.keep_views(layer, lambda: Views({
+            t: tensor[pool.position(layer)] for name in storage.layer_pools[layer]
+            for pool in (storage.pools[name],) for t, tensor in pool.tensors.items()}))
+
+    @property
+    def storage(self) -> Storage:
+        """The tensors this handle shares with its lineage (`fnattn.storage.Storage`): pools, lineage, ring lending
+        and the values derived from the pools alone."""
+        self._check_live()
+        return self._storage
 
     @property
     def lineage(self) -> int:
@@ -431,7 +367,7 @@ class State:
         return self._successor(requests=reqs, free_slots=rest)
 
     def _admit_prefix(self, request_id: int, prefix_of: int, tokens) -> "State":
-        other, n, shared, tail, saved = pages.prefix_plan(self, request_id, prefix_of, tokens)
+        other, n, shared, tail, saved = pages.prefix_plan(self, self._boundary, request_id, prefix_of, tokens)
         slot, *rest = self._free_slots
         free = list(self._free_pages)
         page = free.pop(0) if tail else None
@@ -497,42 +433,78 @@ class State:
         one step: ``-> (new State, request id)``. Refused (this handle unchanged and live) on a spec or
         dtype mismatch (``cast=True`` converts dtypes), a bad checksum, a malformed payload, an id already
         admitted, or too few free pages or slots (`PoolExhaustedError`)."""
-        from .transfer import import_request
+        from .transfer import write_payload
 
-        return import_request(self, payload, request_id=request_id, cast=cast)
+        new, rid, length = write_payload(self, payload, request_id=request_id, cast=cast)
+        reqs = dict(new._requests)
+        reqs[rid] = replace(reqs[rid], length=length, ring_pos=0)
+        return new._successor(requests=reqs), rid
 
     # ------------------------------------------------------------------ apply
-    def apply(self, deltas: StepDeltas, *, inplace: bool = True) -> "State":
+    def apply(self, deltas: StepDeltas, *, inplace: bool = True, layers: Collection[int] | None = None) -> "State":
         """Check a whole step against the batch and this State, then write it and advance cursors.
 
         Every storage-owning layer must write exactly its declared tensors,
         for exactly the rows the batch gives it (`fnattn.apply`); nothing is
         written unless all of it is valid. ``inplace=False`` writes a copy of
-        the storage and keeps this handle valid.
+        the storage and keeps this handle valid. ``layers``: only these layers'
+        writes are checked and written (`fnattn.probe` applies one layer's);
+        None, every layer.
         """
-        return self._apply(deltas, inplace=inplace, layers=None)
-
-    def _apply(self, deltas: StepDeltas, *, inplace: bool, layers) -> "State":
-        self._check_live()
-        if not isinstance(deltas, StepDeltas):
-            fail("State.apply", "deltas", "a StepDeltas", type(deltas).__name__)
+        layers = self._step_checks(deltas, "State.apply", layers)
         if not isinstance(inplace, bool):
             fail("State.apply", "inplace", "a bool", inplace)
-        if deltas.step_id in self._storage.applied_steps:
-            raise DoubleApplyError(f"State.apply: the deltas of step {deltas.step_id} were already applied")
-        if deltas.state_version != self._version:
-            raise StaleDeltasError(
-                f"State.apply: `deltas` were computed against state version {deltas.state_version}, "
-                f"this state is version {self._version}"
-            )
         plan = validate_step(self, deltas, layers=layers)
         storage = self._storage if inplace else self._storage.cloned(self._storage.live_version)
         write_step(storage.pools, plan)
         return self._advance(deltas.cursor, deltas.step_id, storage)
 
+    def write(self, deltas: StepDeltas, *, defer_replay: bool = False, main_written: bool = False) -> None:
+        """The device half of `apply`: check the step as `apply` does and write its rows into this handle's
+        storage, in place; no cursor moves and the handle stays live (`advance` is the host half).
+
+        For a step split around a captured graph (`fnattn.graph`): inside it, ``defer_replay=True`` writes a
+        replay-mode verify's own rows before its acceptance is known; after it, ``main_written=True`` checks
+        the acceptance's cursor and writes only the replay's recurrent rows (`fnattn.apply.validate_step`).
+        """
+        self._step_checks(deltas, "State.write", None)
+        write_step(self._storage.pools, validate_step(self, deltas, defer_replay=defer_replay,
+                                                      main_written=main_written))
+
+    def advance(self, cursor: CursorAdvance, step_id: int) -> "State":
+        """The host half of `apply`, once the step's rows are in this handle's storage (`write`, or a captured
+        graph's replay of it): move the cursors by ``cursor``, record ``step_id`` as applied; ``-> the new
+        handle`` (this one becomes stale)."""
+        self._check_live("State.advance")
+        if not isinstance(cursor, CursorAdvance):
+            fail("State.advance", "cursor", "a CursorAdvance (StepDeltas.cursor)", type(cursor).__name__)
+        if step_id in self._storage.applied_steps:
+            raise DoubleApplyError(f"State.advance: step {step_id} was already applied")
+        return self._advance(cursor, step_id, self._storage)
+
+    def _step_checks(self, deltas, where: str, layers):
+        """What `apply` and `write` check before `validate_step`: a live handle, deltas of this version
+        not yet applied, and ``layers`` (``-> as a set``, or None)."""
+        self._check_live(where)
+        if not isinstance(deltas, StepDeltas):
+            fail(where, "deltas", "a StepDeltas", type(deltas).__name__)
+        if deltas.step_id in self._storage.applied_steps:
+            raise DoubleApplyError(f"{where}: the deltas of step {deltas.step_id} were already applied")
+        if deltas.state_version != self._version:
+            raise StaleDeltasError(
+                f"{where}: `deltas` were computed against state version {deltas.state_version}, "
+                f"this state is version {self._version}"
+            )
+        if layers is not None:
+            if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Collection) \
+                    or not set(layers) <= set(self._spec_by_layer):
+                fail(where, "layers", f"None or a collection of this State's layers {sorted(self._spec_by_layer)}",
+                     layers)
+            layers = set(layers)
+        return layers
+
     def _advance(self, c, step_id: int, storage) -> "State":
-        """The host half of an apply whose rows are written: move the cursors (`fnattn.graph` replays the
-        device half inside a captured graph and then calls this)."""
+        """Move the cursors of a step whose rows are written in ``storage`` (this handle's, or a copy's)."""
         reqs = dict(self._requests)
         ring = c.ring if c.ring is not None else (None,) * len(c.request_ids)
         for rid, n, pos in zip(c.request_ids, c.counts, ring):
@@ -542,7 +514,9 @@ class State:
         # state version and are refused as stale. A bounded window, so a long run copies no growing set a step.
         applied = (*self._storage.applied_steps[1 - _APPLIED_KEPT:], step_id)
         new = self._successor(requests=reqs, storage=storage, applied=applied)
-        new._boundary = MappingProxyType(pages.keep_boundaries(new, reqs, c.request_ids) or new._boundary)
+        kept = pages.new_boundaries(new, reqs, c.request_ids)
+        if kept:
+            new._boundary = MappingProxyType({**new._boundary, **kept})
         return new
 
     # ----------------------------------------------------------- checkpoints

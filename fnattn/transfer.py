@@ -31,6 +31,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
+from . import rows
 from .checks import fail
 from .errors import PoolExhaustedError
 
@@ -318,17 +319,9 @@ def _check_header(h, where: str) -> None:
 # --------------------------------------------------------------------------- export
 
 
-def _storage_of(state, layer: int, name: str):
-    """``(pool, the layer's slice of its tensor name)``: ``[P, S, *row]`` or ``[N * ring, *row]``."""
-    storage = state._storage
-    pool = next(storage.pools[p] for p in storage.layer_pools[layer] if name in storage.pools[p].tensors)
-    return pool, pool.tensors[name][pool.position(layer)]
-
-
 def token_slots(state, request, length: int) -> list[int]:
-    """Flat cache slot (page * S + offset) of the request's tokens 0..length-1."""
-    S = state.page_size
-    return [request.pages[p // S] * S + p % S for p in range(length)]
+    """Flat cache slot (page * S + offset) of the request's tokens 0..length-1 (`fnattn.rows`)."""
+    return rows.token_slots(request.pages, length, state.page_size)
 
 
 def export_request(state, request_id: int) -> RequestState:
@@ -342,7 +335,7 @@ def export_request(state, request_id: int) -> RequestState:
     tensors = {}
     for spec in state.specs:
         for d in spec.config.storage(spec.dtype):
-            _, live = _storage_of(state, spec.index, d.name)
+            _, live = state.storage.tensor_of(spec.index, d.name)
             if d.space == "token":
                 value = live.reshape(-1, *d.shape).index_select(0, slots)
             else:
@@ -417,11 +410,18 @@ def _values(state, payload: RequestState, cast: bool, where: str) -> list[tuple[
 
 
 def import_request(state, payload, *, request_id: int | None = None, cast: bool = False):
-    """Check ``payload`` against ``state`` entirely, then admit, reserve and write it: ``-> (State, rid)``."""
-    from .apply import _Target, write_step
+    """Check ``payload`` against ``state`` entirely, then admit, reserve and write it: ``-> (State, rid)``
+    (`State.import_request`)."""
+    return state.import_request(payload, request_id=request_id, cast=cast)
+
+
+def write_payload(state, payload, *, request_id: int | None, cast: bool):
+    """The checks and writes of `State.import_request`: ``-> (handle, request id, length)``, the handle with the
+    request admitted, its pages reserved and its rows written; `State` then moves its cursor to ``length``."""
+    from .apply import Target, write_step
 
     where = "State.import_request"
-    state._check_live()
+    state.check_live()
     if isinstance(payload, (bytes, bytearray, memoryview)):
         payload = RequestState.from_bytes(payload)
     if not isinstance(payload, RequestState):
@@ -445,17 +445,17 @@ def import_request(state, payload, *, request_id: int | None = None, cast: bool 
     new = state.admit(rid).reserve({rid: payload.length})
     req = new.request(rid)
     token_rows = torch.tensor(token_slots(new, req, payload.length), dtype=torch.long, device=new.device)
-    state_rows = torch.tensor([new.recurrent_row(rid)], dtype=torch.long, device=new.device)
+    # The request's cursor moves to ring position 0 (`State.import_request`): its state goes to that row.
+    state_rows = torch.tensor([new.recurrent_row(rid, 0)], dtype=torch.long, device=new.device)
+    storage = new.storage
     targets = []
     for layer, name, space, value in values:
-        pool, _ = _storage_of(new, layer, name)
-        rows, value = (token_rows, value) if space == "token" else (state_rows, value.unsqueeze(0))
-        if rows.numel():
-            targets.append(_Target(pool.name, name, pool.position(layer), rows, value))
-    write_step(new._storage.pools, targets)
-    reqs = dict(new.requests)
-    reqs[rid] = dataclasses.replace(req, length=payload.length, ring_pos=0)
-    return new._successor(requests=reqs), rid
+        pool, _ = storage.tensor_of(layer, name)
+        index, value = (token_rows, value) if space == "token" else (state_rows, value.unsqueeze(0))
+        if index.numel():
+            targets.append(Target(pool.name, name, pool.position(layer), index, value))
+    write_step(storage.pools, targets)
+    return new, rid, payload.length
 
 
 # --------------------------------------------------------------------------- torch.distributed
