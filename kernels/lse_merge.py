@@ -4,7 +4,8 @@ Two partial results over disjoint key sets combine as (docs/layout.md)
     lse = logaddexp(lse1, lse2)
     o   = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)
 A part with lse == -inf attended nothing: its o is ignored (it may hold
-anything), and when both are -inf the result is o = 0, lse = -inf.
+anything), and when both are -inf the result is o = 0, lse = -inf. The `*_ref`
+functions state it through `attention_naive.merge_states`, the one torch form.
 """
 
 import math
@@ -12,6 +13,7 @@ import math
 import torch
 
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
+from .attention_naive import merge_states
 
 
 @triton.jit
@@ -149,14 +151,8 @@ def merge_attention_states(o1, lse1, o2, lse2):
 
 
 def merge_attention_states_ref(o1, lse1, o2, lse2):
-    """Reference for `merge_attention_states`, in fp32."""
-    lse = torch.logaddexp(lse1, lse2)
-    both_empty = lse == float("-inf")
-    safe = torch.where(both_empty, torch.zeros_like(lse), lse)
-    w1 = torch.exp(lse1 - safe)[..., None]
-    w2 = torch.exp(lse2 - safe)[..., None]
-    # An lse of -inf means that part attended nothing: ignore its o.
-    o = torch.where(w1 > 0, o1.float(), 0.0) * w1 + torch.where(w2 > 0, o2.float(), 0.0) * w2
+    """Reference for `merge_attention_states` (`attention_naive.merge_states`), in fp32; o in o1's dtype."""
+    o, lse = merge_states(o1, lse1, o2, lse2)
     return o.to(o1.dtype), lse
 
 
@@ -283,5 +279,5 @@ def merge_new_token_ref(o_c, lse_c, q, k_new, v_new, *, scale, softcap=0.0, lse_
         empty = empty | (cache_lens == 0)[:, None]
     lse_c = lse_c.masked_fill(empty, float("-inf"))
     v = v_new.float().repeat_interleave(g, dim=1)
-    o, lse = merge_attention_states_ref(o_c.float(), lse_c, v, s)
+    o, lse = merge_states(o_c, lse_c, v, s)
     return o.to(o_c.dtype), lse

@@ -26,6 +26,7 @@ import torch
 from ._switch import declare_tiles
 from ._tiles import overridden
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
+from .attention_naive import attention
 from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_splits  # noqa: F401
 from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
 
@@ -471,26 +472,13 @@ def paged_prefill(q, k_new, v_new, cu_seqlens, k_cache, v_cache, block_table, ca
 
 
 def attend_ref(q, k, v, q_pos, k_pos, *, scale, softcap=0.0, sliding_window=0, sinks=None):
-    """Dense masked attention in fp32 over explicit positions.
+    """Dense masked attention in fp32 over explicit positions (`attention_naive.attention`).
 
     q [n, Hq, D], k [m, Hkv, D], v [m, Hkv, Dv], q_pos [n], k_pos [m].
     Returns o [n, Hq, Dv] fp32 and lse [n, Hq] fp32 (without the sink).
     """
-    Hq, Hkv = q.shape[1], k.shape[1]
-    kf = k.float().repeat_interleave(Hq // Hkv, dim=1)  # [m, Hq, D]
-    vf = v.float().repeat_interleave(Hq // Hkv, dim=1)  # [m, Hq, Dv]
-    s = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale  # [Hq, n, m]
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    visible = k_pos[None, :] <= q_pos[:, None]  # [n, m]
-    if sliding_window > 0:
-        visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-    s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [Hq, n]
-    denom = lse if sinks is None else torch.logaddexp(lse, sinks.float()[:, None])
-    p = torch.where(visible, torch.exp(s - denom[..., None]), torch.zeros_like(s))
-    o = torch.einsum("hnm,mhd->nhd", p, vf)
-    return o, lse.T.contiguous()
+    return attention(q, k, v, q_pos, k_pos, scale=scale, softcap=softcap, sliding_window=sliding_window,
+                     sinks=sinks)
 
 
 def _gather_cache(cache, pages, n):

@@ -75,7 +75,11 @@ def indexer_scores(q: Float[Tensor, "n Hi Di"], w: Float[Tensor, "n Hi"], keys: 
 
 def attend_sinks(q: Float[Tensor, "n H D"], keys: Float[Tensor, "K D"], bias: Float[Tensor, "n K"],
                  sinks: Float[Tensor, " H"] | None, *, scale: float) -> Float[Tensor, "n H D"]:
-    """Shared-KV MQA (K = V) with an additive mask and per-head sink logits in the denominator."""
+    """Shared-KV MQA (K = V) with an additive mask and per-head sink logits in the denominator.
+
+    Not `fnattn.kernels.attention_naive.attention` (fp32 throughout): this one rounds as transformers' eager
+    DeepSeek-V4 attention does (logits in the activation dtype, the sink as one more softmax column), which the
+    model tests compare against."""
     logits = torch.einsum("nhd,kd->hnk", q, keys) * scale + bias[None].to(q.dtype)  # [H, n, K]
     if sinks is not None:
         # fp32 sinks promote the softmax to fp32, as transformers' eager attention does.

@@ -22,6 +22,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ...deltas import Writes
+from ...kernels.attention_naive import apply_sinks
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
@@ -43,7 +44,7 @@ def attend_sinks_sdpa(q: Float[Tensor, "n H D"], keys: Float[Tensor, "K D"], bia
     o, lse = flash(fold_heads(q.to(f32), H), kv, kv, attn_mask=mask, scale=scale)[:2]
     o, lse = unfold_heads(o, lse, n, H)  # [n, H, D], [n, H]
     if sinks is not None:
-        o = o * torch.sigmoid(lse - sinks.float()[None, :])[..., None]
+        o = apply_sinks(o, lse, sinks)
     return o.to(keys.dtype)
 
 

@@ -2,14 +2,17 @@
 
 Plain tensors, one request at a time, fp32 math: this is the ground truth the
 paged backends and kernels are checked against (docs/layout.md states the
-semantics: causal by absolute position, sliding window, softcap, sinks).
+semantics: causal by absolute position, sliding window, softcap, sinks). The
+arithmetic is `fnattn.kernels.attention_naive`'s, the one statement of it that
+the kernels' references share; these wrappers add the shape checks.
 """
 
 from __future__ import annotations
 
-import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+
+from fnattn.kernels import attention_naive
 
 from ...checks import checked
 
@@ -27,20 +30,8 @@ def attend(
     softcap: float = 0.0,
 ) -> tuple[Float[Tensor, "n Hq Dv"], Float[Tensor, "n Hq"]]:
     """Query at position p sees key at position j iff j <= p (and p - j < window)."""
-    hq, hkv = q.shape[1], k.shape[1]
-    kf = k.float().repeat_interleave(hq // hkv, dim=1)  # [m, Hq, D]
-    vf = v.float().repeat_interleave(hq // hkv, dim=1)  # [m, Hq, Dv]
-    s = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale  # [Hq, n, m]
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    visible = k_pos[None, :] <= q_pos[:, None]  # [n, m]
-    if sliding_window > 0:
-        visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-    s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [Hq, n]; -inf where nothing is visible
-    p = torch.exp(s - lse[..., None]).nan_to_num(nan=0.0)  # rows with lse=-inf give 0
-    o = torch.einsum("hnm,mhd->nhd", p, vf)
-    return o, lse.transpose(0, 1).contiguous()
+    return attention_naive.attention(q, k, v, q_pos, k_pos, scale=scale, softcap=softcap,
+                                     sliding_window=sliding_window)
 
 
 @checked
@@ -51,11 +42,7 @@ def merge(
     lse2: Float[Tensor, "n H"],
 ) -> tuple[Float[Tensor, "n H Dv"], Float[Tensor, "n H"]]:
     """Combine attention over two disjoint key sets into attention over their union."""
-    lse = torch.logaddexp(lse1, lse2)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w1 = torch.exp(lse1 - safe)[..., None]
-    w2 = torch.exp(lse2 - safe)[..., None]
-    return o1.float() * w1 + o2.float() * w2, lse
+    return attention_naive.merge_states(o1, lse1, o2, lse2)
 
 
 @checked
@@ -63,4 +50,4 @@ def apply_sinks(
     o: Float[Tensor, "n Hq Dv"], lse: Float[Tensor, "n Hq"], sinks: Float[Tensor, " Hq"]
 ) -> Float[Tensor, "n Hq Dv"]:
     """Add one value-less logit per head to the softmax denominator."""
-    return o * torch.sigmoid(lse - sinks.float()[None, :])[..., None]
+    return attention_naive.apply_sinks(o, lse, sinks)

@@ -17,6 +17,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ...checks import fail
+from ...kernels.attention_naive import masked_softmax, merge_states
 from ...switches import declare, switched
 
 LN2 = math.log(2.0)
@@ -136,19 +137,15 @@ def own_rows(q: Float[Tensor, "T H Dq"], new: Float[Tensor, "T Dq"], *, n: int, 
     vis = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None]  # [1, i, j]
     if allowed is not None:
         vis = vis & allowed.view(B, n, n)
-    s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [B, n, H]
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    p, lse = masked_softmax(s, vis[:, :, None, :])  # [B, n, H, n], [B, n, H]
     o = torch.einsum("bihj,bjr->bihr", p, kb[..., :R])
     return o.reshape(T, H, R), lse.reshape(T, H)
 
 
 def merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
-    """Two attentions over disjoint key sets as one (natural-log LSEs; ``-inf`` marks an empty part)."""
-    lse = torch.logaddexp(lse1, lse2)  # [T, H]
-    m = torch.where(torch.isfinite(lse), lse, 0.0)
-    w1, w2 = torch.exp(lse1 - m)[..., None], torch.exp(lse2 - m)[..., None]
-    return o1.float() * w1 + o2.float() * w2, lse
+    """Two attentions over disjoint key sets as one, fp32 (natural-log LSEs; ``-inf`` marks an empty part,
+    whose output is ignored): `fnattn.kernels.attention_naive.merge_states`."""
+    return merge_states(o1, lse1, o2, lse2)
 
 
 def no_keys_as_neg_inf(lse: Tensor, has_keys: Tensor | None = None) -> Tensor:

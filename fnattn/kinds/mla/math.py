@@ -16,8 +16,8 @@ Keys are ordered cached prefix first, then this step's new tokens. Causal
 means new token ``i`` sees every cached token and new tokens ``0..i``
 (``docs/layout.md``). ``lse`` is the natural-log log-sum-exp of the scaled
 scores over the keys attended, ``-inf`` (with a zero output) when a query sees
-no key. Attention math runs in fp32; ``o`` is returned in ``q_nope.dtype`` and
-``lse`` in fp32.
+no key. Attention math runs in fp32, its softmax in ``fnattn.kernels.attention_naive``
+(the one statement of it); ``o`` is returned in ``q_nope.dtype`` and ``lse`` in fp32.
 
 The projections that produce these inputs from a checkpoint's weights are the
 model's (``fnattn.models.mla_layer``). Dimension names: T new tokens, N keys
@@ -34,6 +34,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from fnattn.checks import expect_float, expect_shape
+from fnattn.kernels.attention_naive import masked_softmax
 from fnattn.lanes import in_static_step
 
 __all__ = [
@@ -98,16 +99,6 @@ def _check_core(
     return T, H, N, R
 
 
-def _softmax_lse(scores: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
-    """Masked softmax over the last dim of ``scores [T, H, N]``; returns
-    ``(probs, lse)``. Rows with no visible key get zero probs and ``-inf``."""
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    probs = torch.exp(scores - finite_lse[..., None])
-    return probs, lse
-
-
 def _visible(T: int, N: int, n_cached: int, causal: bool, allowed: Tensor | None, device: torch.device) -> Tensor:
     visible = key_visibility(T, N, n_cached=n_cached, causal=causal, device=device)
     return visible if allowed is None else visible & allowed
@@ -139,7 +130,7 @@ def mla_expanded(
     value = torch.einsum("nr,hvr->nhv", c_kv, w_uv.to(f32))
     scores = torch.einsum("thd,nhd->thn", q_nope.to(f32), k_nope)
     scores = scores + torch.einsum("thd,nd->thn", q_pe.to(f32), k_pe)
-    probs, lse = _softmax_lse(scores * scale, visible)
+    probs, lse = masked_softmax(scores * scale, visible[:, None, :])
     o = torch.einsum("thn,nhv->thv", probs, value)
     return o.to(q_nope.dtype), lse
 
@@ -168,7 +159,7 @@ def mla_absorbed(
     q_latent = torch.einsum("thd,hdr->thr", q_nope.to(f32), w_uk.to(f32))
     scores = torch.einsum("thr,nr->thn", q_latent, c_kv)
     scores = scores + torch.einsum("thd,nd->thn", q_pe.to(f32), k_pe)
-    probs, lse = _softmax_lse(scores * scale, visible)
+    probs, lse = masked_softmax(scores * scale, visible[:, None, :])
     o_latent = torch.einsum("thn,nr->thr", probs, c_kv)
     o = torch.einsum("thr,hvr->thv", o_latent, w_uv.to(f32))
     return o.to(q_nope.dtype), lse

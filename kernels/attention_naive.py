@@ -1,0 +1,80 @@
+"""The one pure-torch statement of softmax attention and of the merge of its partial results, in fp32.
+
+These are the references of the attention kernels beside them (`paged_attention`'s `attend_ref` and
+`paged_*_ref`, `lse_merge`'s `*_ref`) and the arithmetic of the references of `fnattn.kinds.full`
+(`.math`) and `fnattn.kinds.mla` (the masked softmax of `.math`, the merge of `.latent`). Plain tensors
+in and out; nothing here checks shapes (the callers do) and no input is modified or returned as an
+alias. The semantics are docs/layout.md's:
+
+    visible_keys    which keys each query sees: causal by absolute position, optionally a sliding window
+    masked_softmax  a softmax over the visible keys, with its natural-log log-sum-exp
+    attention       dense grouped-query attention (softcap, window, sinks) -> (o, lse)
+    apply_sinks     one value-less logit per head joins a finished softmax's denominator
+    merge_states    attention over two disjoint key sets -> attention over their union
+
+A query that sees no key attends nothing: its output is 0 and its lse -inf. An lse never includes the
+sinks, so that partial results still merge; the sinks are applied once, to the merged result.
+"""
+
+import torch
+
+
+def visible_keys(q_pos, k_pos, *, sliding_window=0):
+    """``visible [n, m]``: query at position ``q_pos[i]`` sees the key at ``k_pos[j]`` iff
+    ``k_pos[j] <= q_pos[i]`` and, with a window W > 0, ``q_pos[i] - k_pos[j] < W``."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window > 0:
+        visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    return visible
+
+
+def masked_softmax(scores, visible):
+    """Softmax over the last dim of ``scores`` where ``visible`` (a bool mask broadcasting against them):
+    ``-> (probs like scores, lse = scores.shape[:-1])``, the lse in natural log. A row with no visible
+    key gets zero probs and lse -inf."""
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # An empty row's lse is -inf: subtracting 0 instead keeps its exp at exp(-inf) = 0, not NaN.
+    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(scores - finite_lse[..., None]), lse
+
+
+def apply_sinks(o, lse, sinks):
+    """``o [..., H, Dv]`` of a softmax whose natural-log ``lse [..., H]`` leaves the sinks out, with one
+    more logit per head ``sinks [H]`` (and no value) in its denominator: ``o * sigmoid(lse - sink)``."""
+    return o * torch.sigmoid(lse - sinks.float())[..., None]
+
+
+def attention(q, k, v, q_pos, k_pos, *, scale, softcap=0.0, sliding_window=0, sinks=None):
+    """Dense masked attention over explicit positions, fp32.
+
+    ``q [n, Hq, D]``, ``k [m, Hkv, D]``, ``v [m, Hkv, Dv]`` (query head h reads kv head ``h // (Hq // Hkv)``),
+    ``q_pos [n]``, ``k_pos [m]`` (`visible_keys`). Scores are ``scale * q . k``, then
+    ``softcap * tanh(s / softcap)`` where ``softcap > 0``. ``sinks [Hq]`` (optional) join the denominator.
+    Returns ``o [n, Hq, Dv]`` and ``lse [n, Hq]`` (without the sinks), both fp32.
+    """
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [m, Hq, D]
+    vf = v.float().repeat_interleave(group, dim=1)  # [m, Hq, Dv]
+    s = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale  # [Hq, n, m]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    p, lse = masked_softmax(s, visible_keys(q_pos, k_pos, sliding_window=sliding_window)[None])
+    o = torch.einsum("hnm,mhd->nhd", p, vf)
+    lse = lse.transpose(0, 1).contiguous()  # [n, Hq]
+    return (o, lse) if sinks is None else (apply_sinks(o, lse, sinks), lse)
+
+
+def merge_states(o1, lse1, o2, lse2):
+    """Two attentions over disjoint key sets as one, fp32: ``o1, o2 [..., Dv]``, natural-log ``lse1, lse2 [...]``
+    ``-> (o, lse)`` with ``lse = logaddexp(lse1, lse2)`` and ``o = o1 exp(lse1 - lse) + o2 exp(lse2 - lse)``.
+
+    A part with lse -inf attended nothing and its o is ignored (it may hold anything, NaN included); with
+    both parts empty the result is ``o = 0``, ``lse = -inf``.
+    """
+    lse = torch.logaddexp(lse1, lse2)
+    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    w1 = torch.exp(lse1 - finite_lse)[..., None]
+    w2 = torch.exp(lse2 - finite_lse)[..., None]
+    o = torch.where(w1 > 0, o1.float(), 0.0) * w1 + torch.where(w2 > 0, o2.float(), 0.0) * w2
+    return o, lse
