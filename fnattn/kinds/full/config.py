@@ -1,4 +1,5 @@
-"""Full / grouped-query attention: config, storage, inputs and outputs."""
+"""Full / grouped-query attention: config, storage and inputs (its output, `fnattn.outputs.AttentionOutput`, is
+shared with the MLA kinds)."""
 
 from __future__ import annotations
 
@@ -79,9 +80,3 @@ class FullAttentionInputs:
         elif self.sinks is not None:
             fail(where, "sinks", "None (config has sinks=False)", getattr(self.sinks, "shape", self.sinks))
 
-
-@tensor_pytree
-@dataclass(frozen=True)
-class AttentionOutput:
-    o: Float[Tensor, "T Hq Dv"]  # [T, Hq, Dv] in the layer dtype
-    lse: Float[Tensor, "T Hq"] | None = None  # [T, Hq] fp32 natural-log LSE, without sinks

@@ -14,11 +14,12 @@ import math
 import torch
 
 from ...deltas import Writes, writes
+from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
-from .config import AttentionOutput, FullAttentionInputs
+from .config import FullAttentionInputs
 
 LN2 = math.log(2.0)
 _WORKSPACE_BYTES = 128 * 1024 * 1024

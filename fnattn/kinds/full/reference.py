@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 
 from ...deltas import Writes, writes
+from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
-from .config import AttentionOutput, FullAttentionInputs
+from .config import FullAttentionInputs
 from .math import apply_sinks, attend, merge
 
 

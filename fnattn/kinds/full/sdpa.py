@@ -27,12 +27,13 @@ import torch
 from torch import Tensor
 
 from ...deltas import Writes, writes
+from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..cpu_sdpa import additive_mask, flash, fold_heads, heads_first, unfold_heads, without_blind_rows
 from ..cpu_sdpa import supports as cpu_supports
-from .config import AttentionOutput, FullAttentionInputs
+from .config import FullAttentionInputs
 from .math import merge
 from .reference import cached_tokens
 

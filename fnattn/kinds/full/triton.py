@@ -9,11 +9,12 @@ kernel over the paged prefix plus the causal new tokens.
 from __future__ import annotations
 
 from ...deltas import Writes, writes
+from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
-from .config import AttentionOutput, FullAttentionInputs
+from .config import FullAttentionInputs
 
 
 def supports(spec, device) -> list[str]:

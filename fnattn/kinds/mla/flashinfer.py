@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from ...deltas import Writes, writes
+from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
-from ..full.config import AttentionOutput
 from ..full.flashinfer import cache_layout
 from .config import MLAInputs
 from .flashmla import latent_shape_reasons

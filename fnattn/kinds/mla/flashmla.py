@@ -14,11 +14,11 @@ served by the FlashInfer backend instead (`.flashinfer`).
 from __future__ import annotations
 
 from ...deltas import Writes, writes
+from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
-from ..full.config import AttentionOutput
 from .config import MLAInputs
 from .latent import absorbed_query, fold_own_rows_out, uniform_new
 

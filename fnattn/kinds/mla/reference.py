@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 
 from ...deltas import Writes, writes
+from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
-from ..full.config import AttentionOutput
 from ..full.reference import cached_tokens
 from .config import MLAInputs
 from .math import mla_absorbed, mla_expanded, topk_mask

@@ -27,11 +27,11 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ...deltas import Writes, writes
+from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..cpu_sdpa import additive_mask, flash, fold_heads, heads_first, supports, unfold_heads, without_blind_rows
-from ..full.config import AttentionOutput
 from ..full.math import merge
 from .config import MLAInputs
 from .math import key_visibility, topk_mask

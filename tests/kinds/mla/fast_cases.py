@@ -13,8 +13,8 @@ import torch
 from helpers import registry_scope, same_bits
 
 import fnattn as fa
-from fnattn.kinds.full.config import AttentionOutput
 from fnattn.kinds.sparse_mla.config import SparseAttentionOutput
+from fnattn.outputs import AttentionOutput
 
 FILL = "test_rows"
 
