@@ -58,7 +58,7 @@ from dataclasses import replace
 
 import torch
 
-from ..apply import _Target, write_step
+from ..apply import Target, write_step
 from ..batch import Batch
 from ..checks import CHECKS_ENABLED
 from ..declare import StepMeta
@@ -147,7 +147,7 @@ class Direct:
                     continue
                 pool, pos, space = self.where[(layer, name)]
                 rows = batch.slot_mapping if space == "token" else batch.recurrent_write_rows
-                targets.append(_Target(pool, name, pos, rows, value.detach(), True))
+                targets.append(Target(pool, name, pos, rows, value.detach(), True))
         write_step(self.pools, targets)
         cursor = batch.cursor_after(batch.host_new_lens)
         return state._advance(cursor, batch.step_id, state._storage), logits, built
