@@ -45,7 +45,7 @@ def main() -> None:
     def fnattn_step():
         with ma.session(state, batch) as s:
             _, w = s.forward(0, inputs)
-            write_step(state._storage.pools, validate_step(state, StepDeltas.collect(batch, [w])))
+            write_step(state.storage.pools, validate_step(state, StepDeltas.collect(batch, [w])))
 
     results = {}
     for name, fn in (("flashmla kernel (raw)", kernel), ("usual (append + kernel)", usual),
@@ -67,7 +67,7 @@ def sparse(a) -> None:
     def fnattn_step():
         with ma.session(state, batch) as s:
             _, w = s.forward(1, inputs)
-            write_step(state._storage.pools, validate_step(state, StepDeltas.collect(batch, [w]), layers=[1]))
+            write_step(state.storage.pools, validate_step(state, StepDeltas.collect(batch, [w]), layers=[1]))
 
     def with_slots(one_pass):
         def step():

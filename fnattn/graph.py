@@ -322,6 +322,20 @@ class StepRunner:
         entry.generated = s.generated
         return outputs, result[-1], s.replay_outputs
 
+    def bucket_entry(self, state, bucket: Bucket, recovery: str = "native"):
+        """``bucket``'s static buffers and graph, captured now if they are not yet: ``-> (state, entry)``.
+        For an instrument that replays one bucket itself (`fnattn.bench.overhead`); a step goes through
+        `decode` / `verify`, which check the batch first."""
+        if not isinstance(bucket, Bucket):
+            fail("StepRunner.bucket_entry", "bucket", "a fnattn.lanes.Bucket", type(bucket).__name__)
+        if recovery not in RECOVERY:
+            fail("StepRunner.bucket_entry", "recovery", f"one of {RECOVERY}", recovery)
+        return self._ensure(state, bucket, recovery)
+
+    def entries(self) -> list:
+        """The buckets captured (or prepared) so far, one entry per (bucket, recovery)."""
+        return list(self._entries.values())
+
     def _ensure(self, state, bucket: Bucket, recovery: str):
         """The bucket's buffers (captured on first use); ``-> (state, entry)``."""
         key = (bucket, recovery)

@@ -37,7 +37,8 @@ batch 1 and 1.031x at batch 8 (``benchmarks/model_ab.py --toggle prefetch``, ben
 
 Configs come from `pick_config`, an explicit table (no autotuning: timing
 inside a CUDA-graph warm-up would be wrong and slow); ``config=`` overrides it.
-``fnattn bench linear`` times the table against a sweep.
+``benchmarks/linear_sweep.py`` times the table against a sweep of tiles; ``fnattn bench linear``
+times it against cuBLAS.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class SkinnyConfig:
                 raise ValueError(f"SkinnyConfig.{name}: expected a bool, got {getattr(self, name)!r}")
 
 
-# Tuned on the H200 at one row (`fnattn bench linear`, benchmarks/results/bench_linear_b1.json): one program
+# Tuned on the H200 at one row (`benchmarks/linear_sweep.py`, benchmarks/results/bench_linear_b1.json): one program
 # per SM is enough to stream the weight, and a tile narrower than 32 columns loses more to its short rows than
 # it gains in programs (7168 x 1024: 32 columns 6.7 us, 16 columns 8.2 us); a projection too narrow for one
 # program per SM (1024 columns) splits K instead (8 pieces: 5.6 us against cuBLAS's 12.9 us at 2048 x 1024).

@@ -26,20 +26,6 @@ OWN_DICT_WRITES = {
     ("fnattn/deltas.py", "out"),  # Writes.bound: writes bound to a layer
 }
 
-# Moved code, being switched to the public API: module -> the private names it still reads.
-# (moved code, being switched to the public API)
-MOVED = {
-    "fnattn/bench/overhead.py": {"_storage", "_advance"},
-    "fnattn/kinds/full/bench.py": {"_storage"},
-    "fnattn/kinds/delta_rule/bench.py": {"_storage"},
-    "fnattn/kinds/mla/bench.py": {"_storage"},
-    "fnattn/kinds/sparse_mla/bench.py": {"_storage"},
-    "fnattn/bench/cases/full.py": {"_storage"},
-    "fnattn/bench/cases/delta_rule.py": {"_storage"},
-    "fnattn/bench/cases/mla.py": {"_storage"},
-    "fnattn/bench/cases/sparse_mla.py": {"_storage"},
-    "benchmarks/mla_profile.py": {"_storage"},
-}
 
 _DICT_WRITES = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
 
@@ -51,7 +37,7 @@ def _base_name(node: ast.AST) -> str | None:
 def _offenses(rel: str, tree: ast.AST) -> list[str]:
     """``path:line: what`` for each private read on a non-``self`` object and each write into another
     object's ``__dict__``."""
-    allowed = OWNERS.get(rel, set()) | MOVED.get(rel, set())
+    allowed = OWNERS.get(rel, set())
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in PRIVATE and node.attr not in allowed:
@@ -105,7 +91,3 @@ def test_the_scan_finds_what_it_looks_for():
     assert [f.split(": ", 1)[1] for f in _offenses("fnattn/state.py", ast.parse(code))] == [
         "writes into ma.__dict__", "writes into batch.__dict__"]
 
-
-def test_the_moved_code_allowance_names_only_files_and_names_it_may_still_need():
-    for rel, names in MOVED.items():
-        assert names <= PRIVATE, rel

@@ -9,7 +9,7 @@ States of the same contents (`bench.setup.cached_state` is deterministic), with 
   function as written (`Backend.source`, not the session-only guard) with the layer's views and the
   inputs carrying a `StepMeta` (the step's batch, the group's plan built as the session builds it, a
   workspace lease); the rows that come back go to the pools through the same `fnattn.apply.write_step`,
-  to the rows the batch names, and the cursors move with `State._advance` (the host half of every
+  to the rows the batch names, and the cursors move with `State.advance` (the host half of every
   apply). So the kernels, their order and their arguments are the framework's; what is skipped:
 
   * session entry: the batch / State / spec checks, the per-step workspace lease, lending the ring rows;
@@ -27,7 +27,7 @@ States of the same contents (`bench.setup.cached_state` is deterministic), with 
 - ``direct graph`` (captured runs only): a second runner's captured graph of the same step, replayed by
   `DirectGraph` with none of the runner's checks: the batch built into the bucket's staging (the kernels'
   metadata, as in ``direct``), the tokens copied in, the replay, the logits copied out and the cursors
-  moved (`State._advance`). The graph way's ``graph_overhead`` is its step over this one's: what the
+  moved (`State.advance`). The graph way's ``graph_overhead`` is its step over this one's: what the
   driver adds to a replayed step, less what it saves by building the next step's batch while the device
   runs this one (`StepRunner` ``prepare``; ``prepared_steps`` counts the steps that took one), which
   `DirectGraph` does not. Both replayed ways record ``host_before_replay_us``: the host time from the
@@ -107,7 +107,7 @@ class Direct:
 
     def __init__(self, model, model_attention, state):
         ma = model_attention
-        self.model, self.pools = model, state._storage.pools
+        self.model, self.pools = model, state.storage.pools
         self.layers = {}
         for spec in ma.specs:
             choice = ma.choices[(spec.index, "decode")]
@@ -115,7 +115,7 @@ class Direct:
             self.layers[spec.index] = (choice.backend.source, spec, choice.group)
         self.groups = [(g, ma.backend(specs[0].index, "decode"), specs) for g, specs in ma.groups("decode").items()]
         self.views = {spec.index: state.views(spec.index) for spec in ma.specs}
-        storage = state._storage
+        storage = state.storage
         self.where = {}  # (layer, storage name) -> (pool, layer's position in it, "token" | "request")
         for layer, names in state.storage_spaces.items():
             for p in storage.layer_pools[layer]:
@@ -150,7 +150,7 @@ class Direct:
                 targets.append(Target(pool, name, pos, rows, value.detach(), True))
         write_step(self.pools, targets)
         cursor = batch.cursor_after(batch.host_new_lens)
-        return state._advance(cursor, batch.step_id, state._storage), logits, built
+        return state.advance(cursor, batch.step_id), logits, built
 
 
 class DirectGraph:
@@ -167,7 +167,7 @@ class DirectGraph:
         e.inputs["tokens"][:len(ids)].copy_(tokens)
         e.graph.replay()
         logits = e.outputs["logits"][:len(ids)].clone()
-        return state._advance(batch.cursor_after(batch.host_new_lens), batch.step_id, state._storage), logits
+        return state.advance(batch.cursor_after(batch.host_new_lens), batch.step_id), logits
 
 
 class _LaunchClock:
@@ -186,7 +186,7 @@ def _captured(runner, state, batch: int):
     (``entry.graph`` is the `_LaunchClock`)."""
     from ..lanes import Bucket
 
-    state, entry = runner._ensure(state, Bucket("decode", batch, 0, runner.columns(state)), "native")
+    state, entry = runner.bucket_entry(state, Bucket("decode", batch, 0, runner.columns(state)))
     entry.graph = _LaunchClock(entry.graph)
     return state, entry
 
@@ -235,9 +235,9 @@ def session_breakdown(model, ma, state, ids, steps: int, seed: int = 500) -> tup
             mark()
             targets = validate_step(state, deltas)
             mark()
-            write_step(state._storage.pools, targets)
+            write_step(state.storage.pools, targets)
             mark()
-            state = state._advance(deltas.cursor, deltas.step_id, state._storage)
+            state = state.advance(deltas.cursor, deltas.step_id)
             mark()
             for k, a, b in zip(parts, marks, marks[1:]):
                 parts[k].append(b - a)
@@ -330,7 +330,7 @@ def overhead_case(model, ma, *, name: str, batch: int, prompt: int, steps: int, 
                 at - t0 for at, t0 in zip(clocks[way].launched[warmup:], starts[way][warmup:])) * 1e6)
         if way == "graph":
             extra.update(captured=bool(runner.capture), validation_us=runner.last_validation_s * 1e6,
-                         prepared_steps=sum(e.prepared_used for e in runner._entries.values()))
+                         prepared_steps=sum(e.prepared_used for e in runner.entries()))
             if replayed is not None:  # what the driver adds to a replayed step
                 extra.update(graph_overhead=t / statistics.median(times["direct graph"]),
                              paired_graph_overhead=statistics.median(

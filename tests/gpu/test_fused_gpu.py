@@ -103,7 +103,7 @@ def test_skinny_linear(M, K, N, record):
     cfg = pick_config(M, N, K, BF16)
     _check(record, f"skinny_linear M{M} K{K} N{N} split{cfg.split_k} vs fp32 ref", got, skinny_linear_ref(x, w), 1e-2)
     _check(record, f"skinny_linear M{M} K{K} N{N} vs F.linear", got, F.linear(x, w), 1e-2)
-    if M == 1:  # the FMA form, which `fnattn bench linear` sweeps at a few rows
+    if M == 1:  # the FMA form, which `benchmarks/linear_sweep.py` sweeps at a few rows
         for cfg in (SkinnyConfig(32, 128, 1, dot=False), SkinnyConfig(16, 256, 2, num_warps=8, dot=False)):
             _check(record, f"skinny_linear fma M{M} K{K} N{N} split{cfg.split_k}", skinny_linear(x, w, config=cfg),
                    skinny_linear_ref(x, w), 1e-2)

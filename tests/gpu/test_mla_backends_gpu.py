@@ -301,7 +301,7 @@ def test_tiny_model_logits_through_the_fast_paths(name, topk, record):
 def test_sparse_bench_layers_agree(record):
     """The sparse bench's rows do the same work: the usual layer over precomputed slots, the usual layer that
     translates the top-k each step and fnattn's layer give the same output (the two usual ones bit for bit)."""
-    from fnattn.kinds.sparse_mla.bench import sparse_decode_setup, usual_sparse_layer, usual_sparse_layer_translating
+    from fnattn.bench.cases.sparse_mla import sparse_decode_setup, usual_sparse_layer, usual_sparse_layer_translating
 
     specs, state, b, inputs, _, slots = sparse_decode_setup(batch=5, ctx=700, heads=128, topk=256)
     scale = specs[1].config.mla.scale
@@ -363,7 +363,7 @@ def test_absorb_kernel_tiny_model_logits(record):
 def test_absorb_kernel_against_the_batched_product(record):
     from fnattn.kernels.latent_absorb import absorb_query
 
-    from fnattn.kinds.mla.bench import deepseek_mla, random_inputs
+    from fnattn.bench.cases.mla import deepseek_mla, random_inputs
     from fnattn.kinds.mla.latent import absorbed_query_torch
 
     for T in (1, 64, 200):

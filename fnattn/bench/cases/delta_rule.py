@@ -86,7 +86,7 @@ def session_time(name, spec, state, batch, inputs, *, graph: bool, apply: bool =
     def step(s):
         _, writes = s.forward(spec.index, inputs)
         if apply:
-            write_step(state._storage.pools, validate_step(state, StepDeltas.collect(batch, [writes])))
+            write_step(state.storage.pools, validate_step(state, StepDeltas.collect(batch, [writes])))
 
     return timed_session(ma, state, batch, step, graph=graph)
 

@@ -31,7 +31,7 @@ def time_fnattn(ma, state, batch, specs, inputs, *, graph: bool) -> float:
 
     def step(s):
         writes = [s.forward(spec.index, inputs)[1] for spec in specs]
-        write_step(state._storage.pools, validate_step(state, StepDeltas.collect(batch, writes)))
+        write_step(state.storage.pools, validate_step(state, StepDeltas.collect(batch, writes)))
 
     return timed_session(ma, state, batch, step, graph=graph)
 
