@@ -67,6 +67,9 @@ class AttentionSession:
             fail("AttentionSession", "batch.phase", f"one of {PHASES}", batch.phase)
         check_version(state, batch, "AttentionSession")
         ma.check_storage_of(state, "AttentionSession")
+        if state.device != ma.device:  # its backends were chosen for its device (a CPU kernel cannot read CUDA)
+            fail("AttentionSession", "state", f"a State on {ma.device}, the device this ModelAttention chose its "
+                 "backends for (ModelAttention(..., device=...))", f"a State on {state.device}")
         if batch.page_size != state.page_size:
             fail("AttentionSession", "batch.page_size", f"the state's page size {state.page_size}", batch.page_size)
         for name, size in ma.page_sizes(batch.phase):  # a backend that serves one page size (FlashMLA: 64)

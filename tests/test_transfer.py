@@ -45,7 +45,7 @@ class Model:
             m = random_model(name, seed=1, dtype=dtype, device=device)
             self.specs, self.vocab = m.specs, m.config.vocab_size
             self.step = lambda s, t: m.step(m.params, s, t)
-        self.attn = fa.ModelAttention(self.specs)
+        self.attn = fa.ModelAttention(self.specs, device=device)
 
     def run(self, state, batch, tokens):
         with self.attn.session(state, batch) as s:

@@ -186,7 +186,7 @@ def test_a_captured_runner_refuses_another_states_step():
     """The graph replays into the pools it was captured on: a twin State's step is refused by name, and
     neither State's storage changes."""
     fam, cfg, params, page = build("llama")
-    attn = fa.ModelAttention(cfg.specs)
+    attn = fa.ModelAttention(cfg.specs, device="cuda")
     runner = StepRunner(fam.step, params, attn, fam.manifest(cfg), buckets=(2,))
     prompts = {0: [1, 2, 3], 1: [4, 5]}
     states = []
@@ -199,3 +199,12 @@ def test_a_captured_runner_refuses_another_states_step():
     with pytest.raises(ValueError, match=r"`state` must be a handle of the State"):
         runner.decode(twin, [0, 1], tokens)
     assert all(same_bits(t, before[k]) for k, t in twin.views(0).items())
+
+
+def test_a_session_refuses_a_state_on_another_device_than_its_model_attention():
+    """Backends are chosen for one device: a CPU-built ModelAttention over a CUDA State is refused by name,
+    before any CPU kernel meets a CUDA tensor."""
+    fam, cfg, params, page = build("llama")
+    st = state(cfg.specs, page).admit(0).reserve({0: 3})
+    with pytest.raises(ValueError, match=r"AttentionSession: .*state.* a State on cpu"):
+        fa.ModelAttention(cfg.specs).session(st, fa.Batch.prefill(st, {0: 3})).__enter__()
