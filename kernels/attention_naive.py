@@ -9,6 +9,9 @@ alias. The semantics are docs/layout.md's:
     visible_keys    which keys each query sees: causal by absolute position, optionally a sliding window
     masked_softmax  a softmax over the visible keys, with its natural-log log-sum-exp
     attention       dense grouped-query attention (softcap, window, sinks) -> (o, lse)
+    attention_fixed_order
+                    the same attention, each query reduced in an order that depends only on its position
+                    and its keys (the invariant mode, `fnattn.kernels.invariant`)
     apply_sinks     one value-less logit per head joins a finished softmax's denominator
     merge_states    attention over two disjoint key sets -> attention over their union
 
@@ -78,3 +81,59 @@ def merge_states(o1, lse1, o2, lse2):
     w2 = torch.exp(lse2 - finite_lse)[..., None]
     o = torch.where(w1 > 0, o1.float(), 0.0) * w1 + torch.where(w2 > 0, o2.float(), 0.0) * w2
     return o, lse
+
+
+KEY_TILE = 16  # keys of positions [c * KEY_TILE, (c + 1) * KEY_TILE) form tile c
+QUERY_ROWS = 8  # queries are reduced in blocks of this many rows, padded
+
+
+def attention_fixed_order(q, k, v, q_pos, k_pos, *, scale, softcap=0.0, sliding_window=0, sinks=None,
+                          key_tile=KEY_TILE, query_rows=QUERY_ROWS):
+    """`attention` with each query's reduction order fixed by positions alone, fp32.
+
+    ``k_pos`` are distinct non-negative positions. Tile c holds the keys of positions ``[c * key_tile,
+    (c + 1) * key_tile)`` in a zero-filled buffer of ``key_tile`` rows (a position without a key is
+    masked); each tile's softmax is merged into the running result in tile order; queries go through in
+    blocks of ``query_rows`` rows (padded). Every product and sum then runs on the same shapes whoever
+    else is in the step, so a query's ``(o, lse)`` is the same bits whether it is computed in a prefill of
+    many tokens, in a verify of a few or alone in a decode step, and whichever keys past its own position
+    are present (masked keys weigh exactly 0; wholly masked tiles merge as no-ops). Torch's reductions
+    choose their order by the shapes they see (one product of a step's size reduces a row differently as
+    the step grows), which is why nothing here is sized by the step.
+    """
+    n, Hq, D = q.shape
+    Dv, group = v.shape[-1], Hq // k.shape[1]
+    dev = q.device
+    tiles = int(k_pos.max()) // key_tile + 1 if k_pos.numel() else 0
+    kt = torch.zeros(tiles * key_tile, Hq, D, device=dev)
+    vt = torch.zeros(tiles * key_tile, Hq, Dv, device=dev)
+    present = torch.zeros(tiles * key_tile, dtype=torch.bool, device=dev)
+    rows = k_pos.long()
+    kt[rows] = k.float().repeat_interleave(group, dim=1)
+    vt[rows] = v.float().repeat_interleave(group, dim=1)
+    present[rows] = True
+    kt = kt.view(tiles, key_tile, Hq, D).transpose(1, 2).contiguous()  # [tiles, Hq, tile, D]
+    vt = vt.view(tiles, key_tile, Hq, Dv).transpose(1, 2).contiguous()  # [tiles, Hq, tile, Dv]
+    present = present.view(tiles, key_tile)
+    tile_pos = torch.arange(tiles * key_tile, device=dev).view(tiles, key_tile)
+    outs, lses = [], []
+    for r0 in range(0, n, query_rows):
+        m = min(query_rows, n - r0)
+        qb = torch.zeros(query_rows, Hq, D, device=dev)
+        qb[:m] = q[r0:r0 + m].float()
+        pb = torch.full((query_rows,), -1, dtype=q_pos.dtype, device=dev)  # a pad row sees no key
+        pb[:m] = q_pos[r0:r0 + m]
+        o = torch.zeros(query_rows, Hq, Dv, device=dev)
+        lse = torch.full((query_rows, Hq), float("-inf"), device=dev)
+        for c in range(tiles):
+            s = (qb[:, :, None, :] * kt[c][None]).sum(-1) * scale  # [rows, Hq, tile]
+            if softcap > 0:
+                s = softcap * torch.tanh(s / softcap)
+            visible = visible_keys(pb, tile_pos[c], sliding_window=sliding_window) & present[c][None]
+            p, tile_lse = masked_softmax(s, visible[:, None, :])
+            o, lse = merge_states(o, lse, (p[..., None] * vt[c][None]).sum(-2), tile_lse)
+        outs.append(o[:m])
+        lses.append(lse[:m])
+    o = torch.cat(outs) if outs else torch.zeros(0, Hq, Dv, device=dev)
+    lse = torch.cat(lses) if lses else torch.zeros(0, Hq, device=dev)
+    return (o, lse) if sinks is None else (apply_sinks(o, lse, sinks), lse)

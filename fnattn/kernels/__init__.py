@@ -32,6 +32,8 @@ __path__ += checkout_folder("kernels")  # noqa: F821 - the package's own search 
 # function before the module is first imported and the module after. Import them from their modules.
 
 _EXPORTS = {
+    "attention_fixed_order": "attention_naive",
+    "invariant": "invariant",
     "paged_decode": "paged_attention",
     "paged_decode_ref": "paged_attention",
     "paged_prefill": "paged_attention",

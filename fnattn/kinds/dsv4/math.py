@@ -11,6 +11,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ...kernels.attention_naive import attention_fixed_order
+
 
 def rope_cos_sin(positions: Tensor, inv_freq: Float[Tensor, " R2"], dtype: torch.dtype
                  ) -> tuple[Float[Tensor, "n R2"], Float[Tensor, "n R2"]]:
@@ -88,3 +90,20 @@ def attend_sinks(q: Float[Tensor, "n H D"], keys: Float[Tensor, "K D"], bias: Fl
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., : keys.shape[0]]
     return torch.einsum("hnk,kd->nhd", probs.to(keys.dtype), keys)
+
+
+def attend_sinks_fixed_order(q: Float[Tensor, "n H D"], keys: Float[Tensor, "K D"], bias: Float[Tensor, "n K"],
+                             sinks: Float[Tensor, " H"] | None, *, scale: float) -> Float[Tensor, "n H D"]:
+    """`attend_sinks`'s contract in the invariant mode (`fnattn.kernels.invariant`): each query over exactly
+    the keys it sees (its unmasked columns, in their order: its window by position, then the compressed
+    entries), through `attention_fixed_order`, so neither the step's other tokens nor the keys laid out for
+    them move its reduction. fp32 math (not transformers' rounding), the result in ``keys.dtype``."""
+    outs = []
+    for i in range(q.shape[0]):
+        seen = keys[bias[i] == 0]  # [m, D]
+        m = seen.shape[0]
+        o, _ = attention_fixed_order(q[i : i + 1], seen[:, None], seen[:, None],
+                                     torch.full((1,), m - 1, device=q.device), torch.arange(m, device=q.device),
+                                     scale=scale, sinks=sinks)
+        outs.append(o)
+    return torch.cat(outs).to(keys.dtype)

@@ -30,12 +30,21 @@ from torch import Tensor
 
 from ...deltas import Writes, writes
 from ...kernels.indexer import ordered_topk
+from ...kernels.invariant import invariant_on
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..full.reference import cached_tokens
 from .config import DSV4Inputs, DSV4Output
-from .math import attend_sinks, indexer_scores, pool_windows, rms_norm_fp32w, rope_cos_sin, rope_tail
+from .math import (
+    attend_sinks,
+    attend_sinks_fixed_order,
+    indexer_scores,
+    pool_windows,
+    rms_norm_fp32w,
+    rope_cos_sin,
+    rope_tail,
+)
 
 
 @dataclass(frozen=True)
@@ -120,10 +129,13 @@ def _window_keys(views: Views, inputs: DSV4Inputs, batch, b: int, rows: slice, W
 
 def run(spec: LayerSpec, views: Views, inputs: DSV4Inputs, *, per_token_states: bool, attend=attend_sinks):
     """Every request of the step: ``-> (output, writes by name)``; ``attend``: the attention over the keys and
-    mask built here (`attend_sinks`'s contract; the CPU backend passes torch's fused kernel)."""
+    mask built here (`attend_sinks`'s contract; the CPU backend passes torch's fused kernel), in the invariant
+    mode `attend_sinks_fixed_order` whoever passes what."""
     c = spec.config
     batch = inputs.meta.batch
     cu, m, W = batch.host_cu_seqlens, c.compress_ratio, c.sliding_window
+    if invariant_on():
+        attend = attend_sinks_fixed_order
     device = inputs.q.device
     outs, picks = [], []
     comp_rows, comp_states, index_rows, index_states = [], [], [], []

@@ -35,6 +35,23 @@ def attend(
 
 
 @checked
+def attend_fixed_order(
+    q: Float[Tensor, "n Hq D"],
+    k: Float[Tensor, "m Hkv D"],
+    v: Float[Tensor, "m Hkv Dv"],
+    *,
+    q_pos: Int[Tensor, " n"],
+    k_pos: Int[Tensor, " m"],
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> tuple[Float[Tensor, "n Hq Dv"], Float[Tensor, "n Hq"]]:
+    """`attend` in the invariant mode's order: every query over the same key tiles, whatever the step."""
+    return attention_naive.attention_fixed_order(q, k, v, q_pos, k_pos, scale=scale, softcap=softcap,
+                                                 sliding_window=sliding_window)
+
+
+@checked
 def merge(
     o1: Float[Tensor, "n H Dv"],
     lse1: Float[Tensor, "n H"],

@@ -18,7 +18,9 @@ appended to the gathered cache; no mask is needed). Several new tokens attend
 to the cache (folded, no mask) and to themselves (causal, K/V repeated over the
 group: only the step's own rows are copied), merged by LSE. Sliding windows
 become boolean masks. Softcap, sinks and ``head_dim_v != head_dim`` are the
-reference's: the fused kernel has no softcap and wants one head size.
+reference's: the fused kernel has no softcap and wants one head size. In the
+invariant mode (`fnattn.kernels.invariant`) a step goes to the reference's
+fixed-order form instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ...deltas import Writes, writes
+from ...kernels.invariant import invariant_on
 from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
@@ -35,7 +38,7 @@ from ..cpu_sdpa import additive_mask, flash, fold_heads, heads_first, unfold_hea
 from ..cpu_sdpa import supports as cpu_supports
 from .config import FullAttentionInputs
 from .math import merge
-from .reference import cached_tokens
+from .reference import cached_tokens, paged_attention
 
 
 def supports(spec, device) -> list[str]:
@@ -104,6 +107,8 @@ def _with_row(buf: Tensor, n: int, row: Tensor) -> Tensor:
 
 
 def paged_sdpa(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
+    if invariant_on():  # the fused kernel's order follows the step's shapes: the reference's fixed order instead
+        return paged_attention(spec, views, inputs)
     c, batch = spec.config, inputs.meta.batch
     cu, dt = batch.host_cu_seqlens, inputs.q.dtype
     outs, lses = [], []

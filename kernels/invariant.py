@@ -1,0 +1,37 @@
+"""The invariant mode: a token's result computed in an order that depends only on its own context.
+
+With the switch ``invariant`` on, the paths that honour it compute each token's output with the same
+operations on the same shapes whether it shares its step with other tokens or requests, whether the step is
+a prefill, a decode or a verify, and whichever bucket it was padded to: split points fixed by key position,
+partial results merged in position order, never a shape that follows the step's size. So speculative
+greedy decoding emits what plain greedy decoding emits, bit for bit, and a request's logits do not change
+when the server is busy.
+
+Honoured today by the CPU reference paths of full attention (`fnattn.kinds.full.reference`, through
+`attention_naive.attention_fixed_order`); the recurrent kinds' decode and verify were per-token alike
+already (one token at a time, the same ops on the same shapes).
+
+Importing it imports neither torch nor triton.
+"""
+
+from ._switch import declare, switched
+
+_INVARIANT = declare(
+    "invariant", False, __name__,
+    on="the paths that honour it reduce each token over fixed key tiles merged in position order, in query "
+       "blocks of a fixed size: a token's result is the same in every phase, batch and bucket",
+    off="each path reduces in the order its shapes suggest (one softmax over a step's new keys merged with "
+        "one over the cached keys, matmuls sized by the step)",
+    why="off: only the CPU reference paths honour it so far, and there the fixed order costs a loop over "
+        "query blocks and key tiles in place of one product; on where bitwise agreement is the point "
+        "(speculative greedy == plain greedy, tests of batch invariance)")
+
+
+def invariant(enabled: bool):
+    """Within this block the paths that honour the invariant mode (module docstring) run it (or not)."""
+    return switched(_INVARIANT, "invariant", enabled)
+
+
+def invariant_on() -> bool:
+    """Whether the invariant mode is in force."""
+    return _INVARIANT[-1]
