@@ -478,6 +478,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=_int_in(1, 1 << 16), default=16, help="tokens per cache page (default 16)")
     p.add_argument("--eager", action="store_true",
                    help="run decode (and MTP verify) steps eagerly; on CUDA they are captured in graphs by default")
+    p.add_argument("--invariant", action="store_true",
+                   help="compute each token in an order that depends only on its own context (fnattn.switches "
+                        "'invariant'): the same ids whatever the batch, and MTP's ids equal plain greedy's; the "
+                        "CPU paths honour it (--device cpu)")
 
 
 def main(argv=None) -> int:
@@ -561,8 +565,15 @@ def main(argv=None) -> int:
         apply_thread_policy()
     except ValueError as e:
         _user_error("fnattn", e)
+    invariant = getattr(args, "invariant", False)
+    if invariant and not str(args.device).startswith("cpu"):
+        _user_error(f"fnattn {args.command}", f"--invariant: the CUDA fast paths do not honour the invariant mode "
+                    f"yet; use --device cpu, got --device {args.device}")
+    from . import switches
+
     try:
-        return args.fn(args)
+        with switches.set(invariant=invariant):
+            return args.fn(args)
     except BrokenPipeError:  # the reader went away (`fnattn demo | head`): stop quietly, as shell tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 1

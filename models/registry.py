@@ -89,6 +89,12 @@ def family_named(name: str) -> Family:
     return FAMILIES[name]
 
 
+def family_names() -> list[str]:
+    """Every registered family's name, sorted."""
+    _load_builtin()
+    return sorted(FAMILIES)
+
+
 @dataclass(frozen=True)
 class Model:
     family: Family

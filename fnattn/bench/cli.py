@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import signal
 import sys
@@ -10,7 +11,7 @@ import sys
 from . import draw_png, print_table, with_ratios, write_json
 
 CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "kda-prefill", "mla-decode", "mla-sparse", "indexer",
-         "standard", "model", "overhead", "linear")
+         "standard", "model", "overhead", "linear", "invariance")
 MLA_CASES = ("mla-decode", "mla-sparse", "indexer")
 # what `fnattn bench --help` says above the options (and `python -m fnattn.bench --help`)
 ABOUT = ("Time fnattn's standard cases next to their peers (FlashInfer, FlashMLA, fla-core, torch SDPA, "
@@ -46,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lin.add_argument("--no-sweep", action="store_true", help="accepted and ignored: the case never sweeps "
                                                               "(benchmarks/linear_sweep.py does)")
     m = p.add_argument_group("model", "fnattn bench model: a whole model (fnattn/bench/model.py)")
-    m.add_argument("--family", default="qwen3_5", help="model family (default qwen3_5)")
+    m.add_argument("--family", default="qwen3_5",
+                   help="model family (default qwen3_5; invariance also takes 'all': every family)")
     m.add_argument("--shape", default=None,
                    help="tiny (CPU-sized), tiny-24 (its widths, 24 layers) or a real shape of the family: qwen3_5 "
                         "0.8b, deepseek_v32 2-layer, kimi_linear 4-layer (released layer shapes, fewer layers) "
@@ -63,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. --prefer triton_fused triton fla reference")
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, under torchrun --nproc-per-node N "
                                                      "(default 1; rank 0 writes the results)")
+    m.add_argument("--new-tokens", type=int, default=None,
+                   help="invariance: tokens each request decodes in the greedy and speculative comparisons "
+                        "(default 32 on a CPU, 256 on CUDA)")
     m.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS decode steps of each case, eager and replayed, and one prefill "
                         "step: time per step by "
@@ -164,6 +169,8 @@ def run(args) -> int:
         from .overhead import run_overhead
 
         return run_overhead(args)
+    if args.case == "invariance":  # a token's result against its phase, batch and graph (fnattn/bench/invariance.py)
+        return run_invariance(args)
     if args.case == "linear":  # cuBLAS vs skinny_linear on Qwen3.5-0.8B's projections (fnattn/bench/linear.py)
         from .linear import run_linear
 
@@ -203,6 +210,47 @@ def run(args) -> int:
         write_json(records, args.out, command=argv_command(args.case))
         if args.png and records:
             draw_png(records, args.png)
+    return 0
+
+
+def run_invariance(args) -> int:
+    import torch
+
+    from ..models.registry import family_names
+    from .invariance import family_records, summary
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        print(f"fnattn bench: --device must be cpu or an available cuda device, got {device!r}", file=sys.stderr)
+        return 2
+    names = family_names() if args.family == "all" else [args.family]
+    if args.family != "all" and args.family not in family_names():
+        print(f"fnattn bench: --family must be 'all' or one of {', '.join(family_names())}, got {args.family!r}",
+              file=sys.stderr)
+        return 2
+    batches = [1, 8, 32, 128] if args.batch is DEFAULT_BATCH else args.batch
+    tokens = args.new_tokens or (256 if device.startswith("cuda") else 32)
+    shape = args.shape or "tiny"
+    for name, values in (("--batch", batches), ("--new-tokens", [tokens]), ("--steps", [args.steps or 1])):
+        if min(values) < 1:
+            print(f"fnattn bench: {name} values must be >= 1, got {values}", file=sys.stderr)
+            return 2
+    records = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
+    try:
+        for name in names:
+            records += family_records(name, shape=shape, device=device, tokens=tokens, batches=batches,
+                                      steps=args.steps or 8, log=lambda line: print(line, file=sys.stderr))
+        records.append(summary(records))
+        print(json.dumps(records[-1]))
+    except ValueError as e:
+        if not records:  # a user mistake (family, shape): one line
+            print(f"fnattn bench: {e}", file=sys.stderr)
+            return 2
+        raise
+    finally:
+        if records:
+            write_json(records, args.out, command=argv_command(args.case))
     return 0
 
 

@@ -1,0 +1,216 @@
+"""``fnattn bench invariance``: does a token's result depend on the phase, the batch or the graph?
+
+For each family (tiny random weights in bf16 unless ``--shape`` names another), with the invariant mode
+(`fnattn.kernels.invariant`) off and on:
+
+* ``verify_equals_decode``: a verify step's logits against the decode logits of the same tokens, bit for bit;
+* ``speculative_equals_greedy`` and ``oracle_acceptance`` (families with an MTP draft): speculative decoding
+  with k = 1 and k = 3 whose drafts are the tokens plain greedy decoding emitted: the ids it emits against
+  plain greedy's, and the drafts accepted over those proposed;
+* ``batch_invariant``: a request's logits decoded alone against beside two others of other lengths;
+* ``graph_equals_eager``: greedy ids and logits of captured steps (`fnattn.graph.StepRunner`) against eager
+  ones (CUDA only; None on a CPU);
+* ``invariant_cost``: the decode step's time with the mode on over off, per batch, and its worst batch.
+
+Each record is one (family, mode); a summary record names the figures over every family.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import fnattn as fa
+import fnattn.switches
+
+from ..driver import generate
+from ..speculative import Speculator
+
+PROMPTS = {0: [5, 17, 9, 3, 11, 2, 7, 30, 4], 1: [8, 1, 4, 22], 2: [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]}
+
+
+def _state(specs, device, ring=2, tokens=64):
+    pages = len(PROMPTS) * (-(-(max(map(len, PROMPTS.values())) + tokens + 8) // 4)) + 4
+    return fa.State(specs, num_pages=pages, page_size=4, max_requests=len(PROMPTS) + 1, recurrent_ring=ring,
+                    device=device)
+
+
+def _prefill(model, attn, st, prompts):
+    for r in prompts:
+        st = st.admit(r)
+    counts = {r: len(p) for r, p in prompts.items()}
+    st = st.reserve(counts)
+    tokens = torch.tensor([t for p in prompts.values() for t in p], device=st.device)
+    with attn.session(st, fa.Batch.prefill(st, counts)) as s:
+        logits, d = model.step(model.params, s, tokens)
+    ends = torch.tensor(list(counts.values())).cumsum(0) - 1
+    return st.apply(d), logits[ends.to(logits.device)]
+
+
+def verify_equals_decode(model, device, k: int = 3) -> bool:
+    tokens = [3, 14, 15, 9][: k + 1]
+    attn = fa.ModelAttention(model.specs, device=device)
+    st, _ = _prefill(model, attn, _state(model.specs, device), {0: PROMPTS[0]})
+    decoded = []
+    for t in tokens:
+        st = st.reserve({0: 1})
+        with attn.session(st, fa.Batch.decode(st, [0])) as s:
+            logits, d = model.step(model.params, s, torch.tensor([t], device=device))
+        st = st.apply(d)
+        decoded.append(logits[0])
+    st, _ = _prefill(model, attn, _state(model.specs, device, ring=k + 2), {0: PROMPTS[0]})
+    st = st.reserve({0: k + 1})
+    with attn.session(st, fa.Batch.verify(st, [0], num_draft=k)) as s:
+        verified, _ = model.step(model.params, s, torch.tensor(tokens, device=device))
+    return bool(torch.equal(verified, torch.stack(decoded)))
+
+
+def speculative(fam, model, draft, device, k: int, tokens: int) -> tuple[bool, int, int]:
+    """``-> (emitted == plain greedy, drafts accepted, drafts proposed)`` with oracle drafts."""
+    prompts = {r: PROMPTS[r] for r in (0, 1)}
+    _, plain = generate(fam.step, model.params, fa.ModelAttention(model.specs, device=device),
+                        _state(model.specs, device, tokens=tokens + k + 2), prompts, max_new_tokens=tokens + k + 1)
+    emitted = {r: [] for r in prompts}
+
+    def oracle(step, drafts):
+        return {r: plain[r][len(emitted[r]):len(emitted[r]) + k] for r in drafts}
+
+    spec = Speculator(target_step=fam.step_hidden, target_params=model.params,
+                      target_attn=fa.ModelAttention(model.specs, device=device),
+                      target_state=_state(model.specs, device, ring=k + 2, tokens=tokens + k + 2),
+                      draft_step=draft.step, draft_params=draft.params,
+                      draft_attn=fa.ModelAttention(draft.specs, device=device),
+                      draft_state=_state(draft.specs, device, tokens=tokens + 2 * k + 2), num_draft=k,
+                      propose_hook=oracle)
+    for r, t in spec.start(prompts).items():
+        emitted[r].append(t)
+    accepted = proposed = 0
+    while min(len(e) for e in emitted.values()) < tokens:
+        for r, got in spec.step().items():
+            emitted[r] += got
+            accepted, proposed = accepted + len(got) - 1, proposed + k
+    same = all(emitted[r][:tokens] == plain[r][:tokens] for r in prompts)
+    return same, accepted, proposed
+
+
+def _decode_logits(model, device, prompts, steps: int) -> torch.Tensor:
+    """Request 0's logits over its prefill's last token and ``steps`` greedy decode steps of ``prompts``."""
+    attn = fa.ModelAttention(model.specs, device=device)
+    st, last = _prefill(model, attn, _state(model.specs, device, tokens=steps), prompts)
+    out, ids = [last[0]], last.argmax(-1)
+    for _ in range(steps):
+        st = st.reserve({r: 1 for r in prompts})
+        with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
+            logits, d = model.step(model.params, s, ids)
+        st = st.apply(d)
+        out.append(logits[0])
+        ids = logits.argmax(-1)
+    return torch.stack(out)
+
+
+def batch_invariant(model, device, steps: int) -> bool:
+    alone = _decode_logits(model, device, {0: PROMPTS[0]}, steps)
+    return bool(torch.equal(alone, _decode_logits(model, device, PROMPTS, steps)))
+
+
+def graph_equals_eager(model, device, steps: int) -> bool | None:
+    if torch.device(device).type != "cuda":
+        return None
+    from ..graph import StepRunner
+
+    attn = fa.ModelAttention(model.specs, device=device)
+    prompts = {r: PROMPTS[r] for r in (0, 1)}
+    runner = StepRunner(model.step, model.params, attn, model.manifest(), buckets=(len(prompts),))
+    eager, _ = _run_decode(model, attn, device, prompts, steps, None)
+    graph, _ = _run_decode(model, attn, device, prompts, steps, runner)
+    return bool(torch.equal(eager, graph))
+
+
+def _run_decode(model, attn, device, prompts, steps: int, runner):
+    st, last = _prefill(model, attn, _state(model.specs, device, tokens=steps), prompts)
+    out, ids = [], last.argmax(-1)
+    for _ in range(steps):
+        st = st.reserve({r: 1 for r in prompts})
+        if runner is None:
+            with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
+                logits, d = model.step(model.params, s, ids)
+            st = st.apply(d)
+        else:
+            st, logits = runner.decode(st, list(prompts), ids)
+        out.append(logits.clone())
+        ids = logits.argmax(-1)
+    return torch.stack(out), st
+
+
+def decode_step_us(model, device, batch: int, steps: int) -> float:
+    """Median microseconds of an eager decode step of ``batch`` requests (prompts of 16 tokens)."""
+    attn = fa.ModelAttention(model.specs, device=device)
+    prompts = {r: [(7 * r + i) % model.config.vocab_size for i in range(16)] for r in range(batch)}
+    st = fa.State(model.specs, num_pages=batch * (-(-(16 + steps + 4) // 4)) + 4, page_size=4,
+                  max_requests=batch + 1, device=device)
+    st, last = _prefill(model, attn, st, prompts)
+    ids, times = last.argmax(-1), []
+    for _ in range(steps):
+        st = st.reserve({r: 1 for r in prompts})
+        _sync(device)
+        t0 = time.perf_counter()
+        with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
+            logits, d = model.step(model.params, s, ids)
+        st = st.apply(d)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        ids = logits.argmax(-1)
+    return statistics.median(times[1:]) * 1e6
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def family_records(name: str, *, shape: str, device: str, tokens: int, batches: list[int], steps: int,
+                   log=print) -> list[dict]:
+    from ..models.registry import family_named, random_model
+    from .model import config_for
+
+    fam = family_named(name)
+    model = random_model(name, seed=0, dtype=torch.bfloat16, device=device, config=config_for(name, shape))
+    draft = fam.draft(model.config, model.params, None, seed=1) if fam.draft and fam.step_hidden else None
+    records, cost = [], {}
+    for on in (False, True):
+        with fnattn.switches.set(invariant=on):
+            rec = {"case": f"invariance {name}", "family": name, "shape": shape, "invariant": on}
+            rec["verify_equals_decode"] = verify_equals_decode(model, device)
+            if draft is not None:
+                same, acc, prop = zip(*(speculative(fam, model, draft, device, k, tokens) for k in (1, 3)))
+                rec["speculative_equals_greedy"] = all(same)
+                rec["oracle_acceptance"] = sum(acc) / sum(prop)
+            rec["batch_invariant"] = batch_invariant(model, device, steps=min(tokens, 16))
+            rec["graph_equals_eager"] = graph_equals_eager(model, device, steps=min(tokens, 16))
+            rec["decode_us"] = {b: decode_step_us(model, device, b, steps) for b in batches}
+            cost[on] = rec["decode_us"]
+            log(f"{name} invariant={on}: " + ", ".join(f"{k}={v}" for k, v in rec.items() if k not in ("case",)))
+            records.append(rec)
+    ratios = {b: cost[True][b] / cost[False][b] for b in batches}
+    records[-1]["invariant_cost_by_batch"] = ratios
+    records[-1]["invariant_cost"] = max(ratios.values())
+    return records
+
+
+def summary(records: list[dict]) -> dict:
+    """The figures over every family, with the mode on."""
+    on = [r for r in records if r.get("invariant")]
+
+    def every(key):
+        values = [r[key] for r in on if r.get(key) is not None]
+        return all(values) if values else None
+
+    acceptance = [r["oracle_acceptance"] for r in on if "oracle_acceptance" in r]
+    return {"case": "invariance summary", "invariant": True, "families": [r["family"] for r in on],
+            "speculative_equals_greedy": every("speculative_equals_greedy"),
+            "oracle_acceptance": min(acceptance) if acceptance else None,
+            "verify_equals_decode": every("verify_equals_decode"), "batch_invariant": every("batch_invariant"),
+            "graph_equals_eager": every("graph_equals_eager"),
+            "invariant_cost": max(r["invariant_cost"] for r in on)}

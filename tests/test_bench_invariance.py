@@ -1,0 +1,51 @@
+"""``fnattn bench invariance`` and ``--invariant`` on the command line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fnattn.bench.invariance import summary
+
+
+def fnattn(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fnattn", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**__import__("os").environ, "FNATTN_THREADS": "1"})
+
+
+def test_bench_invariance_records_every_figure_with_the_mode_off_and_on(tmp_path):
+    out = tmp_path / "inv.json"
+    r = fnattn("bench", "invariance", "--family", "qwen3_5", "--batch", "1", "2", "--new-tokens", "6", "--steps",
+               "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("fnattn bench invariance --family qwen3_5")
+    off, on, total = doc["records"]
+    assert (off["invariant"], on["invariant"]) == (False, True)
+    assert on["verify_equals_decode"] and on["speculative_equals_greedy"] and on["batch_invariant"]
+    assert on["oracle_acceptance"] == 1.0 and on["graph_equals_eager"] is None  # no graphs on a CPU
+    assert off["verify_equals_decode"] is False  # bf16 Qwen3.5 without the mode: verify rounds otherwise
+    assert set(on["invariant_cost_by_batch"]) == {"1", "2"} and on["invariant_cost"] > 0
+    assert total == {**summary([off, on]), "families": ["qwen3_5"]} | {"invariant_cost": total["invariant_cost"]}
+    assert total["speculative_equals_greedy"] is True and json.loads(r.stdout.strip().splitlines()[-1]) == total
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--family", "gpt9"], "--family must be 'all' or one of"),
+    (["--batch", "0"], "--batch values must be >= 1"),
+    (["--shape", "huge"], "--shape: must be one of"),
+])
+def test_bench_invariance_refuses_bad_options_in_one_line(args, message, capsys):
+    from fnattn.cli import main
+
+    assert main(["bench", "invariance", *args, "--new-tokens", "2", "--out", "/dev/null"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_invariant_is_an_option_of_demo_and_generate():
+    for command in ("demo", "generate"):
+        assert "--invariant" in fnattn(command, "--help").stdout
+    r = fnattn("demo", "--model", "qwen3_5", "--tokens", "6", "--invariant", "--mtp", "2")
+    assert r.returncode == 0 and "generated token ids" in r.stdout, r.stderr
