@@ -137,3 +137,42 @@ def attention_fixed_order(q, k, v, q_pos, k_pos, *, scale, softcap=0.0, sliding_
     o = torch.cat(outs) if outs else torch.zeros(0, Hq, Dv, device=dev)
     lse = torch.cat(lses) if lses else torch.zeros(0, Hq, device=dev)
     return (o, lse) if sinks is None else (apply_sinks(o, lse, sinks), lse)
+
+
+def latent_attention_fixed_order(q_nope, q_pe, latent, w_uk, w_uv, q_pos, k_pos, *, scale, key_tile=KEY_TILE,
+                                 query_rows=QUERY_ROWS):
+    """MLA's absorbed form in `attention_fixed_order`'s order, fp32: the invariant mode's latent attention.
+
+    ``q_nope [n, H, Dn]``, ``q_pe [n, H, Dr]`` over ``latent [m, R + Dr]`` (rows ``[c_kv, k_pe]``), with
+    ``w_uk [H, Dn, R]``, ``w_uv [H, Dv, R]`` and positions as `attention_fixed_order`'s. Queries go through in
+    blocks of ``query_rows`` rows (padded): a block is absorbed (``[q_nope W_UK, q_pe]``), attends the latent
+    rows as one key head shared by every query head (K = the row, V = its ``c_kv``) through
+    `attention_fixed_order`, and leaves through ``W_UV``. Both projections are elementwise products summed over
+    their last dim on the block's fixed shapes: a matmul sized by the step would choose a row's reduction order
+    by the step's size. Returns ``o [n, H, Dv]`` and ``lse [n, H]``, fp32.
+    """
+    n, H, Dn = q_nope.shape
+    Dr, R, Dv = q_pe.shape[-1], w_uk.shape[2], w_uv.shape[1]
+    dev = q_nope.device
+    w_uk_rows = w_uk.float().transpose(1, 2).contiguous()  # [H, R, Dn]: a latent column's weights along Dn
+    w_uv_rows = w_uv.float().contiguous()  # [H, Dv, R]
+    keys = latent.float()[:, None]  # [m, 1, R + Dr]
+    values = keys[..., :R].contiguous()  # [m, 1, R]
+    outs, lses = [], []
+    for r0 in range(0, n, query_rows):
+        m = min(query_rows, n - r0)
+        qn = torch.zeros(query_rows, H, Dn, device=dev)
+        qn[:m] = q_nope[r0:r0 + m].float()
+        qp = torch.zeros(query_rows, H, Dr, device=dev)
+        qp[:m] = q_pe[r0:r0 + m].float()
+        pb = torch.full((query_rows,), -1, dtype=q_pos.dtype, device=dev)  # a pad row sees no key
+        pb[:m] = q_pos[r0:r0 + m]
+        q = torch.cat([(qn[:, :, None, :] * w_uk_rows[None]).sum(-1), qp], dim=-1)  # [rows, H, R + Dr]
+        o_lat, lse = attention_fixed_order(q, keys, values, pb, k_pos, scale=scale, key_tile=key_tile,
+                                           query_rows=query_rows)
+        o = (o_lat[:, :, None, :] * w_uv_rows[None]).sum(-1)  # [rows, H, Dv]
+        outs.append(o[:m])
+        lses.append(lse[:m])
+    o = torch.cat(outs) if outs else torch.zeros(0, H, Dv, device=dev)
+    lse = torch.cat(lses) if lses else torch.zeros(0, H, device=dev)
+    return o, lse

@@ -34,7 +34,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from fnattn.checks import expect_float, expect_shape
-from fnattn.kernels.attention_naive import masked_softmax
+from fnattn.kernels.attention_naive import latent_attention_fixed_order, masked_softmax
 from fnattn.lanes import in_static_step
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "mla_absorbed",
     "mla_attention",
     "mla_expanded",
+    "mla_fixed_order",
 ]
 
 AttentionForm = Literal["absorbed", "expanded"]
@@ -162,6 +163,50 @@ def mla_absorbed(
     probs, lse = masked_softmax(scores * scale, visible[:, None, :])
     o_latent = torch.einsum("thn,nr->thr", probs, c_kv)
     o = torch.einsum("thr,hvr->thv", o_latent, w_uv.to(f32))
+    return o.to(q_nope.dtype), lse
+
+
+def mla_fixed_order(
+    q_nope: Float[Tensor, "T H Dn"],
+    q_pe: Float[Tensor, "T H Dr"],
+    latent: Float[Tensor, "N Dlat"],
+    w_uk: Float[Tensor, "H Dn R"],
+    w_uv: Float[Tensor, "H Dv R"],
+    *,
+    scale: float,
+    n_cached: int,
+    causal: bool = True,
+    allowed: Bool[Tensor, "T N"] | None = None,
+) -> tuple[Float[Tensor, "T H Dv"], Float[Tensor, "T H"]]:
+    """``mla_absorbed``'s arguments and result in the invariant mode (`fnattn.kernels.invariant`).
+
+    Each token reduces in an order fixed by its own context alone
+    (`fnattn.kernels.attention_naive.latent_attention_fixed_order`): latent row ``j`` is position ``j``,
+    in key tiles fixed by position. With ``allowed`` (sparse attention) a token attends exactly its
+    visible allowed rows, gathered in ascending position and tiled as positions ``0..m-1``: its result
+    depends on which rows it selected, not on the order of the selection, the request's length or the
+    step's other tokens. fp32 math, ``o`` in ``q_nope.dtype``.
+    """
+    T, H, N, R = _check_core(q_nope, q_pe, latent, w_uk, w_uv, allowed)
+    dev = q_nope.device
+    visible = _visible(T, N, n_cached, causal, allowed, dev)  # checks n_cached against the keys
+    if allowed is None:
+        # Non-causal: every key is visible, as to a query at the last key's position.
+        q_pos = n_cached + torch.arange(T, device=dev) if causal else torch.full((T,), N - 1, device=dev)
+        o, lse = latent_attention_fixed_order(q_nope, q_pe, latent, w_uk, w_uv, q_pos, torch.arange(N, device=dev),
+                                              scale=scale)
+        return o.to(q_nope.dtype), lse
+    outs, lses = [], []
+    for t in range(T):
+        rows = visible[t].nonzero()[:, 0]  # ascending positions
+        m = rows.numel()
+        o, lse = latent_attention_fixed_order(q_nope[t:t + 1], q_pe[t:t + 1], latent[rows], w_uk, w_uv,
+                                              torch.full((1,), m - 1, device=dev), torch.arange(m, device=dev),
+                                              scale=scale)
+        outs.append(o)
+        lses.append(lse)
+    o = torch.cat(outs) if outs else q_nope.new_zeros(0, H, w_uv.shape[1], dtype=torch.float32)
+    lse = torch.cat(lses) if lses else q_nope.new_zeros(0, H, dtype=torch.float32)
     return o.to(q_nope.dtype), lse
 
 

@@ -9,7 +9,10 @@ backend never writes them.
 Prefill computes in the expanded form (per-head keys and values, which many
 queries share); decode and verify in the absorbed form (``W_UK`` on the query,
 ``W_UV`` after the weighted sum), which reads the cache in latent space without
-expanding it, as decode kernels do. Both forms give the same result.
+expanding it, as decode kernels do. Both forms give the same result. In the
+invariant mode (`fnattn.kernels.invariant`) every phase runs `.math.mla_fixed_order`
+instead: the absorbed form with each token reduced in an order fixed by its own
+context, so decode, verify and prefill agree bit for bit.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import torch
 from torch import Tensor
 
 from ...deltas import Writes, writes
+from ...kernels.invariant import invariant_on
 from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..full.reference import cached_tokens
 from .config import MLAInputs
-from .math import mla_absorbed, mla_expanded, topk_mask
+from .math import mla_absorbed, mla_expanded, mla_fixed_order, topk_mask
 
 
 def request_rows(pages: Tensor, new: Tensor, batch, b: int, *, decode=None) -> Tensor:
@@ -52,6 +56,8 @@ def paged_mla(spec: LayerSpec, views: Views, inputs: MLAInputs, *, phase: str,
     """
     cfg = spec.config.mla
     core = mla_expanded if phase == "prefill" else mla_absorbed
+    if invariant_on():
+        core = mla_fixed_order
     batch = inputs.meta.batch
     cu = batch.host_cu_seqlens
     outs, lses = [], []

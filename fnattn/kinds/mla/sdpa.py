@@ -18,6 +18,9 @@ block table into ``[B, rows, R + Dr]`` (rows past its cache zeroed, so a NaN in 
 the products), its own new row appended, and the kernel runs the heads as the query axis of one shared latent
 head (MQA), masked to each request's rows. Verify, a few tokens a request, is the absorbed form one call per
 request: its heads and tokens folded into the query axis over its rows, causal among the new ones.
+
+In the invariant mode (`fnattn.kernels.invariant`) every phase goes to the reference's fixed-order form
+(`.math.mla_fixed_order`): the fused kernel's reduction order follows the shapes of the step.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ...deltas import Writes, writes
+from ...kernels.invariant import invariant_on
 from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
@@ -35,7 +39,7 @@ from ..cpu_sdpa import additive_mask, flash, fold_heads, heads_first, supports, 
 from ..full.math import merge
 from .config import MLAInputs
 from .math import key_visibility, topk_mask
-from .reference import request_rows
+from .reference import paged_mla, request_rows
 
 NAME = "sdpa"
 
@@ -118,6 +122,8 @@ def paged_mla_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, *, phase: s
                    selected: Tensor | None = None) -> AttentionOutput:
     """Every request's tokens, prefill in the expanded form, verify in the absorbed one (as the reference
     chooses); ``selected [T, topk]`` (sparse layers): the positions each token attends."""
+    if invariant_on():
+        return paged_mla(spec, views, inputs, phase=phase, selected=selected)
     cfg, batch = spec.config.mla, inputs.meta.batch
     core = expanded_sdpa if phase == "prefill" else absorbed_sdpa
     cu = batch.host_cu_seqlens
@@ -178,6 +184,8 @@ def decode_rows(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: Tens
 def paged_decode_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected: Tensor | None = None
                       ) -> AttentionOutput:
     """Every request's one new token; ``selected [B, topk]`` (sparse layers): the positions each attends."""
+    if invariant_on():
+        return paged_mla(spec, views, inputs, phase="decode", selected=selected)
     cfg = spec.config.mla
     rows, visible = decode_rows(spec, views, inputs, selected)
     o, lse = absorbed_decode(inputs.q_nope, inputs.q_pe, rows, visible, inputs.w_uk, inputs.w_uv, scale=cfg.scale)

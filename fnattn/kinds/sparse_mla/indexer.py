@@ -24,11 +24,12 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from fnattn.checks import expect_float, expect_shape
+from fnattn.kernels.attention_naive import KEY_TILE, QUERY_ROWS
 from fnattn.kernels.indexer import ordered_topk
 
 from ..mla.math import key_visibility, topk_mask
 
-__all__ = ["indexer_scores", "topk_indices", "topk_mask"]
+__all__ = ["indexer_scores", "indexer_scores_fixed_order", "topk_indices", "topk_mask"]
 
 
 def indexer_scores(
@@ -52,6 +53,44 @@ def indexer_scores(
     f32 = torch.float32
     per_head = F.relu(torch.einsum("thd,nd->thn", q_idx.to(f32), keys.to(f32)) * softmax_scale)
     return torch.einsum("th,thn->tn", w.to(f32), per_head)
+
+
+def indexer_scores_fixed_order(
+    q_idx: Float[Tensor, "T Hi Di"],
+    w: Float[Tensor, "T Hi"],
+    keys: Float[Tensor, "N Di"],
+    *,
+    softmax_scale: float | None = None,
+) -> Float[Tensor, "T N"]:
+    """`indexer_scores` in the invariant mode (`fnattn.kernels.invariant`): the same scores, each computed on
+    fixed shapes (blocks of ``QUERY_ROWS`` tokens, padded, against tiles of ``KEY_TILE`` keys, padded), so a
+    token's score of a key is the same bits in a prefill, a verify or a decode step. The product of a step's
+    queries with its keys is a matmul whose reduction order follows the step's size, and a score's last bit
+    moves the top-k's boundary."""
+    for name, x in (("q_idx", q_idx), ("w", w), ("keys", keys)):
+        expect_float(name, x)
+    expect_shape("q_idx", q_idx, (None, None, None))
+    T, Hi, Di = q_idx.shape
+    expect_shape("w", w, (T, Hi))
+    expect_shape("keys", keys, (None, Di))
+    if softmax_scale is None:
+        softmax_scale = Di**-0.5
+    N, dev, f32 = keys.shape[0], keys.device, torch.float32
+    tiles = -(-N // KEY_TILE)
+    kt = torch.zeros(tiles * KEY_TILE, Di, device=dev)
+    kt[:N] = keys.to(f32)
+    kt = kt.view(tiles, KEY_TILE, Di)
+    scores = torch.zeros(-(-T // QUERY_ROWS) * QUERY_ROWS, tiles * KEY_TILE, device=dev)
+    for r0 in range(0, T, QUERY_ROWS):
+        m = min(QUERY_ROWS, T - r0)
+        qb = torch.zeros(QUERY_ROWS, Hi, Di, device=dev)
+        qb[:m] = q_idx[r0:r0 + m].to(f32)
+        wb = torch.zeros(QUERY_ROWS, Hi, device=dev)
+        wb[:m] = w[r0:r0 + m].to(f32)
+        for c in range(tiles):
+            per_head = F.relu((qb[:, :, None, :] * kt[c][None, None]).sum(-1) * softmax_scale)  # [rows, Hi, tile]
+            scores[r0:r0 + QUERY_ROWS, c * KEY_TILE:(c + 1) * KEY_TILE] = (wb[:, :, None] * per_head).sum(1)
+    return scores[:T, :N]
 
 
 def topk_indices(scores: Float[Tensor, "T N"], *, n_cached: int, topk: int) -> Int[Tensor, "T topk"]:

@@ -9,7 +9,10 @@ reuses another layer's selection (GLM-5 "shared") attends over the
 
 Top-k indices are absolute positions within the request, ``-1`` padded, and
 are returned so later layers can reuse them. Forms as in `.mla`: prefill
-expanded, decode and verify absorbed.
+expanded, decode and verify absorbed. In the invariant mode (`fnattn.kernels.invariant`)
+the indexer scores on fixed shapes (`.indexer.indexer_scores_fixed_order`) and each
+token attends its selected rows in ascending position (`fnattn.kinds.mla.math.mla_fixed_order`),
+so decode and verify select and attend alike, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ from torch import Tensor
 
 from ...checks import fail
 from ...deltas import Writes, writes
+from ...kernels.invariant import invariant_on
 from ...lanes import debug_check
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..mla.reference import paged_mla, request_rows
 from .config import SparseAttentionOutput, SparseMLAInputs
-from .indexer import indexer_scores, topk_indices
+from .indexer import indexer_scores, indexer_scores_fixed_order, topk_indices
 
 
 def request_keys(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, index_values: dict, b: int,
@@ -45,11 +49,12 @@ def select(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, index_values:
     and the step's ``index_values`` (its keys as they will be written)."""
     batch = inputs.meta.batch
     cu = batch.host_cu_seqlens
+    score = indexer_scores_fixed_order if invariant_on() else indexer_scores
     picked = []
     for b, n_cached in enumerate(batch.host_cache_lens):
         rows = slice(cu[b], cu[b + 1])
         keys = request_keys(spec, views, inputs, index_values, b, rows)  # [N, Di]
-        scores = indexer_scores(inputs.index_q[rows], inputs.index_w[rows], keys)  # [n, N] fp32
+        scores = score(inputs.index_q[rows], inputs.index_w[rows], keys)  # [n, N] fp32
         picked.append(topk_indices(scores, n_cached=n_cached, topk=inputs.sparse.topk))  # [n, topk]
     return torch.cat(picked)
 

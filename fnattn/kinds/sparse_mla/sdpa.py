@@ -4,7 +4,8 @@ attention over the selected positions through torch's fused SDPA kernel.
 The selection is the reference's (`.reference.select`, or the top-k a shared layer is handed, checked as
 there); the attention is `fnattn.kinds.mla.sdpa`'s with the selected positions as a mask: prefill in the
 expanded form, one call per request over its cached and new keys; decode in the absorbed form, one call for
-the whole batch; verify in the absorbed form, one call per request.
+the whole batch; verify in the absorbed form, one call per request. In the invariant mode
+(`fnattn.kernels.invariant`) both the selection and the attention are the reference's fixed-order forms.
 """
 
 from __future__ import annotations
