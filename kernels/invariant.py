@@ -8,8 +8,11 @@ greedy decoding emits what plain greedy decoding emits, bit for bit, and a reque
 when the server is busy.
 
 Honoured today by the CPU reference paths of full attention (`fnattn.kinds.full.reference`, through
-`attention_naive.attention_fixed_order`); the recurrent kinds' decode and verify were per-token alike
-already (one token at a time, the same ops on the same shapes).
+`attention_naive.attention_fixed_order`), of MLA and sparse MLA (`fnattn.kinds.mla.math.mla_fixed_order`,
+through `attention_naive.latent_attention_fixed_order`; a sparse token over exactly its selected rows in
+ascending position, the indexer scoring on fixed shapes); the CPU sdpa backends hand a step to them. The
+recurrent kinds' decode and verify were per-token alike already (one token at a time, the same ops on the
+same shapes).
 
 Importing it imports neither torch nor triton.
 """
@@ -35,3 +38,23 @@ def invariant(enabled: bool):
 def invariant_on() -> bool:
     """Whether the invariant mode is in force."""
     return _INVARIANT[-1]
+
+
+ROW_ALIGN = 64  # elements: two AVX-512 vectors of bf16, the most one iteration of torch's CPU loops takes
+
+
+def row_aligned(fn, *rows):
+    """``fn(*rows)`` with every argument's last dim padded (zeros) to a multiple of `ROW_ALIGN`, the result's cut
+    back to the original width.
+
+    Torch's CPU elementwise loops run a vector body over whole blocks of the flattened tensor and a scalar
+    tail after it, and the two round transcendental functions (exp, softplus, sigmoid) differently: an
+    element's bits depend on where it falls, so on how many tokens share the step. With each row padded to
+    whole blocks, every row runs the vector body whatever the number of rows. For per-row ops whose rows are
+    narrower than a block (GDN's per-head gates)."""
+    import torch.nn.functional as F
+
+    width = rows[0].shape[-1]
+    pad = -width % ROW_ALIGN
+    out = fn(*(F.pad(r, (0, pad)) for r in rows))
+    return tuple(o[..., :width] for o in out) if isinstance(out, tuple) else out[..., :width]

@@ -166,3 +166,180 @@ def test_a_request_decodes_the_same_logits_alone_or_beside_another(name):
         alone = logits_of_request_0({0: PROMPTS[0]})
         beside = logits_of_request_0({0: PROMPTS[0], 1: PROMPTS[1], 2: [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]})
     assert torch.equal(alone, beside)
+
+
+MLA_FAMILIES = ["deepseek_v3", "glm5"]  # dense MLA; sparse MLA with a shared top-k (deepseek_v32 is in FAMILIES)
+
+
+@pytest.mark.parametrize("name", MLA_FAMILIES)
+def test_mla_verify_logits_are_the_decode_logits_bit_for_bit(name):
+    test_verify_logits_are_the_decode_logits_bit_for_bit(name)
+
+
+@pytest.mark.parametrize("recovery", ["native", "replay"])
+@pytest.mark.parametrize("name", MLA_FAMILIES)
+def test_mla_speculative_greedy_is_plain_greedy_with_every_oracle_draft_accepted(name, recovery):
+    test_speculative_greedy_is_plain_greedy_with_every_oracle_draft_accepted(name, recovery)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v32", "glm5"])
+def test_an_mla_request_decodes_the_same_logits_alone_or_beside_another(name):
+    test_a_request_decodes_the_same_logits_alone_or_beside_another(name)
+
+
+def _mla_args(cached, new, heads, seed, *, R=32, Dr=8, Dn=16, Dv=16):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+    n = cached + new
+    return (r(n, heads, Dn), r(n, heads, Dr), r(n, R + Dr), r(heads, Dn, R, scale=Dn ** -0.5),
+            r(heads, Dv, R, scale=R ** -0.5))
+
+
+@settings(max_examples=20, deadline=None)
+@given(cached=st.integers(0, 40), new=st.integers(1, 10), heads=st.sampled_from([1, 3, 8]),
+       topk=st.sampled_from([None, 1, 5, 24]), seed=st.integers(0, 2**16))
+def test_an_mla_query_reduces_the_same_bits_in_prefill_verify_and_decode(cached, new, heads, topk, seed):
+    """`mla_fixed_order` is `mla_absorbed` to rounding, and query i's result is the same bits computed with the
+    step's queries (a verify), with every query from position 0 (a prefill) and alone over the rows up to its
+    own (a decode). Sparse (``topk``): the same selected positions, in any order and -1 padded, give the same
+    bits too."""
+    from fnattn.kinds.mla.math import mla_absorbed, mla_fixed_order, topk_mask
+
+    q_nope, q_pe, latent, w_uk, w_uv = _mla_args(cached, new, heads, seed)
+    total, kw = cached + new, {"scale": 0.3}
+    g = torch.Generator().manual_seed(seed + 1)
+    picks = [torch.randperm(p + 1, generator=g)[:topk] for p in range(total)] if topk else None
+
+    def allowed(first, stop, n_keys, shuffle=False):  # the picks of positions first..stop-1, as a mask
+        if picks is None:
+            return None
+        rows = []
+        for p in range(first, stop):
+            row = picks[p][torch.randperm(len(picks[p]), generator=g)] if shuffle else picks[p]
+            rows.append(torch.nn.functional.pad(row, (0, topk - len(row)), value=-1))
+        return topk_mask(torch.stack(rows), n_keys=n_keys)
+
+    step_o, step_lse = mla_fixed_order(q_nope[cached:], q_pe[cached:], latent, w_uk, w_uv, n_cached=cached,
+                                       allowed=allowed(cached, total, total), **kw)
+    want_o, want_lse = mla_absorbed(q_nope[cached:], q_pe[cached:], latent, w_uk, w_uv, n_cached=cached,
+                                    allowed=allowed(cached, total, total), **kw)
+    torch.testing.assert_close(step_o.float(), want_o.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(step_lse, want_lse, rtol=1e-5, atol=1e-5)
+    all_o, all_lse = mla_fixed_order(q_nope, q_pe, latent, w_uk, w_uv, n_cached=0,
+                                     allowed=allowed(0, total, total), **kw)
+    for i in range(new):
+        p = cached + i
+        one_o, one_lse = mla_fixed_order(q_nope[p:p + 1], q_pe[p:p + 1], latent[:p + 1], w_uk, w_uv, n_cached=p,
+                                         allowed=allowed(p, p + 1, p + 1, shuffle=True), **kw)
+        assert torch.equal(step_o[i], one_o[0]) and torch.equal(step_lse[i], one_lse[0])
+        assert torch.equal(all_o[p], one_o[0]) and torch.equal(all_lse[p], one_lse[0])
+
+
+@settings(max_examples=15, deadline=None)
+@given(cached=st.integers(0, 60), new=st.integers(1, 12), heads=st.sampled_from([1, 4, 64]),
+       dim=st.sampled_from([16, 128]), seed=st.integers(0, 2**16))
+def test_the_indexer_scores_a_token_the_same_bits_in_prefill_verify_and_decode(cached, new, heads, dim, seed):
+    """`indexer_scores_fixed_order` is `indexer_scores` to rounding, and a token's scores are the same bits
+    computed with the step's tokens, from position 0, or alone over the keys up to its own."""
+    from fnattn.kinds.sparse_mla.indexer import indexer_scores, indexer_scores_fixed_order
+
+    total = cached + new
+    q, w, keys = randn(total, heads, dim, seed=seed), randn(total, heads, seed=seed + 1), randn(total, dim,
+                                                                                               seed=seed + 2)
+    step = indexer_scores_fixed_order(q[cached:], w[cached:], keys)
+    torch.testing.assert_close(step, indexer_scores(q[cached:], w[cached:], keys), rtol=1e-5, atol=1e-4)
+    every = indexer_scores_fixed_order(q, w, keys)
+    for i in range(new):
+        p = cached + i
+        one = indexer_scores_fixed_order(q[p:p + 1], w[p:p + 1], keys[:p + 1])[0]
+        assert torch.equal(step[i, :p + 1], one) and torch.equal(every[p, :p + 1], one)
+
+
+LAYER_DIMS = dict(H=4, R=64, Dr=16, Dn=32, Dv=32)
+
+
+def _layer_rows(specs, n, seed):
+    """Per layer, ``n`` new tokens' rows of one request and its weights, fp32: ``{layer: (rows, weights)}``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    out = {}
+    for spec in specs:
+        m = spec.config.mla if spec.kind == "sparse_mla" else spec.config
+        H = m.num_heads
+        rows = dict(q_nope=r(n, H, m.qk_nope_head_dim), q_pe=r(n, H, m.qk_rope_head_dim), latent=r(n, m.latent_dim))
+        weights = dict(w_uk=r(H, m.qk_nope_head_dim, m.kv_lora_rank, scale=0.2),
+                       w_uv=r(H, m.v_head_dim, m.kv_lora_rank, scale=0.2))
+        if spec.kind == "sparse_mla" and spec.config.index_source_layer is None:
+            ix = spec.config.indexer
+            rows.update(index_q=r(n, ix.num_heads, ix.head_dim), index_w=r(n, ix.num_heads),
+                        index_k=r(n, ix.head_dim))
+        out[spec.index] = (rows, weights)
+    return out
+
+
+def _layer_step(attn, state, batch, specs, rows_of, picks):
+    """One step of every layer, request r contributing its new tokens ``picks[r]``; ``-> (outputs, state)``."""
+    outs, groups = {}, []
+    with attn.session(state, batch) as s:
+        for spec in specs:
+            weights = rows_of[batch.live_ids[0]][spec.index][1]
+            rows = {k: torch.cat([rows_of[r][spec.index][0][k][picks[r]] for r in batch.live_ids])
+                    for k in rows_of[batch.live_ids[0]][spec.index][0]}
+            if spec.kind == "mla":
+                inputs = fa.MLAInputs(**rows, **weights)
+            else:
+                src = spec.config.index_source_layer
+                inputs = fa.SparseMLAInputs(**rows, **weights,
+                                            sparse=fa.SparseQueryMetadata.build(batch, topk=spec.config.indexer.topk),
+                                            topk_indices=None if src is None else outs[src].topk_indices)
+            outs[spec.index], d = s.forward(spec.index, inputs)
+            groups.append(d)
+    return outs, state.apply(fa.StepDeltas.collect(batch, groups))
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_an_mla_layer_verifies_decodes_and_decodes_alone_the_same_bits(sparse, backend):
+    """fp32 MLA layers (sparse: an indexer's layer and one reusing its top-k) with the step's inputs given, so
+    that only the attention can differ: with the mode on, two requests' verify, their decode steps together and
+    request 0's decode steps alone give each token the same outputs and LSEs, bit for bit (the mode off, the
+    fused kernels' and step-sized products' orders differ in the last bits)."""
+    from kinds.mla.fast_cases import filled_state, mla_config, sparse_specs
+
+    if sparse:
+        specs = sparse_specs(topk=8, Hi=4, Di=32, shared=True, dtype=torch.float32, **LAYER_DIMS)
+    else:
+        specs = [fa.LayerSpec(0, mla_config(**LAYER_DIMS), torch.float32)]
+    cached, ids = [37, 21], [0, 1]
+    rows_of = {r: _layer_rows(specs, K + 1, seed=10 + r) for r in ids}
+    attn = fa.ModelAttention(specs, prefer=(backend,))
+
+    def fresh():
+        return filled_state(specs, cached, page_size=4, extra=K + 2)
+
+    with fnattn.switches.set(invariant=True):
+        st = fresh()
+        verified, _ = _layer_step(attn, st, fa.Batch.verify(st, ids, num_draft=K), specs, rows_of,
+                                  {r: slice(0, K + 1) for r in ids})
+        together, alone, st_together, st_alone = [], [], fresh(), fresh()
+        for i in range(K + 1):
+            out, st_together = _layer_step(attn, st_together, fa.Batch.decode(st_together, ids), specs, rows_of,
+                                           {r: slice(i, i + 1) for r in ids})
+            together.append(out)
+            out, st_alone = _layer_step(attn, st_alone, fa.Batch.decode(st_alone, [0]), specs, rows_of,
+                                        {0: slice(i, i + 1)})
+            alone.append(out)
+    for layer in (spec.index for spec in specs):
+        for i in range(K + 1):
+            for b in ids:
+                v = verified[layer]
+                assert torch.equal(v.o[b * (K + 1) + i], together[i][layer].o[b]), (layer, i, b)
+                assert torch.equal(v.lse[b * (K + 1) + i], together[i][layer].lse[b]), (layer, i, b)
+            assert torch.equal(alone[i][layer].o[0], together[i][layer].o[0]), (layer, i)
+            assert torch.equal(alone[i][layer].lse[0], together[i][layer].lse[0]), (layer, i)
