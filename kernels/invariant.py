@@ -10,9 +10,10 @@ when the server is busy.
 Honoured today by the CPU reference paths of full attention (`fnattn.kinds.full.reference`, through
 `attention_naive.attention_fixed_order`), of MLA and sparse MLA (`fnattn.kinds.mla.math.mla_fixed_order`,
 through `attention_naive.latent_attention_fixed_order`; a sparse token over exactly its selected rows in
-ascending position, the indexer scoring on fixed shapes); the CPU sdpa backends hand a step to them. The
-recurrent kinds' decode and verify were per-token alike already (one token at a time, the same ops on the
-same shapes).
+ascending position, the indexer scoring on fixed shapes), of DeepSeek-V4 (`fnattn.kinds.dsv4.math`
+`attend_sinks_fixed_order`); the CPU sdpa backends hand a step to them. The recurrent kinds (GDN, KDA) run
+prefill token by token as decode and verify do (`fnattn.kinds.delta_rule.reference.per_request`), and GDN's
+per-head gates are computed on rows padded to whole vector blocks (`row_aligned`).
 
 Importing it imports neither torch nor triton.
 """

@@ -42,6 +42,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from fnattn.kernels._checks import shares_storage
+from fnattn.kernels.invariant import invariant_on, row_aligned
 from jaxtyping import Float
 from torch import Tensor
 
@@ -433,6 +434,12 @@ def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tupl
         from fnattn.kernels import gdn_gating as kernel
 
         return kernel(a, b, neg_decay, dt_bias)
+    if invariant_on():  # a row's bits must not follow the number of rows (`row_aligned`)
+        return row_aligned(_gating_torch, a, b, neg_decay, dt_bias)
+    return _gating_torch(a, b, neg_decay, dt_bias)
+
+
+def _gating_torch(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     return neg_decay * F.softplus(a + dt_bias), torch.sigmoid(b)
 
 

@@ -21,7 +21,8 @@ A request with nothing cached starts from zeros (its slot may hold a released
 request's rows; pad lanes read the null slot). The new states and windows leave
 as the layer's writes, one row per request, as the reference's do.
 
-Verify stays the reference's: a native verify and the replay of its accepted
+In the invariant mode (`fnattn.kernels.invariant`) both phases hand the step to the reference's token-by-token
+form, request by request. Verify stays the reference's: a native verify and the replay of its accepted
 tokens must leave the same bits, and batched CPU kernels round a row by the
 shape of the batch around it (one ulp, measured on KDA), which a replay's
 per-request counts change.
@@ -34,12 +35,13 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ...deltas import Writes, writes
+from ...kernels.invariant import invariant_on
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from .config import RecurrentInputs, RecurrentOutput
 from .conv import causal_conv1d
-from .reference import CHUNK_SIZE, check_inputs
+from .reference import CHUNK_SIZE, check_inputs, per_request
 
 NAME = "torch"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -93,6 +95,8 @@ def delta_step(q: Float[Tensor, "B H K"], k: Float[Tensor, "B H K"], v: Float[Te
 
 
 def _decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
+    if invariant_on():  # a row's bits would follow the batch's shape: the reference's request-by-request steps
+        return per_request(spec, views, inputs, chunked=False)
     check_inputs(spec, inputs)
     c, batch = spec.config, inputs.meta.batch
     windows, states = start_rows(spec, views, batch)
@@ -147,6 +151,8 @@ def chunked_delta(q: Float[Tensor, "T H K"], k: Float[Tensor, "T H K"], v: Float
 
 
 def _prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
+    if invariant_on():  # token by token, as decode: the chunks a prompt comes in do not move its bits
+        return per_request(spec, views, inputs, chunked=False)
     check_inputs(spec, inputs)
     c, batch = spec.config, inputs.meta.batch
     windows, states = start_rows(spec, views, batch)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ...checks import fail
 from ...deltas import Writes, writes
+from ...kernels.invariant import invariant_on
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
@@ -113,9 +114,11 @@ def _advance(spec: LayerSpec, inputs: RecurrentInputs, rows: slice, window: Tens
 
 
 def per_request(spec: LayerSpec, views: Views, inputs: RecurrentInputs, *, chunked: bool):
-    """Prefill (chunked) and decode (token by token): one state row per request."""
+    """Prefill (chunked) and decode (token by token): one state row per request. In the invariant mode
+    (`fnattn.kernels.invariant`) prefill runs token by token too, so a token's output and state are decode's
+    bits whatever the chunks a prompt was prefilled in (a shared-prefix hit resumes as a cold prefill would)."""
     batch = inputs.meta.batch
-    if chunked:
+    if chunked and not invariant_on():
         o, states, windows = run(spec, views, inputs, per_token=False)
     else:
         o, states, windows = run(spec, views, inputs, per_token=True)
