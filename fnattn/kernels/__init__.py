@@ -33,7 +33,6 @@ __path__ += checkout_folder("kernels")  # noqa: F821 - the package's own search 
 
 _EXPORTS = {
     "attention_fixed_order": "attention_naive",
-    "invariant": "invariant",
     "paged_decode": "paged_attention",
     "paged_decode_ref": "paged_attention",
     "paged_prefill": "paged_attention",
