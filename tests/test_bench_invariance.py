@@ -16,7 +16,7 @@ def fnattn(*args, cwd=None):
 
 def test_bench_invariance_records_every_figure_with_the_mode_off_and_on(tmp_path):
     out = tmp_path / "inv.json"
-    r = fnattn("bench", "invariance", "--family", "qwen3_5", "--batch", "1", "2", "--new-tokens", "6", "--steps",
+    r = fnattn("bench", "invariance", "--family", "qwen3_5", "--batch", "1", "2", "--new-tokens", "4", "--steps",
                "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
@@ -47,5 +47,5 @@ def test_bench_invariance_refuses_bad_options_in_one_line(args, message, capsys)
 def test_invariant_is_an_option_of_demo_and_generate():
     for command in ("demo", "generate"):
         assert "--invariant" in fnattn(command, "--help").stdout
-    r = fnattn("demo", "--model", "qwen3_5", "--tokens", "6", "--invariant", "--mtp", "2")
+    r = fnattn("demo", "--model", "qwen3_5", "--tokens", "3", "--invariant", "--mtp", "2")
     assert r.returncode == 0 and "generated token ids" in r.stdout, r.stderr

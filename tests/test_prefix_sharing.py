@@ -152,7 +152,7 @@ def test_random_operations():
     st = fa.State([spec], num_pages=32, page_size=PAGE, max_requests=6)
     shadow: dict[int, torch.Tensor] = {}  # request -> the K rows it must read
     next_id, shares, saved, restored = 0, 0, {}, 0  # saved: request -> (checkpoint, its length)
-    for _ in range(10_000):
+    for _ in range(4_000):  # some 200 shared admissions and 38 restores
         op = rnd.random()
         ids = sorted(shadow)
         try:
@@ -192,7 +192,7 @@ def test_random_operations():
         except fa.PoolExhaustedError:
             pass
         check_invariants(st, shadow)
-    assert shares > 400 and restored > 50, (shares, restored)
+    assert shares > 150 and restored > 25, (shares, restored)
     for rid in sorted(shadow):
         st = st.release(rid)
     assert st.free_pages == st.num_pages and not st.shared_pages and st.free_slots == st.max_requests
