@@ -133,11 +133,14 @@ class Speculator:
 
     ``target_runner``: a `fnattn.graph.StepRunner` over ``target_step`` with a ``hidden`` output lane, which
     runs every verify step (the captured verify graph on a GPU); prefill and the draft stay eager.
+    ``accept_hook(step, accepted) -> accepted``: replaces greedy acceptance's counts (each 1 .. k + 1: the
+    last token plus the drafts kept); the bonus token is then the target's choice after the last one kept.
+    For benchmarks that force every draft in (or none) whatever the logits say.
     """
 
     def __init__(self, *, target_step, target_params, target_attn, target_state, draft_step, draft_params,
                  draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None,
-                 target_runner=None):
+                 target_runner=None, accept_hook=None):
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Speculator", "num_draft", "an int >= 1", num_draft)
         if recovery not in ("native", "replay"):
@@ -146,7 +149,7 @@ class Speculator:
                                           or target_runner.attn is not target_attn):
             fail("Speculator", "target_runner", "None or a StepRunner over target_attn with a 'hidden' output lane",
                  type(target_runner).__name__)
-        self.k, self.recovery, self.propose_hook = num_draft, recovery, propose_hook
+        self.k, self.recovery, self.propose_hook, self.accept_hook = num_draft, recovery, propose_hook, accept_hook
         self.runner = target_runner
         self.target = (target_step, target_params, target_attn)
         self.draft = (draft_step, draft_params, draft_attn)
@@ -234,13 +237,13 @@ class Speculator:
                                           recovery=self.recovery)
             batch, logits, hidden = verified.live_batch, verified.logits, verified.hidden
             self.trace.append(logits)
-            accepted, bonus = greedy_accept(logits, batch, drafts)
+            accepted, bonus = self._accept(logits, batch, drafts)
             self.tstate = verified.accept(accepted)
         else:
             batch = Batch.verify(self.tstate, ids, num_draft=self.k, recovery=self.recovery)
             tokens = [t for r in batch.request_ids for t in [self.last[r], *drafts[r]]]
             logits, hidden, deltas, replay_outputs = self._run_target(batch, self._tokens(tokens))
-            accepted, bonus = greedy_accept(logits, batch, drafts)
+            accepted, bonus = self._accept(logits, batch, drafts)
             replay = None
             if self.recovery == "replay":
                 replay = replay_writes(self.target[2], self.tstate, batch, replay_outputs, accepted)
@@ -256,6 +259,21 @@ class Speculator:
         self._catch_up(accepted, shifted, hidden[self._tokens(rows)])
         self.steps += 1
         return emitted
+
+    def _accept(self, logits, batch, drafts):
+        """Greedy acceptance, or the counts ``accept_hook`` forces with the target's bonus after them."""
+        accepted, bonus = greedy_accept(logits, batch, drafts)
+        if self.accept_hook is None:
+            return accepted, bonus
+        forced = dict(self.accept_hook(self.steps, dict(accepted)))
+        cu = batch.host_cu_seqlens
+        for b, r in enumerate(batch.request_ids):
+            n = forced.get(r)
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.k + 1:
+                fail("Speculator.accept_hook", f"accepted[{r}]", f"an int in 1..{self.k + 1}", n)
+            if n != accepted[r]:
+                accepted[r], bonus[r] = n, int(logits[cu[b] + n - 1].argmax())
+        return accepted, bonus
 
     def release(self, request_id: int) -> None:
         """A finished or aborted request gives back every page and slot, in both states."""

@@ -11,7 +11,7 @@ import sys
 from . import draw_png, print_table, with_ratios, write_json
 
 CASES = ("decode", "prefill", "gdn-prefill", "gdn-decode", "kda-prefill", "mla-decode", "mla-sparse", "indexer",
-         "standard", "model", "overhead", "linear", "invariance")
+         "standard", "model", "overhead", "linear", "invariance", "generate")
 MLA_CASES = ("mla-decode", "mla-sparse", "indexer")
 # what `fnattn bench --help` says above the options (and `python -m fnattn.bench --help`)
 ABOUT = ("Time fnattn's standard cases next to their peers (FlashInfer, FlashMLA, fla-core, torch SDPA, "
@@ -68,6 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--new-tokens", type=int, default=None,
                    help="invariance: tokens each request decodes in the greedy and speculative comparisons "
                         "(default 32 on a CPU, 256 on CUDA)")
+    g = p.add_argument_group("generate", "fnattn bench generate: time to first token, decode, MTP and a serving "
+                                          "mix (fnattn/bench/generate.py; also --family, --shape, --batch, "
+                                          "--prompt, --steps, --device, --eager)")
+    g.add_argument("--long-prompt", type=int, default=None, help="the long prefill's tokens (default 8192 on "
+                                                                   "CUDA, 256 on a CPU)")
+    g.add_argument("--draft", type=int, default=3, help="MTP drafts per step (default 3)")
+    g.add_argument("--mix", type=int, nargs=4, default=None, metavar=("REQUESTS", "LO", "HI", "NEW"),
+                   help="serving mix: REQUESTS prompts of LO..HI tokens, NEW tokens each (default 64 128 4096 256 "
+                        "on CUDA, 4 16 64 8 on a CPU)")
     m.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS decode steps of each case, eager and replayed, and one prefill "
                         "step: time per step by "
@@ -169,6 +178,8 @@ def run(args) -> int:
         from .overhead import run_overhead
 
         return run_overhead(args)
+    if args.case == "generate":  # the whole of generation (fnattn/bench/generate.py)
+        return run_generate(args)
     if args.case == "invariance":  # a token's result against its phase, batch and graph (fnattn/bench/invariance.py)
         return run_invariance(args)
     if args.case == "linear":  # cuBLAS vs skinny_linear on Qwen3.5-0.8B's projections (fnattn/bench/linear.py)
@@ -210,6 +221,53 @@ def run(args) -> int:
         write_json(records, args.out, command=argv_command(args.case))
         if args.png and records:
             draw_png(records, args.png)
+    return 0
+
+
+def run_generate(args) -> int:
+    import torch
+
+    from .generate import run_generate_bench
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        print(f"fnattn bench: --device must be cpu or an available cuda device, got {device!r}", file=sys.stderr)
+        return 2
+    cuda = device.startswith("cuda")
+    batches = [1, 8] if args.batch is DEFAULT_BATCH else args.batch
+    long_prompt = args.long_prompt or (8192 if cuda else 256)
+    mix = args.mix or ([64, 128, 4096, 256] if cuda else [4, 16, 64, 8])
+    steps = args.steps or (32 if cuda else 6)
+    for name, values in (("--batch", batches), ("--prompt", args.prompt), ("--long-prompt", [long_prompt]),
+                         ("--draft", [args.draft]), ("--mix", mix), ("--steps", [steps])):
+        if min(values) < 1:
+            print(f"fnattn bench: {name} values must be >= 1, got {values}", file=sys.stderr)
+            return 2
+    if mix[1] > mix[2]:
+        print(f"fnattn bench: --mix LO must be <= HI, got {mix[1]} > {mix[2]}", file=sys.stderr)
+        return 2
+    shape = args.shape or ("0.8b" if cuda else "tiny")
+    # the command that reproduces this run, from the parsed options (so also when called as a function)
+    command = (f"fnattn bench generate --family {args.family} --shape {shape} --device {device} --batch "
+               f"{' '.join(map(str, batches))} --prompt {args.prompt[0]} --long-prompt {long_prompt} --steps {steps} "
+               f"--draft {args.draft} --mix {' '.join(map(str, mix))}{' --eager' if args.eager else ''} "
+               f"--out {shlex.quote(args.out)}")
+    records = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
+    try:
+        records += run_generate_bench(family=args.family, shape=shape,
+                                      device=device, batches=batches, prompt=args.prompt[0], long_prompt=long_prompt,
+                                      steps=steps, k=args.draft, mix=tuple(mix), graph=not args.eager, reps=5,
+                                      log=lambda line: print(line, file=sys.stderr))
+        print(json.dumps(records[-1]))
+    except ValueError as e:
+        if not records:  # a user mistake (family, shape): one line
+            print(f"fnattn bench: {e}", file=sys.stderr)
+            return 2
+        raise
+    finally:
+        if records:
+            write_json(records, args.out, command=command)
     return 0
 
 

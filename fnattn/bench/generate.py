@@ -1,0 +1,229 @@
+"""``fnattn bench generate``: the whole of generation, not only the decode step.
+
+One model (``--family`` at ``--shape``, random weights; bf16 on CUDA), batch 1 unless said:
+
+* ``ttft_ms``: a ``--prompt``-token prefill until its first token is on the host (`fnattn.driver.prefill`);
+  ``prefill_long_tok_s``: the same for ``--long-prompt`` tokens (``prefill_8192_tok_s`` when it is 8192);
+* plain decode through `fnattn.graph.StepRunner` (captured on CUDA) per batch: ms a step, tokens/s;
+  ``eager_decode_ms``: the same step eager (session + apply), batch 1;
+* MTP with k drafts (families with a draft): every draft accepted (oracle drafts, acceptance forced with
+  `Speculator`'s ``accept_hook``, so the figure is the machinery's, not the numerics') and every draft wrong
+  (forced to none): ms a step and tokens/s; ``mtp_oracle_speedup`` (batch 1, over plain decode's tokens/s)
+  and ``mtp_wrong_step_ratio`` (a wrong step over a plain decode step);
+* a serving mix (``--mix-requests`` prompts of random lengths in ``--mix-prompt``, ``--mix-new`` tokens each,
+  arriving together, `fnattn.driver.generate` with the runner): tokens/s.
+
+Each timed piece also has ``busy_ms``, the device's busy time in one call (`fnattn.bench.profile`; on a CPU
+the torch ops' own time), so the host's share shows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .. import Batch, ModelAttention, State
+from ..driver import generate, prefill, run_step
+from ..speculative import Speculator
+from .profile import kernel_profile
+
+PAGE = 16
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, device, reps: int) -> float:
+    fn()  # warm-up: compiles, captures, allocator
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _busy_ms(fn, device) -> float:
+    return kernel_profile(fn, steps=1, device=device).get("busy_us", float("nan")) / 1e3
+
+
+def _ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _state(model, device, requests: int, tokens: int, ring: int = 2) -> State:
+    return State(model.specs, num_pages=requests * (-(-tokens // PAGE) + 2) + 2, page_size=PAGE,
+                 max_requests=requests + 1, recurrent_ring=ring, device=device)
+
+
+def time_to_first_token(model, ma, device, n: int, reps: int) -> dict:
+    tokens = _ids(n, model.config.vocab_size, 1)
+    holder = {"st": _state(model, device, 1, n)}
+
+    def once():
+        st, last = prefill(model.step, model.params, ma, holder["st"].admit(0), {0: tokens})
+        int(last[0].argmax())  # the first token, on the host
+        holder["st"] = st.release(0)
+
+    ms = _median_ms(once, device, reps)
+    return {"tokens": n, "ms": ms, "tok_s": n / ms * 1e3, "busy_ms": _busy_ms(once, device)}
+
+
+def _runner(model, ma, batch: int, max_context: int, hidden: bool = False):
+    """A captured StepRunner of one bucket on CUDA; None (eager steps) elsewhere or where it cannot capture."""
+    if ma.device.type != "cuda":
+        return None
+    from ..graph import StepRunner
+
+    step = model.family.step_hidden if hidden else model.step
+    runner = StepRunner(step, model.params, ma, model.manifest(hidden=hidden), buckets=(batch,),
+                        max_context=max_context)
+    return runner if runner.capture else None
+
+
+def plain_decode(model, ma, device, batch: int, prompt: int, steps: int, *, graph: bool) -> dict:
+    """``steps`` greedy decode steps of ``batch`` requests after ``prompt``-token prompts: the median step and
+    every request's tokens (prefill's first included), which oracle drafts replay."""
+    prompts = {r: _ids(prompt, model.config.vocab_size, 10 + r) for r in range(batch)}
+    st = _state(model, device, batch, prompt + steps + 8)
+    for r in prompts:
+        st = st.admit(r)
+    st, last = prefill(model.step, model.params, ma, st, prompts)
+    ids = torch.stack([last[r] for r in prompts]).argmax(-1)
+    emitted = {r: [int(t)] for r, t in zip(prompts, ids.tolist())}
+    runner = _runner(model, ma, batch, prompt + steps + 8) if graph else None
+    holder, times = {"st": st, "ids": ids}, []
+
+    def once():
+        st = holder["st"].reserve({r: 1 for r in prompts})
+        if runner is None:
+            st, logits = run_step(model.step, model.params, ma, st, Batch.decode(st, list(prompts)), holder["ids"])
+        else:
+            st, logits = runner.decode(st, list(prompts), holder["ids"])
+        holder["st"], holder["ids"] = st, logits.argmax(-1)
+        for r, t in zip(prompts, holder["ids"].tolist()):  # on the host each step, as a server streams it
+            emitted[r].append(t)
+
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        once()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times[2:] or times) * 1e3
+    return {"batch": batch, "ms": ms, "tok_s": batch / ms * 1e3, "busy_ms": _busy_ms(once, device),
+            "graph": runner is not None, "emitted": emitted, "prompts": prompts}
+
+
+def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: bool, graph: bool) -> dict:
+    """MTP with ``k`` drafts over ``plain``'s prompts: drafts are the tokens plain greedy emitted, all kept
+    (``accept_all``) or all refused, by force."""
+    fam, prompts, ref = model.family, plain["prompts"], plain["emitted"]
+    draft = fam.draft(model.config, model.params, None, seed=1)
+    batch, prompt = len(prompts), len(next(iter(prompts.values())))
+    room = prompt + (k + 1) * (steps + 2) + 8
+    attn = ModelAttention(model.specs, device=device)
+    runner = _runner(model, attn, batch, room, hidden=True) if graph else None
+    emitted = {r: [] for r in prompts}
+    vocab = model.config.vocab_size
+
+    def propose(step, drafts):
+        out = {}
+        for r in drafts:
+            right = ref[r][len(emitted[r]):len(emitted[r]) + k]
+            right = right + [0] * (k - len(right))
+            out[r] = right if accept_all else [(t + 1) % vocab for t in right]
+        return out
+
+    spec = Speculator(target_step=fam.step_hidden, target_params=model.params, target_attn=attn,
+                      target_state=_state(model, device, batch, room, ring=k + 2), draft_step=draft.step,
+                      draft_params=draft.params, draft_attn=ModelAttention(draft.specs, device=device),
+                      draft_state=_state(draft, device, batch, room + k), num_draft=k, propose_hook=propose,
+                      target_runner=runner,
+                      accept_hook=lambda step, acc: {r: (k + 1 if accept_all else 1) for r in acc})
+    for r, t in spec.start(prompts).items():
+        emitted[r].append(t)
+    times, made = [], 0
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = spec.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        for r, toks in out.items():
+            emitted[r] += toks
+            made += len(toks)
+    ms = statistics.median(times[2:] or times) * 1e3
+    per_step = made / steps / batch
+    return {"batch": batch, "k": k, "accept": "all" if accept_all else "none", "ms": ms,
+            "tokens_per_step": per_step, "tok_s": batch * per_step / ms * 1e3, "graph": runner is not None,
+            "busy_ms": _busy_ms(spec.step, device)}
+
+
+def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *, graph: bool) -> dict:
+    lengths = torch.randint(lo, hi + 1, (requests,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = {r: _ids(n, model.config.vocab_size, 100 + r) for r, n in enumerate(lengths)}
+    runner = _runner(model, ma, requests, hi + new + 8) if graph else None
+    st = _state(model, device, requests, hi + new + 8)
+    _sync(device)
+    t0 = time.perf_counter()
+    _, out = generate(model.step, model.params, ma, st, prompts, max_new_tokens=new, runner=runner)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    made = sum(len(t) for t in out.values())
+    return {"requests": requests, "prompt_tokens": sum(lengths), "new_tokens": made, "s": seconds,
+            "tok_s": made / seconds, "graph": runner is not None}
+
+
+def run_generate_bench(*, family: str, shape: str, device: str, batches: list[int], prompt: int, long_prompt: int,
+                       steps: int, k: int, mix: tuple[int, int, int, int], graph: bool, reps: int,
+                       log=print) -> list[dict]:
+    """Every figure of the module docstring as records; the last one is the summary that names them."""
+    from .model import build_model
+
+    dev = torch.device(device)
+    model, ma, _ = build_model(family, shape, dev)
+    base = {"family": family, "shape": shape, "device": dev.type}
+    records = []
+
+    def add(case, rec):
+        rec = {"case": case, **base, **{k_: v for k_, v in rec.items() if k_ not in ("emitted", "prompts")}}
+        records.append(rec)
+        log(f"{case}: " + ", ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}"
+                                    for k_, v in rec.items() if k_ not in ("case", *base)))
+        return rec
+
+    ttft = add("ttft", time_to_first_token(model, ma, dev, prompt, reps))
+    long = add("prefill long", time_to_first_token(model, ma, dev, long_prompt, max(1, reps // 2)))
+    plain = {}
+    for b in batches:
+        plain[b] = plain_decode(model, ma, dev, b, prompt, steps + (k + 1) * (steps + 2) + k + 2, graph=graph)
+        add("decode", plain[b])
+    eager = add("decode eager", plain_decode(model, ma, dev, 1, prompt, min(steps, 16), graph=False))
+    spec = {}
+    if model.family.draft is not None and model.family.step_hidden is not None:
+        for b in batches:
+            for accept_all in (True, False):
+                spec[(b, accept_all)] = add("mtp", speculative(model, dev, plain[b], k, steps, accept_all=accept_all,
+                                                               graph=graph))
+    requests, lo, hi, new = mix
+    served = add("serving mix", serving_mix(model, ma, dev, requests, lo, hi, new, graph=graph))
+    b1 = batches[0]
+    summary = {"case": "generate summary", **base, "prompt": prompt, "long_prompt": long_prompt, "k": k,
+               "ttft_ms": ttft["ms"], "ttft_busy_ms": ttft["busy_ms"], "prefill_long_tok_s": long["tok_s"],
+               "decode_ms": {b: plain[b]["ms"] for b in batches}, "eager_decode_ms": eager["ms"],
+               "eager_decode_busy_ms": eager["busy_ms"], "serving_tok_s": served["tok_s"]}
+    if long_prompt == 8192:
+        summary["prefill_8192_tok_s"] = long["tok_s"]
+    if spec:
+        summary["mtp_oracle_speedup"] = spec[(b1, True)]["tok_s"] / plain[b1]["tok_s"]
+        summary["mtp_oracle_speedup_by_batch"] = {b: spec[(b, True)]["tok_s"] / plain[b]["tok_s"] for b in batches}
+        summary["mtp_wrong_step_ratio"] = spec[(b1, False)]["ms"] / plain[b1]["ms"]
+    records.append(summary)
+    return records
