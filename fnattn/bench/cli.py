@@ -224,14 +224,23 @@ def run(args) -> int:
     return 0
 
 
-def run_generate(args) -> int:
+def _device_or_none(requested: str | None) -> str | None:
+    """``--device`` for the cases that default to CUDA where there is one; None (said on stderr) when it
+    names a device this machine lacks."""
     import torch
 
-    from .generate import run_generate_bench
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
         print(f"fnattn bench: --device must be cpu or an available cuda device, got {device!r}", file=sys.stderr)
+        return None
+    return device
+
+
+def run_generate(args) -> int:
+    from .generate import run_generate_bench
+
+    device = _device_or_none(args.device)
+    if device is None:
         return 2
     cuda = device.startswith("cuda")
     batches = [1, 8] if args.batch is DEFAULT_BATCH else args.batch
@@ -272,14 +281,11 @@ def run_generate(args) -> int:
 
 
 def run_invariance(args) -> int:
-    import torch
-
     from ..models.registry import family_names
     from .invariance import family_records, summary
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
-        print(f"fnattn bench: --device must be cpu or an available cuda device, got {device!r}", file=sys.stderr)
+    device = _device_or_none(args.device)
+    if device is None:
         return 2
     names = family_names() if args.family == "all" else [args.family]
     if args.family != "all" and args.family not in family_names():

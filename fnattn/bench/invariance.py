@@ -95,40 +95,9 @@ def speculative(fam, model, draft, device, k: int, tokens: int) -> tuple[bool, i
     return same, accepted, proposed
 
 
-def _decode_logits(model, device, prompts, steps: int) -> torch.Tensor:
-    """Request 0's logits over its prefill's last token and ``steps`` greedy decode steps of ``prompts``."""
-    attn = fa.ModelAttention(model.specs, device=device)
-    st, last = _prefill(model, attn, _state(model.specs, device, tokens=steps), prompts)
-    out, ids = [last[0]], last.argmax(-1)
-    for _ in range(steps):
-        st = st.reserve({r: 1 for r in prompts})
-        with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
-            logits, d = model.step(model.params, s, ids)
-        st = st.apply(d)
-        out.append(logits[0])
-        ids = logits.argmax(-1)
-    return torch.stack(out)
-
-
-def batch_invariant(model, device, steps: int) -> bool:
-    alone = _decode_logits(model, device, {0: PROMPTS[0]}, steps)
-    return bool(torch.equal(alone, _decode_logits(model, device, PROMPTS, steps)))
-
-
-def graph_equals_eager(model, device, steps: int) -> bool | None:
-    if torch.device(device).type != "cuda":
-        return None
-    from ..graph import StepRunner
-
-    attn = fa.ModelAttention(model.specs, device=device)
-    prompts = {r: PROMPTS[r] for r in (0, 1)}
-    runner = StepRunner(model.step, model.params, attn, model.manifest(), buckets=(len(prompts),))
-    eager, _ = _run_decode(model, attn, device, prompts, steps, None)
-    graph, _ = _run_decode(model, attn, device, prompts, steps, runner)
-    return bool(torch.equal(eager, graph))
-
-
-def _run_decode(model, attn, device, prompts, steps: int, runner):
+def _decode(model, attn, device, prompts, steps: int, runner=None):
+    """Prefill ``prompts``, then ``steps`` greedy decode steps of them all, eager or through ``runner``:
+    ``-> (the prefill's last logits [B, V], every step's logits [steps, B, V])``."""
     st, last = _prefill(model, attn, _state(model.specs, device, tokens=steps), prompts)
     out, ids = [], last.argmax(-1)
     for _ in range(steps):
@@ -141,7 +110,30 @@ def _run_decode(model, attn, device, prompts, steps: int, runner):
             st, logits = runner.decode(st, list(prompts), ids)
         out.append(logits.clone())
         ids = logits.argmax(-1)
-    return torch.stack(out), st
+    return last, torch.stack(out)
+
+
+def batch_invariant(model, device, steps: int) -> bool:
+    """Request 0's logits (its prefill's last token's, then each decode step's) alone and beside the others."""
+
+    def request_0(prompts):
+        last, logits = _decode(model, fa.ModelAttention(model.specs, device=device), device, prompts, steps)
+        return torch.cat([last[:1], logits[:, 0]])
+
+    return bool(torch.equal(request_0({0: PROMPTS[0]}), request_0(PROMPTS)))
+
+
+def graph_equals_eager(model, device, steps: int) -> bool | None:
+    if torch.device(device).type != "cuda":
+        return None
+    from ..graph import StepRunner
+
+    attn = fa.ModelAttention(model.specs, device=device)
+    prompts = {r: PROMPTS[r] for r in (0, 1)}
+    runner = StepRunner(model.step, model.params, attn, model.manifest(), buckets=(len(prompts),))
+    _, eager = _decode(model, attn, device, prompts, steps)
+    _, graph = _decode(model, attn, device, prompts, steps, runner)
+    return bool(torch.equal(eager, graph))
 
 
 def decode_step_us(model, device, batch: int, steps: int) -> float:

@@ -32,6 +32,17 @@ from ..mla.math import key_visibility, topk_mask
 __all__ = ["indexer_scores", "indexer_scores_fixed_order", "topk_indices", "topk_mask"]
 
 
+def _checked_scores_args(q_idx, w, keys, softmax_scale):
+    """The score functions' argument checks: ``-> (T, Hi, Di, softmax_scale or its default Di ** -0.5)``."""
+    for name, x in (("q_idx", q_idx), ("w", w), ("keys", keys)):
+        expect_float(name, x)
+    expect_shape("q_idx", q_idx, (None, None, None))
+    T, Hi, Di = q_idx.shape
+    expect_shape("w", w, (T, Hi))
+    expect_shape("keys", keys, (None, Di))
+    return T, Hi, Di, Di**-0.5 if softmax_scale is None else softmax_scale
+
+
 def indexer_scores(
     q_idx: Float[Tensor, "T Hi Di"],
     w: Float[Tensor, "T Hi"],
@@ -42,14 +53,7 @@ def indexer_scores(
     """``score[t, j] = sum_h w[t, h] * relu(softmax_scale * q_idx[t, h] . keys[j])``
     in fp32, for every key (no causal mask here). ``softmax_scale`` defaults
     to ``Di ** -0.5``."""
-    for name, x in (("q_idx", q_idx), ("w", w), ("keys", keys)):
-        expect_float(name, x)
-    expect_shape("q_idx", q_idx, (None, None, None))
-    T, Hi, Di = q_idx.shape
-    expect_shape("w", w, (T, Hi))
-    expect_shape("keys", keys, (None, Di))
-    if softmax_scale is None:
-        softmax_scale = Di**-0.5
+    *_, softmax_scale = _checked_scores_args(q_idx, w, keys, softmax_scale)
     f32 = torch.float32
     per_head = F.relu(torch.einsum("thd,nd->thn", q_idx.to(f32), keys.to(f32)) * softmax_scale)
     return torch.einsum("th,thn->tn", w.to(f32), per_head)
@@ -67,14 +71,7 @@ def indexer_scores_fixed_order(
     token's score of a key is the same bits in a prefill, a verify or a decode step. The product of a step's
     queries with its keys is a matmul whose reduction order follows the step's size, and a score's last bit
     moves the top-k's boundary."""
-    for name, x in (("q_idx", q_idx), ("w", w), ("keys", keys)):
-        expect_float(name, x)
-    expect_shape("q_idx", q_idx, (None, None, None))
-    T, Hi, Di = q_idx.shape
-    expect_shape("w", w, (T, Hi))
-    expect_shape("keys", keys, (None, Di))
-    if softmax_scale is None:
-        softmax_scale = Di**-0.5
+    T, Hi, Di, softmax_scale = _checked_scores_args(q_idx, w, keys, softmax_scale)
     N, dev, f32 = keys.shape[0], keys.device, torch.float32
     tiles = -(-N // KEY_TILE)
     kt = torch.zeros(tiles * KEY_TILE, Di, device=dev)
