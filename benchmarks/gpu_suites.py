@@ -165,6 +165,11 @@ SUITES: dict[str, Suite] = {
         Part(120, "python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 "
              "--rows 25"),
     )),
+    "invariance": Suite("whether a token's result depends on its phase, batch or graph, with the invariant mode off "
+                        "and on (fnattn bench invariance; the CUDA paths do not honour the mode yet)", (
+        bench(200, "invariance --family qwen3_5 --new-tokens 24 --batch 1 8 --steps 6",
+              "bench_invariance_qwen3_5_tiny.json"),
+    )),
     "cpu": Suite("every family's tiny model and the framework's overhead on one CPU thread (any machine)", (
         bench(70, f"model --family qwen3_5 {TINY} --steps 64", "bench_model_tiny_cpu.json", **CPU),
         bench(70, f"model --family deepseek_v3 {TINY}", "bench_model_deepseek_v3_tiny_cpu.json", **CPU),

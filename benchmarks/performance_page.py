@@ -227,11 +227,12 @@ def layers(records: list[dict], bw, L: dict) -> list[str]:
     if bw:
         out += [L["layers_intro"].format(bw=bw[0], src=bw[1]), ""]
     for rec in records:
-        if rec["kind"] != "layer":
+        cases = {case: [r for r in rs if "time_us" in r] for case, rs in _by_case(_rows(rec)).items()}
+        cases = {case: timed for case, timed in cases.items() if timed}  # a record of properties has no timings
+        if rec["kind"] != "layer" or not cases:
             continue
         out += [f"### {link(rec)} ({rec['commit']})", ""]
-        for case, rs in _by_case(_rows(rec)).items():
-            timed = [r for r in rs if "time_us" in r]
+        for case, timed in cases.items():
             out += [f"{case}:", ""]
             out += table(L["layer_head"], [[r.get("backend", ""), t(r["time_us"]), throughput(r, bw),
                                             r.get("peer", "—"), x(r.get("ratio_to_peer"))] for r in timed])
