@@ -3,7 +3,7 @@
 
     python benchmarks/indexer_sweep.py [--batch 64] [--ctx 32768] [--keys bf16|fp8] [--out indexer_sweep.json]
 
-Each tile (`kernels.indexer.configured`: positions a dot, dots a program, warps, stages) is checked against
+Each tile (`kernels.indexer.configured`: positions a dot, positions a program, warps, stages, the dot's rows) is checked against
 the shipped tile's scores first (the same -inf pattern, values within 1e-3 relative), then timed with
 ``triton.testing.do_bench``; TB/s counts the index keys read once (``--keys fp8``: FP8 e4m3 keys with a scale
 per token, `IndexerConfig.key_dtype`, 132 bytes a key). The last rows time ``torch.topk`` alone over
@@ -16,7 +16,8 @@ import itertools
 import json
 
 import torch
-from fnattn.kernels.indexer import _topk, configured, indexer_scores_paged, indexer_topk, radix_reasons, radix_topk
+from fnattn.kernels.indexer import (_topk, configured, indexer_scores_paged, indexer_topk, radix_reasons, radix_topk,
+                                    sort_positions)
 
 from fnattn.bench import environment
 
@@ -65,12 +66,12 @@ def main() -> None:
     want = indexer_scores_paged(*args, scale=scale, **scales)
     finite = torch.isfinite(want)
     records = []
-    tiles = [dict(block_n=n, blocks=b, num_warps=wp, num_stages=st)
-             for n, b, wp, st in itertools.product((64, 128), (1, 4, 8, 16, 32), (4, 8), (2, 3))]
-    tiles += [dict(block_n=256, blocks=b, num_warps=8, num_stages=st) for b, st in itertools.product((1, 2), (2, 3))]
-    # one dot a program (the best shape at 3d3456e) at more widths and fewer warps
-    tiles += [dict(block_n=n, blocks=1, num_warps=wp, num_stages=2) for n, wp in ((32, 2), (32, 4), (64, 2), (128, 2),
-                                                                                  (256, 4))]
+    # positions as the dot's rows (keys_major 1, the default) over programs of several sizes (split 0: about four
+    # programs an SM), and the earlier form (heads as the rows, one dot a program) beside it
+    tiles = [dict(block_n=n, split=sp, num_warps=wp, num_stages=st, keys_major=1)
+             for n, sp, wp, st in itertools.product((64, 128), (0, 1024, 4096), (4, 8), (2, 3, 4))]
+    tiles += [dict(block_n=n, split=sp, num_warps=4, num_stages=st, keys_major=0)
+              for n, sp, st in ((128, 128, 3), (64, 64, 3), (128, 0, 3), (128, 0, 2))]
     for tile in tiles:
         try:
             with configured(**tile):
@@ -94,10 +95,19 @@ def main() -> None:
         positions = args[-1]
         picked = radix_topk(want, positions, a.topk)
         same_set = bool(torch.equal(picked.sort(dim=-1).values, _topk(want, a.topk).sort(dim=-1).values))
-        radix = {"radix_alone_us": do_bench(lambda: radix_topk(want, positions, a.topk)) * 1e3,
+        lengths = (positions + 1).clamp(max=want.shape[1]).to(torch.int32)
+        raw = torch.full((want.shape[0], a.topk), -1, dtype=torch.int32, device=want.device)
+        fast_topk = lambda: torch.ops.sgl_kernel.fast_topk(want, raw, lengths, None)  # noqa: E731
+        fast_topk()
+        radix = {"fast_topk_alone_us": do_bench(fast_topk) * 1e3,
+                 "sort_positions_us": do_bench(lambda: sort_positions(raw)) * 1e3,
+                 "torch_sort_us": do_bench(lambda: raw.long().sort(dim=-1, descending=True)) * 1e3,
+                 "radix_alone_us": do_bench(lambda: radix_topk(want, positions, a.topk)) * 1e3,
                  "radix_same_set": same_set,
                  "indexer_topk_radix_us": do_bench(lambda: indexer_topk(*args, scale=scale, topk=a.topk, radix=True,
                                                                         **scales)) * 1e3}
+        print(f"fast_topk alone {radix['fast_topk_alone_us']:.1f} us, its picks sorted {radix['sort_positions_us']:.1f}"
+              f" us (torch.sort {radix['torch_sort_us']:.1f} us)")
         print(f"radix select alone {radix['radix_alone_us']:.1f} us ({'same set' if same_set else 'DIFFERENT set'}), "
               f"indexer_topk with it {radix['indexer_topk_radix_us']:.1f} us")
     if a.out:

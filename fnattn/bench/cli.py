@@ -22,7 +22,10 @@ LINEAR_BATCH = [1, 8, 32]  # rows of a decode-sized projection (fnattn bench lin
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("case", choices=CASES, help="what to time; 'standard' runs the reference set of cases")
+    p.add_argument("case", choices=CASES,
+                   help="what to time; 'standard' runs the reference set of cases; 'indexer': the DSA indexer "
+                        "(bf16 / FP8 keys, both selections) against the field's pipeline, the sparse layer of the "
+                        "same shape, and DeepSeek-V4's CSA indexer (top-k 512 and 1024)")
     p.add_argument("--batch", type=int, nargs="+", default=DEFAULT_BATCH,
                    help="decode batch sizes (default 1 8 64; linear: rows, default 1 8 32)")
     p.add_argument("--ctx", type=int, default=4096, help="cached tokens per request (decode)")
@@ -320,6 +323,7 @@ def run_invariance(args) -> int:
 
 def mla_cases(args, graph: bool) -> list[dict]:
     from .cases.mla import decode_case as mla_decode
+    from .cases.dsv4 import csa_indexer_case
     from .cases.sparse_mla import indexer_case, sparse_decode_case
 
     records, page = [], args.page_size or 64
@@ -334,6 +338,8 @@ def mla_cases(args, graph: bool) -> list[dict]:
         else:
             records += indexer_case(batch=b, ctx=args.ctx, heads=args.heads, topk=args.topk, page_size=page,
                                     graph=graph)
+            for topk in (512, 1024):  # DeepSeek-V4's CSA indexer over the same context
+                records += csa_indexer_case(batch=b, ctx=args.ctx, topk=topk, page_size=page, graph=graph)
     return records
 
 

@@ -75,6 +75,7 @@ _EXPORTS = {
     "indexer_topk": "indexer",
     "indexer_topk_ref": "indexer",
     "radix_topk": "indexer",
+    "sort_positions": "indexer",
     "causal_conv1d_seq": "gdn_naive",
     "gated_delta_recurrent_seq": "gdn_naive",
     "gated_delta_chunked_seq": "gdn_naive",

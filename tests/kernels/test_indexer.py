@@ -105,11 +105,12 @@ def test_bad_shapes_are_refused():
         indexer_topk_ref(*args, scale=1.0, topk=0)
 
 
-@pytest.mark.parametrize("tile", [dict(block_n=16, blocks=4), dict(block_n=32, blocks=2, num_warps=8),
-                                  dict(block_n=128, num_stages=2)])
+@pytest.mark.parametrize("tile", [dict(block_n=16, split=64), dict(block_n=32, split=32, num_warps=8),
+                                  dict(block_n=16, split=16, keys_major=0), dict(block_n=128, num_stages=2)])
 def test_other_tiles_score_as_the_default(tile):
-    """`configured`: more positions a dot, or several dots a program with the token's queries loaded once; the
-    last program's blocks past N are masked, the causal limit holds in every block."""
+    """`configured`: more positions a dot, several dots a program with the token's queries loaded once, the dot
+    with heads as its rows; a program's range may hold cached, new and unseen positions, the last program's
+    blocks past N are masked, the causal limit holds in every block."""
     args, _ = case([37, 0, 5], [2, 3, 1], Hi=5, Di=24, S=4, spare_pages=3)
     scale = args[0].shape[-1] ** -0.5
     want = indexer_scores_paged(*args, scale=scale)
@@ -121,10 +122,12 @@ def test_other_tiles_score_as_the_default(tile):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(block_m=16), "configured: block_m: expected one of block_n, blocks, num_warps, num_stages"),
+    (dict(block_m=16), "configured: block_m: expected one of block_n, split, num_warps, num_stages, keys_major"),
     (dict(block_n=8), "configured: block_n: expected a power of two in 16..256, got 8"),
     (dict(block_n=512), "configured: block_n: expected a power of two in 16..256, got 512"),
-    (dict(blocks=3), "configured: blocks: expected a power of two in 1..64, got 3"),
+    (dict(split=48), r"configured: split: expected 0 or a power of two >= block_n=128, got 48"),
+    (dict(block_n=64, split=32), r"configured: split: expected 0 or a power of two >= block_n=64, got 32"),
+    (dict(keys_major=2), "configured: keys_major: expected an int in 0..1, got 2"),
     (dict(num_stages=0), "configured: num_stages: expected an int in 1..8, got 0"),
     (dict(num_warps=True), "configured: num_warps: expected a power of two in 1..64, got True"),
 ])
@@ -146,7 +149,7 @@ def fp8_case(cached, new, **kw):
     return (q, w, cache_8, new_8, *args[4:]), dict(cache_scale=cache_scale, new_scale=new_scale), layout
 
 
-@pytest.mark.parametrize("tile", [{}, dict(block_n=16, blocks=4)])
+@pytest.mark.parametrize("tile", [{}, dict(block_n=16, split=64), dict(block_n=16, split=16, keys_major=0)])
 @pytest.mark.parametrize("cached, new", [([0], [5]), ([3, 0, 9], [1, 1, 1]), ([5, 2], [3, 4])])
 def test_fp8_keys_score_as_their_scaled_values(cached, new, tile):
     """FP8 keys: the kernel reads them as stored and scales each key's score; the reference does the same, and
@@ -197,3 +200,20 @@ def test_radix_select_where_it_cannot_serve():
     assert torch.equal(as_set(indexer_topk(*args, scale=scale, topk=3, radix=True)), as_set(want))
     with pytest.raises(ValueError, match="radix: expected True or False, got 'yes'"):
         indexer_topk(*args, scale=scale, topk=3, radix="yes")
+
+
+@pytest.mark.parametrize("K", [5, 200])
+def test_sort_positions_orders_each_row_latest_first(K):
+    """The radix select's picks come in the order its threads arrive; `sort_positions` makes them one order
+    (latest first, -1 last) in one launch, the same as torch's sort."""
+    from fnattn.kernels.indexer import sort_positions
+
+    g = torch.Generator().manual_seed(K)
+    picked = torch.stack([torch.randperm(3 * K, generator=g)[:K] for _ in range(3)]).to(torch.int32)
+    picked[1, K // 2:] = -1  # a row with fewer visible positions than K
+    picked = picked.to(DEVICE)
+    want = picked.long().sort(dim=-1, descending=True).values
+    assert torch.equal(sort_positions(picked), want)
+    with pytest.raises(ValueError, match=r"picked: expected \[T, K\] int32 rows of unit stride, got \(3, \d+\) "
+                                         r"torch.int64"):
+        sort_positions(picked.long())

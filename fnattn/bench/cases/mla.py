@@ -95,4 +95,30 @@ def decode_case(*, batch: int, ctx: int, heads: int = 128, page_size: int = 64, 
         except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
             rec["error"] = f"{type(e).__name__}: {e}"
         records.append(rec)
+    records.append(floor_record(records, case, layers * weight_bytes(inputs), "fnattn flashmla (pure)",
+                                "mla_dense_vs_floor"))
     return records
+
+
+def weight_bytes(inputs) -> int:
+    """Bytes of the layer's ``W_UK`` and ``W_UV``: what an absorbed decode step reads beside the latent cache."""
+    return sum(t.numel() * t.element_size() for t in (inputs.w_uk, inputs.w_uv))
+
+
+def floor_record(records: list[dict], case: str, extra_bytes: int, fnattn_row: str, figure: str) -> dict:
+    """The layer's floor: the raw kernel's time (``records[0]``, measured in this run) plus ``extra_bytes`` (the
+    weights the layer reads around the kernel) at the copy bandwidth measured now. The fnattn row ``fnattn_row``
+    gets ``ratio_to_floor``, also named ``figure`` for scripts."""
+    from ..roofline import copy_bandwidth
+
+    raw = records[0]
+    rec = {"case": case, "backend": "floor (raw kernel + W_UK / W_UV at the copy bandwidth)", "peer": raw["backend"],
+           "shape": raw["shape"], "extra_bytes": extra_bytes}
+    if "time_us" not in raw:
+        return rec | {"error": "the raw kernel did not run: no floor"}
+    bandwidth = copy_bandwidth(torch.device(DEVICE))
+    rec.update(time_us=raw["time_us"] + extra_bytes / bandwidth * 1e6, copy_bandwidth_tb_s=bandwidth / 1e12)
+    for r in records:
+        if r["backend"] == fnattn_row and "time_us" in r:
+            r["ratio_to_floor"] = r[figure] = r["time_us"] / rec["time_us"]
+    return rec

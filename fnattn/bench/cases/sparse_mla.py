@@ -22,7 +22,7 @@ from ...kinds.mla.latent import absorbed_query_torch as absorbed_query
 from ...kinds.sparse_mla.flashmla import TOPK_BLOCK, merge_values_kernel, one_pass_slots
 from .. import timed, timed_session
 from ..setup import cached_state
-from .mla import DEVICE, deepseek_mla, random_inputs
+from .mla import DEVICE, deepseek_mla, floor_record, random_inputs, weight_bytes
 
 
 def _specs(heads, topk, Hi, Di):
@@ -133,18 +133,31 @@ def sparse_decode_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 20
         with one_pass_slots(True), absorb_kernel(True), merge_values_kernel(False):
             return timed_session(ma, state, b, lambda s: s.forward(1, inputs), graph=graph)
 
-    return [record(case, peer, peer, shape, lambda: timed(kernel, graph=graph), flops),
-            record(case, "usual (append + absorb + kernel + W_UV)", peer, shape, lambda: timed(usual, graph=graph),
-                   flops),
-            record(case, "usual + slot translation (append + slots + absorb + kernel + W_UV)", peer, shape,
-                   lambda: timed(usual_translating, graph=graph), flops),
-            record(case, FNATTN_ROW, peer, shape, through_fnattn, flops)]
+    records = [record(case, peer, peer, shape, lambda: timed(kernel, graph=graph), flops),
+               record(case, "usual (append + absorb + kernel + W_UV)", peer, shape, lambda: timed(usual, graph=graph),
+                      flops),
+               record(case, "usual + slot translation (append + slots + absorb + kernel + W_UV)", peer, shape,
+                      lambda: timed(usual_translating, graph=graph), flops),
+               record(case, FNATTN_ROW, peer, shape, through_fnattn, flops)]
+    # the layer reuses its top-k (no index keys read): the floor is the kernel and W_UK / W_UV
+    return records + [floor_record(records, case, weight_bytes(inputs), FNATTN_ROW, "mla_sparse_vs_floor")]
+
+
+FIELD_ROW = "field pipeline (FP8 keys at the copy bandwidth + sgl_kernel fast_topk_v2)"
+FIELD_H200_US = 110.0  # SGLang's H200 profile: DeepGEMM's paged FP8 logits + fast_topk_v2 at 32k, 64 x 128 heads
 
 
 def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi: int = 64, Di: int = 128,
                  page_size: int = 64, graph: bool = True) -> list[dict]:
+    """The indexer's rows beside the sparse attention of the same shape (`sparse_decode_case`): fnattn's scores
+    and selection (bf16 keys, FP8 keys, and the invariant mode's ordered selection), sgl_kernel's
+    ``fast_topk_v2`` alone over the same scores, and the field's pipeline as the peer: DeepGEMM's paged FP8
+    logits do not load on this torch, so their floor (the FP8 keys and scales at the measured copy bandwidth)
+    plus the measured ``fast_topk_v2``. Each indexer row names ``ratio_to_field`` (its time over the peer's)
+    and ``ratio_to_field_h200`` (over the 110 us of SGLang's H200 profile at batch 64, 32k)."""
     from ...kernels import indexer_topk
-    from ...kernels.indexer import RADIX_TOPK
+    from ...kernels.indexer import RADIX_TOPK, indexer_scores_paged, radix_reasons
+    from ..roofline import copy_bandwidth
 
     specs, state, b, _ = _setup(batch, ctx, heads, topk, Hi, Di, page_size)
     sparse = SparseQueryMetadata.build(b, topk=topk)
@@ -152,31 +165,47 @@ def indexer_case(*, batch: int, ctx: int, heads: int = 128, topk: int = 2048, Hi
     r = lambda *s: torch.randn(*s, device=DEVICE, generator=g).to(torch.bfloat16)  # noqa: E731
     q, w, k = r(batch, Hi, Di), torch.randn(batch, Hi, device=DEVICE, generator=g), r(batch, Di)
     pages = state.views(0).index_k
-    run = lambda: indexer_topk(q, w, pages, k, b.block_table, sparse.request_of_token, b.cache_lens,  # noqa: E731
-                               b.cu_seqlens, b.positions, scale=Di ** -0.5, topk=topk)
+    where = (b.block_table, sparse.request_of_token, b.cache_lens, b.cu_seqlens, b.positions)
     case = f"indexer B{batch} ctx{ctx} Hi{Hi} Di{Di} topk{topk}" + (" graph" if graph else " eager")
     shape = {"batch": batch, "ctx": ctx, "index_heads": Hi, "index_dim": Di, "topk": topk, "page_size": page_size}
     records = sparse_decode_case(batch=batch, ctx=ctx, heads=heads, topk=topk, page_size=page_size, graph=graph)
     for rec in records:
         rec["case"] = case
-    tb = lambda us: {"tb_s": batch * (ctx + 1) * Di * 2 / (us * 1e-6) / 1e12}  # noqa: E731
-    records.append(record(case, "fnattn indexer (triton scores + topk)", FNATTN_ROW, shape,
-                          lambda: timed(run, graph=graph), tb))
     # the same keys cached as FP8 e4m3 with a scale per token (`IndexerConfig.key_dtype`): half the bytes read
     ix = IndexerConfig(num_heads=Hi, head_dim=Di, topk=topk, key_dtype="fp8_e4m3")
     stored, scales = ix.encode_keys(pages.flatten(0, 1))
-    pages8, scales8 = stored.view(pages.shape), scales.view(*pages.shape[:2], 1)
     k8, ks = ix.encode_keys(k)
-    run8 = lambda: indexer_topk(q, w, pages8, k8, b.block_table, sparse.request_of_token, b.cache_lens,  # noqa: E731
-                                b.cu_seqlens, b.positions, scale=Di ** -0.5, topk=topk, cache_scale=scales8,
-                                new_scale=ks)
-    tb8 = lambda us: {"tb_s": batch * (ctx + 1) * (Di + 4) / (us * 1e-6) / 1e12}  # noqa: E731
-    records.append(record(case, "fnattn indexer (triton scores + topk, fp8 keys)", FNATTN_ROW, shape,
-                          lambda: timed(run8, graph=graph), tb8))
-    # the same scores, the selection by sgl_kernel's radix select (`radix_select`; top-k 2048 only)
-    if topk == RADIX_TOPK:
-        radix = lambda: indexer_topk(q, w, pages, k, b.block_table, sparse.request_of_token, b.cache_lens,  # noqa: E731
-                                     b.cu_seqlens, b.positions, scale=Di ** -0.5, topk=topk, radix=True)
-        records.append(record(case, "fnattn indexer (triton scores + radix select)", FNATTN_ROW, shape,
-                              lambda: timed(radix, graph=graph), tb))
+    fp8 = dict(cache_scale=scales.view(*pages.shape[:2], 1), new_scale=ks)
+    keys = {"bf16": (pages, k, {}), "fp8": (stored.view(pages.shape), k8, fp8)}
+    key_bytes = {"bf16": batch * (ctx + 1) * Di * 2, "fp8": batch * (ctx + 1) * (Di + 4)}
+    run = lambda kind, radix: indexer_topk(q, w, keys[kind][0], keys[kind][1], *where, scale=Di ** -0.5,  # noqa: E731
+                                           topk=topk, radix=radix, **keys[kind][2])
+    # the peer: the FP8 keys' bytes at the copy bandwidth, plus fast_topk_v2 timed over the same scores
+    scores = indexer_scores_paged(q, w, keys["fp8"][0], k8, *where, scale=Di ** -0.5, **fp8)
+    floor_us = key_bytes["fp8"] / copy_bandwidth(scores.device) * 1e6
+    peer = {"case": case, "backend": FIELD_ROW, "peer": FIELD_ROW, "shape": shape, "logits_floor_us": floor_us}
+    if topk == RADIX_TOPK and not radix_reasons(scores, topk):
+        lengths = (b.positions + 1).clamp(max=scores.shape[1]).to(torch.int32)
+        picked = torch.full((batch, topk), -1, dtype=torch.int32, device=scores.device)
+        select = lambda: torch.ops.sgl_kernel.fast_topk(scores, picked, lengths, None)  # noqa: E731
+        records.append(record(case, "sgl_kernel fast_topk_v2 alone (over the FP8 keys' scores)", FIELD_ROW, shape,
+                              lambda: timed(select, graph=graph)))
+        if "time_us" in records[-1]:
+            peer["time_us"] = floor_us + records[-1]["time_us"]
+    records.append(peer)
+
+    def versus(kind, named):
+        def extra(us):
+            out = {"tb_s": key_bytes[kind] / (us * 1e-6) / 1e12, "ratio_to_field_h200": us / FIELD_H200_US}
+            if named:  # the issue's figure: the field's pipeline reads FP8 keys, at DeepSeek-V3.2's serving shape
+                out["indexer_vs_deepgemm"] = us / FIELD_H200_US
+            return out | ({"ratio_to_field": us / peer["time_us"]} if "time_us" in peer else {})
+        return extra
+
+    for kind in ("bf16", "fp8"):
+        for radix, how in ((True, "radix select where it serves, sorted by position (the default mode)"),
+                           (False, "ordered top-k (the invariant mode)")):
+            named = kind == "fp8" and radix and (batch, ctx) == (64, 32768)
+            records.append(record(case, f"fnattn indexer ({kind} keys, {how})", FIELD_ROW, shape,
+                                  lambda: timed(lambda: run(kind, radix), graph=graph), versus(kind, named)))
     return records

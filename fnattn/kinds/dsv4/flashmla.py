@@ -18,10 +18,10 @@ them from the model (``DSV4Config.padded_heads``), which pads its queries and
 slices the output back; the backend never knows the model's own head count.
 Lists go to the kernel padded with -1 to a multiple of 128.
 
-Decode advances every request's compressor and runs the indexer at once
-(`.decode`: shapes from the batch only, no host reads), so it is capturable
-and the top-k is computed inside the graph. Prefill and verify run the
-reference's compressor and indexer request by request (host loops).
+Every phase advances the compressors and runs the indexer for all of the
+step's tokens at once (`.batched`: shapes from the batch only, no host loop
+and no host read), so decode and verify are capturable and the top-k is
+computed inside the graph.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
+from .batched import compressor, last_positions, max_entries, token_requests, top_k
 from .config import DSV4Inputs, DSV4Output
-from .decode import compressor_step, decode_top_k, max_entries
-from .reference import _branch, _top_k
 
 LN2 = math.log(2.0)
 TOPK_BLOCK = 128
@@ -83,11 +82,7 @@ def _rows(batch, positions, req, valid):
 def sparse_step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str):
     c, batch = spec.config, inputs.meta.batch
     device, T, W, m = inputs.q.device, batch.num_tokens, c.sliding_window, c.compress_ratio
-    if phase == "decode":  # one token per request: no host tensor to build inside a captured step
-        req = torch.arange(batch.num_requests, device=device)
-    else:
-        lens = torch.tensor(batch.host_new_lens, device=device)
-        req = torch.repeat_interleave(torch.arange(batch.num_requests, device=device), lens)  # [T]
+    req = token_requests(batch)  # [T] from the device's cu_seqlens: no host tensor, so every phase can be captured
     pos = batch.positions.long()
     c0 = batch.cache_lens.long()[req]  # [T]
     cu = batch.cu_seqlens.long()[req]  # [T] first row of the token's request
@@ -97,27 +92,33 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str):
     fresh_w = torch.where(wpos >= c0[:, None], cu[:, None] + wpos - c0[:, None], torch.full_like(wpos, -1))
     parts = [(views.kv, cached_w)]
     step_rows, step_idx = [inputs.kv], [fresh_w]
-    per_token = phase == "verify" and batch.recovery != "replay"
     values, picks = {"kv": inputs.kv}, None
-    if m and phase == "decode":
-        ent, new_rows, fresh_e, more = _decode_compressor(spec, views, inputs, batch)
-        values.update(more)
-        picks = ent if c.indexer is not None else None
-        parts.append((views.comp, _rows(batch, ent * m + m - 1, req, (ent >= 0) & (ent < (c0 // m)[:, None]))))
-        step_rows.append(new_rows)
-        step_idx.append(fresh_e)
-    elif m:
-        ent, new_entries, more = _compressor_per_request(spec, views, inputs, batch, per_token)
-        values.update(more)
-        picks = ent if c.indexer is not None else None
+    if m:
+        # the compressor states after every token (native verify), after each request's last one (prefill,
+        # decode), or none (replay verify: the replay writes them)
+        if phase != "verify":
+            rings = (torch.arange(batch.num_requests, device=device), last_positions(batch))
+        else:
+            rings = None if batch.recovery == "replay" else (req, pos)
+        comp, comp_states = compressor(spec, views, batch, req, pos, kv_in=inputs.comp_kv, gate_in=inputs.comp_gate,
+                                       norm=inputs.comp_norm, inv_freq=inputs.comp_inv_freq, state="comp_state",
+                                       rings=rings)
+        values.update(comp=comp, **({"comp_state": comp_states} if rings is not None else {}))
+        if c.indexer is not None:
+            index_k, index_states = compressor(spec, views, batch, req, pos, kv_in=inputs.index_kv,
+                                               gate_in=inputs.index_gate, norm=inputs.index_norm,
+                                               inv_freq=inputs.comp_inv_freq, state="index_state", rings=rings)
+            ent = picks = top_k(views, batch, req, pos, inputs.index_q, inputs.index_w, index_k, c.indexer, m)
+            values.update(index_k=index_k, **({"index_state": index_states} if rings is not None else {}))
+        else:  # HCA: every entry the token sees
+            j = torch.arange(max_entries(batch, m), device=device)[None, :]
+            ent = torch.where(j < ((pos + 1) // m)[:, None], j, torch.full_like(j, -1))
         first_new = (c0 // m)[:, None]  # entries closed before the step: in the comp pool
-        cached_e = _rows(batch, ent * m + m - 1, req, (ent >= 0) & (ent < first_new))
-        counts = torch.tensor([e.shape[0] for e in new_entries], device=device)
-        offset = T + torch.cumsum(counts, 0) - counts  # row of each request's first new entry in the step array
-        fresh_e = torch.where(ent >= first_new, offset[req][:, None] + ent - first_new, torch.full_like(ent, -1))
-        parts.append((views.comp, cached_e))
-        step_rows += new_entries
-        step_idx.append(fresh_e)
+        parts.append((views.comp, _rows(batch, ent * m + m - 1, req, (ent >= 0) & (ent < first_new))))
+        # the step's own entries: the closing tokens' rows of the step's entry rows, after the T window rows
+        closer = cu[:, None] + ent * m + m - 1 - c0[:, None]
+        step_rows.append(comp)
+        step_idx.append(torch.where(ent >= first_new, T + closer, torch.full_like(ent, -1)))
     parts.append((torch.cat(step_rows), torch.cat(step_idx, dim=1)))
     os, lses = [], []
     for kv, idx in parts:
@@ -129,66 +130,7 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str):
     out = DSV4Output(o=o.to(spec.dtype), topk_indices=picks)
     if phase == "verify" and m:
         out = replace(out, replay=replace(inputs, meta=None))
-        if batch.recovery == "replay":
-            values = {k: v for k, v in values.items() if k not in ("comp_state", "index_state")}
     return out, writes(**values)
-
-
-def _compressor_per_request(spec, views, inputs, batch, per_token: bool):
-    """Prefill and verify: the reference's compressor and indexer, request by request.
-
-    ``-> (entry ids [T, E] each token attends, -1 padded; each request's new entries; writes)``."""
-    c, device, m = spec.config, inputs.q.device, spec.config.compress_ratio
-    cu_host = batch.host_cu_seqlens
-    comp_rows, comp_states, index_rows, index_states, picked, new_entries = [], [], [], [], [], []
-    for b in range(batch.num_requests):
-        rows = slice(cu_host[b], cu_host[b + 1])
-        br = _branch(spec, views, batch, b, rows, kv_in=inputs.comp_kv, gate_in=inputs.comp_gate,
-                     norm=inputs.comp_norm, inv_freq=inputs.comp_inv_freq, store="comp", state="comp_state",
-                     per_token_states=per_token)
-        comp_rows.append(br.new_rows)
-        comp_states.append(br.states)
-        c0, n, E = batch.host_cache_lens[b], batch.host_new_lens[b], br.entries.shape[0]
-        new_entries.append(br.entries[c0 // m:])
-        q_pos = torch.arange(c0, c0 + n, device=device)
-        visible = torch.arange(E, device=device)[None, :] < ((q_pos + 1) // m)[:, None]  # [n, E]
-        if c.indexer is not None:
-            ix = _branch(spec, views, batch, b, rows, kv_in=inputs.index_kv, gate_in=inputs.index_gate,
-                         norm=inputs.index_norm, inv_freq=inputs.comp_inv_freq, store="index_k",
-                         state="index_state", per_token_states=per_token)
-            index_rows.append(ix.new_rows)
-            index_states.append(ix.states)
-            picked.append(_top_k(inputs, rows, ix.entries, visible, c.indexer))  # [n, topk]
-        else:
-            picked.append(torch.where(visible, torch.arange(E, device=device)[None, :], -1))
-    width = max(p.shape[1] for p in picked)
-    ent = torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in picked])  # [T, width]
-    more = {"comp": torch.cat(comp_rows), "comp_state": torch.cat(comp_states)}
-    if c.indexer is not None:
-        more.update(index_k=torch.cat(index_rows), index_state=torch.cat(index_states))
-    return ent, new_entries, more
-
-
-def _decode_compressor(spec, views, inputs, batch):
-    """Decode, every request at once (`.decode`): ``-> (entry ids [B, E], the new entries [B, D], their
-    rows in the step array [B, E], writes)``."""
-    c, B, m = spec.config, batch.num_requests, spec.config.compress_ratio
-    c0 = batch.cache_lens.long()
-    entry, closes, ring = compressor_step(spec, views, batch, kv_in=inputs.comp_kv, gate_in=inputs.comp_gate,
-                                          norm=inputs.comp_norm, inv_freq=inputs.comp_inv_freq, state="comp_state")
-    more = {"comp": entry, "comp_state": ring}
-    if c.indexer is not None:
-        ientry, _, iring = compressor_step(spec, views, batch, kv_in=inputs.index_kv, gate_in=inputs.index_gate,
-                                           norm=inputs.index_norm, inv_freq=inputs.comp_inv_freq,
-                                           state="index_state")
-        ent = decode_top_k(views, batch, inputs.index_q, inputs.index_w, ientry, closes, c.indexer, m)
-        more.update(index_k=ientry, index_state=iring)
-    else:
-        j = torch.arange(max_entries(batch, m), device=c0.device)[None, :]
-        ent = torch.where(j < ((c0 + 1) // m)[:, None], j, torch.full_like(j, -1))
-    own = (ent == (c0 // m)[:, None]) & closes[:, None]  # the entry the token closes: row B + b of the step array
-    fresh = torch.where(own, B + torch.arange(B, device=c0.device)[:, None], torch.full_like(ent, -1))
-    return ent, entry, fresh, more
 
 
 def _merge_with_sink(os, lses, sinks):
@@ -215,6 +157,6 @@ def decode(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Outpu
     return sparse_step(spec, views, inputs, "decode")
 
 
-@register("dsv4", "verify", "flashmla", supports=supports)
+@register("dsv4", "verify", "flashmla", supports=supports, capturable=True)
 def verify(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Output, Writes]:
     return sparse_step(spec, views, inputs, "verify")

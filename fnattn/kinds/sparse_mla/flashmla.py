@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ...apply import capturing
 from ...deltas import Writes, writes
+from ...kernels.invariant import invariant_on
 from ...lanes import in_static_step
 from ...registry import register
 from ...spec import LayerSpec
@@ -45,20 +46,23 @@ _ONE_PASS = declare(
     why="a B64 sparse MLA layer on the H200 took 113.5 against 165.2 us through the torch form")
 
 
-# bench_mla_sparse_indexer.json (988bab1): the indexer 311.5 against 353.6 us with it, but where more than 16384 of a
-# row's scores share its first pass's bin it keeps another set than torch.topk, not the same every run: off
+# bench_mla_sparse_indexer.json (988bab1): the indexer 311.5 against 353.6 us with it (its picks then sorted by torch's
+# segmented sort; `fnattn.kernels.sort_positions` now sorts them in one launch, not yet timed on the H200)
 _RADIX = declare(
     "radix_select", False, __name__,
-    on="a layer's own top-k of 2048 is selected by sgl_kernel's radix select (`fnattn.kernels.radix_topk`)",
+    on="a layer's own top-k of 2048 is selected by sgl_kernel's radix select (`fnattn.kernels.radix_topk`), its "
+       "picks sorted by position in one launch; the invariant mode keeps the ordered top-k",
     off="`fnattn.kernels.indexer.ordered_topk`: torch.topk over keys of score then earlier position",
     why="the indexer took 311.5 against 353.6 us with it, but where more than 16384 of a row's scores share "
-        "its first pass's bin it keeps another set than torch.topk, not the same every run: off")
+        "its first pass's bin it keeps another set than torch.topk, not the same every run: off until the "
+        "one-launch sort is timed on the H200")
 
 
 def radix_select(enabled: bool):
     """Within this block a layer's own top-k (2048) is selected by sgl_kernel's radix select
-    (`fnattn.kernels.radix_topk`: the same set as ``torch.topk``'s, ordered by position) instead of
-    ``torch.topk``; other top-k sizes keep ``torch.topk``."""
+    (`fnattn.kernels.radix_topk`: the same set as ``torch.topk``'s where scores are distinct, ordered by
+    position; the default outside the invariant mode) or by `fnattn.kernels.indexer.ordered_topk`; other top-k
+    sizes keep the ordered top-k."""
     return switched(_RADIX, "radix_select", enabled)
 
 
@@ -114,7 +118,8 @@ def select(spec, views: Views, inputs: SparseMLAInputs, index_values: dict) -> t
     scales = dict(cache_scale=views.index_k_scale, new_scale=index_values["index_k_scale"]) if ix.fp8_keys else {}
     return indexer_topk(inputs.index_q, inputs.index_w, views.index_k, index_values["index_k"], b.block_table,
                         inputs.sparse.request_of_token, b.cache_lens, b.cu_seqlens, b.positions,
-                        scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk, radix=_RADIX[-1], **scales)
+                        scale=ix.head_dim ** -0.5, topk=inputs.sparse.topk, radix=_RADIX[-1] and not invariant_on(),
+                        **scales)
 
 
 def sparse_kernel(q, kv, indices, scale, R, *, natural: bool = True):

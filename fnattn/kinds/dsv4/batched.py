@@ -1,0 +1,216 @@
+"""DeepSeek-V4's compressors and CSA indexer for a whole step at once: every phase, no host loop, no host read.
+
+The reference pools windows request by request on the host. Here every token of the step is handled at once,
+with shapes fixed by the batch (its tokens ``T``, requests ``B`` and block table), so a step can be captured:
+
+* a token at position ``p`` closes window ``w = (p + 1) // m - 1`` when ``(p + 1) % m == 0``; the entry pools the
+  ``L = overlap * m`` raw rows of positions ``p - L + 1 .. p`` (CSA: the previous window's first halves, then
+  this one's second halves). A row at or past its request's cache length is one of the step's own rows, one
+  below it is in the request's ring (which holds the ``L`` positions before the step), one before position 0
+  is kv 0 and gate -inf. Only closing tokens are pooled: at most ``T // m + B``, gathered on the device;
+* the ring after a token holds the same ``L`` rows, slot ``q % L`` for position ``q`` (zeros before 0);
+* a token sees ``(p + 1) // m`` entries: those closed before the step are read at their closing tokens' rows in
+  the pool, the step's own at their closing tokens' rows of the step's entry rows (the rows it writes: zeros
+  but at closing tokens), which is why the step's rows are ``m`` apart for the indexer;
+* the CSA indexer keeps each token's top-k of the entries it sees.
+
+Same values as the reference to rounding; the states are copies of the same raw rows, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...kernels.indexer import ordered_topk
+from .math import rms_norm_fp32w, rope_cos_sin, rope_tail
+
+
+def token_requests(batch) -> Tensor:
+    """``[T]`` the request (batch row) of each new token, from the device's ``cu_seqlens``."""
+    cu = batch.cu_seqlens.long()
+    tokens = torch.arange(batch.positions.shape[0], device=cu.device)
+    return torch.searchsorted(cu[1:], tokens, right=True)
+
+
+def last_positions(batch) -> Tensor:
+    """``[B]`` each request's last position after the step (``cache_len - 1`` for a request without new tokens)."""
+    cu = batch.cu_seqlens.long()
+    return batch.cache_lens.long() + (cu[1:] - cu[:-1]) - 1
+
+
+def raw_rows(views, batch, req: Tensor, pos: Tensor, *, kv_in: Tensor, gate_in: Tensor, state: str, L: int):
+    """``-> (kv, gate)`` ``[R, L, CD]`` fp32: the raw rows of positions ``pos - L + 1 .. pos`` of request ``req``
+    (``[R]`` each), in position order; kv 0 and gate -inf before position 0."""
+    c0 = batch.cache_lens.long()[req][:, None]  # [R, 1]
+    cu = batch.cu_seqlens.long()[req][:, None]
+    q = pos[:, None] - L + 1 + torch.arange(L, device=pos.device)[None, :]  # [R, L]
+    fresh = q >= c0
+    step_row = (cu + q - c0).clamp(0, max(kv_in.shape[0] - 1, 0))
+    ring = views[state].flatten(0, 1)  # [slots * L, 2, CD]: slot q % L of a request's ring holds position q
+    old = ring[batch.recurrent_slots.long()[req][:, None] * L + q.remainder(L)]  # [R, L, 2, CD]
+    kv = torch.where(fresh[..., None], kv_in[step_row].float(), old[..., 0, :])
+    gate = torch.where(fresh[..., None], gate_in[step_row].float(), old[..., 1, :])
+    live = (q >= 0)[..., None]
+    return torch.where(live, kv, torch.zeros_like(kv)), torch.where(live, gate, torch.full_like(gate, float("-inf")))
+
+
+def _pool(kv: Tensor, gate: Tensor, m: int, ov: int) -> Tensor:
+    """`pool_windows` of one window a row: ``kv``/``gate`` ``[R, L, CD]`` in position order -> ``[R, D]``."""
+    D = kv.shape[-1] // ov
+    if ov == 1:
+        w_kv, w_gate = kv, gate
+    else:
+        w_kv = torch.cat((kv[:, :m, :D], kv[:, m:, D:]), dim=1)  # [R, 2m, D]
+        w_gate = torch.cat((gate[:, :m, :D], gate[:, m:, D:]), dim=1)
+    weights = w_gate.softmax(dim=1, dtype=torch.float32).to(w_kv.dtype)
+    return (w_kv * weights).sum(dim=1)
+
+
+def _closing_tokens(pos: Tensor, m: int, B: int) -> tuple[Tensor, Tensor]:
+    """``-> (tokens [K], valid [K])``: the step's tokens that close a window, first to last, in ``K = min(T,
+    T // m + B)`` places (a request of ``n`` tokens closes at most ``n // m + 1``); the places past them hold
+    token 0, not valid."""
+    T = pos.shape[0]
+    K = min(T, T // m + B)
+    closes = (pos + 1).remainder(m) == 0
+    place = torch.where(closes, torch.cumsum(closes.long(), 0) - 1, K)  # the ones that close none: a spare place
+    tokens = torch.zeros(K + 1, dtype=torch.long, device=pos.device)
+    tokens = tokens.scatter(0, place, torch.arange(T, device=pos.device))[:K]
+    return tokens, torch.arange(K, device=pos.device) < closes.sum()
+
+
+def compressor(spec, views, batch, req: Tensor, pos: Tensor, *, kv_in: Tensor, gate_in: Tensor, norm: Tensor,
+               inv_freq: Tensor, state: str, rings: tuple[Tensor, Tensor] | None):
+    """One compressor (the attention's or the CSA indexer's) over the step: ``-> (entry rows [T, D]: the entry a
+    token closes, zeros where it closes none; the rings after positions ``rings = (requests [R], positions
+    [R])`` as ``[R, L, 2, CD]``, or None)``."""
+    c = spec.config
+    m, L, ov = c.compress_ratio, c.ring_len, c.overlap
+    T, D = pos.shape[0], kv_in.shape[-1] // ov
+    rows = dict(kv_in=kv_in, gate_in=gate_in, state=state, L=L)
+    tokens, valid = _closing_tokens(pos, m, batch.num_requests)
+    kv, gate = raw_rows(views, batch, req[tokens], pos[tokens], **rows)
+    pooled = _pool(kv.to(spec.dtype), gate, m, ov)  # [K, D]
+    window = (pos[tokens] + 1) // m - 1
+    cos, sin = rope_cos_sin(window.clamp(min=0) * m, inv_freq, spec.dtype)
+    entries = rope_tail(rms_norm_fp32w(pooled, norm, c.norm_eps), cos, sin)  # [K, D]
+    out = torch.zeros(T + 1, D, dtype=entries.dtype, device=pos.device)  # row T: the places past the closers
+    out = out.index_copy(0, torch.where(valid, tokens, T), entries)[:T]
+    if rings is None:
+        return out, None
+    r_req, r_pos = rings
+    kv, gate = raw_rows(views, batch, r_req, r_pos, **rows)  # [R, L, CD] in position order
+    held = torch.stack((kv, gate), dim=2)  # [R, L, 2, CD]
+    # slot s holds position p - ((p - s) mod L), at place L - 1 - ((p - s) mod L) of the position order
+    s = torch.arange(L, device=pos.device)[None, :]
+    place = L - 1 - (r_pos[:, None] - s).remainder(L)  # [R, L]
+    held = held.gather(1, place[:, :, None, None].expand(-1, -1, 2, held.shape[-1]))
+    before_zero = (r_pos[:, None] - (r_pos[:, None] - s).remainder(L)) < 0
+    return out, torch.where(before_zero[:, :, None, None], torch.zeros_like(held), held)
+
+
+def max_entries(batch, m: int) -> int:
+    """Entries any request of the batch's block table could hold: a bound from shapes only."""
+    return batch.block_table.shape[1] * batch.page_size // m
+
+
+def paged_reasons(views, batch, index_q: Tensor, m: int) -> list[str]:
+    """Why `top_k` scores with its torch form here (empty: with the paged Triton indexer)."""
+    from ..availability import package_missing
+
+    reasons = package_missing("triton")
+    if not index_q.is_cuda:
+        reasons.append("the paged indexer kernel runs on CUDA")
+    if batch.page_size % m:
+        reasons.append(f"a page of {batch.page_size} tokens holds no whole number of entries of {m}")
+    if views.index_k.dim() != 3:
+        reasons.append(f"index_k: expected pages [P, S, Di], got {tuple(views.index_k.shape)}")
+    return reasons
+
+
+def _first_rows(batch, m: int) -> Tensor:
+    """``[B + 1]`` the step's entry row of each request's first new entry (``cu + first * m + m - 1 - c0``),
+    the last one a spare: the form of ``cu_seqlens`` `indexer_scores_paged` takes, its rows ``m`` apart."""
+    c0, cu = batch.cache_lens.long(), batch.cu_seqlens.long()
+    first = cu[:-1] + (c0 // m) * m + m - 1 - c0
+    return torch.cat((first, cu[-1:]))
+
+
+def paged_scores(views, batch, req: Tensor, pos: Tensor, index_q: Tensor, index_w: Tensor, entry_rows: Tensor,
+                 ix, m: int) -> Tensor:
+    """``[T, E]`` scores (``-inf``: not visible) by `fnattn.kernels.indexer_scores_paged`: an entry's key is the
+    row of its closing token, every ``m``-th row of a page from row ``m - 1``, so the pages seen ``m`` rows at a
+    time are pages of ``S / m`` entries under the same block table; the step's own entries are every ``m``-th
+    of its entry rows (``fresh_stride``)."""
+    from ...kernels.indexer import indexer_scores_paged
+
+    return indexer_scores_paged(index_q, index_w, views.index_k[:, m - 1::m], entry_rows.to(views.index_k.dtype),
+                                batch.block_table, req, batch.cache_lens.long() // m, _first_rows(batch, m),
+                                (pos + 1) // m - 1, scale=ix.head_dim ** -0.5, fresh_stride=m)
+
+
+def gathered_scores(views, batch, req: Tensor, pos: Tensor, index_q: Tensor, index_w: Tensor, entry_rows: Tensor,
+                    ix, m: int) -> Tensor:
+    """`paged_scores` in torch, over every entry's key gathered for every token (``[T, E, Di]``: for the CPU)."""
+    E, S = max_entries(batch, m), batch.page_size
+    j = torch.arange(E, device=pos.device)[None, :]  # [1, E]
+    c = (batch.cache_lens.long() // m)[req][:, None]  # [T, 1] entries in the cache
+    cached, visible = j < c, j < ((pos + 1) // m)[:, None]  # [T, E]
+    closer = j * m + m - 1  # [1, E] the closing token's position
+    page = batch.block_table.long()[req[:, None], (closer // S).expand(len(req), -1)]
+    pool = views.index_k.reshape(-1, views.index_k.shape[-1])
+    keys = pool[torch.where(cached, page * S + closer % S, 0)]  # [T, E, Di]
+    fresh_row = (_first_rows(batch, m)[req][:, None] + (j - c) * m).clamp(0, entry_rows.shape[0] - 1)
+    keys = torch.where(cached[..., None], keys, entry_rows[fresh_row].to(keys.dtype))
+    keys = torch.where(visible[..., None], keys, torch.zeros_like(keys))  # never a null page's rows
+    s = torch.relu(torch.einsum("thd,ted->the", index_q.float(), keys.float())) * ix.head_dim ** -0.5
+    return (s * index_w.float()[:, :, None]).sum(dim=1).masked_fill(~visible, float("-inf"))  # [T, E]
+
+
+def _radix_entries(scores: Tensor, visible: Tensor, tables: Tensor, entries_a_page: int, topk: int):
+    """sgl_kernel's DeepSeek-V4 selection (``deepseek_v4_topk_transform_512``, top-k up to 1024) over ``scores``:
+    each row's entry ids sorted latest first, -1 after them (None where it cannot serve)."""
+    from ...kernels.indexer import sgl_kernel_loaded, sort_positions
+
+    if topk > 1024 or entries_a_page & (entries_a_page - 1) or not sgl_kernel_loaded():
+        return None
+    T = scores.shape[0]
+    lengths = visible.to(torch.int32)
+    slots = torch.full((T, topk), -1, dtype=torch.int32, device=scores.device)
+    raw = torch.full((T, topk), -1, dtype=torch.int32, device=scores.device)
+    torch.ops.sgl_kernel.deepseek_v4_topk_transform_512(scores, lengths, tables, slots, entries_a_page, raw)
+    raw = torch.where((raw >= 0) & (raw < lengths[:, None]), raw, torch.full_like(raw, -1))
+    return sort_positions(raw)
+
+
+def ordered(scores: Tensor, topk: int) -> Tensor:
+    """The ``topk`` best finite scores of each row, best first, -1 padded; ties to the earlier entry, however
+    wide the batch's block table (`ordered_topk`)."""
+    k = min(topk, scores.shape[1])
+    top = ordered_topk(scores, k)
+    top = torch.where(torch.isfinite(scores.gather(1, top)), top, torch.full_like(top, -1))
+    if k < topk:
+        top = torch.nn.functional.pad(top, (0, topk - k), value=-1)
+    return top
+
+
+def top_k(views, batch, req: Tensor, pos: Tensor, index_q: Tensor, index_w: Tensor, entry_rows: Tensor, ix,
+          m: int) -> Tensor:
+    """``[T, topk]`` entry ids each token attends (-1 padded), over the cached index keys and the step's own.
+
+    On CUDA the scores come from the paged Triton indexer (`paged_scores`: no ``[T, E, Di]`` gather of the keys)
+    and, outside the invariant mode, the selection from sgl_kernel's DeepSeek-V4 top-k, its picks sorted by entry;
+    elsewhere the torch form (`gathered_scores`) and the selection that breaks ties to the earlier entry."""
+    from ...kernels.invariant import invariant_on
+
+    args = (views, batch, req, pos, index_q, index_w, entry_rows, ix, m)
+    if paged_reasons(views, batch, index_q, m):
+        return ordered(gathered_scores(*args), ix.topk)
+    scores = paged_scores(*args)
+    if not invariant_on():
+        tables = batch.block_table.to(torch.int32)[req].contiguous()  # the kernel reads a page table a row
+        picked = _radix_entries(scores, (pos + 1) // m, tables, batch.page_size // m, ix.topk)
+        if picked is not None:
+            return picked
+    return ordered(scores, ix.topk)
