@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...kernels.indexer import ordered_topk
+from ...kernels.indexer import _topk
 from .math import rms_norm_fp32w, rope_cos_sin, rope_tail
 
 
@@ -186,13 +186,8 @@ def _radix_entries(scores: Tensor, visible: Tensor, tables: Tensor, entries_a_pa
 
 def ordered(scores: Tensor, topk: int) -> Tensor:
     """The ``topk`` best finite scores of each row, best first, -1 padded; ties to the earlier entry, however
-    wide the batch's block table (`ordered_topk`)."""
-    k = min(topk, scores.shape[1])
-    top = ordered_topk(scores, k)
-    top = torch.where(torch.isfinite(scores.gather(1, top)), top, torch.full_like(top, -1))
-    if k < topk:
-        top = torch.nn.functional.pad(top, (0, topk - k), value=-1)
-    return top
+    wide the batch's block table (`fnattn.kernels.indexer`'s own selection)."""
+    return _topk(scores, topk)
 
 
 def top_k(views, batch, req: Tensor, pos: Tensor, index_q: Tensor, index_w: Tensor, entry_rows: Tensor, ix,
