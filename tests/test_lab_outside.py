@@ -61,7 +61,7 @@ def test_the_library_never_imports_the_benchmarks():
 
 def test_the_standard_cases_live_in_the_bench_package():
     cases = {p.stem for p in (ROOT / "fnattn" / "bench" / "cases").glob("*.py")} - {"__init__"}
-    assert cases == {"full", "mla", "sparse_mla", "delta_rule"}
+    assert cases == {"full", "mla", "sparse_mla", "delta_rule", "dsv4"}
     cli = _imported(ROOT / "fnattn" / "bench" / "cli.py", "fnattn.bench")
     assert {f"fnattn.bench.cases.{c}" for c in cases} <= cli  # every case module is reached by `fnattn bench`
 

@@ -117,22 +117,27 @@ def conv_cases():
 
 
 def indexer_cases():
-    from fnattn.kernels.indexer import _scores_kernel
+    from fnattn.kernels.indexer import _scores_kernel, _sort_rows_kernel
 
     ptr = {p: "*bf16" for p in ("q_ptr", "kc_ptr", "kn_ptr")}
     ptr.update(w_ptr="*fp32", bt_ptr="*i32", req_ptr="*i64", cl_ptr="*i32", cu_ptr="*i32", pos_ptr="*i64",
                out_ptr="*fp32")
-    base = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_N=128, BLOCKS=1, FP8=False, PRECISION="tf32")  # V3.2's 64 heads of 128
+    # V3.2's 64 heads of 128
+    base = dict(BLOCK_H=64, BLOCK_D=128, BLOCK_N=128, SPLIT=512, FP8=False, KEYS_MAJOR=True, PRECISION="tf32")
     fp8 = {**ptr, "kc_ptr": "*fp8e4nv", "kn_ptr": "*fp8e4nv", "cs_ptr": "*fp32", "ns_ptr": "*fp32"}
     for name, (change, pointers) in {
-            "indexer scores": ({}, ptr), "indexer scores, 128 x 4 a program": (dict(BLOCK_N=128, BLOCKS=4), ptr),
-            "indexer scores, 256 a dot": (dict(BLOCK_N=256), ptr),
+            "indexer scores": ({}, ptr), "indexer scores, heads-major dot": (dict(KEYS_MAJOR=False), ptr),
+            "indexer scores, 256 a dot": (dict(BLOCK_N=256, SPLIT=2048), ptr),
             "indexer scores, fp8 keys": (dict(FP8=True), fp8),
-            "indexer scores, fp32 queries (an IEEE dot)": (dict(PRECISION="ieee", BLOCK_H=16, BLOCK_D=32, BLOCK_N=16),
+            "indexer scores, fp32 queries (an IEEE dot)": (dict(PRECISION="ieee", BLOCK_H=16, BLOCK_D=32, BLOCK_N=16,
+                                                                SPLIT=16),
                                                            {**ptr, "q_ptr": "*fp32", "kc_ptr": "*fp32",
                                                             "kn_ptr": "*fp32"})}.items():
         yield name, lambda c={**base, **change}, p=pointers: compile_for_hopper(_scores_kernel, c, p,
                                                                                floats=("scale",))
+    for block in (512, 4096):
+        yield f"sort positions, {block} a row", lambda b=block: compile_for_hopper(
+            _sort_rows_kernel, dict(BLOCK=b), {"x_ptr": "*i32", "out_ptr": "*i64"})
 
 
 def absorb_cases():
