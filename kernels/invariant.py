@@ -13,7 +13,8 @@ through `attention_naive.latent_attention_fixed_order`; a sparse token over exac
 ascending position, the indexer scoring on fixed shapes), of DeepSeek-V4 (`fnattn.kinds.dsv4.math`
 `attend_sinks_fixed_order`); the CPU sdpa backends hand a step to them. The recurrent kinds (GDN, KDA) run
 prefill token by token as decode and verify do (`fnattn.kinds.delta_rule.reference.per_request`), and GDN's
-per-head gates are computed on rows padded to whole vector blocks (`row_aligned`).
+per-head gates are computed on rows padded to whole vector blocks (`row_aligned`). The models' projections
+(`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`).
 
 Importing it imports neither torch nor triton.
 """
@@ -59,3 +60,20 @@ def row_aligned(fn, *rows):
     pad = -width % ROW_ALIGN
     out = fn(*(F.pad(r, (0, pad)) for r in rows))
     return tuple(o[..., :width] for o in out) if isinstance(out, tuple) else out[..., :width]
+
+
+def linear_rows(x, w, bias=None):
+    """``F.linear(x, w, bias)`` with every row its own one-row product: a row's bits whatever the number of rows.
+
+    Torch's CPU GEMM picks its blocking (and so the order it sums over K) from the row count for some shapes:
+    on an AVX-512 machine a ``[4, 64] @ [64, 64]`` bf16 product and four ``[1, 64]`` products differ in the last
+    bit, and so would a verify's projections and the decode steps'. One row at a time always runs the one-row
+    kernel, the order a decode step's product has."""
+    import torch
+    import torch.nn.functional as F
+
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= 1:
+        return F.linear(x, w, bias)
+    y = torch.cat([F.linear(rows[i:i + 1], w, bias) for i in range(rows.shape[0])])
+    return y.view(*x.shape[:-1], w.shape[0])

@@ -29,6 +29,7 @@ from .norm_rope import llama3_inv_freq as llama3_inv_freq
 from .norm_rope import rms_norm as rms_norm
 from .norm_rope import rope_cos_sin as rope_cos_sin
 from .norm_rope import rope_inv_freq as rope_inv_freq
+from .norm_rope import row_linear
 
 
 def check_tokens(owner: str, tokens: Int[Tensor, " T"], vocab_size: int) -> None:
@@ -258,10 +259,10 @@ def experts(
     ``limit`` clips the pre-activations (gate above, up both ways; DeepSeek-V4's ``swiglu_limit``).
     """
     def run(e, xs):
-        g, u = F.linear(xs, gate_up[e]).chunk(2, dim=-1)
+        g, u = row_linear(xs, gate_up[e]).chunk(2, dim=-1)
         if limit is not None:
             g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-        return F.linear(F.silu(g) * u, down[e])
+        return row_linear(F.silu(g) * u, down[e])
 
     def combine(y, w):
         return y * w.to(y.dtype)

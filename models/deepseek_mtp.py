@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -34,6 +33,7 @@ from fnattn.checks import checked
 from . import deepseek_v32 as ds
 from .common import check_tokens, logit_rows, rms_norm, rope_cos_sin
 from .mtp import DraftModel, check_step_inputs, draft_weights
+from .norm_rope import row_linear
 
 
 def nextn_config(cfg: ds.DeepseekConfig) -> ds.DeepseekConfig:
@@ -105,13 +105,13 @@ def step(params: NextNParams, session, tokens: Int[Tensor, " T"], hidden: Float[
     eps = cfg.rms_norm_eps
     e = rms_norm(params.embed[tokens], params.enorm, eps)  # [T, D]
     h = rms_norm(hidden.to(e.dtype), params.hnorm, eps)  # [T, D]
-    x = F.linear(torch.cat([e, h], dim=-1), params.eh_proj)  # [T, D]
+    x = row_linear(torch.cat([e, h], dim=-1), params.eh_proj)  # [T, D]
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq, attention_scaling=params.attention_scaling,
                             dtype=x.dtype)  # [T, Dr]
     sparse = SparseQueryMetadata.build(batch, topk=cfg.indexer.topk) if cfg.indexer is not None else None
     x, deltas = ds.decoder_layer(session, params.layer_index, params.layer, cfg, x, cos, sin, sparse, {})
     out = rms_norm(x, params.norm, eps)  # [T, D]
-    return F.linear(logit_rows(batch, out), params.head).float(), out, StepDeltas.collect(batch, [deltas])
+    return row_linear(logit_rows(batch, out), params.head).float(), out, StepDeltas.collect(batch, [deltas])
 
 
 ds.draft.register(draft)  # the target family reaches its draft through this (it cannot import this module)

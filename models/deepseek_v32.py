@@ -21,7 +21,6 @@ from functools import cached_property
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -54,6 +53,7 @@ from .common import (
 from .dsa_layer import INDEXER_ROPE_INTERLEAVE, IndexerWeights, indexer_keys, indexer_queries, topk_source_layers
 from .mla_layer import MLAWeights, mla_project, mla_shapes, mla_softmax_scale, pad_heads, padded_kv_b, unpad_heads
 from .mtp import DraftHook
+from .norm_rope import row_linear
 from .registry import Family, register_family
 
 _MISSING = object()
@@ -418,7 +418,7 @@ def load_layer(cfg: DeepseekConfig, weights, i: int) -> Layer:
 
 def moe(block: MoE, cfg: MoEConfig, x: Float[Tensor, "T D"]) -> Float[Tensor, "T D"]:
     """Routed experts plus the always-on shared experts."""
-    scores = F.linear(x.float(), block.router.float()).sigmoid()  # [T, E], fp32 as the HF router
+    scores = row_linear(x.float(), block.router.float()).sigmoid()  # [T, E], fp32 as the HF router
     ids, w = grouped_topk(scores, block.bias.float(), cfg.num_experts_per_tok, n_group=cfg.n_group,
                           topk_group=cfg.topk_group, normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
     # fp32 weights, cast after, as HF does
@@ -456,7 +456,7 @@ def decoder_layer(session, i: int, layer: Layer, cfg: DeepseekConfig, x: Float[T
         session.record(f"indexer_topk_{i}", out.topk_indices)  # a generated lane of a captured step
     # o_proj and the MLPs' down projections are row-parallel under TP (models/tp.py)
     o = unpad_heads(out.o, layer.attn.num_heads)  # drop the kernels' padding heads (`padded_heads`)
-    x = x + all_reduce(F.linear(o.reshape(x.shape[0], -1), layer.attn.o_proj, layer.attn.o_proj_bias))
+    x = x + all_reduce(row_linear(o.reshape(x.shape[0], -1), layer.attn.o_proj, layer.attn.o_proj_bias))
     h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
     return x + all_reduce(layer.mlp(h) if isinstance(layer.mlp, SwiGLU) else moe(layer.mlp, cfg.moe, h)), deltas
 
@@ -479,7 +479,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
         layer_deltas.append(deltas)
     hidden = rms_norm(x, params.norm, cfg.rms_norm_eps)  # [T, D]
     # The cursor advances once, after every layer has read the state.
-    return F.linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    return row_linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked

@@ -34,6 +34,7 @@ from .dsv4_layer import AttnWeights, attention_inputs, output_projection, unweig
 from .dsv4_layer import rope_tables as cos_sin
 from .mla_layer import unpad_heads
 from .mtp import DraftHook
+from .norm_rope import row_linear
 from .registry import Family, register_family
 
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -356,7 +357,7 @@ def hyper(hc: HC, streams: Float[Tensor, "T N D"], cfg: DeepseekV4Config):
     """mHC weights of a block: ``-> (post [T, N], comb [T, N, N], collapsed input [T, D])``, fp32 weights."""
     T, N = streams.shape[:2]
     flat = unweighted_norm(streams.reshape(T, -1).float(), cfg.rms_norm_eps)
-    mix = F.linear(flat, hc.fn)
+    mix = row_linear(flat, hc.fn)
     pre_w, post_w, comb_w = mix.split([N, N, N * N], dim=-1)
     pre_b, post_b, comb_b = hc.base.split([N, N, N * N])
     pre_s, post_s, comb_s = hc.scale.unbind(0)
@@ -378,7 +379,7 @@ def merge(post: Tensor, comb: Tensor, out: Float[Tensor, "T D"], streams: Float[
 
 
 def moe(block: MoE, cfg: DeepseekV4Config, x: Float[Tensor, "T D"], tokens: Tensor) -> Float[Tensor, "T D"]:
-    scores = SCORING[cfg.scoring_func](F.linear(x, block.router))  # [T, E]
+    scores = SCORING[cfg.scoring_func](row_linear(x, block.router))  # [T, E]
     if block.tid2eid is None:
         ids, w = grouped_topk(scores, block.bias, cfg.num_experts_per_tok, n_group=1, topk_group=1,
                               normalize=True, scaling=cfg.routed_scaling_factor)
@@ -389,7 +390,7 @@ def moe(block: MoE, cfg: DeepseekV4Config, x: Float[Tensor, "T D"], tokens: Tens
     routed = experts(x, ids, w, block.experts.gate_up, block.experts.down, limit=cfg.swiglu_limit)
     g, u, d = block.shared
     lim = cfg.swiglu_limit
-    shared = F.linear(F.silu(F.linear(x, g).clamp(max=lim)) * F.linear(x, u).clamp(min=-lim, max=lim), d)
+    shared = row_linear(F.silu(row_linear(x, g).clamp(max=lim)) * row_linear(x, u).clamp(min=-lim, max=lim), d)
     return routed + shared
 
 
@@ -417,7 +418,7 @@ def collapse(head_hc: tuple[Tensor, Tensor, Tensor], norm: Tensor, streams: Floa
     """The hyper head (learned ``pre`` weights over the streams), then the final norm."""
     fn, base, scale = head_hc
     flat = unweighted_norm(streams.flatten(1).float(), cfg.rms_norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + cfg.hc_eps  # [T, N]
+    pre = torch.sigmoid(row_linear(flat, fn) * scale + base) + cfg.hc_eps  # [T, N]
     return rms_norm_fp32w((pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype), norm, cfg.rms_norm_eps)
 
 
@@ -438,7 +439,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                                         params.inv_freq_compress, tokens)
         layer_deltas.append(deltas)
     hidden = collapse(params.head_hc, params.norm, streams, cfg)
-    return F.linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    return row_linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked

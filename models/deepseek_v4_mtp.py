@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -35,6 +34,7 @@ from . import deepseek_v4 as v4
 from .common import check_tokens, logit_rows
 from .dsv4_layer import rope_tables as cos_sin
 from .mtp import DraftModel, check_step_inputs, draft_weights
+from .norm_rope import row_linear
 
 PREFIX = "mtp.0."
 
@@ -97,7 +97,7 @@ def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Te
     eps = cfg.rms_norm_eps
     e = rms_norm_fp32w(params.embed[tokens], params.enorm, eps)
     h = rms_norm_fp32w(hidden.to(e.dtype), params.hnorm, eps)
-    x = F.linear(e, params.e_proj) + F.linear(h, params.h_proj)  # [T, D]
+    x = row_linear(e, params.e_proj) + row_linear(h, params.h_proj)  # [T, D]
     pos = batch.positions
     ropes = {"main": cos_sin(pos, params.inv_freq_main, x.dtype),
              "compress": cos_sin(pos, params.inv_freq_compress, x.dtype)}
@@ -105,7 +105,7 @@ def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Te
     streams, deltas = v4.decoder_layer(session, params.layer_index, params.layer, params.spec_config, cfg, streams,
                                        ropes, params.inv_freq_compress, tokens)
     out = v4.collapse(params.head_hc, params.norm, streams, cfg)
-    return F.linear(logit_rows(batch, out), params.head).float(), out, StepDeltas.collect(batch, [deltas])
+    return row_linear(logit_rows(batch, out), params.head).float(), out, StepDeltas.collect(batch, [deltas])
 
 
 

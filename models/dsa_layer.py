@@ -39,6 +39,7 @@ from fnattn.kinds.sparse_mla.indexer import indexer_scores, topk_indices, topk_m
 
 from .common import apply_rope
 from .mla_layer import MLAWeights, attend_and_project, mla_project
+from .norm_rope import row_linear
 
 __all__ = [
     "INDEXER_ROPE_INTERLEAVE",
@@ -137,7 +138,7 @@ def indexer_keys(
     expect_float("hidden", hidden)
     expect_shape("hidden", hidden, (None, weights.hidden_size))
     Di = weights.head_dim
-    k = F.linear(hidden, weights.wk)  # [T, Di]
+    k = row_linear(hidden, weights.wk)  # [T, Di]
     k = F.layer_norm(k, (Di,), weights.k_norm_weight, weights.k_norm_bias, weights.k_norm_eps)
     return apply_rope(k, cos, sin, interleave=rope_interleave)  # rope on the first Dr dims
 
@@ -166,9 +167,9 @@ def indexer_queries(
     T = q_resid.shape[0]
     expect_shape("hidden", hidden, (T, weights.hidden_size))
     Hi, Di = weights.n_heads, weights.head_dim
-    q = F.linear(q_resid, weights.wq_b).reshape(T, Hi, Di)  # [T, Hi, Di]
+    q = row_linear(q_resid, weights.wq_b).reshape(T, Hi, Di)  # [T, Hi, Di]
     q = apply_rope(q, cos, sin, interleave=rope_interleave)  # rope on the first Dr dims
-    w = F.linear(hidden.to(weights.weights_proj.dtype), weights.weights_proj).to(torch.float32) * Hi**-0.5  # [T, Hi]
+    w = row_linear(hidden.to(weights.weights_proj.dtype), weights.weights_proj).to(torch.float32) * Hi**-0.5  # [T, Hi]
     return IndexerQueries(q, w)
 
 

@@ -24,6 +24,7 @@ from fnattn.kinds.dsv4 import DSV4Config, DSV4Inputs
 from fnattn.kinds.dsv4.math import rms_norm_fp32w, rope_tail
 
 from .mla_layer import pad_heads
+from .norm_rope import row_linear
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,8 +45,8 @@ class Compressor:
 
     def rows(self, h: Tensor, positions: Tensor, ratio: int) -> tuple[Tensor, Tensor]:
         """``(kv [T, cD], gate + position bias [T, cD] fp32)`` of this step's tokens."""
-        gate = F.linear(h, self.gate_proj) + self.position_bias.index_select(0, positions.remainder(ratio))
-        return F.linear(h, self.kv_proj), gate.float()
+        gate = row_linear(h, self.gate_proj) + self.position_bias.index_select(0, positions.remainder(ratio))
+        return row_linear(h, self.kv_proj), gate.float()
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,10 +109,10 @@ def attention_inputs(w: AttnWeights, c: DSV4Config, h: Float[Tensor, "T hidden"]
                      cos: Tensor, sin: Tensor, comp_inv_freq: Tensor | None, eps: float) -> DSV4Inputs:
     """The layer's `DSV4Inputs` from its normalised input ``h`` (``cos``/``sin``: this layer's rope)."""
     T, H, D = h.shape[0], c.num_heads, c.head_dim
-    q_res = rms_norm_fp32w(F.linear(h, w.q_a), w.q_a_norm, eps)  # [T, q_lora]
-    q = unweighted_norm(F.linear(q_res, w.q_b).view(T, H, D), eps)
+    q_res = rms_norm_fp32w(row_linear(h, w.q_a), w.q_a_norm, eps)  # [T, q_lora]
+    q = unweighted_norm(row_linear(q_res, w.q_b).view(T, H, D), eps)
     q = rope_tail(q, cos, sin)
-    kv = rope_tail(rms_norm_fp32w(F.linear(h, w.kv), w.kv_norm, eps), cos, sin)  # [T, D]
+    kv = rope_tail(rms_norm_fp32w(row_linear(h, w.kv), w.kv_norm, eps), cos, sin)  # [T, D]
     extra = {}
     if w.compressor is not None:
         ckv, cgate = w.compressor.rows(h, positions, c.compress_ratio)
@@ -119,8 +120,8 @@ def attention_inputs(w: AttnWeights, c: DSV4Config, h: Float[Tensor, "T hidden"]
     if w.indexer is not None:
         ix = c.indexer
         ikv, igate = w.indexer.rows(h, positions, c.compress_ratio)
-        iq = rope_tail(F.linear(q_res, w.index_q_b).view(T, ix.num_heads, ix.head_dim), cos, sin)
-        iw = F.linear(h, w.index_weights).float() * ix.num_heads ** -0.5
+        iq = rope_tail(row_linear(q_res, w.index_q_b).view(T, ix.num_heads, ix.head_dim), cos, sin)
+        iw = row_linear(h, w.index_weights).float() * ix.num_heads ** -0.5
         extra.update(index_q=iq, index_w=iw, index_kv=ikv, index_gate=igate, index_norm=w.indexer.norm)
     # Heads the kernels need beyond the model's: zero queries, and sinks that take no weight (-inf).
     q = pad_heads(q, c.heads)
@@ -136,4 +137,4 @@ def output_projection(w: AttnWeights, o: Float[Tensor, "T H D"], cos: Tensor, si
     g = o.reshape(T, o_groups, -1).transpose(0, 1)  # [G, T, H * D / G]
     wa = w.o_a.view(o_groups, -1, g.shape[-1]).transpose(1, 2)  # [G, H * D / G, o_lora]
     y = torch.bmm(g, wa).transpose(0, 1).reshape(T, -1)  # [T, G * o_lora]
-    return F.linear(y, w.o_b)
+    return row_linear(y, w.o_b)

@@ -50,7 +50,7 @@ from fnattn import switches as registry
 from fnattn.switches import declare, switched
 from fnattn.tp import all_reduce, current
 
-from .norm_rope import apply_rope, rms_norm
+from .norm_rope import apply_rope, rms_norm, row_linear
 
 # The figures are ``benchmarks/model_ab.py``'s, the variants' steps interleaved.
 _ENABLED = declare(
@@ -412,7 +412,7 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor
         out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32, device=x.device) if widen else None
         y = skinny_linear(rows, w, residual=r, norm=norm, out=out)
         return y.view(*x.shape[:-1], w.shape[0])
-    y = F.linear(x if norm is None else rms_norm(x, norm[0], norm[1], offset=norm[2]), w, bias)
+    y = row_linear(x if norm is None else rms_norm(x, norm[0], norm[1], offset=norm[2]), w, bias)
     y = y if residual is None else y + residual
     return y.float() if widen else y
 

@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
@@ -43,6 +42,7 @@ from fnattn.kinds.delta_rule.math import RecurrentLayerOutput, gated_delta_chunk
 from fnattn.kinds.delta_rule.qkv import kda_qkv
 
 from .common import rms_norm
+from .norm_rope import row_linear
 
 __all__ = [
     "KDAWeights",
@@ -227,7 +227,7 @@ def kda_forget_gate(w: KDAWeights, x: Float[Tensor, "T Dmodel"]) -> Float[Tensor
     The softplus is ``log(1 + exp(y))``, switched to ``y`` above 20.
     """
     T = x.shape[0]
-    y = F.linear(F.linear(x, w.f_a_proj), w.f_b_proj).float() + w.dt_bias.float()
+    y = row_linear(row_linear(x, w.f_a_proj), w.f_b_proj).float() + w.dt_bias.float()
     y = y.reshape(T, w.num_heads, w.head_k_dim)
     softplus = torch.where(y > 20.0, y, torch.log(1.0 + torch.exp(y)))
     return -w.A_log.float().exp()[:, None] * softplus
@@ -258,10 +258,10 @@ def kda_project(
     expect_float("x", x)
     expect_shape("x", x, (None, w.hidden_size))
     T = x.shape[0]
-    conv_input = torch.cat([F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)], dim=-1)
-    gate = F.linear(F.linear(x, w.g_a_proj), w.g_b_proj).reshape(T, w.num_heads, w.head_v_dim)
+    conv_input = torch.cat([row_linear(x, w.q_proj), row_linear(x, w.k_proj), row_linear(x, w.v_proj)], dim=-1)
+    gate = row_linear(row_linear(x, w.g_a_proj), w.g_b_proj).reshape(T, w.num_heads, w.head_v_dim)
     g = kda_forget_gate(w, x)
-    beta = torch.sigmoid(F.linear(x, w.b_proj))
+    beta = torch.sigmoid(row_linear(x, w.b_proj))
     return conv_input, gate, g, beta
 
 
@@ -270,7 +270,7 @@ def kda_finish(w: KDAWeights, o: Float[Tensor, "T H V"], gate: Float[Tensor, "T 
     expect_shape("o", o, (None, w.num_heads, w.head_v_dim))
     expect_shape("gate", gate, (o.shape[0], w.num_heads, w.head_v_dim))
     o = rmsnorm_sigmoid_gate(o.to(gate.dtype), gate, w.o_norm_weight, eps=w.eps)
-    return F.linear(o.reshape(o.shape[0], w.value_dim), w.o_proj)
+    return row_linear(o.reshape(o.shape[0], w.value_dim), w.o_proj)
 
 
 def kda_layer(

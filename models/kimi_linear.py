@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -53,6 +52,7 @@ from .common import (
 )
 from .kda_layer import KDAWeights, kda_finish, kda_project
 from .mla_layer import mla_shapes
+from .norm_rope import row_linear
 from .registry import Family, register_family
 
 _WHERE = "kimi_linear config"
@@ -389,7 +389,7 @@ def route(
     h: Float[Tensor, "T D"], moe: MoEParams, cfg: KimiLinearConfig
 ) -> tuple[Int[Tensor, "T k"], Float[Tensor, "T k"]]:
     """transformers' KimiLinearTopkRouter: sigmoid scores in fp32, biased grouped top-k."""
-    scores = F.linear(h.float(), moe.router.float()).sigmoid()  # [T, E]
+    scores = row_linear(h.float(), moe.router.float()).sigmoid()  # [T, E]
     return grouped_topk(scores, moe.bias.float(), cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
                         normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
 
@@ -406,11 +406,11 @@ def _mla_inputs(a: MLAParams, h: Float[Tensor, "T D"], cfg: KimiLinearConfig) ->
     """Queries and cache rows as KimiLinearAttention computes them (no rope anywhere), in the spec dtype."""
     T, H, Dn, Dr, R = h.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if a.q_proj is not None:
-        q = F.linear(h, a.q_proj)
+        q = row_linear(h, a.q_proj)
     else:
-        q = F.linear(rms_norm(F.linear(h, a.q_a_proj, a.q_a_bias), a.q_a_norm, _MLA_NORM_EPS), a.q_b_proj)
+        q = row_linear(rms_norm(row_linear(h, a.q_a_proj, a.q_a_bias), a.q_a_norm, _MLA_NORM_EPS), a.q_b_proj)
     q_nope, q_pe = q.view(T, H, Dn + Dr).split([Dn, Dr], dim=-1)  # [T, H, Dn], [T, H, Dr]
-    c_kv, k_pe = F.linear(h, a.kv_a_proj, a.kv_a_bias).split([R, Dr], dim=-1)  # [T, R], [T, Dr]
+    c_kv, k_pe = row_linear(h, a.kv_a_proj, a.kv_a_bias).split([R, Dr], dim=-1)  # [T, R], [T, Dr]
     c_kv = rms_norm(c_kv, a.kv_a_norm, _MLA_NORM_EPS)
     if Dr == 0:
         q_pe, k_pe = h.new_zeros(T, H, 1), h.new_zeros(T, 1)
@@ -443,12 +443,12 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
         else:
             a = layer.attn
             out, deltas = session.forward(i, _mla_inputs(a, h, cfg))
-            attn = F.linear(out.o.to(h.dtype).reshape(T, cfg.num_heads * cfg.v_head_dim), a.o_proj, a.o_bias)
+            attn = row_linear(out.o.to(h.dtype).reshape(T, cfg.num_heads * cfg.v_head_dim), a.o_proj, a.o_bias)
         layer_deltas.append(deltas)
         x = x + all_reduce(attn)  # o_proj and the MLPs' down projections are row-parallel under TP
         h = rms_norm(x, layer.post_norm, cfg.rms_eps)
         x = x + all_reduce(_moe(h, layer.mlp, cfg) if isinstance(layer.mlp, MoEParams) else swiglu(h, *layer.mlp))
-    logits = F.linear(rms_norm(logit_rows(batch, x), params.norm, cfg.rms_eps), params.lm_head)
+    logits = row_linear(rms_norm(logit_rows(batch, x), params.norm, cfg.rms_eps), params.lm_head)
     # The cursor advances once, after every layer has read the state.
     return logits.float(), StepDeltas.collect(batch, layer_deltas)
 

@@ -39,6 +39,7 @@ from .common import (
     rope_inv_freq,
 )
 from .fused import linear
+from .norm_rope import row_linear
 from .registry import Family, register_family
 
 MODEL_TYPES = ("llama", "qwen3", "qwen2")
@@ -265,7 +266,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
         x = x + all_reduce(layer.mlp(rms_norm(x, layer.post_norm, cfg.rms_norm_eps)))
     hidden = rms_norm(x, params.norm, cfg.rms_norm_eps)
     # The cursor advances once, after every layer has read the state.
-    return F.linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    return row_linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked

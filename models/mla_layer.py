@@ -32,6 +32,7 @@ from fnattn.checks import expect_float, expect_shape
 from fnattn.kinds.mla.math import AttentionForm, mla_attention
 
 from .common import apply_rope, rms_norm
+from .norm_rope import row_linear
 
 __all__ = [
     "MLALayerResult",
@@ -291,13 +292,13 @@ def mla_project(
     expect_shape("sin", sin, (T, Dr))
     if weights.q_proj is not None:
         q_resid = None
-        q = F.linear(hidden, weights.q_proj)
+        q = row_linear(hidden, weights.q_proj)
     else:
-        q_a = F.linear(hidden, weights.q_a_proj, weights.q_a_proj_bias)
+        q_a = row_linear(hidden, weights.q_a_proj, weights.q_a_proj_bias)
         q_resid = rms_norm(q_a, weights.q_a_norm, eps=weights.norm_eps)
-        q = F.linear(q_resid, weights.q_b_proj)
+        q = row_linear(q_resid, weights.q_b_proj)
     q_nope, q_pe = q.reshape(T, H, Dn + Dr).split([Dn, Dr], dim=-1)
-    c_kv, k_pe = F.linear(hidden, weights.kv_a_proj, weights.kv_a_proj_bias).split([R, Dr], dim=-1)
+    c_kv, k_pe = row_linear(hidden, weights.kv_a_proj, weights.kv_a_proj_bias).split([R, Dr], dim=-1)
     c_kv = rms_norm(c_kv, weights.kv_a_norm, eps=weights.norm_eps)
     q_pe = apply_rope(q_pe, cos, sin, interleave=rope_interleave)
     k_pe = apply_rope(k_pe, cos, sin, interleave=rope_interleave)
@@ -335,7 +336,7 @@ def attend_and_project(
         form=form,
     )
     T = o.shape[0]
-    output = F.linear(o.reshape(T, -1), weights.o_proj, weights.o_proj_bias)
+    output = row_linear(o.reshape(T, -1), weights.o_proj, weights.o_proj_bias)
     return MLALayerResult(output, projection.latent_rows, lse)
 
 

@@ -1,4 +1,5 @@
-"""RMSNorm and rotary position embeddings: the torch math of every model family and of `models.fused`'s torch bodies.
+"""RMSNorm, rotary position embeddings and the plain projection (`row_linear`): the torch math of every model
+family and of `models.fused`'s torch bodies.
 
 fp32 statistics and angles, results in the activation dtype, matching the Hugging Face modules they stand in
 for. These are the only RMSNorm and rope in the package: every family, the MLA and DSA layers and the gated
@@ -11,10 +12,20 @@ from __future__ import annotations
 import math
 
 import torch
+from fnattn.kernels.invariant import invariant_on, linear_rows
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from fnattn.checks import expect_shape
+
+
+def row_linear(x: Float[Tensor, "... K"], w: Float[Tensor, "N K"], bias: Tensor | None = None) -> Float[Tensor, "... N"]:
+    """``F.linear(x, w, bias)``; in the invariant mode on the CPU each row is its own product
+    (`fnattn.kernels.invariant.linear_rows`), so a projection's row does not change with the rows beside it
+    (a verify's tokens, a batch's requests, an expert's share of a MoE step)."""
+    if invariant_on() and x.device.type == "cpu":
+        return linear_rows(x, w, bias)
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def rms_norm(

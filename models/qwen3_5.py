@@ -60,6 +60,7 @@ from .fused import (
 )
 from .gdn_layer import GDNWeights, gdn_finish, gdn_project
 from .mtp import DraftHook
+from .norm_rope import row_linear
 from .registry import Family, register_family
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -438,12 +439,12 @@ def linear_attention(session, layer: int, w: GDNWeights, h: Float[Tensor, "T D"]
 
 def moe(h: Float[Tensor, "T D"], m: MoE, cfg: QwenConfig) -> Float[Tensor, "T D"]:
     """Softmax top-k routed experts plus the sigmoid-gated shared expert."""
-    ids, weights = softmax_topk(F.linear(h, m.router), cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
+    ids, weights = softmax_topk(row_linear(h, m.router), cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
     weights = weights.to(h.dtype)  # [T, k], as the HF router hands them to the experts
     out = moe_sum(h, ids, weights, len(m.experts), lambda e, xs: m.experts[e](xs), lambda y, w: y * w,
                   stacked=m.experts)
     if m.shared is not None:
-        out = out + torch.sigmoid(F.linear(h, m.shared_gate)) * m.shared(h)
+        out = out + torch.sigmoid(row_linear(h, m.shared_gate)) * m.shared(h)
     return out
 
 

@@ -32,6 +32,7 @@ from fnattn.checks import checked
 from . import qwen3_5 as q
 from .common import check_tokens, logit_rows, rms_norm, rope_cos_sin
 from .mtp import DraftModel, check_step_inputs, draft_weights
+from .norm_rope import row_linear
 
 MARKER = "mtp.fc.weight"
 
@@ -100,13 +101,13 @@ def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Te
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim]
     e = rms_norm(F.embedding(tokens, params.embed), params.norm_embedding, eps, offset=1.0)  # [T, D]
     h = rms_norm(hidden.to(e.dtype), params.norm_hidden, eps, offset=1.0)  # [T, D]
-    x = F.linear(torch.cat([e, h], dim=-1), params.fc)  # [T, D]
+    x = row_linear(torch.cat([e, h], dim=-1), params.fc)  # [T, D]
     layer_deltas = []
     for j, layer in enumerate(params.layers):
         x, deltas = q.decoder_layer(session, params.first_layer + j, layer, x, cos, sin, cfg)
         layer_deltas.append(deltas)
     out = rms_norm(x, params.norm, eps, offset=1.0)  # [T, D]
-    return F.linear(logit_rows(batch, out), params.lm_head).float(), out, StepDeltas.collect(batch, layer_deltas)
+    return row_linear(logit_rows(batch, out), params.lm_head).float(), out, StepDeltas.collect(batch, layer_deltas)
 
 
 q.draft.register(draft)  # the target family reaches its draft through this (it cannot import this module)

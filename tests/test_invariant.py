@@ -343,3 +343,23 @@ def test_an_mla_layer_verifies_decodes_and_decodes_alone_the_same_bits(sparse, b
                 assert torch.equal(v.lse[b * (K + 1) + i], together[i][layer].lse[b]), (layer, i, b)
             assert torch.equal(alone[i][layer].o[0], together[i][layer].o[0]), (layer, i)
             assert torch.equal(alone[i][layer].lse[0], together[i][layer].lse[0]), (layer, i)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 12), k=st.sampled_from([8, 64, 200]), n=st.sampled_from([8, 64, 96]),
+       bias=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+def test_a_projection_row_is_the_same_bits_beside_other_rows(rows, k, n, bias, dtype, seed):
+    """The models' projections in the invariant mode: a row's product alone (a decode step) equals its product
+    among others (a verify, a batch, an expert's share of a MoE step). Plain F.linear does not promise it: on
+    AVX-512 machines a [4, 64] @ [64, 64] bf16 product differs from four one-row ones in the last bit."""
+    from models.norm_rope import row_linear
+
+    x, w = randn(rows, k, seed=seed).to(dtype), randn(n, k, seed=seed + 1).to(dtype)
+    b = randn(n, seed=seed + 2).to(dtype) if bias else None
+    with fnattn.switches.set(invariant=True):
+        together = row_linear(x.view(1, rows, k), w, b)[0]
+        alone = [row_linear(x[i:i + 1], w, b)[0] for i in range(rows)]
+    assert together.shape == (rows, n)
+    for i in range(rows):
+        assert torch.equal(together[i], alone[i])
+    torch.testing.assert_close(together, torch.nn.functional.linear(x, w, b), rtol=2e-2, atol=2e-2)
