@@ -134,11 +134,14 @@ SUITES: dict[str, Suite] = {
         Part(300, "python benchmarks/linear_sweep.py --batch 1 --out {out}/bench_linear_b1.json"),
         bench(200, "linear --batch 8 16 --no-sweep", "bench_linear_b8_16.json"),
     )),
-    "bench-mla": Suite("`fnattn bench`: dense and sparse MLA decode and the DSA indexer against raw FlashMLA", (
+    "bench-mla": Suite("`fnattn bench`: dense and sparse MLA decode and the DSA indexer against raw FlashMLA; the "
+                       "indexer's tile sweep", (
         bench(90, "mla-decode --batch 64 --ctx 4096", "bench_mla_decode_b64.json"),
         bench(90, "mla-decode --batch 128 --ctx 8192", "bench_mla_decode_b128.json"),
         bench(120, "mla-sparse --batch 64 --ctx 32768", "bench_mla_sparse.json"),
         bench(120, "indexer --batch 64 --ctx 32768", "bench_mla_sparse_indexer.json"),
+        # the scores kernel's tiles and where the indexer's time goes (FP8 keys): `_DEFAULT_TILE` is picked from it
+        Part(150, "python benchmarks/indexer_sweep.py --keys fp8 --out {out}/indexer_sweep_fp8.json"),
     )),
     "model": Suite("the whole Qwen3.5-0.8B shape at 512 tokens, eager and replayed, then beside transformers", (
         Part(300, f"{BENCH} model --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --prompt 512 --no-transformers "

@@ -66,6 +66,11 @@ def main() -> None:
     want = indexer_scores_paged(*args, scale=scale, **scales)
     finite = torch.isfinite(want)
     records = []
+    case = f"indexer scores B{a.batch} ctx{a.ctx} {a.keys} keys"  # the rows the performance page draws
+
+    def row(tile):
+        return {"case": case, "backend": "tile " + " ".join(f"{k}={v}" for k, v in tile.items()), **tile}
+
     # positions as the dot's rows (keys_major 1, the default) over programs of several sizes (split 0: about four
     # programs an SM), and the earlier form (heads as the rows, one dot a program) beside it
     tiles = [dict(block_n=n, split=sp, num_warps=wp, num_stages=st, keys_major=1)
@@ -81,10 +86,10 @@ def main() -> None:
                     got[finite], want[finite], rtol=1e-3, atol=1e-3))
                 us = do_bench(lambda: indexer_scores_paged(*args, scale=scale, **scales)) * 1e3
         except Exception as e:  # a tile the compiler refuses (registers, shared memory): recorded, not fatal
-            records.append({**tile, "error": str(e)[:200]})
+            records.append({**row(tile), "error": str(e)[:200]})
             print(f"{tile}: {str(e)[:80]}")
             continue
-        records.append({**tile, "time_us": us, "tb_s": keys / us / 1e6, "matches_shipped": same})
+        records.append({**row(tile), "time_us": us, "tb_s": keys / us / 1e6, "matches_shipped": same})
         print(f"{tile}: {us:8.1f} us  {keys / us / 1e6:5.2f} TB/s  {'same' if same else 'DIFFERENT'}")
     shipped = do_bench(lambda: indexer_scores_paged(*args, scale=scale, **scales)) * 1e3
     topk_alone = do_bench(lambda: want.topk(a.topk, dim=-1)) * 1e3

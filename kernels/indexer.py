@@ -281,6 +281,17 @@ def sgl_kernel_loaded() -> bool:
     return True
 
 
+@functools.cache
+def sgl_kernel_op(name: str) -> bool:
+    """Whether ``torch.ops.sgl_kernel.<name>`` is registered: builds trimmed to some architectures' ops (or an
+    older release) lack some, DeepSeek-V4's ``deepseek_v4_topk_transform_512`` among them."""
+    if not sgl_kernel_loaded():
+        return False
+    import torch
+
+    return hasattr(torch.ops.sgl_kernel, name)
+
+
 def radix_reasons(scores, topk: int) -> list[str]:
     """Why `radix_topk` cannot select ``topk`` of ``scores`` here (empty: it can)."""
     reasons = []

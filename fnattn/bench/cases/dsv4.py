@@ -16,8 +16,8 @@ FLOOR_ROW = "floor (index keys at the copy bandwidth + sgl_kernel deepseek_v4_to
 
 def csa_indexer_case(*, batch: int, ctx: int, topk: int, Hi: int = 64, Di: int = 128, m: int = 4,
                      page_size: int = 64, graph: bool = True) -> list[dict]:
-    from ...kernels.indexer import sgl_kernel_loaded
-    from ...kinds.dsv4.batched import gathered_scores, ordered, paged_scores, token_requests, top_k
+    from ...kernels.indexer import sgl_kernel_op
+    from ...kinds.dsv4.batched import V4_TOPK, gathered_scores, ordered, paged_scores, token_requests, top_k
     from ..roofline import copy_bandwidth
     from .sparse_mla import record
 
@@ -39,25 +39,29 @@ def csa_indexer_case(*, batch: int, ctx: int, topk: int, Hi: int = 64, Di: int =
     floor = {"case": case, "backend": FLOOR_ROW, "peer": FLOOR_ROW, "shape": shape,
              "keys_us": key_bytes / copy_bandwidth(torch.device(DEVICE)) * 1e6}
     records = []
-    if topk <= 1024 and sgl_kernel_loaded():
+    has_op = sgl_kernel_op(V4_TOPK)
+    if topk <= 1024 and has_op:
         scores = paged_scores(*args)
         lengths = ((step.positions + 1) // m).to(torch.int32)
         out = torch.empty(batch, topk, dtype=torch.int32, device=DEVICE)
         raw = torch.empty_like(out)
-        select = lambda: torch.ops.sgl_kernel.deepseek_v4_topk_transform_512(  # noqa: E731
+        select = lambda: getattr(torch.ops.sgl_kernel, V4_TOPK)(  # noqa: E731
             scores, lengths, table, out, page_size // m, raw)
         records.append(record(case, "sgl_kernel deepseek_v4_topk_transform_512 alone", FLOOR_ROW, shape,
                               lambda: timed(select, graph=graph)))
         if "time_us" in records[-1]:
             floor["time_us"] = floor["keys_us"] + records[-1]["time_us"]
+    elif not has_op:
+        floor["why"] = f"this sgl_kernel build has no {V4_TOPK}: the floor is the keys' bytes alone"
     records.append(floor)
 
     def versus(us):
         return {"tb_s": key_bytes / (us * 1e-6) / 1e12} | (
             {"ratio_to_floor": us / floor["time_us"]} if "time_us" in floor else {})
 
-    records.append(record(case, "fnattn csa indexer (paged Triton scores + sgl_kernel selection, sorted)",
-                          FLOOR_ROW, shape, lambda: timed(lambda: top_k(*args), graph=graph), versus))
+    ours = ("fnattn csa indexer (paged Triton scores + sgl_kernel selection, sorted)" if has_op and topk <= 1024
+            else "fnattn csa indexer (paged Triton scores + ordered top-k)")
+    records.append(record(case, ours, FLOOR_ROW, shape, lambda: timed(lambda: top_k(*args), graph=graph), versus))
     records.append(record(case, "torch form (gathered keys + ordered top-k)", FLOOR_ROW, shape,
                           lambda: timed(lambda: ordered(gathered_scores(*args), topk), graph=graph), versus))
     return records

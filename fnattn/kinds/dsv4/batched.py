@@ -168,18 +168,21 @@ def gathered_scores(views, batch, req: Tensor, pos: Tensor, index_q: Tensor, ind
     return (s * index_w.float()[:, :, None]).sum(dim=1).masked_fill(~visible, float("-inf"))  # [T, E]
 
 
+V4_TOPK = "deepseek_v4_topk_transform_512"  # sgl_kernel's DeepSeek-V4 selection, where the build has it
+
+
 def _radix_entries(scores: Tensor, visible: Tensor, tables: Tensor, entries_a_page: int, topk: int):
     """sgl_kernel's DeepSeek-V4 selection (``deepseek_v4_topk_transform_512``, top-k up to 1024) over ``scores``:
     each row's entry ids sorted latest first, -1 after them (None where it cannot serve)."""
-    from ...kernels.indexer import sgl_kernel_loaded, sort_positions
+    from ...kernels.indexer import sgl_kernel_op, sort_positions
 
-    if topk > 1024 or entries_a_page & (entries_a_page - 1) or not sgl_kernel_loaded():
+    if topk > 1024 or entries_a_page & (entries_a_page - 1) or not sgl_kernel_op(V4_TOPK):
         return None
     T = scores.shape[0]
     lengths = visible.to(torch.int32)
     slots = torch.full((T, topk), -1, dtype=torch.int32, device=scores.device)
     raw = torch.full((T, topk), -1, dtype=torch.int32, device=scores.device)
-    torch.ops.sgl_kernel.deepseek_v4_topk_transform_512(scores, lengths, tables, slots, entries_a_page, raw)
+    getattr(torch.ops.sgl_kernel, V4_TOPK)(scores, lengths, tables, slots, entries_a_page, raw)
     raw = torch.where((raw >= 0) & (raw < lengths[:, None]), raw, torch.full_like(raw, -1))
     return sort_positions(raw)
 

@@ -46,17 +46,16 @@ _ONE_PASS = declare(
     why="a B64 sparse MLA layer on the H200 took 113.5 against 165.2 us through the torch form")
 
 
-# bench_mla_sparse_indexer.json (988bab1): the indexer 311.5 against 353.6 us with it (its picks then sorted by torch's
-# segmented sort; `fnattn.kernels.sort_positions` now sorts them in one launch, not yet timed on the H200)
+# benchmarks/indexer_sweep.py --keys fp8 on an H100 (dc6cd1a; B64, ctx 32k, top-k 2048): the indexer with the radix select
+# and its one-launch sort 259.8 us against 428.6 through the ordered top-k
 _RADIX = declare(
-    "radix_select", False, __name__,
+    "radix_select", True, __name__,
     on="a layer's own top-k of 2048 is selected by sgl_kernel's radix select (`fnattn.kernels.radix_topk`), its "
        "picks sorted by position in one launch; the invariant mode keeps the ordered top-k",
     off="`fnattn.kernels.indexer.ordered_topk`: torch.topk over keys of score then earlier position",
-    why="the indexer took 311.5 against 353.6 us with it, but where more than 16384 of a row's scores share "
-        "its first pass's bin it keeps another set than torch.topk, not the same every run: off until the "
-        "one-launch sort is timed on the H200")
-
+    why="on: the indexer took 259.8 against 428.6 us with it (H100, B64, 32k, FP8 keys; the one-launch sort 18.9 us "
+        "of it). Where more than 16384 of a row's scores share its first pass's bin it may keep another set than "
+        "torch.topk, not the same every run: the invariant mode, or this switch off, keeps the ordered top-k")
 
 def radix_select(enabled: bool):
     """Within this block a layer's own top-k (2048) is selected by sgl_kernel's radix select
