@@ -133,3 +133,15 @@ def test_fold_case_records_the_unfused_and_the_folded_pair(capsys):
         torch.testing.assert_close(outputs[0][i], unfused_want, rtol=1e-4, atol=1e-4)
     print_linear_table(records)
     assert "skinny fold (residual=, norm=)" in capsys.readouterr().out
+
+
+def test_the_table_prints_rows_without_a_time_of_their_own(capsys):
+    """A floor row whose kernel half could not be timed (no time_us, a why) prints as such, not as a KeyError that
+    ends the bench before its record is written."""
+    from fnattn.bench import print_table
+
+    print_table([{"case": "c", "backend": "timed", "time_us": 12.5},
+                 {"case": "c", "backend": "floor", "keys_us": 3.0, "why": "this build has no such op"},
+                 {"case": "c", "backend": "broken", "error": "no kernel"}])
+    out = capsys.readouterr().out.splitlines()
+    assert "12.5" in out[1] and "this build has no such op" in out[2] and "ERROR no kernel" in out[3]

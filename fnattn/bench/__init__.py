@@ -165,6 +165,9 @@ def print_table(records: list[dict]) -> None:
         if r.get("error"):
             print(f"{r['case']:<44}{r['backend']:<26}  ERROR {r['error'][:60]}")
             continue
+        if "time_us" not in r:  # a row of figures without a time of its own (a floor missing its kernel half)
+            print(f"{r['case']:<44}{r['backend']:<26}{'—':>10}  {r.get('why', '')[:60]}")
+            continue
         tb = f"{r['tb_s']:.2f}" if r.get("tb_s") else ""
         tf = f"{r['tflop_s']:.0f}" if r.get("tflop_s") else ""
         ratio = f"{r['ratio_to_peer']:.2f}x" if r.get("ratio_to_peer") else ""

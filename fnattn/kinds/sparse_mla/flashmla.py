@@ -46,14 +46,14 @@ _ONE_PASS = declare(
     why="a B64 sparse MLA layer on the H200 took 113.5 against 165.2 us through the torch form")
 
 
-# benchmarks/indexer_sweep.py --keys fp8 on an H100 (dc6cd1a; B64, ctx 32k, top-k 2048): the indexer with the radix select
-# and its one-launch sort 259.8 us against 428.6 through the ordered top-k
+# benchmarks/indexer_sweep.py --keys fp8 (B64, ctx 32k, top-k 2048): the indexer with the radix select and its one-launch
+# sort 256.5 us against 639.2 through the ordered top-k on the H200 (c8a6db6), 259.8 against 428.6 on an H100 (dc6cd1a)
 _RADIX = declare(
     "radix_select", True, __name__,
     on="a layer's own top-k of 2048 is selected by sgl_kernel's radix select (`fnattn.kernels.radix_topk`), its "
        "picks sorted by position in one launch; the invariant mode keeps the ordered top-k",
     off="`fnattn.kernels.indexer.ordered_topk`: torch.topk over keys of score then earlier position",
-    why="on: the indexer took 259.8 against 428.6 us with it (H100, B64, 32k, FP8 keys; the one-launch sort 18.9 us "
+    why="on: the indexer took 256.5 against 639.2 us with it (H200, B64, 32k, FP8 keys; the one-launch sort 18.9 us "
         "of it). Where more than 16384 of a row's scores share its first pass's bin it may keep another set than "
         "torch.topk, not the same every run: the invariant mode, or this switch off, keeps the ordered top-k")
 
