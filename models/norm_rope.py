@@ -20,11 +20,17 @@ from fnattn.checks import expect_shape
 
 
 def row_linear(x: Float[Tensor, "... K"], w: Float[Tensor, "N K"], bias: Tensor | None = None) -> Float[Tensor, "... N"]:
-    """``F.linear(x, w, bias)``; in the invariant mode on the CPU each row is its own product
-    (`fnattn.kernels.invariant.linear_rows`), so a projection's row does not change with the rows beside it
-    (a verify's tokens, a batch's requests, an expert's share of a MoE step)."""
-    if invariant_on() and x.device.type == "cpu":
-        return linear_rows(x, w, bias)
+    """``F.linear(x, w, bias)``; in the invariant mode a projection's row does not change with the rows beside it
+    (a verify's tokens, a batch's requests, an expert's share of a MoE step): on the CPU each row is its own
+    product (`fnattn.kernels.invariant.linear_rows`), on CUDA the fixed-tile Triton GEMM
+    (`fnattn.kernels.invariant_linear`)."""
+    if invariant_on():
+        if x.device.type == "cpu":
+            return linear_rows(x, w, bias)
+        if x.is_cuda and w.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+            from fnattn.kernels.invariant_linear import invariant_linear
+
+            return invariant_linear(x, w, bias)
     return torch.nn.functional.linear(x, w, bias)
 
 

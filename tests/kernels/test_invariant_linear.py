@@ -1,0 +1,54 @@
+"""invariant_linear: a row's product is the same bits alone and among any number of other rows, and it is
+F.linear's product (fp32 accumulation) to rounding."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from fnattn.kernels.invariant_linear import TILE, invariant_linear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter's bf16 dot is wrong: bf16 only where a GPU runs it
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def randn(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_row_is_the_same_bits_whatever_shares_the_call(dtype, bias):
+    N, K = 70, 150  # neither a multiple of the tile: masked columns and a partial last K step
+    rows = 2 * TILE["block_m"] + 3  # more than one program of rows, the last one partial
+    x, w = randn(rows, K, dtype=dtype, seed=1), randn(N, K, dtype=dtype, seed=2) / K ** 0.5
+    b = randn(N, dtype=dtype, seed=3) if bias else None
+    every = invariant_linear(x, w, b)
+    for m in (1, 2, 5, TILE["block_m"], TILE["block_m"] + 1, rows):
+        part = invariant_linear(x[:m], w, b)
+        assert torch.equal(part, every[:m]), m
+    for i in (0, 7, rows - 1):  # alone, as a decode step computes it
+        assert torch.equal(invariant_linear(x[i:i + 1], w, b)[0], every[i])
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(every.float(), want, rtol=tol, atol=tol)
+
+
+def test_leading_dims_and_refusals():
+    x, w = randn(2, 3, 40, dtype=torch.float32, seed=4), randn(24, 40, dtype=torch.float32, seed=5)
+    y = invariant_linear(x, w)
+    assert y.shape == (2, 3, 24)
+    assert torch.equal(y.reshape(6, 24), invariant_linear(x.reshape(6, 40), w))
+    with pytest.raises(ValueError, match="w: expected \\[N, 40\\]"):
+        invariant_linear(x, randn(24, 41, dtype=torch.float32, seed=6))
+    with pytest.raises(ValueError, match="w: expected x's dtype"):
+        invariant_linear(x, w.half())
+    with pytest.raises(ValueError, match="bias: expected \\[24\\]"):
+        invariant_linear(x, w, torch.zeros(23, device=DEVICE))
+    assert invariant_linear(x[:0], w).shape == (0, 3, 24)
