@@ -352,7 +352,7 @@ def test_a_projection_row_is_the_same_bits_beside_other_rows(rows, k, n, bias, d
     """The models' projections in the invariant mode: a row's product alone (a decode step) equals its product
     among others (a verify, a batch, an expert's share of a MoE step). Plain F.linear does not promise it: on
     AVX-512 machines a [4, 64] @ [64, 64] bf16 product differs from four one-row ones in the last bit."""
-    from models.norm_rope import row_linear
+    from fnattn.models.norm_rope import row_linear
 
     x, w = randn(rows, k, seed=seed).to(dtype), randn(n, k, seed=seed + 1).to(dtype)
     b = randn(n, seed=seed + 2).to(dtype) if bias else None
