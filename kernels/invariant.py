@@ -14,7 +14,8 @@ ascending position, the indexer scoring on fixed shapes), of DeepSeek-V4 (`fnatt
 `attend_sinks_fixed_order`); the CPU sdpa backends hand a step to them. The recurrent kinds (GDN, KDA) run
 prefill token by token as decode and verify do (`fnattn.kinds.delta_rule.reference.per_request`), and GDN's
 per-head gates are computed on rows padded to whole vector blocks (`row_aligned`). The models' projections
-(`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`).
+(`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`) and the fixed-tile
+GEMM on CUDA (`fnattn.kernels.invariant_linear`); CUDA's attention and fused kernels do not honour the mode yet.
 
 Importing it imports neither torch nor triton.
 """
@@ -27,8 +28,8 @@ _INVARIANT = declare(
        "blocks of a fixed size: a token's result is the same in every phase, batch and bucket",
     off="each path reduces in the order its shapes suggest (one softmax over a step's new keys merged with "
         "one over the cached keys, matmuls sized by the step)",
-    why="off: only the CPU reference paths honour it so far, and there the fixed order costs a loop over "
-        "query blocks and key tiles in place of one product; on where bitwise agreement is the point "
+    why="off: only the CPU paths and CUDA's projections honour it so far, and on the CPU the fixed order costs a "
+        "loop over query blocks and key tiles in place of one product; on where bitwise agreement is the point "
         "(speculative greedy == plain greedy, tests of batch invariance)")
 
 
