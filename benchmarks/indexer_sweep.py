@@ -16,8 +16,8 @@ import itertools
 import json
 
 import torch
-from fnattn.kernels.indexer import (_topk, configured, indexer_scores_paged, indexer_topk, radix_reasons, radix_topk,
-                                    sort_positions)
+from fnattn.kernels.indexer import (configured, finite_topk, indexer_scores_paged, indexer_topk, radix_reasons,
+                                    radix_topk, sort_positions)
 
 from fnattn.bench import environment
 
@@ -99,7 +99,7 @@ def main() -> None:
     if not radix_reasons(want, a.topk):  # sgl_kernel's radix select: alone, its set against torch.topk's, whole
         positions = args[-1]
         picked = radix_topk(want, positions, a.topk)
-        same_set = bool(torch.equal(picked.sort(dim=-1).values, _topk(want, a.topk).sort(dim=-1).values))
+        same_set = bool(torch.equal(picked.sort(dim=-1).values, finite_topk(want, a.topk).sort(dim=-1).values))
         lengths = (positions + 1).clamp(max=want.shape[1]).to(torch.int32)
         raw = torch.full((want.shape[0], a.topk), -1, dtype=torch.int32, device=want.device)
         fast_topk = lambda: torch.ops.sgl_kernel.fast_topk(want, raw, lengths, None)  # noqa: E731

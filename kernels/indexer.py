@@ -36,8 +36,8 @@ from ._switch import declare_tiles
 from ._tiles import overridden
 from ._triton import next_pow2, num_sms, require_triton, tl, triton
 
-__all__ = ["configured", "indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk", "indexer_topk_ref",
-           "ordered_topk", "radix_topk", "sort_positions"]
+__all__ = ["configured", "finite_topk", "indexer_scores_paged", "indexer_scores_paged_ref", "indexer_topk",
+           "indexer_topk_ref", "ordered_topk", "radix_topk", "sort_positions"]
 
 
 def _check(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
@@ -249,7 +249,7 @@ def ordered_topk(scores: Float[Tensor, "T N"], k: int, *, best_first: bool = Tru
     return torch.topk(keys, k, dim=-1, sorted=best_first).indices
 
 
-def _topk(scores, topk: int, *, best_first: bool = True):
+def finite_topk(scores, topk: int, *, best_first: bool = True):
     """The ``topk`` best finite scores of each row as int64 positions (`ordered_topk`: ties to the earlier
     position), ``-1`` padded: best first, or without ``best_first`` in the order the selection leaves them
     (the same set, without the final sort by score)."""
@@ -263,8 +263,9 @@ def _topk(scores, topk: int, *, best_first: bool = True):
 def indexer_topk_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens, positions,
                      *, scale: float, topk: int, cache_scale=None, new_scale=None):
     """``[T, topk]`` int64 positions (best first, -1 padded) from the torch scores."""
-    return _topk(indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens,
-                                          positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale), topk)
+    scores = indexer_scores_paged_ref(q, w, cache_k, new_k, block_table, token_request, cache_lens, cu_seqlens,
+                                      positions, scale=scale, cache_scale=cache_scale, new_scale=new_scale)
+    return finite_topk(scores, topk)
 
 
 RADIX_TOPK = 2048  # the one top-k sgl_kernel's radix select serves (DeepSeek-V3.2's and GLM-5's)
@@ -305,7 +306,7 @@ def radix_reasons(scores, topk: int) -> list[str]:
 
 
 def radix_topk(scores: Float[Tensor, "T N"], positions: Int[Tensor, " T"], topk: int) -> Int[Tensor, "T topk"]:
-    """`_topk`'s set of positions through sgl_kernel's radix select (``fast_topk``, the DSA top-k of DeepSeek-V3.2
+    """`finite_topk`'s set of positions through sgl_kernel's radix select (``fast_topk``, DeepSeek-V3.2's DSA top-k
     in sglang-kernel): ``[T, topk]`` int64, each row's positions latest first, ``-1`` after them.
 
     Row ``t`` selects among its first ``min(positions[t] + 1, N)`` scores: the visible ones, all finite. The
@@ -372,4 +373,4 @@ def indexer_topk(q, w, cache_k, new_k, block_table, token_request, cache_lens, c
                                   scale=scale, cache_scale=cache_scale, new_scale=new_scale)
     if radix and not radix_reasons(scores, topk):  # the scores are the launch's own, positions checked with them
         return _radix_select(scores, positions, topk)
-    return _topk(scores, topk, best_first=False)
+    return finite_topk(scores, topk, best_first=False)

@@ -19,7 +19,8 @@ from torch import Tensor
 from fnattn.checks import expect_shape
 
 
-def row_linear(x: Float[Tensor, "... K"], w: Float[Tensor, "N K"], bias: Tensor | None = None) -> Float[Tensor, "... N"]:
+def row_linear(x: Float[Tensor, "... K"], w: Float[Tensor, "N K"],
+               bias: Tensor | None = None) -> Float[Tensor, "... N"]:
     """``F.linear(x, w, bias)``; in the invariant mode a projection's row does not change with the rows beside it
     (a verify's tokens, a batch's requests, an expert's share of a MoE step): on the CPU each row is its own
     product (`fnattn.kernels.invariant.linear_rows`), on CUDA the fixed-tile Triton GEMM

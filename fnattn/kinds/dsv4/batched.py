@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...kernels.indexer import _topk
+from ...kernels.indexer import finite_topk
 from .math import rms_norm_fp32w, rope_cos_sin, rope_tail
 
 
@@ -190,7 +190,7 @@ def _radix_entries(scores: Tensor, visible: Tensor, tables: Tensor, entries_a_pa
 def ordered(scores: Tensor, topk: int) -> Tensor:
     """The ``topk`` best finite scores of each row, best first, -1 padded; ties to the earlier entry, however
     wide the batch's block table (`fnattn.kernels.indexer`'s own selection)."""
-    return _topk(scores, topk)
+    return finite_topk(scores, topk)
 
 
 def top_k(views, batch, req: Tensor, pos: Tensor, index_q: Tensor, index_w: Tensor, entry_rows: Tensor, ix,
