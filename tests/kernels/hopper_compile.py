@@ -178,10 +178,21 @@ def merge_new_token_cases():
             _merge_new_token_kernel, c, p, floats=("sm_scale", "softcap", "lse_scale"))
 
 
+def invariant_linear_cases():
+    from fnattn.kernels.invariant_linear import TILE, _invariant_linear_kernel
+
+    tile = dict(BLOCK_M=TILE["block_m"], BLOCK_N=TILE["block_n"], BLOCK_K=TILE["block_k"])
+    for name, dtype, change in (("invariant GEMM bf16", "bf16", dict(HAS_BIAS=False, PRECISION="tf32")),
+                                ("invariant GEMM bf16 with bias", "bf16", dict(HAS_BIAS=True, PRECISION="tf32")),
+                                ("invariant GEMM fp32 (ieee dot)", "fp32", dict(HAS_BIAS=True, PRECISION="ieee"))):
+        ptr = {p: f"*{dtype}" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+        yield name, lambda c={**tile, **change}, p=ptr: compile_for_hopper(_invariant_linear_kernel, c, p)
+
+
 def main() -> int:
     failed = 0
     for name, build in [*skinny_cases(), *gdn_decode_cases(), *paged_decode_cases(), *conv_cases(),
-                        *indexer_cases(), *absorb_cases(), *merge_new_token_cases()]:
+                        *indexer_cases(), *absorb_cases(), *merge_new_token_cases(), *invariant_linear_cases()]:
         try:
             build()
             print(f"ok {name}")
