@@ -37,7 +37,7 @@ TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
 NEW = {"tp_gpu.json", "bench_model_qwen3_5_0.8b_profile.json", "invariant_linear_gpu.json",
-       "invariant_linear_cost.json"}
+       "invariant_linear_cost.json", "invariant_gpu.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -170,9 +170,12 @@ SUITES: dict[str, Suite] = {
              "--rows 25"),
     )),
     "invariance": Suite("whether a token's result depends on its phase, batch or graph, with the invariant mode off "
-                        "and on (fnattn bench invariance; on CUDA the projections honour the mode, attention and the "
-                        "fused kernels not yet); the mode's fixed-tile GEMM against cuBLAS and the default GEMV", (
-        tests(90, "invariant_linear_gpu.json", "tests/kernels/test_invariant_linear.py"),
+                        "and on (fnattn bench invariance; on CUDA the projections and the Triton full attention honour the "
+                        "mode, MLA, the recurrent and the fused kernels not yet); Llama / Qwen3 verify == decode "
+                        "on CUDA; the mode's fixed-tile GEMM against cuBLAS and the default GEMV", (
+        tests(90, "invariant_linear_gpu.json", "tests/kernels/test_invariant_linear.py "
+              "tests/kernels/test_paged_attention_invariant.py"),
+        tests(120, "invariant_gpu.json", "tests/gpu/test_invariant_gpu.py"),
         Part(150, "python benchmarks/invariant_linear_cost.py --out {out}/invariant_linear_cost.json"),
         bench(200, "invariance --family qwen3_5 --new-tokens 24 --batch 1 8 --steps 6",
               "bench_invariance_qwen3_5_tiny.json"),

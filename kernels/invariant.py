@@ -15,7 +15,9 @@ ascending position, the indexer scoring on fixed shapes), of DeepSeek-V4 (`fnatt
 prefill token by token as decode and verify do (`fnattn.kinds.delta_rule.reference.per_request`), and GDN's
 per-head gates are computed on rows padded to whole vector blocks (`row_aligned`). The models' projections
 (`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`) and the fixed-tile
-GEMM on CUDA (`fnattn.kernels.invariant_linear`); CUDA's attention and fused kernels do not honour the mode yet.
+GEMM on CUDA (`fnattn.kernels.invariant_linear`); on CUDA full attention's Triton kernels take their invariant
+launch (`paged_decode` / `paged_prefill`, ``invariant=True``: a token alone in its programs, key tiles fixed by
+position, no split) and FlashInfer steps aside; CUDA's MLA, recurrent and fused kernels do not honour it yet.
 
 Importing it imports neither torch nor triton.
 """

@@ -81,6 +81,41 @@ def _online_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _invariant_keys(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
+                    K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
+                    skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
+                    m_i, l_i, acc, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                    WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    # The invariant mode's walk over one token's keys: tiles [i * BLOCK_N, (i + 1) * BLOCK_N) whatever the step's
+    # other tokens, each key read from the cache or from the step's own rows by where it lives, and only the keys
+    # the token sees are loaded (the rest enter the dot as zeros), so a token's sums are the same operations on the
+    # same values in a decode, a verify and a prefill, beside any other requests.
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        j = start + n_off  # [BN]
+        seen = (j >= lo) & (j < hi)
+        cached = seen & (j < ctx)
+        fresh = seen & (j >= ctx)
+        page = tl.load(BLOCK_TABLE + b * sbt_b + j // PAGE, mask=cached, other=0).to(tl.int64)
+        off = j % PAGE
+        kn_row = tl.where(fresh, tok0 + j - ctx, 0).to(tl.int64)
+        k = tl.load(K_CACHE + page[:, None] * skc_p + off[:, None] * skc_s + kvh * skc_h + d[None, :],
+                    mask=cached[:, None] & d_ok[None, :], other=0.0)
+        k += tl.load(K_NEW + kn_row[:, None] * skn_t + kvh * skn_h + d[None, :],
+                     mask=fresh[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V_CACHE + page[:, None] * svc_p + off[:, None] * svc_s + kvh * svc_h + dv[None, :],
+                    mask=cached[:, None] & dv_ok[None, :], other=0.0)
+        v += tl.load(V_NEW + kn_row[:, None] * svn_t + kvh * svn_h + dv[None, :],
+                     mask=fresh[:, None] & dv_ok[None, :], other=0.0)
+        s = _scores(q, k, sm_scale, softcap, SOFTCAP, IEEE)
+        visible = seen[None, :] & (j[None, :] <= pos[:, None])
+        if WINDOW:
+            visible = visible & (pos[:, None] - j[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_attn_kernel(
     Q, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, CACHE_LENS, CU_SEQLENS, SINKS,
     OUT, LSE, O_PART, LSE_PART,
@@ -93,7 +128,7 @@ def _paged_attn_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr, HAS_NEW: tl.constexpr, HAS_SINK: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr, INVARIANT: tl.constexpr = False,
 ):
     if PDL:  # inputs are read only after the launch before this one has finished
         gdc_wait()
@@ -152,7 +187,14 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
 
+    if INVARIANT:  # one token a program, no split: key tiles from a multiple of BLOCK_N, each key from where it lives
+        m_i, l_i, acc = _invariant_keys(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
+                                        K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
+                                        skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
+                                        m_i, l_i, acc, PAGE, BLOCK_N, SOFTCAP, WINDOW, IEEE)
     c_hi = tl.minimum(s_hi, ctx)
+    if INVARIANT:
+        c_hi = s_lo  # both loops below are empty
     for start in range(s_lo, c_hi, BLOCK_N):
         j = start + n_off  # [BN]
         j_ok = j < c_hi
@@ -173,7 +215,7 @@ def _paged_attn_kernel(
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, IEEE)
 
-    if HAS_NEW:
+    if HAS_NEW and not INVARIANT:
         for start in range(tl.maximum(s_lo, ctx), s_hi, BLOCK_N):
             j = start + n_off  # [BN]
             j_ok = j < s_hi
@@ -342,16 +384,21 @@ def _default_config(d_pad, dv_pad, g_pad, q_len, dtype, wide=False):
 
 
 def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqlens,
-            sinks, scale, softcap, window, num_splits, q_len, B, decode):
+            sinks, scale, softcap, window, num_splits, q_len, B, decode, invariant=False):
     T, Hq, D = q.shape
     _, S, Hkv, _ = k_cache.shape
     Dv = v_cache.shape[3]
     G = Hq // Hkv
     g_pad, d_pad, dv_pad = next_pow2(G), max(16, next_pow2(D)), max(16, next_pow2(Dv))
-    block_m, block_n, num_warps, num_stages = _config(d_pad, dv_pad, g_pad, q_len, q.dtype)
+    if invariant:  # one token's group a tile (padded to the smallest dot), the tile from the dims alone, no split
+        g_pad = max(16, g_pad)
+        block_m, block_n, num_warps, num_stages = _default_config(d_pad, dv_pad, g_pad, 1, q.dtype)
+        num_splits = 1
+    else:
+        block_m, block_n, num_warps, num_stages = _config(d_pad, dv_pad, g_pad, q_len, q.dtype)
     m_tiles = triton.cdiv(q_len, block_m // g_pad)
     programs = m_tiles * B * Hkv
-    if programs >= num_sms(q.device.index if q.device.type == "cuda" else None):
+    if not invariant and programs >= num_sms(q.device.index if q.device.type == "cuda" else None):
         block_m, block_n, num_warps, num_stages = _config(d_pad, dv_pad, g_pad, q_len, q.dtype, wide=True)
     if num_splits is None:
         max_keys = block_table.shape[1] * S + q_len
@@ -390,7 +437,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
         PAGE=S, BLOCK_M=block_m, BLOCK_N=block_n,
         DECODE=decode, HAS_NEW=has_new, HAS_SINK=sinks is not None,
         SOFTCAP=softcap > 0, WINDOW=window > 0, SPLIT=split,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, INVARIANT=invariant,
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl,
     )
     if split:
@@ -399,7 +446,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
 
 
 def paged_decode(q, k_cache, v_cache, block_table, cache_lens, *, k_new=None, v_new=None,
-                 scale, softcap=0.0, sliding_window=0, sinks=None, num_splits=None):
+                 scale, softcap=0.0, sliding_window=0, sinks=None, num_splits=None, invariant=False):
     """One query token per request over its cached tokens and (optionally) its new token.
 
     q [B, Hq, D]; k_cache [P, S, Hkv, D]; v_cache [P, S, Hkv, Dv];
@@ -411,6 +458,9 @@ def paged_decode(q, k_cache, v_cache, block_table, cache_lens, *, k_new=None, v_
     not checked here, as checking needs a device sync.
     num_splits: split-K factor; None picks one from B*Hkv and the block table
     capacity (no device sync, so it is safe under CUDA graph capture).
+    invariant: the invariant mode's launch (`fnattn.kernels.invariant`): each token alone in its programs, its
+    keys in tiles fixed by position, no split; the same launch `paged_prefill(..., invariant=True)` makes, so a
+    token's output is the same bits in a decode, a verify and a prefill step (needs k_new).
     Returns o [B, Hq, Dv] (q's dtype) and lse [B, Hq] fp32 (without the sink).
     """
     require_triton()
@@ -425,13 +475,19 @@ def paged_decode(q, k_cache, v_cache, block_table, cache_lens, *, k_new=None, v_
         _check_new("v_new", v_new, (B, Hkv, Dv), "B, Hkv, Dv", q)
     if B == 0:
         return (q.new_empty(0, q.shape[1], Dv), torch.empty(0, q.shape[1], device=q.device))
+    if invariant:
+        if k_new is None:
+            raise ValueError("k_new / v_new: the invariant launch needs the step's own token")
+        cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)  # one new token each, as a varlen step
+        return _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu, sinks,
+                       scale, softcap, sliding_window, None, 1, B, decode=False, invariant=True)
     return _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, None, sinks,
                    scale, softcap, sliding_window, num_splits, 1, B, decode=True)
 
 
 def paged_prefill(q, k_new, v_new, cu_seqlens, k_cache, v_cache, block_table, cache_lens, *,
                   scale, softcap=0.0, sliding_window=0, sinks=None, max_new_len=None,
-                  num_splits=None):
+                  num_splits=None, invariant=False):
     """New tokens of each request over its cached prefix (non-causal) and each other (causal).
 
     q [T, Hq, D]; k_new [T, Hkv, D]; v_new [T, Hkv, Dv]; cu_seqlens [B+1] int32;
@@ -441,6 +497,7 @@ def paged_prefill(q, k_new, v_new, cu_seqlens, k_cache, v_cache, block_table, ca
     fine); None reads it from cu_seqlens (a device sync: pass it under CUDA
     graph capture).
     num_splits: split-K factor (useful for verify at small batch); None picks.
+    invariant: the invariant mode's launch (`paged_decode`'s argument of that name; num_splits is ignored).
     Returns o [T, Hq, Dv] (q's dtype) and lse [T, Hq] fp32 (without the sink).
     """
     require_triton()
@@ -463,7 +520,7 @@ def paged_prefill(q, k_new, v_new, cu_seqlens, k_cache, v_cache, block_table, ca
                 torch.full((T, q.shape[1]), float("-inf"), device=q.device))
     return _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqlens,
                    sinks, scale, softcap, sliding_window, num_splits, max_new_len, B,
-                   decode=False)
+                   decode=False, invariant=invariant)
 
 
 # ----------------------------------------------------------------------------

@@ -3,12 +3,15 @@
 The step's own K/V enter the kernels as extra inputs and are folded into the
 same online softmax as the cached tokens: one launch per layer, no merge, no
 write. Decode uses the split-K decode kernel; prefill and verify the varlen
-kernel over the paged prefix plus the causal new tokens.
+kernel over the paged prefix plus the causal new tokens. In the invariant mode (`fnattn.kernels.invariant`) every
+phase takes the kernels' invariant launch: a token alone in its programs, its keys in tiles fixed by position, no
+split, so its output is the same bits in a decode, a verify and a prefill, beside any other requests.
 """
 
 from __future__ import annotations
 
 from ...deltas import Writes, writes
+from ...kernels.invariant import invariant_on
 from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
@@ -32,7 +35,7 @@ def _decode(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple
     c, batch = spec.config, inputs.meta.batch
     o, lse = paged_decode(inputs.q, views.k, views.v, batch.block_table, batch.cache_lens,
                           k_new=inputs.k, v_new=inputs.v, scale=c.scale, softcap=c.softcap,
-                          sliding_window=c.sliding_window, sinks=inputs.sinks)
+                          sliding_window=c.sliding_window, sinks=inputs.sinks, invariant=invariant_on())
     return AttentionOutput(o=o, lse=lse), writes(k=inputs.k, v=inputs.v)
 
 
@@ -42,7 +45,7 @@ def _varlen(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple
     c, batch = spec.config, inputs.meta.batch
     o, lse = paged_prefill(inputs.q, inputs.k, inputs.v, batch.cu_seqlens, views.k, views.v, batch.block_table,
                            batch.cache_lens, scale=c.scale, softcap=c.softcap, sliding_window=c.sliding_window,
-                           sinks=inputs.sinks, max_new_len=max(batch.host_new_lens))
+                           sinks=inputs.sinks, max_new_len=max(batch.host_new_lens), invariant=invariant_on())
     return AttentionOutput(o=o, lse=lse), writes(k=inputs.k, v=inputs.v)
 
 

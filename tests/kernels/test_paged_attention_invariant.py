@@ -1,0 +1,109 @@
+"""paged_decode / paged_prefill with ``invariant=True``: a token's output is the same bits in a decode step, in a
+verify step (among its request's drafts), in a prefill of the whole sequence, alone or beside other requests; and
+it is the reference attention to rounding. Pool rows no step may read are NaN, so a stray read shows."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from fnattn.kernels.paged_attention import paged_decode, paged_prefill, paged_prefill_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CACHED = [0, 5, 37, 70]  # past one 64-key tile, and past two of fp32's 32-key tiles
+NEW = [1, 3, 4, 2]  # a verify's 1 + drafts per request
+S, D = 4, 16
+
+
+def randn(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+class Sequences:
+    """Every request's whole sequence (cached then new tokens) and one page layout for all of it."""
+
+    def __init__(self, Hq, Hkv, dtype):
+        self.total = [c + n for c, n in zip(CACHED, NEW)]
+        self.k = [randn(t, Hkv, D, dtype=dtype, seed=10 + b) for b, t in enumerate(self.total)]
+        self.v = [randn(t, Hkv, D, dtype=dtype, seed=20 + b) for b, t in enumerate(self.total)]
+        self.q = [randn(t, Hq, D, dtype=dtype, seed=30 + b) for b, t in enumerate(self.total)]
+        pages = [-(-t // S) for t in self.total]
+        order = torch.randperm(sum(pages) + 2, generator=torch.Generator().manual_seed(0)) + 1  # page 0: null
+        self.table = torch.zeros(len(pages), max(pages) + 1, dtype=torch.int32)
+        used = 0
+        for b, n in enumerate(pages):
+            self.table[b, :n] = order[used:used + n].int()
+            used += n
+        self.table = self.table.to(DEVICE)
+        self.pool_pages, self.Hkv, self.dtype = sum(pages) + 3, Hkv, dtype
+
+    def pools(self, held):
+        """K and V pools holding the first ``held[b]`` tokens of each request, NaN everywhere else."""
+        k = torch.full((self.pool_pages, S, self.Hkv, D), float("nan"), dtype=self.dtype, device=DEVICE)
+        v = torch.full_like(k, float("nan"))
+        for b, n in enumerate(held):
+            t = torch.arange(n, device=DEVICE)
+            pages = self.table[b, t // S].long()
+            k[pages, t % S], v[pages, t % S] = self.k[b][:n], self.v[b][:n]
+        return k, v
+
+    def step(self, requests, held, new, *, invariant=True, **kw):
+        """One varlen step: request ``requests[i]`` holds ``held[i]`` tokens and brings ``new[i]`` more."""
+        k_pool, v_pool = self.pools([held[requests.index(b)] if b in requests else 0 for b in range(len(CACHED))])
+        rows = lambda xs: torch.cat([xs[b][h:h + n] for b, h, n in zip(requests, held, new)])  # noqa: E731
+        cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        lens = torch.tensor(held, dtype=torch.int32, device=DEVICE)
+        args = (rows(self.q), rows(self.k), rows(self.v), cu, k_pool, v_pool, self.table[requests], lens)
+        if invariant and all(n == 1 for n in new) and kw.pop("as_decode", False):
+            return paged_decode(args[0], k_pool, v_pool, self.table[requests], lens, k_new=args[1], v_new=args[2],
+                                invariant=True, **kw)
+        kw.pop("as_decode", None)
+        fn = paged_prefill_ref if invariant is None else paged_prefill
+        extra = {} if invariant is None else {"invariant": invariant, "max_new_len": max(new)}
+        return fn(*args, **extra, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2)], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("features", ["plain", "window", "softcap+sinks"])
+def test_a_token_is_the_same_bits_in_every_phase_and_batch(dtype, heads, features):
+    Hq, Hkv = heads
+    seq = Sequences(Hq, Hkv, dtype)
+    kw = dict(scale=D ** -0.5)
+    if features == "window":
+        kw["sliding_window"] = 6
+    if features == "softcap+sinks":
+        kw.update(softcap=20.0, sinks=randn(Hq, dtype=torch.float32, seed=5))
+    ids = list(range(len(CACHED)))
+    verify_o, verify_lse = seq.step(ids, CACHED, NEW, **kw)
+    prefill_o, prefill_lse = seq.step(ids, [0] * len(ids), seq.total, **kw)
+    ref_o, ref_lse = seq.step(ids, CACHED, NEW, invariant=None, **kw)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(verify_o.float(), ref_o.float(), **tol)
+    torch.testing.assert_close(verify_lse, ref_lse, **tol)
+    row = 0
+    for b in ids:
+        for i in range(NEW[b]):
+            p = CACHED[b] + i
+            alone = seq.step([b], [p], [1], as_decode=True, **kw)
+            others = [r for r in ids if r != b]  # the same token decoded beside every other request's next one
+            together = seq.step([*others[:1], b, *others[1:]], [CACHED[others[0]], p, *[CACHED[r] for r in others[1:]]],
+                                [1] * len(ids), as_decode=True, **kw)
+            in_prefill = sum(seq.total[:b]) + p
+            for o, lse, r in ((alone[0], alone[1], 0), (together[0], together[1], 1),
+                              (prefill_o, prefill_lse, in_prefill)):
+                assert torch.equal(o[r], verify_o[row]) and torch.equal(lse[r], verify_lse[row]), (b, i, r)
+            row += 1
+
+
+def test_the_invariant_decode_needs_the_steps_own_token():
+    seq = Sequences(2, 2, torch.float32)
+    k_pool, v_pool = seq.pools(CACHED)
+    lens = torch.tensor(CACHED, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="k_new / v_new: the invariant launch needs"):
+        paged_decode(randn(4, 2, D, dtype=torch.float32, seed=1), k_pool, v_pool, seq.table, lens, scale=0.25,
+                     invariant=True)
