@@ -17,7 +17,9 @@ per-head gates are computed on rows padded to whole vector blocks (`row_aligned`
 (`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`) and the fixed-tile
 GEMM on CUDA (`fnattn.kernels.invariant_linear`); on CUDA full attention's Triton kernels take their invariant
 launch (`paged_decode` / `paged_prefill`, ``invariant=True``: a token alone in its programs, key tiles fixed by
-position, no split) and FlashInfer steps aside; CUDA's MLA, recurrent and fused kernels do not honour it yet.
+position, no split) and FlashInfer steps aside; RMSNorm's statistics sum each row through the same GEMM
+(`models.norm_rope.row_mean_squares`) and `models.fused` runs its torch bodies. CUDA's MLA and recurrent kernels
+do not honour it yet.
 
 Importing it imports neither torch nor triton.
 """

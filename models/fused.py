@@ -224,8 +224,9 @@ def _installed(name: str) -> bool:
 
 
 def _kernel(package: str, *tensors: Tensor) -> bool:
-    """Whether the kernel path applies: enabled, CUDA, half precision, one dtype, package installed."""
-    if not _ENABLED[-1]:
+    """Whether the kernel path applies: enabled, CUDA, half precision, one dtype, package installed, and the
+    invariant mode off (the torch bodies' norms and projections honour it; the fused kernels are not checked to)."""
+    if not _ENABLED[-1] or invariant_on():
         return False
     t0 = tensors[0]
     if not t0.is_cuda or t0.dtype not in (torch.bfloat16, torch.float16):  # (is_cuda: no device object a call)

@@ -45,12 +45,26 @@ def rms_norm(
     rounding, as those modules do. ``weight=None``: no scale.
     """
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    squares = row_mean_squares(xf) if invariant_on() and x.is_cuda else xf.pow(2).mean(-1, keepdim=True)
+    y = xf * torch.rsqrt(squares + eps)
     if weight is None:
         return y.to(x.dtype)
     if offset:
         return (y * (offset + weight.float())).to(x.dtype)
     return y.to(x.dtype) * weight
+
+
+def row_mean_squares(xf: Float[Tensor, "*B C"]) -> Float[Tensor, "*B 1"]:
+    """The mean of each row's squares (fp32), summed in one order whatever the number of rows: the invariant
+    mode's RMSNorm statistics on CUDA. Torch's CUDA reduction picks its thread layout from the number of rows
+    (with few rows it also splits each row's sum across a block's rows), so a token's norm would round
+    differently in a decode step and in a verify; a product with a ones column through the fixed-tile GEMM
+    (`fnattn.kernels.invariant_linear`) sums every row in the same order."""
+    from fnattn.kernels.invariant_linear import invariant_linear
+
+    C = xf.shape[-1]
+    ones = torch.ones(1, C, dtype=torch.float32, device=xf.device)
+    return invariant_linear(xf.pow(2), ones) / C
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, *, device: torch.device | str | None = None) -> Float[Tensor, " Dr2"]:

@@ -52,3 +52,17 @@ def test_leading_dims_and_refusals():
     with pytest.raises(ValueError, match="bias: expected \\[24\\]"):
         invariant_linear(x, w, torch.zeros(23, device=DEVICE))
     assert invariant_linear(x[:0], w).shape == (0, 3, 24)
+
+
+def test_row_mean_squares_is_the_mean_and_ignores_the_rows_beside():
+    """The invariant mode's RMSNorm statistics on CUDA (`models.norm_rope.row_mean_squares`): torch's mean of the
+    squares to rounding, and a row's value the same bits alone, in a [T, C] batch and in a [T, H, C] head view."""
+    from fnattn.models.norm_rope import row_mean_squares
+
+    x = randn(6, 4, 40, dtype=torch.float32, seed=7)
+    every = row_mean_squares(x)
+    assert every.shape == (6, 4, 1)
+    torch.testing.assert_close(every, x.pow(2).mean(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+    for t in (0, 3, 5):
+        assert torch.equal(row_mean_squares(x[t:t + 1]), every[t:t + 1])
+        assert torch.equal(row_mean_squares(x[t, 1]), every[t, 1])
