@@ -102,6 +102,7 @@ class StepRunner:
         self.step, self.params, self.attn, self.manifest = step, params, model_attention, manifest
         self.buckets, self.max_context, self.host_reads = buckets, max_context, host_reads
         self.hidden = any(lane.name == "hidden" for lane in manifest.role("output"))
+        self.hidden_in = any(lane.name == "hidden_in" for lane in manifest.role("input"))  # a draft's step
         on_cuda = model_attention.device.type == "cuda"
         refused = self.uncapturable("decode")
         if capture and not on_cuda:
@@ -141,6 +142,7 @@ class StepRunner:
     def decode(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " n"], *,
                out: Float[Tensor, "n V"] | None = None):
         """One token per request: ``-> (state, logits [n, V])`` (written into ``out`` when given)."""
+        self._not_a_draft("StepRunner.decode")
         ids = tuple(request_ids)
         if not ids:
             fail("StepRunner.decode", "request_ids", "at least one request", ids)
@@ -161,10 +163,46 @@ class StepRunner:
             self._prepare_next(state, entry, ids)
         return state, logits
 
+    def propose(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " n"], hidden: Tensor):
+        """A draft model's decode step (a runner whose manifest has the ``hidden_in`` lane): one token per request
+        and the hidden state it continues from (``hidden`` [n, D]); ``-> (state, logits [n, V], hidden_out [n, D])``.
+        Captured per bucket as `decode` is, ``hidden`` copied into its lane with the tokens."""
+        if not self.hidden_in:
+            fail("StepRunner.propose", "manifest", "a draft step's lanes (step_manifest(..., hidden_in=True))",
+                 "no 'hidden_in' input lane")
+        ids = tuple(request_ids)
+        if not ids:
+            fail("StepRunner.propose", "request_ids", "at least one request", ids)
+        bucket = Bucket("decode", self.bucket_for(len(ids)), 0, self.columns(state))
+        self._check_tokens(tokens, len(ids), state.device, None)
+        lane = next(lane for lane in self.manifest.role("input") if lane.name == "hidden_in")
+        want = (len(ids), self.manifest.dims["D"])
+        if not isinstance(hidden, Tensor) or tuple(hidden.shape) != want:
+            fail("StepRunner.propose", "hidden", f"a tensor of shape {want}", getattr(hidden, "shape", hidden))
+        if hidden.dtype != lane.dtype or hidden.device != state.device:
+            raise LaneError(f"lane 'hidden_in': expected {lane.dtype} on {state.device}, got {hidden.dtype} on "
+                            f"{hidden.device}")
+        if (bucket, "native") not in self._entries:  # the bucket's buffers (and graph) only for a valid step
+            Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns)
+        state, entry = self._ensure(state, bucket, "native")
+        batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns, staging=entry.staging)
+        outputs, deltas, _ = self._run(state, entry, batch, tokens, None, built_here=True, hidden=hidden)
+        if entry.graph is None:
+            state = state.apply(deltas)
+        else:
+            state = _advance_past(state, batch, batch.cursor_after(batch.host_new_lens))
+        return state, outputs["logits"], outputs["hidden"]
+
+    def _not_a_draft(self, where: str) -> None:
+        if self.hidden_in:
+            fail(where, "manifest", "a target step's lanes (a runner with a 'hidden_in' lane runs `propose`)",
+                 "a 'hidden_in' input lane")
+
     def run(self, state, batch: Batch, tokens: Int[Tensor, " n"], *, out: Float[Tensor, "n V"] | None = None):
         """One decode step over a batch padded to one of this runner's buckets (``Batch.decode(state, ids,
         pad_to=bucket, columns=runner.columns(state))``); ``tokens`` [n] for its requests.
         ``-> (state, logits [n, V])``. Every lane is checked before any is copied."""
+        self._not_a_draft("StepRunner.run")
         if not isinstance(batch, Batch):
             fail("StepRunner.run", "batch", "a Batch", type(batch).__name__)
         if batch.phase != "decode":  # by its phase, never by its shape
@@ -199,6 +237,7 @@ class StepRunner:
     def verify(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " T"], *, num_draft: int,
                recovery: str = "native") -> "Verified":
         """The last token and ``num_draft`` drafts per request; `Verified.accept` applies the acceptance."""
+        self._not_a_draft("StepRunner.verify")
         ids = tuple(request_ids)
         if not ids:
             fail("StepRunner.verify", "request_ids", "at least one request", ids)
@@ -264,7 +303,8 @@ class StepRunner:
                 0 <= int(tokens.min()) and int(tokens.max()) < vocab):
             raise LaneError(f"lane 'tokens': expected ids in 0..{vocab - 1}, got {tokens.min()}..{tokens.max()}")
 
-    def _run(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out: Tensor | None, *, built_here: bool):
+    def _run(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out: Tensor | None, *, built_here: bool,
+             hidden: Tensor | None = None):
         """Validate every lane, copy them into the static buffers, run the step; ``-> (outputs, deltas)``.
 
         A batch built here went into the entry's staging (its lanes are the buffers; the tokens were checked
@@ -285,6 +325,8 @@ class StepRunner:
         elif any(getattr(batch, name) is not entry.inputs[name] for name in BATCH_LANES):
             fail("StepRunner", "batch", "a batch built into this bucket's staging", "another batch")
         entry.inputs["tokens"][:live].copy_(tokens)
+        if hidden is not None:  # a draft's step (`propose`): checked there, pad lanes keep earlier rows
+            entry.inputs["hidden_in"][:live].copy_(hidden)
         if entry.graph is not None:
             entry.graph.replay()
             entry.replays += 1
@@ -311,7 +353,8 @@ class StepRunner:
         generated lanes it recorded go to ``entry.generated``."""
         reads = _host_reads_fail(state.device) if guard else contextlib.nullcontext()
         with static_shapes(), reads, self.attn.session(state, batch) as s:
-            result = self.step(self.params, s, entry.inputs["tokens"])
+            extra = (entry.inputs["hidden_in"],) if self.hidden_in else ()
+            result = self.step(self.params, s, entry.inputs["tokens"], *extra)
         n_out = 2 if self.hidden else 1
         if not isinstance(result, tuple) or len(result) != n_out + 1 or not isinstance(result[-1], StepDeltas):
             fail("StepRunner", "step", f"a step returning ({'logits, hidden' if self.hidden else 'logits'}, deltas)",

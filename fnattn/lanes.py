@@ -142,15 +142,23 @@ def _size(symbol: str, sizes: Mapping[str, int], where: str) -> int:
 
 
 def step_manifest(*, vocab: int, hidden: int | None = None, hidden_dtype: torch.dtype = torch.float32,
-                  generated: tuple[Lane, ...] = (), dims: Mapping[str, int] | None = None) -> Manifest:
+                  generated: tuple[Lane, ...] = (), dims: Mapping[str, int] | None = None,
+                  hidden_in: bool = False) -> Manifest:
     """The lanes every model has (tokens, the batch's tensors, fp32 ``logits`` [T, V] and, with
-    ``hidden``, the final-norm ``hidden`` [T, D] a draft model reads) plus the model's ``generated`` lanes."""
+    ``hidden``, the final-norm ``hidden`` [T, D] a draft model reads) plus the model's ``generated`` lanes.
+    ``hidden_in``: a draft model's step, which also reads a ``hidden_in`` [T, D] input (the target's hidden
+    state of each token, or the draft's own from its last proposal); needs ``hidden``."""
     lanes = [Lane(n, s, d, "input") for n, s, d in STEP_LANES]
     lanes.append(Lane("logits", ("T", "V"), torch.float32, "output"))
     sizes = {"V": vocab, **(dims or {})}
+    if hidden_in and hidden is None:
+        fail("step_manifest", "hidden", "the hidden size when hidden_in is set (a draft step returns its hidden)",
+             hidden)
     if hidden is not None:
         sizes["D"] = hidden
         lanes.append(Lane("hidden", ("T", "D"), hidden_dtype, "output"))
+    if hidden_in:
+        lanes.append(Lane("hidden_in", ("T", "D"), hidden_dtype, "input"))
     return Manifest(tuple(lanes) + tuple(generated), sizes)
 
 

@@ -132,7 +132,10 @@ class Speculator:
     hidden states.
 
     ``target_runner``: a `fnattn.graph.StepRunner` over ``target_step`` with a ``hidden`` output lane, which
-    runs every verify step (the captured verify graph on a GPU); prefill and the draft stay eager.
+    runs every verify step (the captured verify graph on a GPU). ``draft_runner``: one over ``draft_step`` with
+    the ``hidden_in`` and ``hidden`` lanes (``step_manifest(..., hidden_in=True)``), which runs the draft's own
+    proposal steps (`StepRunner.propose`: captured per bucket on a GPU). Prefill and the draft's catch-up on the
+    accepted tokens stay eager.
     ``accept_hook(step, accepted) -> accepted``: replaces greedy acceptance's counts (each 1 .. k + 1: the
     last token plus the drafts kept); the bonus token is then the target's choice after the last one kept.
     For benchmarks that force every draft in (or none) whatever the logits say.
@@ -140,7 +143,7 @@ class Speculator:
 
     def __init__(self, *, target_step, target_params, target_attn, target_state, draft_step, draft_params,
                  draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None,
-                 target_runner=None, accept_hook=None):
+                 target_runner=None, accept_hook=None, draft_runner=None):
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Speculator", "num_draft", "an int >= 1", num_draft)
         if recovery not in ("native", "replay"):
@@ -149,8 +152,12 @@ class Speculator:
                                           or target_runner.attn is not target_attn):
             fail("Speculator", "target_runner", "None or a StepRunner over target_attn with a 'hidden' output lane",
                  type(target_runner).__name__)
+        if draft_runner is not None and (not getattr(draft_runner, "hidden_in", False)
+                                         or draft_runner.attn is not draft_attn):
+            fail("Speculator", "draft_runner", "None or a StepRunner over draft_attn with 'hidden_in' and 'hidden' "
+                 "lanes", type(draft_runner).__name__)
         self.k, self.recovery, self.propose_hook, self.accept_hook = num_draft, recovery, propose_hook, accept_hook
-        self.runner = target_runner
+        self.runner, self.draft_runner = target_runner, draft_runner
         self.target = (target_step, target_params, target_attn)
         self.draft = (draft_step, draft_params, draft_attn)
         self.tstate, self.dstate = target_state, draft_state
@@ -175,6 +182,19 @@ class Speculator:
         self.trace.append(logits)
         self.dstate = self.dstate.apply(deltas)
         return logits, hout
+
+    def _propose(self, ids, tok, hid):
+        """One proposal step of the draft's chain: ``-> (logits, hidden_out, the request order of their rows)``."""
+        if self.draft_runner is None:
+            batch = Batch.decode(self.dstate, ids)
+            order = batch.request_ids
+            logits, hout = self._run_draft(batch, self._tokens([tok[r] for r in order]),
+                                           torch.stack([hid[r] for r in order]))
+            return logits, hout, order
+        self.dstate, logits, hout = self.draft_runner.propose(self.dstate, ids, self._tokens([tok[r] for r in ids]),
+                                                              torch.stack([hid[r] for r in ids]))
+        self.trace.append(logits)
+        return logits, hout, ids
 
     def _tokens(self, rows) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.tstate.device)
@@ -221,10 +241,8 @@ class Speculator:
             hid = {r: self.proposal[r][1] for r in ids}
             for _ in range(self.k - 1):
                 self.dstate = self.dstate.reserve({r: 1 for r in ids})
-                batch = Batch.decode(self.dstate, ids)
-                logits, hout = self._run_draft(batch, self._tokens([tok[r] for r in batch.request_ids]),
-                                               torch.stack([hid[r] for r in batch.request_ids]))
-                for b, r in enumerate(batch.request_ids):
+                logits, hout, order = self._propose(ids, tok, hid)
+                for b, r in enumerate(order):
                     tok[r], hid[r] = int(logits[b].argmax()), hout[b]
                     drafts[r].append(tok[r])
             self.dstate = self.dstate.restore(ckpt)

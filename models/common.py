@@ -21,6 +21,7 @@ from torch import Tensor
 
 from fnattn import checks, switches
 from fnattn.checks import fail
+from fnattn.kernels.invariant import invariant_on
 from fnattn.lanes import in_static_step
 
 from .fused import linear
@@ -213,8 +214,11 @@ def _grouped(x: Tensor, down: Tensor | None) -> bool:
     """Whether a MoE layer takes `grouped_moe` (`fused.grouped_experts`, on by default): on CUDA every step,
     eager or static, in bf16 with rows of 16-byte multiples (what CUDA's grouped GEMM takes), so no step reads
     the routing back to the host; on a CPU a static-shape step in any float dtype, while the eager step keeps
-    the loop over the picked experts (no device to wait for there, and the loop is the plain reading)."""
-    if down is None or not switches.value("grouped_experts"):
+    the loop over the picked experts (no device to wait for there, and the loop is the plain reading). Never in
+    the invariant mode: a grouped GEMM's rows follow its groups' sizes, and its k-way sum is not the loop's; the
+    loop and the static step's every-expert form sum a token's experts in the same order, each row its own
+    product (`models.norm_rope.row_linear`)."""
+    if down is None or not switches.value("grouped_experts") or invariant_on():
         return False
     if not x.is_cuda:
         return in_static_step() and x.dtype.is_floating_point

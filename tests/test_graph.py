@@ -535,3 +535,70 @@ def test_a_gpu_batch_is_packed_one_buffer_per_dtype_with_the_plain_values():
     assert all(len(p) == 1 for p in storages.values())
     manifest, bucket = runner.manifest, Bucket("decode", 2, 0, runner.columns(st))
     check_lanes(manifest, bucket, {"tokens": torch.zeros(2, dtype=torch.int64), **lanes}, st.device)
+
+
+def _draft_runner(model, draft, d_attn, **kw):
+    from fnattn.lanes import step_manifest
+
+    cfg = model.config
+    manifest = step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size, hidden_dtype=cfg.dtype, hidden_in=True)
+    return StepRunner(draft.step, draft.params, d_attn, manifest, max_context=96, **{"host_reads": "error", **kw})
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("recovery", ["native", "replay"])
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
+def test_the_speculative_step_through_both_runners_equals_eager(name, recovery, invariant):
+    """The draft's proposal steps through a draft runner (`StepRunner.propose`, padded to a bucket of 4 lanes)
+    and the verify through the target runner emit eager speculation's tokens; in bf16 with the invariant mode on,
+    every logits row the same bits (padding lanes and buckets change nothing), otherwise equal to rounding."""
+    import fnattn.switches
+
+    dtype = torch.bfloat16 if invariant else torch.float32
+    reads = "allow" if invariant else "error"  # the CPU fixed-order paths read host numbers: they are not captured
+    model = random_model(name, dtype=dtype)
+    draft = model.family.draft(model.config, model.params, None, seed=1)
+
+    def run(use_runners):
+        t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
+        runner = StepRunner(model.family.step_hidden, model.params, t_attn, model.manifest(hidden=True),
+                            host_reads=reads, max_context=96, buckets=(4,)) if use_runners else None
+        spec = Speculator(target_step=model.family.step_hidden, target_params=model.params, target_attn=t_attn,
+                          target_state=_state(model.specs, recurrent_ring=6), draft_step=draft.step,
+                          draft_params=draft.params, draft_attn=d_attn, draft_state=_state(draft.specs),
+                          num_draft=3, recovery=recovery, target_runner=runner,
+                          draft_runner=_draft_runner(model, draft, d_attn, buckets=(4,), host_reads=reads)
+                          if use_runners else None)
+        spec.start({0: [1, 2, 3, 4], 1: [9, 8]})
+        out = [spec.step() for _ in range(3)]
+        spec.release(0)  # a request leaves and another joins: the buckets keep their shapes
+        spec.start({2: [7, 5, 3]})
+        out += [spec.step() for _ in range(3)]
+        return out, spec.trace
+
+    with fnattn.switches.set(invariant=invariant):
+        (a, ta), (b, tb) = run(False), run(True)
+    assert a == b and len(ta) == len(tb)
+    for x, y in zip(ta, tb):
+        if invariant:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_a_draft_runner_takes_only_propose_and_checks_its_hidden():
+    model = random_model("qwen3_5")
+    draft = model.family.draft(model.config, model.params, None, seed=1)
+    d_attn = fa.ModelAttention(draft.specs)
+    runner = _draft_runner(model, draft, d_attn, buckets=(2,))
+    st = _state(draft.specs).admit(0).reserve({0: 1})
+    tokens = torch.tensor([3])
+    with pytest.raises(ValueError, match="StepRunner.decode: `manifest`"):
+        runner.decode(st, [0], tokens)
+    with pytest.raises(ValueError, match="StepRunner.propose: `hidden`"):
+        runner.propose(st, [0], tokens, torch.zeros(2, model.config.hidden_size))
+    with pytest.raises(ValueError, match="lane 'hidden_in'"):
+        runner.propose(st, [0], tokens, torch.zeros(1, model.config.hidden_size, dtype=torch.float64))
+    target = StepRunner(model.step, model.params, fa.ModelAttention(model.specs), model.manifest(), max_context=96)
+    with pytest.raises(ValueError, match="StepRunner.propose: `manifest`"):
+        target.propose(st, [0], tokens, torch.zeros(1, model.config.hidden_size))
