@@ -124,6 +124,7 @@ def demo_mtp(args) -> int:
     import torch
 
     from . import ModelAttention
+    from .lanes import step_manifest
     from .speculative import Speculator
 
     if args.model == "tiny":
@@ -134,6 +135,8 @@ def demo_mtp(args) -> int:
         target = (tiny.step_hidden, params, tiny.layer_specs(cfg))
         manifest = tiny.manifest(cfg, hidden=True)
         draft = (tiny.draft_step, tiny.init_draft(cfg, params, seed=args.seed + 1), tiny.draft_specs(cfg))
+        draft_manifest = step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size, hidden_dtype=cfg.dtype,
+                                       hidden_in=True)
         prompt = list(args.prompt.encode("utf-8"))
     else:
         from .models.registry import family_named, random_model
@@ -146,7 +149,7 @@ def demo_mtp(args) -> int:
         model = random_model(args.model, seed=args.seed, dtype=torch.float32, device=args.device)
         d = fam.draft(model.config, model.params, None, seed=args.seed + 1)
         target, draft = (fam.step_hidden, model.params, model.specs), (d.step, d.params, d.specs)
-        manifest = model.manifest(hidden=True)
+        manifest, draft_manifest = model.manifest(hidden=True), d.manifest(model.config)
         prompt = [(7 * i + 3) % model.config.vocab_size for i in range(12)]
     total = len(prompt) + args.tokens + (args.mtp + 1) * 2
 
@@ -158,9 +161,11 @@ def demo_mtp(args) -> int:
 
     (t_attn, t_state), (d_attn, d_state) = parts(target[2]), parts(draft[2])
     runner = _runner(target[0], target[1], t_attn, manifest, args, max_context=total)  # the verify graph
+    # the draft's proposal graphs, where the verify is captured too
+    draft_runner = runner and _runner(draft[0], draft[1], d_attn, draft_manifest, args, max_context=total)
     spec = Speculator(target_step=target[0], target_params=target[1], target_attn=t_attn, target_state=t_state,
                       draft_step=draft[0], draft_params=draft[1], draft_attn=d_attn, draft_state=d_state,
-                      num_draft=args.mtp, recovery=args.recovery, target_runner=runner)
+                      num_draft=args.mtp, recovery=args.recovery, target_runner=runner, draft_runner=draft_runner)
     print(f"fnattn demo --mtp {args.mtp}: {args.model} target + draft head (random weights), "
           f"{args.recovery} recovery")
     started = time.perf_counter()

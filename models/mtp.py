@@ -39,6 +39,15 @@ class DraftModel:
     params: Any
     # (params, session, tokens [T] int64, hidden [T, D]) -> (logits [T, vocab] fp32, hidden_out [T, D], StepDeltas)
     step: Callable
+    generated_lanes: tuple = ()  # what its step builds on the device (`fnattn.lanes.Lane`s), as a family's
+
+    def manifest(self, cfg):
+        """The lanes of the draft's captured proposal step (`fnattn.graph.StepRunner.propose`) for the target
+        config ``cfg``: the target's step lanes, the ``hidden`` it returns and the ``hidden_in`` it reads."""
+        from fnattn.lanes import step_manifest
+
+        return step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size, hidden_dtype=cfg.dtype,
+                             generated=self.generated_lanes, hidden_in=True)
 
 
 class DraftHook:

@@ -538,16 +538,13 @@ def test_a_gpu_batch_is_packed_one_buffer_per_dtype_with_the_plain_values():
 
 
 def _draft_runner(model, draft, d_attn, **kw):
-    from fnattn.lanes import step_manifest
-
-    cfg = model.config
-    manifest = step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size, hidden_dtype=cfg.dtype, hidden_in=True)
-    return StepRunner(draft.step, draft.params, d_attn, manifest, max_context=96, **{"host_reads": "error", **kw})
+    return StepRunner(draft.step, draft.params, d_attn, draft.manifest(model.config), max_context=96,
+                      **{"host_reads": "error", **kw})
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
 @pytest.mark.parametrize("recovery", ["native", "replay"])
-@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3", "deepseek_v32", "glm5", "deepseek_v4"])
 def test_the_speculative_step_through_both_runners_equals_eager(name, recovery, invariant):
     """The draft's proposal steps through a draft runner (`StepRunner.propose`, padded to a bucket of 4 lanes)
     and the verify through the target runner emit eager speculation's tokens; in bf16 with the invariant mode on,

@@ -128,8 +128,15 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
     draft = fam.draft(model.config, model.params, None, seed=1)
     batch, prompt = len(prompts), len(next(iter(prompts.values())))
     room = prompt + (k + 1) * (steps + 2) + 8
-    attn = ModelAttention(model.specs, device=device)
+    attn, d_attn = ModelAttention(model.specs, device=device), ModelAttention(draft.specs, device=device)
     runner = _runner(model, attn, batch, room, hidden=True) if graph else None
+    draft_runner = None
+    if runner is not None:  # the draft's proposal steps captured too (`StepRunner.propose`)
+        from ..graph import StepRunner
+
+        draft_runner = StepRunner(draft.step, draft.params, d_attn, draft.manifest(model.config), buckets=(batch,),
+                                  max_context=room + k)
+        draft_runner = draft_runner if draft_runner.capture else None
     emitted = {r: [] for r in prompts}
     vocab = model.config.vocab_size
 
@@ -143,9 +150,9 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
 
     spec = Speculator(target_step=fam.step_hidden, target_params=model.params, target_attn=attn,
                       target_state=_state(model, device, batch, room, ring=k + 2), draft_step=draft.step,
-                      draft_params=draft.params, draft_attn=ModelAttention(draft.specs, device=device),
+                      draft_params=draft.params, draft_attn=d_attn,
                       draft_state=_state(draft, device, batch, room + k), num_draft=k, propose_hook=propose,
-                      target_runner=runner,
+                      target_runner=runner, draft_runner=draft_runner,
                       accept_hook=lambda step, acc: {r: (k + 1 if accept_all else 1) for r in acc})
     for r, t in spec.start(prompts).items():
         emitted[r].append(t)
