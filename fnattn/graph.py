@@ -175,13 +175,7 @@ class StepRunner:
             fail("StepRunner.propose", "request_ids", "at least one request", ids)
         bucket = Bucket("decode", self.bucket_for(len(ids)), 0, self.columns(state))
         self._check_tokens(tokens, len(ids), state.device, None)
-        lane = next(lane for lane in self.manifest.role("input") if lane.name == "hidden_in")
-        want = (len(ids), self.manifest.dims["D"])
-        if not isinstance(hidden, Tensor) or tuple(hidden.shape) != want:
-            fail("StepRunner.propose", "hidden", f"a tensor of shape {want}", getattr(hidden, "shape", hidden))
-        if hidden.dtype != lane.dtype or hidden.device != state.device:
-            raise LaneError(f"lane 'hidden_in': expected {lane.dtype} on {state.device}, got {hidden.dtype} on "
-                            f"{hidden.device}")
+        self._check_hidden("StepRunner.propose", hidden, len(ids), state)
         if (bucket, "native") not in self._entries:  # the bucket's buffers (and graph) only for a valid step
             Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns)
         state, entry = self._ensure(state, bucket, "native")
@@ -192,6 +186,21 @@ class StepRunner:
         else:
             state = _advance_past(state, batch, batch.cursor_after(batch.host_new_lens))
         return state, outputs["logits"], outputs["hidden"]
+
+    def _check_hidden(self, where: str, hidden, rows: int, state) -> None:
+        """A draft runner's ``hidden`` (one row a token, its lane's dtype, the State's device); none elsewhere."""
+        if not self.hidden_in:
+            if hidden is not None:
+                fail(where, "hidden", "None (this runner's manifest has no 'hidden_in' lane)", type(hidden).__name__)
+            return
+        lane = next(lane for lane in self.manifest.role("input") if lane.name == "hidden_in")
+        want = (rows, self.manifest.dims["D"])
+        if not isinstance(hidden, Tensor) or tuple(hidden.shape) != want:
+            fail(where, "hidden", f"a tensor of shape {want} (a draft runner's step reads one a token)",
+                 getattr(hidden, "shape", hidden))
+        if hidden.dtype != lane.dtype or hidden.device != state.device:
+            raise LaneError(f"lane 'hidden_in': expected {lane.dtype} on {state.device}, got {hidden.dtype} on "
+                            f"{hidden.device}")
 
     def _not_a_draft(self, where: str) -> None:
         if self.hidden_in:
@@ -235,10 +244,13 @@ class StepRunner:
         return _advance_past(state, batch, batch.cursor_after(batch.host_new_lens)), outputs["logits"]
 
     def verify(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " T"], *, num_draft: int,
-               recovery: str = "native") -> "Verified":
-        """The last token and ``num_draft`` drafts per request; `Verified.accept` applies the acceptance."""
-        self._not_a_draft("StepRunner.verify")
+               recovery: str = "native", hidden: Tensor | None = None) -> "Verified":
+        """The last token and ``num_draft`` drafts per request; `Verified.accept` applies the acceptance.
+        ``hidden`` [T, D]: a draft runner's (``hidden_in`` lane) hidden state of every token, for the draft's
+        catch-up on a speculative step's tokens in one fixed-shape step (`fnattn.speculative.Speculator`)."""
         ids = tuple(request_ids)
+        self._check_hidden("StepRunner.verify", hidden, len(ids) * (1 + num_draft) if isinstance(num_draft, int)
+                           else 0, state)
         if not ids:
             fail("StepRunner.verify", "request_ids", "at least one request", ids)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
@@ -255,7 +267,8 @@ class StepRunner:
         state, entry = self._ensure(state, bucket, recovery)
         batch = Batch.verify(state, ids, num_draft=num_draft, recovery=recovery, pad_to=bucket.lanes,
                              columns=bucket.columns, staging=entry.staging)
-        outputs, deltas, replay_outputs = self._run(state, entry, batch, tokens, None, built_here=True)
+        outputs, deltas, replay_outputs = self._run(state, entry, batch, tokens, None, built_here=True,
+                                                    hidden=hidden)
         return Verified(self, state, batch, entry, outputs, deltas, replay_outputs)
 
     # ------------------------------------------------------------- internals

@@ -134,8 +134,9 @@ class Speculator:
     ``target_runner``: a `fnattn.graph.StepRunner` over ``target_step`` with a ``hidden`` output lane, which
     runs every verify step (the captured verify graph on a GPU). ``draft_runner``: one over ``draft_step`` with
     the ``hidden_in`` and ``hidden`` lanes (``step_manifest(..., hidden_in=True)``), which runs the draft's own
-    proposal steps (`StepRunner.propose`: captured per bucket on a GPU). Prefill and the draft's catch-up on the
-    accepted tokens stay eager.
+    proposal steps (`StepRunner.propose`: captured per bucket on a GPU) and its catch-up on each step's tokens, as
+    a fixed-shape verify of the ``1 + num_draft`` positions (the emitted tokens, padded) whose acceptance keeps the
+    accepted ones. Prefill and the catch-up on the prompts stay eager.
     ``accept_hook(step, accepted) -> accepted``: replaces greedy acceptance's counts (each 1 .. k + 1: the
     last token plus the drafts kept); the bonus token is then the target's choice after the last one kept.
     For benchmarks that force every draft in (or none) whatever the logits say.
@@ -274,9 +275,29 @@ class Speculator:
             shifted += emitted[r]
             rows += range(cu[b], cu[b] + n)
             self.last[r] = bonus[r]
-        self._catch_up(accepted, shifted, hidden[self._tokens(rows)])
+        if self.draft_runner is None:
+            self._catch_up(accepted, shifted, hidden[self._tokens(rows)])
+        else:
+            self._catch_up_verify(batch.request_ids, emitted, accepted, hidden)
         self.steps += 1
         return emitted
+
+    def _catch_up_verify(self, ids, emitted, accepted, hidden):
+        """The catch-up through the draft runner: every request's ``1 + k`` positions of this step (its emitted
+        tokens, padded with 0 past them) with the target's hidden rows of the verify, one fixed-shape step; the
+        acceptance keeps each request's emitted ones, and its last gives the next proposal. Causal attention
+        leaves the kept rows what a catch-up of those tokens alone computes."""
+        k1 = self.k + 1
+        self.dstate = self.dstate.reserve({r: k1 for r in ids})
+        tokens = [t for r in ids for t in emitted[r] + [0] * (k1 - len(emitted[r]))]
+        verified = self.draft_runner.verify(self.dstate, ids, self._tokens(tokens), num_draft=self.k,
+                                            hidden=hidden)
+        kept = [b * k1 + j for b, r in enumerate(ids) for j in range(accepted[r])]
+        self.trace.append(verified.logits[self._tokens(kept)])  # the rows an eager catch-up computes
+        for b, r in enumerate(ids):
+            row = b * k1 + accepted[r] - 1
+            self.proposal[r] = (int(verified.logits[row].argmax()), verified.hidden[row])
+        self.dstate = verified.accept(dict(accepted))
 
     def _accept(self, logits, batch, drafts):
         """Greedy acceptance, or the counts ``accept_hook`` forces with the target's bonus after them."""

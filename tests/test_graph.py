@@ -546,9 +546,11 @@ def _draft_runner(model, draft, d_attn, **kw):
 @pytest.mark.parametrize("recovery", ["native", "replay"])
 @pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3", "deepseek_v32", "glm5", "deepseek_v4"])
 def test_the_speculative_step_through_both_runners_equals_eager(name, recovery, invariant):
-    """The draft's proposal steps through a draft runner (`StepRunner.propose`, padded to a bucket of 4 lanes)
-    and the verify through the target runner emit eager speculation's tokens; in bf16 with the invariant mode on,
-    every logits row the same bits (padding lanes and buckets change nothing), otherwise equal to rounding."""
+    """The draft's proposal steps (`StepRunner.propose`) and its catch-up (a fixed-shape verify of the step's
+    positions, padded) through a draft runner, the verify through the target runner, all padded to a bucket of 4
+    lanes, emit eager speculation's tokens; in bf16 with the invariant mode on, every logits row the eager path
+    computes is the same bits (padding lanes, buckets and the catch-up's padded positions change nothing),
+    otherwise equal to rounding."""
     import fnattn.switches
 
     dtype = torch.bfloat16 if invariant else torch.float32
@@ -596,6 +598,11 @@ def test_a_draft_runner_takes_only_propose_and_checks_its_hidden():
         runner.propose(st, [0], tokens, torch.zeros(2, model.config.hidden_size))
     with pytest.raises(ValueError, match="lane 'hidden_in'"):
         runner.propose(st, [0], tokens, torch.zeros(1, model.config.hidden_size, dtype=torch.float64))
+    with pytest.raises(ValueError, match="StepRunner.verify: `hidden`"):  # a draft's verify reads one a token
+        runner.verify(st.reserve({0: 2}), [0], torch.tensor([3, 4]), num_draft=1)
     target = StepRunner(model.step, model.params, fa.ModelAttention(model.specs), model.manifest(), max_context=96)
     with pytest.raises(ValueError, match="StepRunner.propose: `manifest`"):
         target.propose(st, [0], tokens, torch.zeros(1, model.config.hidden_size))
+    t_st = _state(model.specs).admit(0).reserve({0: 2})
+    with pytest.raises(ValueError, match="StepRunner.verify: `hidden`"):
+        target.verify(t_st, [0], torch.tensor([3, 4]), num_draft=1, hidden=torch.zeros(2, model.config.hidden_size))
