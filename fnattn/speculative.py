@@ -136,7 +136,8 @@ class Speculator:
     the ``hidden_in`` and ``hidden`` lanes (``step_manifest(..., hidden_in=True)``), which runs the draft's own
     proposal steps (`StepRunner.propose`: captured per bucket on a GPU) and its catch-up on each step's tokens, as
     a fixed-shape verify of the ``1 + num_draft`` positions (the emitted tokens, padded) whose acceptance keeps the
-    accepted ones. Prefill and the catch-up on the prompts stay eager.
+    accepted ones. With both runners and no hooks the drafts stay on the device and greedy acceptance is computed
+    there: one host read a step (`_step_on_device`). Prefill and the catch-up on the prompts stay eager.
     ``accept_hook(step, accepted) -> accepted``: replaces greedy acceptance's counts (each 1 .. k + 1: the
     last token plus the drafts kept); the bonus token is then the target's choice after the last one kept.
     For benchmarks that force every draft in (or none) whatever the logits say.
@@ -235,10 +236,13 @@ class Speculator:
         ids = list(self.last)
         if not ids:
             fail("Speculator.step", "requests", "at least one active request", ids)
-        drafts = {r: [self.proposal[r][0]] for r in ids}
+        if self.runner is not None and self.draft_runner is not None and self.propose_hook is None \
+                and self.accept_hook is None:
+            return self._step_on_device(ids)
+        drafts = {r: [int(self.proposal[r][0])] for r in ids}  # a device runner's proposals are 0-d tensors
         if self.k > 1:  # the draft's own chain: speculative entries, rolled back afterwards
             ckpt = self.dstate.checkpoint(ids)
-            tok = {r: self.proposal[r][0] for r in ids}
+            tok = {r: drafts[r][0] for r in ids}
             hid = {r: self.proposal[r][1] for r in ids}
             for _ in range(self.k - 1):
                 self.dstate = self.dstate.reserve({r: 1 for r in ids})
@@ -282,6 +286,46 @@ class Speculator:
         self.steps += 1
         return emitted
 
+    def _step_on_device(self, ids) -> dict[int, list[int]]:
+        """`step` with both runners: the drafts stay on the device from proposal to verify, greedy acceptance is
+        computed there, and one host read a step brings back each request's accepted count with the target's
+        choices (the emitted tokens are the first ``accepted`` of them: the kept drafts matched them)."""
+        k, n = self.k, len(ids)
+        tok = self._stacked([self.proposal[r][0] for r in ids])  # [n] the draft's first proposals
+        hid = torch.stack([self.proposal[r][1] for r in ids])  # [n, D]
+        drafts = [tok]
+        if k > 1:
+            ckpt = self.dstate.checkpoint(ids)
+            for _ in range(k - 1):
+                self.dstate = self.dstate.reserve({r: 1 for r in ids})
+                self.dstate, logits, hid = self.draft_runner.propose(self.dstate, ids, tok, hid)
+                self.trace.append(logits)
+                tok = logits.argmax(-1)
+                drafts.append(tok)
+            self.dstate = self.dstate.restore(ckpt)
+        proposed = torch.stack(drafts, dim=1)  # [n, k]
+        last = torch.tensor([self.last[r] for r in ids], dtype=torch.long, device=proposed.device)
+        self.tstate = self.tstate.reserve({r: k + 1 for r in ids})
+        tokens = torch.cat([last[:, None], proposed], dim=1).reshape(-1)  # [n * (1 + k)]
+        verified = self.runner.verify(self.tstate, ids, tokens, num_draft=k, recovery=self.recovery)
+        self.trace.append(verified.logits)
+        choice = verified.logits.argmax(-1).view(n, k + 1)  # [n, 1 + k] the target's token after each input
+        kept = (choice[:, :k] == proposed).long().cumprod(dim=1).sum(dim=1)  # [n] leading drafts it agrees with
+        rows = torch.cat([kept[:, None] + 1, choice], dim=1).tolist()  # the step's one host read
+        accepted = {r: row[0] for r, row in zip(ids, rows)}
+        emitted = {r: row[1:1 + row[0]] for r, row in zip(ids, rows)}
+        self.tstate = verified.accept(accepted)
+        for r in ids:
+            self.last[r] = emitted[r][-1]
+        self._catch_up_verify(tuple(ids), emitted, accepted, verified.hidden)
+        self.steps += 1
+        return emitted
+
+    def _stacked(self, tokens) -> torch.Tensor:
+        """Proposed tokens (host ints or 0-d device tensors) as one [n] int64 tensor on the State's device."""
+        return torch.stack([t if isinstance(t, torch.Tensor) else torch.tensor(t, device=self.tstate.device)
+                            for t in tokens]).to(torch.long)
+
     def _catch_up_verify(self, ids, emitted, accepted, hidden):
         """The catch-up through the draft runner: every request's ``1 + k`` positions of this step (its emitted
         tokens, padded with 0 past them) with the target's hidden rows of the verify, one fixed-shape step; the
@@ -294,9 +338,9 @@ class Speculator:
                                             hidden=hidden)
         kept = [b * k1 + j for b, r in enumerate(ids) for j in range(accepted[r])]
         self.trace.append(verified.logits[self._tokens(kept)])  # the rows an eager catch-up computes
-        for b, r in enumerate(ids):
+        for b, r in enumerate(ids):  # the next proposals stay on the device (0-d tensors)
             row = b * k1 + accepted[r] - 1
-            self.proposal[r] = (int(verified.logits[row].argmax()), verified.hidden[row])
+            self.proposal[r] = (verified.logits[row].argmax(), verified.hidden[row])
         self.dstate = verified.accept(dict(accepted))
 
     def _accept(self, logits, batch, drafts):
