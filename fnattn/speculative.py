@@ -53,6 +53,17 @@ def greedy_accept(logits: torch.Tensor, batch: Batch, drafts: Mapping[int, list[
     return accepted, bonus
 
 
+def greedy_accept_rows(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """`greedy_accept` on the device: ``logits`` [n * (1 + k), vocab] of a verify whose request b fed its last
+    token then ``drafts[b]`` ([n, k]); ``-> [n, 2 + k]`` int64 rows ``(accepted, *choices)``: the last token plus
+    the leading drafts the target's choices agree with, then the target's token after each input (the emitted
+    tokens are the first ``accepted`` choices: the kept drafts, then the bonus)."""
+    n, k = drafts.shape
+    choice = logits.argmax(-1).view(n, k + 1)  # [n, 1 + k]
+    kept = (choice[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [n] leading drafts it agrees with
+    return torch.cat([kept[:, None] + 1, choice], dim=1)
+
+
 def replay_writes(model_attention, state, verify_batch: Batch, outputs: Mapping[int, object],
                   accepted: Mapping[int, int]) -> StepDeltas:
     """The recurrent writes of the accepted tokens of a replay-mode verify step, as the replay batch's deltas.
@@ -290,7 +301,7 @@ class Speculator:
         """`step` with both runners: the drafts stay on the device from proposal to verify, greedy acceptance is
         computed there, and one host read a step brings back each request's accepted count with the target's
         choices (the emitted tokens are the first ``accepted`` of them: the kept drafts matched them)."""
-        k, n = self.k, len(ids)
+        k = self.k
         tok = self._stacked([self.proposal[r][0] for r in ids])  # [n] the draft's first proposals
         hid = torch.stack([self.proposal[r][1] for r in ids])  # [n, D]
         drafts = [tok]
@@ -309,9 +320,7 @@ class Speculator:
         tokens = torch.cat([last[:, None], proposed], dim=1).reshape(-1)  # [n * (1 + k)]
         verified = self.runner.verify(self.tstate, ids, tokens, num_draft=k, recovery=self.recovery)
         self.trace.append(verified.logits)
-        choice = verified.logits.argmax(-1).view(n, k + 1)  # [n, 1 + k] the target's token after each input
-        kept = (choice[:, :k] == proposed).long().cumprod(dim=1).sum(dim=1)  # [n] leading drafts it agrees with
-        rows = torch.cat([kept[:, None] + 1, choice], dim=1).tolist()  # the step's one host read
+        rows = greedy_accept_rows(verified.logits, proposed).tolist()  # the step's one host read
         accepted = {r: row[0] for r, row in zip(ids, rows)}
         emitted = {r: row[1:1 + row[0]] for r, row in zip(ids, rows)}
         self.tstate = verified.accept(accepted)

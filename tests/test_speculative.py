@@ -1,7 +1,11 @@
 """Speculative decoding end to end: forced acceptance patterns, native vs replay, greedy equality."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 import fnattn as fa
 from fnattn.driver import generate
@@ -133,3 +137,27 @@ def test_bad_settings_are_refused():
         Speculator(**common, num_draft=0)
     with pytest.raises(ValueError, match="`recovery`"):
         Speculator(**common, num_draft=2, recovery="maybe")
+
+
+@settings(max_examples=40, deadline=None)
+@given(k=hst.integers(1, 5), seed=hst.integers(0, 2**16), data=hst.data())
+def test_acceptance_on_the_device_is_greedy_accept(k, seed, data):
+    """`greedy_accept_rows` (a speculative step's acceptance with both runners) against `greedy_accept` over
+    requests whose drafts agree with the target's choices for every prefix length 0..k."""
+    from fnattn.speculative import greedy_accept, greedy_accept_rows
+
+    n, vocab = 4, 7
+    logits = torch.randn(n * (k + 1), vocab, generator=torch.Generator().manual_seed(seed))
+    choice = logits.argmax(-1).view(n, k + 1)
+    drafts = choice[:, :k].clone()
+    for b in range(n):  # request b's drafts agree for its first `agree` positions, then one differs
+        agree = data.draw(hst.integers(0, k), label=f"agree[{b}]")
+        if agree < k:
+            drafts[b, agree] = (drafts[b, agree] + 1) % vocab
+    batch = SimpleNamespace(host_cu_seqlens=[b * (k + 1) for b in range(n + 1)], request_ids=list(range(n)),
+                            host_new_lens=[k + 1] * n)
+    accepted, bonus = greedy_accept(logits, batch, {b: drafts[b].tolist() for b in range(n)})
+    rows = greedy_accept_rows(logits, drafts).tolist()
+    for b in range(n):
+        assert rows[b][0] == accepted[b] and rows[b][accepted[b]] == bonus[b]
+        assert rows[b][1:accepted[b]] == drafts[b, :accepted[b] - 1].tolist()  # the kept drafts, emitted
