@@ -180,11 +180,7 @@ class StepRunner:
             Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns)
         state, entry = self._ensure(state, bucket, "native")
         batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns, staging=entry.staging)
-        outputs, deltas, _ = self._run(state, entry, batch, tokens, None, built_here=True, hidden=hidden)
-        if entry.graph is None:
-            state = state.apply(deltas)
-        else:
-            state = _advance_past(state, batch, batch.cursor_after(batch.host_new_lens))
+        state, outputs = self._decode_outputs(state, entry, batch, tokens, None, built_here=True, hidden=hidden)
         return state, outputs["logits"], outputs["hidden"]
 
     def _check_hidden(self, where: str, hidden, rows: int, state) -> None:
@@ -238,10 +234,16 @@ class StepRunner:
         return self._decode(state, entry, batch, tokens, out, built_here=False)
 
     def _decode(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out, *, built_here: bool):
-        outputs, deltas, _ = self._run(state, entry, batch, tokens, out, built_here=built_here)
+        state, outputs = self._decode_outputs(state, entry, batch, tokens, out, built_here=built_here)
+        return state, outputs["logits"]
+
+    def _decode_outputs(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out, *, built_here: bool,
+                        hidden: Tensor | None = None):
+        """A decode step run and committed (the apply, or past a replay the cursor moves): ``-> (state, outputs)``."""
+        outputs, deltas, _ = self._run(state, entry, batch, tokens, out, built_here=built_here, hidden=hidden)
         if entry.graph is None:
-            return state.apply(deltas), outputs["logits"]
-        return _advance_past(state, batch, batch.cursor_after(batch.host_new_lens)), outputs["logits"]
+            return state.apply(deltas), outputs
+        return _advance_past(state, batch, batch.cursor_after(batch.host_new_lens)), outputs
 
     def verify(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " T"], *, num_draft: int,
                recovery: str = "native", hidden: Tensor | None = None) -> "Verified":
@@ -249,12 +251,11 @@ class StepRunner:
         ``hidden`` [T, D]: a draft runner's (``hidden_in`` lane) hidden state of every token, for the draft's
         catch-up on a speculative step's tokens in one fixed-shape step (`fnattn.speculative.Speculator`)."""
         ids = tuple(request_ids)
-        self._check_hidden("StepRunner.verify", hidden, len(ids) * (1 + num_draft) if isinstance(num_draft, int)
-                           else 0, state)
         if not ids:
             fail("StepRunner.verify", "request_ids", "at least one request", ids)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("StepRunner.verify", "num_draft", "an int >= 1", num_draft)
+        self._check_hidden("StepRunner.verify", hidden, len(ids) * (1 + num_draft), state)
         if recovery not in RECOVERY:
             fail("StepRunner.verify", "recovery", f"one of {RECOVERY}", recovery)
         bucket = Bucket("verify", self.bucket_for(len(ids)), num_draft, self.columns(state))

@@ -175,7 +175,7 @@ class Speculator:
         self.draft = (draft_step, draft_params, draft_attn)
         self.tstate, self.dstate = target_state, draft_state
         self.last: dict[int, int] = {}  # newest token of each request, not yet fed to the target
-        self.proposal: dict[int, tuple[int, torch.Tensor]] = {}  # draft's next token and its hidden_out
+        self.proposal: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # draft's next token (0-d) and hidden_out
         self.steps = 0
         #: every logits tensor computed, in order (target verify/prefill, draft), for comparisons
         self.trace: list[torch.Tensor] = []
@@ -196,18 +196,29 @@ class Speculator:
         self.dstate = self.dstate.apply(deltas)
         return logits, hout
 
+    def _draft_chain(self, ids) -> torch.Tensor:
+        """The draft's ``k`` proposals for every request, ``[n, k]`` on the device, rows in ``ids`` order: its
+        pending proposal, then ``k - 1`` proposal steps on speculative entries, rolled back afterwards."""
+        tok = torch.stack([self.proposal[r][0] for r in ids])  # [n]
+        hid = torch.stack([self.proposal[r][1] for r in ids])  # [n, D]
+        drafts = [tok]
+        if self.k > 1:
+            ckpt = self.dstate.checkpoint(ids)
+            for _ in range(self.k - 1):
+                self.dstate = self.dstate.reserve({r: 1 for r in ids})
+                logits, hid = self._propose(ids, tok, hid)
+                tok = logits.argmax(-1)
+                drafts.append(tok)
+            self.dstate = self.dstate.restore(ckpt)
+        return torch.stack(drafts, dim=1)
+
     def _propose(self, ids, tok, hid):
-        """One proposal step of the draft's chain: ``-> (logits, hidden_out, the request order of their rows)``."""
+        """One proposal step (``tok`` [n], ``hid`` [n, D] in ``ids`` order): ``-> (logits, hidden_out)``."""
         if self.draft_runner is None:
-            batch = Batch.decode(self.dstate, ids)
-            order = batch.request_ids
-            logits, hout = self._run_draft(batch, self._tokens([tok[r] for r in order]),
-                                           torch.stack([hid[r] for r in order]))
-            return logits, hout, order
-        self.dstate, logits, hout = self.draft_runner.propose(self.dstate, ids, self._tokens([tok[r] for r in ids]),
-                                                              torch.stack([hid[r] for r in ids]))
+            return self._run_draft(Batch.decode(self.dstate, ids), tok, hid)
+        self.dstate, logits, hout = self.draft_runner.propose(self.dstate, ids, tok, hid)
         self.trace.append(logits)
-        return logits, hout, ids
+        return logits, hout
 
     def _tokens(self, rows) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.tstate.device)
@@ -219,7 +230,7 @@ class Speculator:
         logits, hout = self._run_draft(batch, self._tokens(tokens), hidden)
         for b, rid in enumerate(batch.request_ids):
             row = batch.host_cu_seqlens[b + 1] - 1
-            self.proposal[rid] = (int(logits[row].argmax()), hout[row])
+            self.proposal[rid] = (logits[row].argmax(), hout[row])  # stays on the device
 
     # ------------------------------------------------------------------ public
     def start(self, prompts: Mapping[int, list[int]]) -> dict[int, int]:
@@ -250,18 +261,7 @@ class Speculator:
         if self.runner is not None and self.draft_runner is not None and self.propose_hook is None \
                 and self.accept_hook is None:
             return self._step_on_device(ids)
-        drafts = {r: [int(self.proposal[r][0])] for r in ids}  # a device runner's proposals are 0-d tensors
-        if self.k > 1:  # the draft's own chain: speculative entries, rolled back afterwards
-            ckpt = self.dstate.checkpoint(ids)
-            tok = {r: drafts[r][0] for r in ids}
-            hid = {r: self.proposal[r][1] for r in ids}
-            for _ in range(self.k - 1):
-                self.dstate = self.dstate.reserve({r: 1 for r in ids})
-                logits, hout, order = self._propose(ids, tok, hid)
-                for b, r in enumerate(order):
-                    tok[r], hid[r] = int(logits[b].argmax()), hout[b]
-                    drafts[r].append(tok[r])
-            self.dstate = self.dstate.restore(ckpt)
+        drafts = dict(zip(ids, self._draft_chain(ids).tolist()))
         if self.propose_hook is not None:
             drafts = {r: list(d) for r, d in self.propose_hook(self.steps, drafts).items()}
         self.tstate = self.tstate.reserve({r: self.k + 1 for r in ids})
@@ -302,19 +302,7 @@ class Speculator:
         computed there, and one host read a step brings back each request's accepted count with the target's
         choices (the emitted tokens are the first ``accepted`` of them: the kept drafts matched them)."""
         k = self.k
-        tok = self._stacked([self.proposal[r][0] for r in ids])  # [n] the draft's first proposals
-        hid = torch.stack([self.proposal[r][1] for r in ids])  # [n, D]
-        drafts = [tok]
-        if k > 1:
-            ckpt = self.dstate.checkpoint(ids)
-            for _ in range(k - 1):
-                self.dstate = self.dstate.reserve({r: 1 for r in ids})
-                self.dstate, logits, hid = self.draft_runner.propose(self.dstate, ids, tok, hid)
-                self.trace.append(logits)
-                tok = logits.argmax(-1)
-                drafts.append(tok)
-            self.dstate = self.dstate.restore(ckpt)
-        proposed = torch.stack(drafts, dim=1)  # [n, k]
+        proposed = self._draft_chain(ids)  # [n, k]
         last = torch.tensor([self.last[r] for r in ids], dtype=torch.long, device=proposed.device)
         self.tstate = self.tstate.reserve({r: k + 1 for r in ids})
         tokens = torch.cat([last[:, None], proposed], dim=1).reshape(-1)  # [n * (1 + k)]
@@ -329,11 +317,6 @@ class Speculator:
         self._catch_up_verify(tuple(ids), emitted, accepted, verified.hidden)
         self.steps += 1
         return emitted
-
-    def _stacked(self, tokens) -> torch.Tensor:
-        """Proposed tokens (host ints or 0-d device tensors) as one [n] int64 tensor on the State's device."""
-        return torch.stack([t if isinstance(t, torch.Tensor) else torch.tensor(t, device=self.tstate.device)
-                            for t in tokens]).to(torch.long)
 
     def _catch_up_verify(self, ids, emitted, accepted, hidden):
         """The catch-up through the draft runner: every request's ``1 + k`` positions of this step (its emitted
