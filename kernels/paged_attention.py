@@ -81,6 +81,41 @@ def _online_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, mask, kvh, d, dv, d_ok, dv_ok,
+               skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE: tl.constexpr):
+    # keys [BN, D_PAD] and values [BN, DV_PAD] of request b's cached positions j, through its block table;
+    # rows outside ``mask`` load zeros
+    page = tl.load(BLOCK_TABLE + b * sbt_b + j // PAGE, mask=mask, other=0).to(tl.int64)
+    off = j % PAGE
+    k = tl.load(K_CACHE + page[:, None] * skc_p + off[:, None] * skc_s + kvh * skc_h + d[None, :],
+                mask=mask[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V_CACHE + page[:, None] * svc_p + off[:, None] * svc_s + kvh * svc_h + dv[None, :],
+                mask=mask[:, None] & dv_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _fresh_kv(K_NEW, V_NEW, rows, mask, kvh, d, dv, d_ok, dv_ok, skn_t, skn_h, svn_t, svn_h):
+    # keys and values of the step's own token rows; rows outside ``mask`` load zeros
+    k = tl.load(K_NEW + rows[:, None] * skn_t + kvh * skn_h + d[None, :], mask=mask[:, None] & d_ok[None, :],
+                other=0.0)
+    v = tl.load(V_NEW + rows[:, None] * svn_t + kvh * svn_h + dv[None, :], mask=mask[:, None] & dv_ok[None, :],
+                other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, j, visible, pos, m_i, l_i, acc, sm_scale, softcap, window,
+                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    # one key tile into the online softmax: the scores, masked to the keys each row sees (and its window)
+    s = _scores(q, k, sm_scale, softcap, SOFTCAP, IEEE)
+    if WINDOW:
+        visible = visible & (pos[:, None] - j[None, :] < window)
+    s = tl.where(visible, s, float("-inf"))
+    return _online_update(s, v, m_i, l_i, acc, IEEE)
+
+
+@triton.jit
 def _invariant_keys(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
                     K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
                     skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
@@ -95,23 +130,14 @@ def _invariant_keys(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off
         seen = (j >= lo) & (j < hi)
         cached = seen & (j < ctx)
         fresh = seen & (j >= ctx)
-        page = tl.load(BLOCK_TABLE + b * sbt_b + j // PAGE, mask=cached, other=0).to(tl.int64)
-        off = j % PAGE
-        kn_row = tl.where(fresh, tok0 + j - ctx, 0).to(tl.int64)
-        k = tl.load(K_CACHE + page[:, None] * skc_p + off[:, None] * skc_s + kvh * skc_h + d[None, :],
-                    mask=cached[:, None] & d_ok[None, :], other=0.0)
-        k += tl.load(K_NEW + kn_row[:, None] * skn_t + kvh * skn_h + d[None, :],
-                     mask=fresh[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V_CACHE + page[:, None] * svc_p + off[:, None] * svc_s + kvh * svc_h + dv[None, :],
-                    mask=cached[:, None] & dv_ok[None, :], other=0.0)
-        v += tl.load(V_NEW + kn_row[:, None] * svn_t + kvh * svn_h + dv[None, :],
-                     mask=fresh[:, None] & dv_ok[None, :], other=0.0)
-        s = _scores(q, k, sm_scale, softcap, SOFTCAP, IEEE)
-        visible = seen[None, :] & (j[None, :] <= pos[:, None])
-        if WINDOW:
-            visible = visible & (pos[:, None] - j[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, IEEE)
+        k, v = _cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, cached, kvh, d, dv, d_ok, dv_ok,
+                          skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)
+        k_new, v_new = _fresh_kv(K_NEW, V_NEW, tl.where(fresh, tok0 + j - ctx, 0).to(tl.int64), fresh, kvh,
+                                 d, dv, d_ok, dv_ok, skn_t, skn_h, svn_t, svn_h)
+        k += k_new
+        v += v_new
+        m_i, l_i, acc = _attend_tile(q, k, v, j, seen[None, :] & (j[None, :] <= pos[:, None]), pos, m_i, l_i, acc,
+                                     sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
     return m_i, l_i, acc
 
 
@@ -192,48 +218,23 @@ def _paged_attn_kernel(
                                         K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
                                         skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
                                         m_i, l_i, acc, PAGE, BLOCK_N, SOFTCAP, WINDOW, IEEE)
-    c_hi = tl.minimum(s_hi, ctx)
-    if INVARIANT:
-        c_hi = s_lo  # both loops below are empty
-    for start in range(s_lo, c_hi, BLOCK_N):
-        j = start + n_off  # [BN]
-        j_ok = j < c_hi
-        page = tl.load(BLOCK_TABLE + b * sbt_b + j // PAGE, mask=j_ok, other=0).to(tl.int64)
-        off = j % PAGE
-        k = tl.load(
-            K_CACHE + page[:, None] * skc_p + off[:, None] * skc_s + kvh * skc_h + d[None, :],
-            mask=j_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # [BN, D_PAD]
-        v = tl.load(
-            V_CACHE + page[:, None] * svc_p + off[:, None] * svc_s + kvh * svc_h + dv[None, :],
-            mask=j_ok[:, None] & dv_ok[None, :], other=0.0,
-        )  # [BN, DV_PAD]
-        s = _scores(q, k, sm_scale, softcap, SOFTCAP, IEEE)
-        visible = j_ok[None, :]
-        if WINDOW:
-            visible = visible & (pos[:, None] - j[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, IEEE)
-
-    if HAS_NEW and not INVARIANT:
-        for start in range(tl.maximum(s_lo, ctx), s_hi, BLOCK_N):
+    else:
+        c_hi = tl.minimum(s_hi, ctx)
+        for start in range(s_lo, c_hi, BLOCK_N):
             j = start + n_off  # [BN]
-            j_ok = j < s_hi
-            kn_row = (tok0 + j - ctx).to(tl.int64)
-            k = tl.load(
-                K_NEW + kn_row[:, None] * skn_t + kvh * skn_h + d[None, :],
-                mask=j_ok[:, None] & d_ok[None, :], other=0.0,
-            )
-            v = tl.load(
-                V_NEW + kn_row[:, None] * svn_t + kvh * svn_h + dv[None, :],
-                mask=j_ok[:, None] & dv_ok[None, :], other=0.0,
-            )
-            s = _scores(q, k, sm_scale, softcap, SOFTCAP, IEEE)
-            visible = j_ok[None, :] & (j[None, :] <= pos[:, None])
-            if WINDOW:
-                visible = visible & (pos[:, None] - j[None, :] < window)
-            s = tl.where(visible, s, float("-inf"))
-            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, IEEE)
+            j_ok = j < c_hi
+            k, v = _cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, j_ok, kvh, d, dv, d_ok, dv_ok,
+                              skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)  # [BN, D_PAD], [BN, DV_PAD]
+            m_i, l_i, acc = _attend_tile(q, k, v, j, j_ok[None, :], pos, m_i, l_i, acc, sm_scale, softcap, window,
+                                         SOFTCAP, WINDOW, IEEE)
+        if HAS_NEW:
+            for start in range(tl.maximum(s_lo, ctx), s_hi, BLOCK_N):
+                j = start + n_off  # [BN]
+                j_ok = j < s_hi
+                k, v = _fresh_kv(K_NEW, V_NEW, (tok0 + j - ctx).to(tl.int64), j_ok, kvh, d, dv, d_ok, dv_ok,
+                                 skn_t, skn_h, svn_t, svn_h)
+                m_i, l_i, acc = _attend_tile(q, k, v, j, j_ok[None, :] & (j[None, :] <= pos[:, None]), pos, m_i,
+                                             l_i, acc, sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
 
     attended = l_i > 0
     l_safe = tl.where(attended, l_i, 1.0)
