@@ -124,7 +124,6 @@ def demo_mtp(args) -> int:
     import torch
 
     from . import ModelAttention
-    from .lanes import step_manifest
     from .speculative import Speculator
 
     if args.model == "tiny":
@@ -135,8 +134,7 @@ def demo_mtp(args) -> int:
         target = (tiny.step_hidden, params, tiny.layer_specs(cfg))
         manifest = tiny.manifest(cfg, hidden=True)
         draft = (tiny.draft_step, tiny.init_draft(cfg, params, seed=args.seed + 1), tiny.draft_specs(cfg))
-        draft_manifest = step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size, hidden_dtype=cfg.dtype,
-                                       hidden_in=True)
+        draft_manifest = tiny.manifest(cfg, hidden=True, hidden_in=True)
         prompt = list(args.prompt.encode("utf-8"))
     else:
         from .models.registry import family_named, random_model

@@ -439,7 +439,8 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                                         params.inv_freq_compress, tokens)
         layer_deltas.append(deltas)
     hidden = collapse(params.head_hc, params.norm, streams, cfg)
-    return row_linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    logits = row_linear(logit_rows(batch, hidden), params.lm_head).float()
+    return logits, hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked
@@ -451,10 +452,14 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
 
 def generated_lanes(cfg: DeepseekV4Config) -> tuple:
     """The top-k each CSA layer's indexer builds inside the step ([T, index_topk] int64): generated, never copied."""
+    return tuple(topk_lane(cfg, i) for i, s in enumerate(cfg.specs) if s.config.indexer is not None)
+
+
+def topk_lane(cfg: DeepseekV4Config, layer: int):
+    """The generated lane of CSA layer ``layer``'s top-k (the MTP draft's layer too)."""
     from fnattn.lanes import Lane
 
-    return tuple(Lane(f"indexer_topk_{i}", ("T", cfg.index_topk), torch.int64, "generated")
-                 for i, s in enumerate(cfg.specs) if s.config.indexer is not None)
+    return Lane(f"indexer_topk_{layer}", ("T", cfg.index_topk), torch.int64, "generated")
 
 
 # The MTP draft model: `models/deepseek_v4_mtp.py` builds on this module and registers itself here.

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -85,11 +84,8 @@ def draft(cfg: v4.DeepseekV4Config, target_params: v4.Params, weights: Mapping |
                        head_hc=(w[p + "hc_head_fn"].float(), w[p + "hc_head_base"].float(),
                                 w[p + "hc_head_scale"].float()),
                        norm=w[p + "norm.weight"].float())
-    generated = ()
-    if c.indexer is not None:  # a CSA draft layer builds its indexer's top-k inside the step, as the target's do
-        from fnattn.lanes import Lane
-
-        generated = (Lane(f"indexer_topk_{cfg.num_layers}", ("T", cfg.index_topk), torch.int64, "generated"),)
+    # a CSA draft layer builds its indexer's top-k inside the step, as the target's do
+    generated = (v4.topk_lane(cfg, cfg.num_layers),) if c.indexer is not None else ()
     return DraftModel(specs=(LayerSpec(cfg.num_layers, c, cfg.dtype),), params=params, step=step,
                       generated_lanes=generated)
 

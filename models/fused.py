@@ -398,11 +398,6 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor
     sum, as ``F.linear`` then ``+`` do, so the two agree to bf16 rounding. ``x`` may be a `SplitNorm`
     (without ``norm``): its GEMV finishes the norm where it takes it.
     """
-    if invariant_on():  # the GEMV's tiles follow the row count (`pick_config`): the mode's fixed-tile GEMM instead
-        x = x.tensor() if isinstance(x, SplitNorm) else x
-        y = row_linear(x if norm is None else rms_norm(x, norm[0], norm[1], offset=norm[2]), w, bias)
-        y = y if residual is None else y + residual
-        return y.float() if widen else y
     if isinstance(x, SplitNorm):
         if norm is None and bias is None and residual is None and _takes_split(x, w):
             from fnattn.kernels.skinny_linear import skinny_linear

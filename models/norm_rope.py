@@ -28,7 +28,7 @@ def row_linear(x: Float[Tensor, "... K"], w: Float[Tensor, "N K"],
     if invariant_on():
         if x.device.type == "cpu":
             return linear_rows(x, w, bias)
-        if x.is_cuda and w.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+        if x.is_cuda:
             from fnattn.kernels.invariant_linear import invariant_linear
 
             return invariant_linear(x, w, bias)

@@ -109,11 +109,13 @@ def step_hidden(params: dict, session, tokens: Int[Tensor, " T"]):
     return logits.float(), hidden, StepDeltas.collect(batch, layer_deltas)
 
 
-def manifest(cfg: TinyConfig, *, hidden: bool = False):
-    """The lanes of a captured step (`fnattn.lanes`): no lane beyond the tokens, the batch and the outputs."""
+def manifest(cfg: TinyConfig, *, hidden: bool = False, hidden_in: bool = False):
+    """The lanes of a captured step (`fnattn.lanes`): no lane beyond the tokens, the batch and the outputs;
+    ``hidden_in`` (with ``hidden``): the draft's step (`draft_step`), which also reads a hidden state a token."""
     from fnattn.lanes import step_manifest
 
-    return step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size if hidden else None, hidden_dtype=cfg.dtype)
+    return step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size if hidden else None, hidden_dtype=cfg.dtype,
+                         hidden_in=hidden_in)
 
 
 def draft_specs(cfg: TinyConfig) -> tuple[LayerSpec, ...]:
