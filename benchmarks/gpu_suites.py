@@ -170,8 +170,8 @@ SUITES: dict[str, Suite] = {
              "--rows 25"),
     )),
     "invariance": Suite("whether a token's result depends on its phase, batch or graph, with the invariant mode off "
-                        "and on (fnattn bench invariance; on CUDA the projections and the Triton full attention honour the "
-                        "mode, MLA, the recurrent and the fused kernels not yet); Llama / Qwen3 verify == decode "
+                        "and on (fnattn bench invariance; on CUDA the projections and the Triton full attention honour "
+                        "the mode, MLA, the recurrent and the fused kernels not yet); Llama / Qwen3 verify == decode "
                         "on CUDA; the mode's fixed-tile GEMM against cuBLAS and the default GEMV", (
         tests(90, "invariant_linear_gpu.json", "tests/kernels/test_invariant_linear.py "
               "tests/kernels/test_paged_attention_invariant.py"),

@@ -3,8 +3,8 @@
 
     python benchmarks/indexer_sweep.py [--batch 64] [--ctx 32768] [--keys bf16|fp8] [--out indexer_sweep.json]
 
-Each tile (`kernels.indexer.configured`: positions a dot, positions a program, warps, stages, the dot's rows) is checked against
-the shipped tile's scores first (the same -inf pattern, values within 1e-3 relative), then timed with
+Each tile (`kernels.indexer.configured`: positions a dot, positions a program, warps, stages, the dot's rows) is checked
+against the shipped tile's scores first (the same -inf pattern, values within 1e-3 relative), then timed with
 ``triton.testing.do_bench``; TB/s counts the index keys read once (``--keys fp8``: FP8 e4m3 keys with a scale
 per token, `IndexerConfig.key_dtype`, 132 bytes a key). The last rows time ``torch.topk`` alone over
 the shipped scores and the whole `kernels.indexer_topk`, then sgl_kernel's radix select (`kernels.radix_topk`) alone,

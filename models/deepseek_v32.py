@@ -479,7 +479,8 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
         layer_deltas.append(deltas)
     hidden = rms_norm(x, params.norm, cfg.rms_norm_eps)  # [T, D]
     # The cursor advances once, after every layer has read the state.
-    return row_linear(logit_rows(batch, hidden), params.lm_head).float(), hidden, StepDeltas.collect(batch, layer_deltas)
+    logits = row_linear(logit_rows(batch, hidden), params.lm_head).float()
+    return logits, hidden, StepDeltas.collect(batch, layer_deltas)
 
 
 @checked

@@ -187,7 +187,8 @@ def test_captured_decode_replays_bitwise_like_the_capture_free_step(record):
 @pytest.mark.parametrize("topk", [512, 1024])
 def test_csa_indexer_at_the_real_shape(topk, new, record):
     """The CSA indexer as DeepSeek-V4 runs it (64 index heads of 128, entries every 4 tokens, top-k 512 or 1024):
-    the paged Triton scores and sgl_kernel's selection (the ordered top-k where the build lacks it) against the torch form over gathered keys, rows that see
+    the paged Triton scores and sgl_kernel's selection (the ordered top-k where the build lacks it) against the
+    torch form over gathered keys, rows that see
     0 .. 8192 entries (fewer than top-k, windows closing in the step or not); the picks as sets, in entry order,
     the same twice."""
     from types import SimpleNamespace

@@ -46,8 +46,9 @@ _ONE_PASS = declare(
     why="a B64 sparse MLA layer on the H200 took 113.5 against 165.2 us through the torch form")
 
 
-# benchmarks/indexer_sweep.py --keys fp8 (B64, ctx 32k, top-k 2048): the indexer with the radix select and its one-launch
-# sort 256.5 us against 639.2 through the ordered top-k on the H200 (c8a6db6), 259.8 against 428.6 on an H100 (dc6cd1a)
+# benchmarks/indexer_sweep.py --keys fp8 (B64, ctx 32k, top-k 2048): the indexer with the radix select and its
+# one-launch sort 256.5 us against 639.2 through the ordered top-k on the H200 (c8a6db6), 259.8 against 428.6 on an
+# H100 (dc6cd1a)
 _RADIX = declare(
     "radix_select", True, __name__,
     on="a layer's own top-k of 2048 is selected by sgl_kernel's radix select (`fnattn.kernels.radix_topk`), its "
