@@ -163,7 +163,7 @@ class StepRunner:
             self._prepare_next(state, entry, ids)
         return state, logits
 
-    def propose(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " n"], hidden: Tensor):
+    def propose(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " n"], hidden: Float[Tensor, "n D"]):
         """A draft model's decode step (a runner whose manifest has the ``hidden_in`` lane): one token per request
         and the hidden state it continues from (``hidden`` [n, D]); ``-> (state, logits [n, V], hidden_out [n, D])``.
         Captured per bucket as `decode` is, ``hidden`` copied into its lane with the tokens."""

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
+from jaxtyping import Float, Int
+from torch import Tensor
 
 from .batch import Batch
 from .checks import fail
@@ -53,11 +55,14 @@ def greedy_accept(logits: torch.Tensor, batch: Batch, drafts: Mapping[int, list[
     return accepted, bonus
 
 
-def greedy_accept_rows(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+def greedy_accept_rows(logits: Float[Tensor, "T V"], drafts: Int[Tensor, "n k"]) -> Int[Tensor, "n k2"]:
     """`greedy_accept` on the device: ``logits`` [n * (1 + k), vocab] of a verify whose request b fed its last
     token then ``drafts[b]`` ([n, k]); ``-> [n, 2 + k]`` int64 rows ``(accepted, *choices)``: the last token plus
     the leading drafts the target's choices agree with, then the target's token after each input (the emitted
     tokens are the first ``accepted`` choices: the kept drafts, then the bonus)."""
+    if drafts.dim() != 2 or logits.dim() != 2 or logits.shape[0] != drafts.shape[0] * (drafts.shape[1] + 1):
+        fail("greedy_accept_rows", "logits", "[n * (1 + k), vocab] rows for drafts [n, k] = "
+             f"{tuple(drafts.shape)}", tuple(logits.shape))
     n, k = drafts.shape
     choice = logits.argmax(-1).view(n, k + 1)  # [n, 1 + k]
     kept = (choice[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [n] leading drafts it agrees with

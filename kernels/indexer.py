@@ -249,7 +249,7 @@ def ordered_topk(scores: Float[Tensor, "T N"], k: int, *, best_first: bool = Tru
     return torch.topk(keys, k, dim=-1, sorted=best_first).indices
 
 
-def finite_topk(scores, topk: int, *, best_first: bool = True):
+def finite_topk(scores: Float[Tensor, "T N"], topk: int, *, best_first: bool = True) -> Int[Tensor, "T topk"]:
     """The ``topk`` best finite scores of each row as int64 positions (`ordered_topk`: ties to the earlier
     position), ``-1`` padded: best first, or without ``best_first`` in the order the selection leaves them
     (the same set, without the final sort by score)."""

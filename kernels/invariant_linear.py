@@ -17,6 +17,8 @@ mode's cost on the whole step.
 from __future__ import annotations
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 from ._triton import check_rows, interpreted, require_triton, tl, triton
 
@@ -46,7 +48,8 @@ def _invariant_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_
              mask=rm[:, None] & cm[None, :])
 
 
-def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(x: Float[Tensor, "*B K"], w: Float[Tensor, "N K"],
+                     bias: Float[Tensor, " N"] | None = None) -> Float[Tensor, "*B N"]:
     """``F.linear(x, w, bias)`` over ``x [..., K]`` and ``w [N, K]`` (the same dtype, bf16 / fp16 / fp32), each row
     computed alone in a fixed order (module docstring); fp32 inputs get an fp32 dot, not TF32's."""
     require_triton()

@@ -161,3 +161,10 @@ def test_acceptance_on_the_device_is_greedy_accept(k, seed, data):
     for b in range(n):
         assert rows[b][0] == accepted[b] and rows[b][accepted[b]] == bonus[b]
         assert rows[b][1:accepted[b]] == drafts[b, :accepted[b] - 1].tolist()  # the kept drafts, emitted
+
+
+def test_acceptance_on_the_device_refuses_logits_of_another_shape():
+    from fnattn.speculative import greedy_accept_rows
+
+    with pytest.raises(ValueError, match="greedy_accept_rows: `logits`"):
+        greedy_accept_rows(torch.zeros(7, 5), torch.zeros(2, 3, dtype=torch.long))  # 2 x (1 + 3) = 8 rows wanted
