@@ -37,7 +37,8 @@ TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
 NEW = {"tp_gpu.json", "bench_model_qwen3_5_0.8b_profile.json", "invariant_linear_gpu.json",
-       "invariant_linear_cost.json", "invariant_gpu.json"}
+       "invariant_linear_cost.json", "invariant_gpu.json",
+       "bench_generate_qwen3_5_0.8b.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -179,6 +180,10 @@ SUITES: dict[str, Suite] = {
         Part(150, "python benchmarks/invariant_linear_cost.py --out {out}/invariant_linear_cost.json"),
         bench(200, "invariance --family qwen3_5 --new-tokens 24 --batch 1 8 --steps 6",
               "bench_invariance_qwen3_5_tiny.json"),
+    )),
+    "generate": Suite("the whole of generation at the Qwen3.5-0.8B shape: time to first token, the 8192-token "
+                      "prefill, plain and eager decode, MTP k = 3 with every draft kept or none, the serving mix", (
+        bench(330, "generate --family qwen3_5 --shape 0.8b --batch 1 8 --steps 32", "bench_generate_qwen3_5_0.8b.json"),
     )),
     "cpu": Suite("every family's tiny model and the framework's overhead on one CPU thread (any machine)", (
         bench(70, f"model --family qwen3_5 {TINY} --steps 64", "bench_model_tiny_cpu.json", **CPU),

@@ -267,10 +267,9 @@ def run_generate(args) -> int:
     records = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
     try:
-        records += run_generate_bench(family=args.family, shape=shape,
-                                      device=device, batches=batches, prompt=args.prompt[0], long_prompt=long_prompt,
-                                      steps=steps, k=args.draft, mix=tuple(mix), graph=not args.eager, reps=5,
-                                      log=lambda line: print(line, file=sys.stderr))
+        run_generate_bench(family=args.family, shape=shape, device=device, batches=batches, prompt=args.prompt[0],
+                           long_prompt=long_prompt, steps=steps, k=args.draft, mix=tuple(mix), graph=not args.eager,
+                           reps=5, log=lambda line: print(line, file=sys.stderr), records=records)
         print(json.dumps(records[-1]))
     except ValueError as e:
         if not records:  # a user mistake (family, shape): one line

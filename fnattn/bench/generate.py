@@ -190,14 +190,15 @@ def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *,
 
 def run_generate_bench(*, family: str, shape: str, device: str, batches: list[int], prompt: int, long_prompt: int,
                        steps: int, k: int, mix: tuple[int, int, int, int], graph: bool, reps: int,
-                       log=print) -> list[dict]:
-    """Every figure of the module docstring as records; the last one is the summary that names them."""
+                       log=print, records: list[dict] | None = None) -> list[dict]:
+    """Every figure of the module docstring as records; the last one is the summary that names them.
+    ``records``: a list each record is appended to as soon as it is measured (a run cut short keeps them)."""
     from .model import build_model
 
     dev = torch.device(device)
     model, ma, _ = build_model(family, shape, dev)
     base = {"family": family, "shape": shape, "device": dev.type}
-    records = []
+    records = [] if records is None else records
 
     def add(case, rec):
         rec = {"case": case, **base, **{k_: v for k_, v in rec.items() if k_ not in ("emitted", "prompts")}}
