@@ -36,9 +36,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_model_qwen3_5_0.8b_profile.json", "invariant_linear_gpu.json",
-       "invariant_linear_cost.json", "invariant_gpu.json",
-       "bench_generate_qwen3_5_0.8b.json"}
+NEW = {"tp_gpu.json", "bench_model_qwen3_5_0.8b_profile.json", "prefill_graph_gpu.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -107,6 +105,8 @@ SUITES: dict[str, Suite] = {
         tests(270, "graph_gpu.json", "tests/gpu/test_graph_gpu.py tests/gpu/test_overhead_gpu.py"),
         tests(240, "bug_classes_gpu.json", "tests/gpu/test_verify_bug_classes_gpu.py "
               "tests/gpu/test_padded_lanes_gpu.py tests/test_indexer_drops.py -m gpu"),
+        # prefill captured in pieces around eager attention (`fnattn.prefill_graph`) == the capture-free step
+        tests(150, "prefill_graph_gpu.json", "tests/gpu/test_prefill_graph_gpu.py"),
     )),
     "kernels": Suite("GDN gating and fused decode, FlashInfer sampling, grouped experts, transfer between devices", (
         tests(120, "gdn_pdl_gpu.json", "tests/gpu/test_gdn_gating_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py"),

@@ -149,17 +149,39 @@ class Batch:
 
     # --------------------------------------------------------------- builders
     @staticmethod
-    def prefill(state, counts: Mapping[int, int], *, logits_for: str = "all") -> "Batch":
+    def prefill(state, counts: Mapping[int, int], *, logits_for: str = "all", pad_to: int | None = None,
+                tokens: int | None = None, columns: int | None = None, staging=None) -> "Batch":
         """New tokens after each request's cached prefix (fresh, prefixed or chunked).
 
         ``logits_for="last"``: the step returns logits for each request's last new token only ``[B, V]``
         (what sampling the next token needs), instead of every token's ``[T, V]``.
+
+        A captured prefill's bucket (`fnattn.prefill_graph`): ``pad_to`` lanes and ``tokens`` tokens in all.
+        The pad lanes after the requests take the tokens the requests leave: the first all but one each for
+        the rest (every pad lane has at least one token, on the null page). ``columns`` / ``staging``: see
+        `decode`.
         """
-        if not isinstance(counts, Mapping) or not counts:
+        if not isinstance(counts, Mapping) or (not counts and not pad_to):
             fail("Batch.prefill", "counts", "a non-empty mapping request id -> new token count", counts)
         if logits_for not in LOGITS_FOR:
             fail("Batch.prefill", "logits_for", f"one of {LOGITS_FOR}", logits_for)
-        return _build(state, "prefill", dict(counts), num_draft=0, logits_for=logits_for)
+        pad_counts = ()
+        if (pad_to is None) != (tokens is None):
+            fail("Batch.prefill", "tokens", "given with pad_to (a bucket's lanes and tokens), or neither", tokens)
+        if pad_to is not None:
+            for rid, n in counts.items():
+                _check_count("Batch.prefill", rid, n)
+            live = sum(counts.values())
+            pads = pad_to - len(counts) if isinstance(pad_to, int) and not isinstance(pad_to, bool) else -1
+            if pads < 0:
+                fail("Batch.prefill", "pad_to", f"an int >= {len(counts)} (the batch's requests)", pad_to)
+            spare = tokens - live if isinstance(tokens, int) and not isinstance(tokens, bool) else -1
+            if spare < pads or (pads == 0 and spare != 0):
+                fail("Batch.prefill", "tokens", f"{live} (the requests' tokens) when pad_to leaves no pad lane, "
+                     f"else at least {live} + one a pad lane ({live + pads})", tokens)
+            pad_counts = (spare - pads + 1,) + (1,) * (pads - 1) if pads else ()
+        return _build(state, "prefill", dict(counts), num_draft=0, logits_for=logits_for, columns=columns,
+                      staging=staging, pad_counts=pad_counts)
 
     @staticmethod
     def decode(state, request_ids: Iterable[int], *, pad_to: int | None = None,
@@ -251,7 +273,7 @@ def pad_lane(lane: int, tokens: int, page_size: int) -> PadLane:
 
 def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None,
            recovery: str = "native", pad_to: int | None = None, columns: int | None = None,
-           pad_tokens: int = 1, staging=None, logits_for: str = "all") -> Batch:
+           pad_tokens: int = 1, staging=None, logits_for: str = "all", pad_counts: tuple[int, ...] = ()) -> Batch:
     where = f"Batch.{phase}"
     if not (_STATE_CLASS and isinstance(state, _STATE_CLASS[0])):
         fail(where, "state", "a State", type(state).__name__)
@@ -277,9 +299,8 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
     if pad_to is not None:
         if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < max(1, len(reqs)):
             fail(where, "pad_to", f"None or an int >= {max(1, len(reqs))} (the batch's requests)", pad_to)
-        if phase == "prefill":
-            fail(where, "pad_to", "None (prefill batches are not padded by lanes)", pad_to)
         reqs += [(pad_lane(i, pad_tokens, state.page_size), pad_tokens) for i in range(pad_to - len(reqs))]
+    reqs += [(pad_lane(i, n, state.page_size), n) for i, n in enumerate(pad_counts)]  # a prefill bucket's
     values, ring = expected_tensors(state, phase, reqs, columns=columns, where=where)
     new_lens = tuple(n for _, n in reqs)
     device = state.device

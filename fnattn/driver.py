@@ -36,7 +36,7 @@ def run_step(step: Callable, params, model_attention, state, batch: Batch, token
 
 
 def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence[int]], *, chunk: int | None = None,
-            align: int | None = None):
+            align: int | None = None, runner=None):
     """Feed each prompt after its request's cursor; ``-> (state, {rid: last logits})``.
 
     Each step's batch asks for the last token's logits only (``Batch.prefill(..., logits_for="last")``); a
@@ -45,12 +45,22 @@ def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence
     ``align`` (with a ``chunk`` that is a multiple of it): every chunk but a prompt's last ends at a cache
     position that is a multiple of ``align`` (a page boundary, where ``prefix_checkpoints`` keeps copies).
 
+    ``runner``: a `fnattn.prefill_graph.PrefillRunner` of this model that runs each step through its buckets
+    (captured on CUDA); ``chunk`` is then at most its largest bucket (its default), and each step takes as
+    many prompts as its largest lane bucket holds.
+
     An error from a step leaves the given handle stale (room was reserved first): the exception's ``state``
     is the live State, with the chunks fed before it applied and nothing of the failed one."""
     if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
         fail("prefill", "chunk", "a positive int or None", chunk)
     if align is not None and (chunk is None or chunk % align):
         fail("prefill", "align", f"None or a divisor of chunk ({chunk})", align)
+    if runner is not None:
+        if runner.attn is not model_attention:
+            fail("prefill", "runner", "None or a PrefillRunner over model_attention", type(runner).__name__)
+        if chunk is not None and chunk > runner.max_tokens:
+            fail("prefill", "chunk", f"None or at most the runner's largest bucket ({runner.max_tokens})", chunk)
+        chunk = chunk or runner.max_tokens
     pending = {r: list(p) for r, p in prompts.items()}
     for r, p in pending.items():
         if not p:
@@ -59,9 +69,14 @@ def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence
     while pending:
         counts = {r: len(p) if chunk is None else min(chunk - (state.request(r).length % align if align else 0),
                                                        len(p)) for r, p in pending.items()}
+        if runner is not None:
+            counts = _fitting(runner, counts)
         state = state.reserve(counts)
         try:
-            state = _prefill_step(step, params, model_attention, state, counts, pending, last)
+            if runner is None:
+                state = _prefill_step(step, params, model_attention, state, counts, pending, last)
+            else:
+                state = _runner_step(runner, state, counts, pending, last)
         except Exception as e:
             # The caller's handle went stale with the reserve: hand back the live one (the prompts fed so far
             # applied, nothing of the step that failed).
@@ -69,6 +84,27 @@ def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence
             raise
         pending = {r: p for r, p in pending.items() if p}
     return state, last
+
+
+def _fitting(runner, counts: dict) -> dict:
+    """The first of ``counts``' requests that one of ``runner``'s buckets holds together (a request alone
+    always fits: its count is at most the largest bucket)."""
+    taken: dict = {}
+    for r, n in counts.items():
+        if runner.bucket({**taken, r: n}) is None:
+            break
+        taken[r] = n
+    return taken
+
+
+def _runner_step(runner, state, counts, pending, last):
+    tokens = torch.tensor([t for r in counts for t in pending[r][: counts[r]]], dtype=torch.long,
+                          device=state.device)
+    state, logits = runner.prefill(state, counts, tokens)
+    for b, r in enumerate(counts):
+        last[r] = logits[b]
+        pending[r] = pending[r][counts[r]:]
+    return state
 
 
 def _prefill_step(step, params, model_attention, state, counts, pending, last):
@@ -96,7 +132,7 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
              max_new_tokens: int | None = None, stop: StopCriteria | None = None, sampler: Sampler | None = None,
              tokenizer=None, chunk: int | None = None,
              on_step: Callable[[int, dict[int, int]], None] | None = None, release: bool = True,
-             max_running: int | None = None, share_prefixes: bool = False, runner=None):
+             max_running: int | None = None, share_prefixes: bool = False, runner=None, prefill_runner=None):
     """Generate for a batch of new requests; ``-> (state, {rid: new tokens})``, a `GenerateResult` whose
     ``.stats["prefix_hit_rate"]`` is the share of prompt tokens served from shared pages.
 
@@ -109,7 +145,7 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
     result = generate_completions(step, params, model_attention, state, prompts, max_new_tokens=max_new_tokens,
                                   stop=stop, sampler=sampler, tokenizer=tokenizer, chunk=chunk, on_step=on_step,
                                   release=release, max_running=max_running, share_prefixes=share_prefixes,
-                                  runner=runner)
+                                  runner=runner, prefill_runner=prefill_runner)
     state, done = result
     return GenerateResult(state, {r: c.ids for r, c in done.items()}, result.stats)
 
@@ -131,7 +167,8 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
                          sampler: Sampler | None = None, tokenizer=None, chunk: int | None = None,
                          on_step: Callable[[int, dict[int, int]], None] | None = None,
                          on_text: Callable[[int, str], None] | None = None, release: bool = True,
-                         max_running: int | None = None, share_prefixes: bool = False, runner=None):
+                         max_running: int | None = None, share_prefixes: bool = False, runner=None,
+                         prefill_runner=None):
     """`generate` with ``-> (state, {rid: Completion})`` (a `GenerateResult`); ``on_text(rid, chunk)`` streams
     each request's text.
 
@@ -152,7 +189,8 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
     generated tokens are those of a run without sharing; ``.stats`` reports the hit rate.
 
     ``runner``: a `fnattn.graph.StepRunner` of the same model, which runs the decode steps (captured CUDA
-    graphs on a GPU; requests join and leave its buckets between replays). Prefill stays eager.
+    graphs on a GPU; requests join and leave its buckets between replays). ``prefill_runner``: a
+    `fnattn.prefill_graph.PrefillRunner` of the same model, which runs the prefill steps (`prefill`'s ``runner``).
     """
     stop = _criteria(max_new_tokens, stop)
     if max_running is not None:
@@ -200,7 +238,8 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
         if index is None:
             for r in new:
                 state = state.admit(r)
-            state, last = prefill(step, params, model_attention, state, {r: prompts[r] for r in new}, chunk=chunk)
+            state, last = prefill(step, params, model_attention, state, {r: prompts[r] for r in new}, chunk=chunk,
+                                  runner=prefill_runner)
             return last
         last, pending = {}, list(new)
         while pending:  # each wave admits at least its first request
@@ -215,7 +254,7 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
                 wave.append(r)
                 start[r], hits = n, hits + n
             state, got = prefill(step, params, model_attention, state, {r: prompts[r][start[r]:] for r in wave},
-                                 **fill)
+                                 runner=prefill_runner, **fill)
             for r in wave:
                 index.insert(r, prompts[r])
             last.update(got)

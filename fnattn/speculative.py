@@ -152,8 +152,9 @@ class Speculator:
     the ``hidden_in`` and ``hidden`` lanes (``step_manifest(..., hidden_in=True)``), which runs the draft's own
     proposal steps (`StepRunner.propose`: captured per bucket on a GPU) and its catch-up on each step's tokens, as
     a fixed-shape verify of the ``1 + num_draft`` positions (the emitted tokens, padded) whose acceptance keeps the
-    accepted ones. With both runners and no hooks the drafts stay on the device and greedy acceptance is computed
-    there: one host read a step (`_step_on_device`). Prefill and the catch-up on the prompts stay eager.
+    accepted ones. With both runners and no ``propose_hook`` the drafts stay on the device and greedy acceptance is
+    computed there: one host read a step (`_step_on_device`; an ``accept_hook`` is given the counts it read).
+    Prefill and the catch-up on the prompts stay eager.
     ``accept_hook(step, accepted) -> accepted``: replaces greedy acceptance's counts (each 1 .. k + 1: the
     last token plus the drafts kept); the bonus token is then the target's choice after the last one kept.
     For benchmarks that force every draft in (or none) whatever the logits say.
@@ -263,8 +264,7 @@ class Speculator:
         ids = list(self.last)
         if not ids:
             fail("Speculator.step", "requests", "at least one active request", ids)
-        if self.runner is not None and self.draft_runner is not None and self.propose_hook is None \
-                and self.accept_hook is None:
+        if self.runner is not None and self.draft_runner is not None and self.propose_hook is None:
             return self._step_on_device(ids)
         drafts = dict(zip(ids, self._draft_chain(ids).tolist()))
         if self.propose_hook is not None:
@@ -313,9 +313,15 @@ class Speculator:
         tokens = torch.cat([last[:, None], proposed], dim=1).reshape(-1)  # [n * (1 + k)]
         verified = self.runner.verify(self.tstate, ids, tokens, num_draft=k, recovery=self.recovery)
         self.trace.append(verified.logits)
-        rows = greedy_accept_rows(verified.logits, proposed).tolist()  # the step's one host read
-        accepted = {r: row[0] for r, row in zip(ids, rows)}
-        emitted = {r: row[1:1 + row[0]] for r, row in zip(ids, rows)}
+        rows = greedy_accept_rows(verified.logits, proposed)  # [n, 2 + k]
+        if self.accept_hook is None:
+            rows = rows.tolist()  # the step's one host read
+            accepted = {r: row[0] for r, row in zip(ids, rows)}
+            emitted = {r: row[1:1 + row[0]] for r, row in zip(ids, rows)}
+        else:  # forced counts: the kept drafts are the proposals, whatever the target chose
+            rows = torch.cat([rows, proposed], dim=1).tolist()  # still one read
+            accepted = self._forced(ids, {r: row[0] for r, row in zip(ids, rows)})
+            emitted = {r: row[2 + k:1 + k + accepted[r]] + [row[accepted[r]]] for r, row in zip(ids, rows)}
         self.tstate = verified.accept(accepted)
         for r in ids:
             self.last[r] = emitted[r][-1]
@@ -345,15 +351,21 @@ class Speculator:
         accepted, bonus = greedy_accept(logits, batch, drafts)
         if self.accept_hook is None:
             return accepted, bonus
-        forced = dict(self.accept_hook(self.steps, dict(accepted)))
+        forced = self._forced(batch.request_ids, accepted)
         cu = batch.host_cu_seqlens
         for b, r in enumerate(batch.request_ids):
+            if forced[r] != accepted[r]:
+                accepted[r], bonus[r] = forced[r], int(logits[cu[b] + forced[r] - 1].argmax())
+        return accepted, bonus
+
+    def _forced(self, ids, accepted: dict) -> dict:
+        """``accept_hook``'s counts for ``ids``, each checked: an int in 1 .. k + 1."""
+        forced = dict(self.accept_hook(self.steps, dict(accepted)))
+        for r in ids:
             n = forced.get(r)
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.k + 1:
                 fail("Speculator.accept_hook", f"accepted[{r}]", f"an int in 1..{self.k + 1}", n)
-            if n != accepted[r]:
-                accepted[r], bonus[r] = n, int(logits[cu[b] + n - 1].argmax())
-        return accepted, bonus
+        return {r: forced[r] for r in ids}
 
     def release(self, request_id: int) -> None:
         """A finished or aborted request gives back every page and slot, in both states."""

@@ -17,7 +17,7 @@ def test_bench_generate_records_every_figure(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("fnattn bench generate --family qwen3_5")
     cases = [r["case"] for r in doc["records"]]
-    assert cases == ["ttft", "prefill long", "decode", "decode", "decode eager", "mtp", "mtp", "mtp", "mtp",
+    assert cases == ["ttft eager", "prefill long eager", "decode", "decode", "decode eager", "mtp", "mtp", "mtp", "mtp",
                      "serving mix", "generate summary"]
     mtp = [r for r in doc["records"] if r["case"] == "mtp"]
     assert [(r["batch"], r["accept"], r["tokens_per_step"]) for r in mtp] == [

@@ -6,8 +6,8 @@ One model (``--family`` at ``--shape``, random weights; bf16 on CUDA), batch 1 u
   ``prefill_long_tok_s``: the same for ``--long-prompt`` tokens (``prefill_8192_tok_s`` when it is 8192);
 * plain decode through `fnattn.graph.StepRunner` (captured on CUDA) per batch: ms a step, tokens/s;
   ``eager_decode_ms``: the same step eager (session + apply), batch 1;
-* MTP with k drafts (families with a draft): every draft accepted (oracle drafts, acceptance forced with
-  `Speculator`'s ``accept_hook``, so the figure is the machinery's, not the numerics') and every draft wrong
+* MTP with k drafts (families with a draft): every draft accepted (acceptance forced with `Speculator`'s
+  ``accept_hook``, so the figure is the machinery's, not the random draft's numerics) and every draft wrong
   (forced to none): ms a step and tokens/s; ``mtp_oracle_speedup`` (batch 1, over plain decode's tokens/s)
   and ``mtp_wrong_step_ratio`` (a wrong step over a plain decode step);
 * a serving mix (``--mix-requests`` prompts of random lengths in ``--mix-prompt``, ``--mix-new`` tokens each,
@@ -62,17 +62,30 @@ def _state(model, device, requests: int, tokens: int, ring: int = 2) -> State:
                  max_requests=requests + 1, recurrent_ring=ring, device=device)
 
 
-def time_to_first_token(model, ma, device, n: int, reps: int) -> dict:
+def time_to_first_token(model, ma, device, n: int, reps: int, runner=None) -> dict:
+    """A fresh request's ``n``-token prefill until its first token is on the host; through ``runner`` (a
+    `fnattn.prefill_graph.PrefillRunner`: captured in pieces on CUDA) when given."""
     tokens = _ids(n, model.config.vocab_size, 1)
     holder = {"st": _state(model, device, 1, n)}
 
     def once():
-        st, last = prefill(model.step, model.params, ma, holder["st"].admit(0), {0: tokens})
+        st, last = prefill(model.step, model.params, ma, holder["st"].admit(0), {0: tokens}, runner=runner)
         int(last[0].argmax())  # the first token, on the host
         holder["st"] = st.release(0)
 
     ms = _median_ms(once, device, reps)
-    return {"tokens": n, "ms": ms, "tok_s": n / ms * 1e3, "busy_ms": _busy_ms(once, device)}
+    return {"tokens": n, "ms": ms, "tok_s": n / ms * 1e3, "busy_ms": _busy_ms(once, device),
+            "graph": runner is not None and runner.capture}
+
+
+def _prefill_runner(model, ma, tokens: int):
+    """A PrefillRunner whose token buckets end at ``tokens`` (CUDA); None elsewhere."""
+    if ma.device.type != "cuda":
+        return None
+    from ..prefill_graph import DEFAULT_TOKENS, PrefillRunner
+
+    sizes = tuple(t for t in DEFAULT_TOKENS if t < tokens) + (tokens,)
+    return PrefillRunner(model.step, model.params, ma, tokens=sizes, max_context=tokens)
 
 
 def _runner(model, ma, batch: int, max_context: int, hidden: bool = False):
@@ -122,9 +135,10 @@ def plain_decode(model, ma, device, batch: int, prompt: int, steps: int, *, grap
 
 
 def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: bool, graph: bool) -> dict:
-    """MTP with ``k`` drafts over ``plain``'s prompts: drafts are the tokens plain greedy emitted, all kept
-    (``accept_all``) or all refused, by force."""
-    fam, prompts, ref = model.family, plain["prompts"], plain["emitted"]
+    """MTP with ``k`` drafts over ``plain``'s prompts, every draft kept (``accept_all``) or none, by force
+    (`Speculator`'s ``accept_hook``): the machinery's speed at either end, whatever the drafts say. With
+    both runners the step is `Speculator._step_on_device`'s: drafts on the device, one host read."""
+    fam, prompts = model.family, plain["prompts"]
     draft = fam.draft(model.config, model.params, None, seed=1)
     batch, prompt = len(prompts), len(next(iter(prompts.values())))
     room = prompt + (k + 1) * (steps + 2) + 8
@@ -138,20 +152,11 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
                                   max_context=room + k)
         draft_runner = draft_runner if draft_runner.capture else None
     emitted = {r: [] for r in prompts}
-    vocab = model.config.vocab_size
-
-    def propose(step, drafts):
-        out = {}
-        for r in drafts:
-            right = ref[r][len(emitted[r]):len(emitted[r]) + k]
-            right = right + [0] * (k - len(right))
-            out[r] = right if accept_all else [(t + 1) % vocab for t in right]
-        return out
 
     spec = Speculator(target_step=fam.step_hidden, target_params=model.params, target_attn=attn,
                       target_state=_state(model, device, batch, room, ring=k + 2), draft_step=draft.step,
                       draft_params=draft.params, draft_attn=d_attn,
-                      draft_state=_state(draft, device, batch, room + k), num_draft=k, propose_hook=propose,
+                      draft_state=_state(draft, device, batch, room + k), num_draft=k,
                       target_runner=runner, draft_runner=draft_runner,
                       accept_hook=lambda step, acc: {r: (k + 1 if accept_all else 1) for r in acc})
     for r, t in spec.start(prompts).items():
@@ -170,6 +175,7 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
     per_step = made / steps / batch
     return {"batch": batch, "k": k, "accept": "all" if accept_all else "none", "ms": ms,
             "tokens_per_step": per_step, "tok_s": batch * per_step / ms * 1e3, "graph": runner is not None,
+            "draft_graph": draft_runner is not None,
             "busy_ms": _busy_ms(spec.step, device)}
 
 
@@ -177,10 +183,12 @@ def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *,
     lengths = torch.randint(lo, hi + 1, (requests,), generator=torch.Generator().manual_seed(3)).tolist()
     prompts = {r: _ids(n, model.config.vocab_size, 100 + r) for r, n in enumerate(lengths)}
     runner = _runner(model, ma, requests, hi + new + 8) if graph else None
+    prefill_runner = _prefill_runner(model, ma, 8192) if graph else None
     st = _state(model, device, requests, hi + new + 8)
     _sync(device)
     t0 = time.perf_counter()
-    _, out = generate(model.step, model.params, ma, st, prompts, max_new_tokens=new, runner=runner)
+    _, out = generate(model.step, model.params, ma, st, prompts, max_new_tokens=new, runner=runner,
+                      prefill_runner=prefill_runner)
     _sync(device)
     seconds = time.perf_counter() - t0
     made = sum(len(t) for t in out.values())
@@ -207,8 +215,13 @@ def run_generate_bench(*, family: str, shape: str, device: str, batches: list[in
                                     for k_, v in rec.items() if k_ not in ("case", *base)))
         return rec
 
-    ttft = add("ttft", time_to_first_token(model, ma, dev, prompt, reps))
-    long = add("prefill long", time_to_first_token(model, ma, dev, long_prompt, max(1, reps // 2)))
+    eager_ttft = add("ttft eager", time_to_first_token(model, ma, dev, prompt, reps))
+    eager_long = add("prefill long eager", time_to_first_token(model, ma, dev, long_prompt, max(1, reps // 2)))
+    ttft, long = eager_ttft, eager_long
+    if graph and dev.type == "cuda":  # captured in pieces per bucket (`fnattn.prefill_graph`)
+        runner = _prefill_runner(model, ma, max(prompt, long_prompt))
+        ttft = add("ttft", time_to_first_token(model, ma, dev, prompt, reps, runner))
+        long = add("prefill long", time_to_first_token(model, ma, dev, long_prompt, max(1, reps // 2), runner))
     plain = {}
     for b in batches:
         plain[b] = plain_decode(model, ma, dev, b, prompt, steps + (k + 1) * (steps + 2) + k + 2, graph=graph)
@@ -225,6 +238,7 @@ def run_generate_bench(*, family: str, shape: str, device: str, batches: list[in
     b1 = batches[0]
     summary = {"case": "generate summary", **base, "prompt": prompt, "long_prompt": long_prompt, "k": k,
                "ttft_ms": ttft["ms"], "ttft_busy_ms": ttft["busy_ms"], "prefill_long_tok_s": long["tok_s"],
+               "ttft_eager_ms": eager_ttft["ms"], "prefill_long_eager_tok_s": eager_long["tok_s"],
                "decode_ms": {b: plain[b]["ms"] for b in batches}, "eager_decode_ms": eager["ms"],
                "eager_decode_busy_ms": eager["busy_ms"], "serving_tok_s": served["tok_s"]}
     if long_prompt == 8192:

@@ -1,0 +1,297 @@
+"""Captured prefill: a step per (lanes, tokens) bucket, replayed in pieces around the attention layers.
+
+    runner = PrefillRunner(model.step, model.params, attn)
+    state, last = runner.prefill(state, {rid: n}, tokens)   # last: [requests, V], each request's last token
+
+A prefill step's attention launches follow the prompts' lengths (FlashInfer's plan, the delta rule's chunk
+list), but everything between two attention layers -- projections, norms, rope, the MLP, the logits -- is
+shaped by the token count alone. So a bucket of ``lanes`` requests and ``tokens`` tokens (the requests, then
+pad lanes on the null page and slot taking the rest: `Batch.prefill(..., pad_to=, tokens=)`) is captured as
+one CUDA graph per stretch between attention layers, and a replay runs each layer's backend eagerly in
+between over the live batch, through a session opened on it as any step's is: each backend plans for the
+real lengths. What a backend returns is copied into the tensors the next piece was captured reading; the
+last piece holds the step's apply (`State.write`), so the step still commits once, inside the graph.
+
+Without capture (the CPU, ``capture=False``) the same padded batch runs as one eager step with its apply:
+the bucket logic is the same, only the replay is missing. Prompts longer than the largest bucket are fed in
+chunks of it (`fnattn.driver.prefill` with ``runner=``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import optree
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from .batch import TENSOR_DTYPES, Batch
+from .checks import CHECKS_ENABLED, fail
+from .deltas import StepDeltas
+from .lanes import LaneError, static_shapes
+from .staging import Staging
+
+DEFAULT_LANES = (1, 2, 4, 8)
+DEFAULT_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass
+class _Island:
+    """One attention layer between two captured pieces: its inputs (the previous piece's tensors) and the
+    tensors its outputs and writes are copied into, which the next piece reads."""
+
+    layer: int
+    inputs: object
+    statics: list  # the (outputs, writes) leaves: a tensor to copy into, or what the capture saw (None, ...)
+
+
+@dataclass
+class _Entry:
+    lanes: int
+    tokens: int
+    columns: int
+    staging: Staging
+    token_ids: Tensor  # [tokens] int64, the step's tokens lane
+    graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph per piece: len(islands) + 1
+    islands: list = field(default_factory=list)
+    logits: Tensor | None = None  # [lanes, V] captured
+    lineage: int | None = None
+    replays: int = 0
+
+
+class _Pieces:
+    """Begins and ends the capture of consecutive pieces of one step on one pool."""
+
+    def __init__(self, pool):
+        self.pool, self.graphs, self.graph = pool, [], None
+
+    def begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        self.graph.capture_end()
+        self.graphs.append(self.graph)
+        self.graph = None
+
+
+class _CapturingSession:
+    """The session a step sees while its pieces are captured: `forward` ends the current piece, runs the
+    layer's backend outside the graph, keeps what came back as static tensors and begins the next piece.
+    Everything else is the real session's."""
+
+    def __init__(self, session, pieces: _Pieces, islands: list):
+        self._session, self._pieces, self._islands = session, pieces, islands
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def forward(self, layer: int, inputs):
+        self._pieces.end()
+        result = self._session.forward(layer, inputs)
+        leaves, spec = optree.tree_flatten(result, namespace="fnattn", none_is_leaf=True)
+        owned = {id(t) for t in optree.tree_leaves(inputs, namespace="fnattn") if isinstance(t, Tensor)}
+        # A backend that hands an input back (a key row to write, say) needs no copy: the next piece reads
+        # the very tensor the previous one wrote.
+        statics = [leaf.clone() if isinstance(leaf, Tensor) and id(leaf) not in owned else leaf
+                   for leaf in leaves]
+        self._islands.append(_Island(layer, inputs, statics))
+        self._pieces.begin()
+        return optree.tree_unflatten(spec, statics)
+
+
+class PrefillRunner:
+    """Prefill steps of one model through (lanes, tokens) buckets, captured in pieces on CUDA.
+
+    ``step(params, session, tokens) -> (logits, deltas)`` (a batch with ``logits_for="last"``: one row a
+    lane). ``lanes`` / ``tokens``: the bucket sizes, increasing. ``max_context``: the longest cache a request
+    may reach (the block table's width; default the whole pool). ``capture``: None captures on CUDA.
+    """
+
+    def __init__(self, step, params, model_attention, *, lanes: Iterable[int] = DEFAULT_LANES,
+                 tokens: Iterable[int] = DEFAULT_TOKENS, max_context: int | None = None,
+                 capture: bool | None = None):
+        if not callable(step):
+            fail("PrefillRunner", "step", "a step function (params, session, tokens) -> (logits, deltas)", step)
+        lanes, tokens = _sizes("lanes", lanes), _sizes("tokens", tokens)
+        if lanes[-1] < 2:  # a request shorter than its token bucket takes a pad lane beside it
+            fail("PrefillRunner", "lanes", "lane buckets up to 2 at least (a pad lane beside one request)", lanes)
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 1):
+            fail("PrefillRunner", "max_context", "None or a positive int", max_context)
+        on_cuda = model_attention.device.type == "cuda"
+        if capture not in (None, True, False):
+            fail("PrefillRunner", "capture", "None, True or False", capture)
+        if capture and not on_cuda:
+            fail("PrefillRunner", "capture", "False or None on a CPU model (CUDA graphs need a CUDA device)",
+                 capture)
+        self.step, self.params, self.attn = step, params, model_attention
+        self.lanes, self.tokens, self.max_context = lanes, tokens, max_context
+        self.capture = on_cuda if capture is None else capture
+        self._entries: dict[tuple[int, int, int], _Entry] = {}
+        self._pool = None
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens one step takes (the largest bucket): longer prompts go in chunks of it."""
+        return self.tokens[-1]
+
+    def columns(self, state) -> int:
+        tokens = self.max_context or state.num_pages * state.page_size
+        return -(-tokens // state.page_size)
+
+    def bucket(self, counts: Mapping[int, int]) -> tuple[int, int] | None:
+        """The smallest (lanes, tokens) bucket ``counts`` fits -- the requests alone, or with pad lanes that
+        have a token each at least -- or None."""
+        n, live = len(counts), sum(counts.values())
+        for lanes in self.lanes:
+            if lanes < n:
+                continue
+            for tokens in self.tokens:
+                pads, spare = lanes - n, tokens - live
+                if spare >= pads and (pads > 0 or spare == 0):
+                    return lanes, tokens
+        return None
+
+    def bucket_for(self, counts: Mapping[int, int]) -> tuple[int, int]:
+        found = self.bucket(counts)
+        if found is None:
+            fail("PrefillRunner.prefill", "counts", f"at most {self.lanes[-1] - 1} requests and {self.tokens[-1]} "
+                 f"tokens in all, or exactly a bucket (lanes {self.lanes}, tokens {self.tokens})",
+                 {"requests": len(counts), "tokens": sum(counts.values())})
+        return found
+
+    def entries(self) -> list:
+        return list(self._entries.values())
+
+    # --------------------------------------------------------------- steps
+    def prefill(self, state, counts: Mapping[int, int], tokens: Int[Tensor, " T"]):
+        """One prefill step of ``counts`` ({request: new tokens}, in the order of ``tokens``) through its
+        bucket: ``-> (state, logits [requests, V])``, each request's last token's."""
+        if not isinstance(counts, Mapping) or not counts:
+            fail("PrefillRunner.prefill", "counts", "a non-empty mapping request id -> new token count", counts)
+        live = sum(counts.values()) if all(isinstance(n, int) for n in counts.values()) else None
+        if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.shape[0] != live:
+            fail("PrefillRunner.prefill", "tokens", f"a 1-D tensor of {live} token ids (the requests' new tokens)",
+                 getattr(tokens, "shape", type(tokens).__name__))
+        if tokens.dtype != torch.int64 or tokens.device != state.device:
+            raise LaneError(f"lane 'tokens': expected torch.int64 on {state.device}, got {tokens.dtype} on "
+                            f"{tokens.device}")
+        lanes, total = self.bucket_for(counts)
+        columns = self.columns(state)
+        # every check the builder makes (room reserved, admitted ids, columns), before any buffer is touched
+        Batch.prefill(state, counts, logits_for="last", pad_to=lanes, tokens=total, columns=columns)
+        if (tokens.device.type == "cpu" or CHECKS_ENABLED) and int(tokens.min()) < 0:
+            raise LaneError(f"lane 'tokens': expected ids >= 0, got {int(tokens.min())}")
+        state, entry = self._ensure(state, lanes, total, columns)
+        batch = Batch.prefill(state, counts, logits_for="last", pad_to=lanes, tokens=total, columns=columns,
+                              staging=entry.staging)
+        entry.token_ids[:live].copy_(tokens)  # pad rows keep earlier ids (zeros at first): valid ones
+        if not entry.graphs:
+            with static_shapes(), self.attn.session(state, batch) as s:
+                logits, deltas = self.step(self.params, s, entry.token_ids)
+            return state.apply(deltas), logits[:len(counts)]
+        if state.lineage != entry.lineage:
+            fail("PrefillRunner.prefill", "state", f"a handle of the State this runner's graphs were captured on "
+                 f"(lineage {entry.lineage})", f"lineage {state.lineage}")
+        with self.attn.session(state, batch) as s:
+            entry.graphs[0].replay()
+            for island, graph in zip(entry.islands, entry.graphs[1:]):
+                result = s.forward(island.layer, island.inputs)
+                _copy_back(island, result)
+                graph.replay()
+        entry.replays += 1
+        return _advance(state, batch), entry.logits[:len(counts)].clone()
+
+    # ------------------------------------------------------------- internals
+    def _ensure(self, state, lanes: int, tokens: int, columns: int):
+        key = (lanes, tokens, columns)
+        entry = self._entries.get(key)
+        if entry is not None:
+            return state, entry
+        probe = Batch.prefill(state, {}, logits_for="last", pad_to=lanes, tokens=tokens, columns=columns)
+        shapes = {name: tuple(getattr(probe, name).shape) for name in TENSOR_DTYPES}
+        staging = Staging(shapes, TENSOR_DTYPES, state.device)
+        entry = _Entry(lanes, tokens, columns, staging, torch.zeros(tokens, dtype=torch.long, device=state.device))
+        if self.capture:
+            state = self._capture(state, entry)
+        self._entries[key] = entry
+        return state, entry
+
+    def _pad_batch(self, state, entry: _Entry) -> Batch:
+        return Batch.prefill(state, {}, logits_for="last", pad_to=entry.lanes, tokens=entry.tokens,
+                             columns=entry.columns, staging=entry.staging)
+
+    def _capture(self, state, entry: _Entry):
+        device = state.device
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: compiles, plans and allocator pools, outside any graph
+                batch = self._pad_batch(state, entry)
+                with static_shapes(), self.attn.session(state, batch) as s:
+                    _, deltas = self.step(self.params, s, entry.token_ids)
+                state.write(deltas)
+                state = _advance(state, batch)
+            batch = self._pad_batch(state, entry)
+            pieces = _Pieces(self._pool)
+            # The session opens (plans, lease) before the first piece begins: a plan copies from the host.
+            with static_shapes(), self.attn.session(state, batch) as s, _ending(pieces):
+                pieces.begin()
+                logits, deltas = self.step(self.params, _CapturingSession(s, pieces, entry.islands), entry.token_ids)
+                if not isinstance(deltas, StepDeltas):
+                    fail("PrefillRunner", "step", "a step returning (logits, deltas)", type(deltas).__name__)
+                state.write(deltas)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        entry.graphs, entry.logits, entry.lineage = pieces.graphs, logits, state.lineage
+        return _advance(state, batch)
+
+
+@contextlib.contextmanager
+def _ending(pieces: _Pieces):
+    """Ends the piece being captured, also when the step raises (a capture left open breaks the stream)."""
+    try:
+        yield
+    finally:
+        if pieces.graph is not None:
+            pieces.end()
+
+
+def _copy_back(island: _Island, result) -> None:
+    """What a replay's backend returned, into the tensors the next piece reads; a backend whose return
+    differs from the captured one in kind or shape is refused by name."""
+    leaves = optree.tree_leaves(result, namespace="fnattn", none_is_leaf=True)
+    if len(leaves) != len(island.statics):
+        fail("PrefillRunner", f"layer {island.layer}'s backend", f"{len(island.statics)} output and write tensors "
+             "(what it returned when captured)", len(leaves))
+    for static, leaf in zip(island.statics, leaves):
+        if leaf is static:
+            continue
+        if not isinstance(static, Tensor) or not isinstance(leaf, Tensor) or leaf.shape != static.shape:
+            fail("PrefillRunner", f"layer {island.layer}'s backend", "what it returned when captured "
+                 f"({_about(static)})", _about(leaf))
+        static.copy_(leaf)
+
+
+def _about(x) -> str:
+    return f"tensor {tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+
+
+def _advance(state, batch: Batch):
+    return state.advance(batch.cursor_after(batch.host_new_lens), batch.step_id)
+
+
+def _sizes(name: str, sizes) -> tuple[int, ...]:
+    sizes = tuple(sizes) if not isinstance(sizes, (str, bytes)) else sizes
+    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes) \
+            or list(sizes) != sorted(set(sizes)):
+        fail("PrefillRunner", name, "increasing positive ints", sizes)
+    return sizes
+
+
+__all__ = ["DEFAULT_LANES", "DEFAULT_TOKENS", "PrefillRunner"]
