@@ -299,6 +299,8 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
     if pad_to is not None:
         if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < max(1, len(reqs)):
             fail(where, "pad_to", f"None or an int >= {max(1, len(reqs))} (the batch's requests)", pad_to)
+        if phase == "prefill":  # its pad lanes take what the requests leave of a bucket's tokens: pad_counts
+            fail(where, "pad_to", "None (a prefill bucket is padded by Batch.prefill(..., pad_to=, tokens=))", pad_to)
         reqs += [(pad_lane(i, pad_tokens, state.page_size), pad_tokens) for i in range(pad_to - len(reqs))]
     reqs += [(pad_lane(i, n, state.page_size), n) for i, n in enumerate(pad_counts)]  # a prefill bucket's
     values, ring = expected_tensors(state, phase, reqs, columns=columns, where=where)

@@ -44,6 +44,16 @@ def _runner(step, params, ma, manifest, args, *, max_context: int):
     return runner
 
 
+def _prefill_runner(step, params, ma, args, *, max_context: int):
+    """Prefill captured in pieces per bucket on CUDA unless ``--eager`` (`fnattn.prefill_graph`); None otherwise."""
+    if getattr(args, "eager", False) or not str(args.device).startswith("cuda"):
+        return None
+    from .prefill_graph import DEFAULT_TOKENS, PrefillRunner
+
+    sizes = tuple(t for t in DEFAULT_TOKENS if t < min(max_context, 2048)) + (min(max_context, 2048),)
+    return PrefillRunner(step, params, ma, tokens=sizes, max_context=max_context)
+
+
 def demo(args) -> int:
     if args.mtp:
         return demo_mtp(args)
@@ -438,9 +448,10 @@ def generate_text(args) -> int:
     started = time.perf_counter()
     runner = _runner(model.step, model.params, ma, model.manifest(), args,
                      max_context=longest + args.max_new_tokens)
+    prefill_runner = _prefill_runner(model.step, model.params, ma, args, max_context=longest + args.max_new_tokens)
     result = generate_completions(model.step, model.params, ma, state, prompts, stop=stop, sampler=sampler,
                                   tokenizer=tokenizer, on_text=on_text, max_running=running,
-                                  share_prefixes=share, runner=runner)
+                                  share_prefixes=share, runner=runner, prefill_runner=prefill_runner)
     _, done = result
     elapsed = time.perf_counter() - started
     total = sum(len(c.ids) for c in done.values())
@@ -480,7 +491,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", type=_device, help="torch device: cpu (default) or cuda[:N]")
     p.add_argument("--page-size", type=_int_in(1, 1 << 16), default=16, help="tokens per cache page (default 16)")
     p.add_argument("--eager", action="store_true",
-                   help="run decode (and MTP verify) steps eagerly; on CUDA they are captured in graphs by default")
+                   help="run every step eagerly; on CUDA decode and MTP verify steps are captured in graphs, and "
+                        "generate's prefill in pieces per bucket, by default")
     p.add_argument("--invariant", action="store_true",
                    help="compute each token in an order that depends only on its own context (fnattn.switches "
                         "'invariant'): the same ids whatever the batch, and MTP's ids equal plain greedy's; the "

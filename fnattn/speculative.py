@@ -157,12 +157,13 @@ class Speculator:
     Prefill and the catch-up on the prompts stay eager.
     ``accept_hook(step, accepted) -> accepted``: replaces greedy acceptance's counts (each 1 .. k + 1: the
     last token plus the drafts kept); the bonus token is then the target's choice after the last one kept.
-    For benchmarks that force every draft in (or none) whatever the logits say.
+    For benchmarks that force every draft in (or none) whatever the logits say. ``trace``: keep every logits
+    tensor computed in ``self.trace`` (for comparisons).
     """
 
     def __init__(self, *, target_step, target_params, target_attn, target_state, draft_step, draft_params,
                  draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None,
-                 target_runner=None, accept_hook=None, draft_runner=None):
+                 target_runner=None, accept_hook=None, draft_runner=None, trace: bool = False):
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Speculator", "num_draft", "an int >= 1", num_draft)
         if recovery not in ("native", "replay"):
@@ -175,6 +176,8 @@ class Speculator:
                                          or draft_runner.attn is not draft_attn):
             fail("Speculator", "draft_runner", "None or a StepRunner over draft_attn with 'hidden_in' and 'hidden' "
                  "lanes", type(draft_runner).__name__)
+        if not isinstance(trace, bool):
+            fail("Speculator", "trace", "a bool", trace)
         self.k, self.recovery, self.propose_hook, self.accept_hook = num_draft, recovery, propose_hook, accept_hook
         self.runner, self.draft_runner = target_runner, draft_runner
         self.target = (target_step, target_params, target_attn)
@@ -183,22 +186,28 @@ class Speculator:
         self.last: dict[int, int] = {}  # newest token of each request, not yet fed to the target
         self.proposal: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # draft's next token (0-d) and hidden_out
         self.steps = 0
-        #: every logits tensor computed, in order (target verify/prefill, draft), for comparisons
+        #: with ``trace=True``, every logits tensor computed, in order (target verify/prefill, draft), for
+        #: comparisons; off by default (a long generation would keep every step's logits alive)
         self.trace: list[torch.Tensor] = []
+        self._tracing = trace
 
     # ------------------------------------------------------------------ helpers
+    def _trace(self, logits: torch.Tensor) -> None:
+        if self._tracing:
+            self.trace.append(logits)
+
     def _run_target(self, batch, tokens):
         step, params, attn = self.target
         with attn.session(self.tstate, batch) as s:
             logits, hidden, deltas = step(params, s, tokens)
-        self.trace.append(logits)
+        self._trace(logits)
         return logits, hidden, deltas, s.replay_outputs
 
     def _run_draft(self, batch, tokens, hidden):
         step, params, attn = self.draft
         with attn.session(self.dstate, batch) as s:
             logits, hout, deltas = step(params, s, tokens, hidden)
-        self.trace.append(logits)
+        self._trace(logits)
         self.dstate = self.dstate.apply(deltas)
         return logits, hout
 
@@ -223,7 +232,7 @@ class Speculator:
         if self.draft_runner is None:
             return self._run_draft(Batch.decode(self.dstate, ids), tok, hid)
         self.dstate, logits, hout = self.draft_runner.propose(self.dstate, ids, tok, hid)
-        self.trace.append(logits)
+        self._trace(logits)
         return logits, hout
 
     def _tokens(self, rows) -> torch.Tensor:
@@ -275,7 +284,7 @@ class Speculator:
             verified = self.runner.verify(self.tstate, ids, self._tokens(tokens), num_draft=self.k,
                                           recovery=self.recovery)
             batch, logits, hidden = verified.live_batch, verified.logits, verified.hidden
-            self.trace.append(logits)
+            self._trace(logits)
             accepted, bonus = self._accept(logits, batch, drafts)
             self.tstate = verified.accept(accepted)
         else:
@@ -312,7 +321,7 @@ class Speculator:
         self.tstate = self.tstate.reserve({r: k + 1 for r in ids})
         tokens = torch.cat([last[:, None], proposed], dim=1).reshape(-1)  # [n * (1 + k)]
         verified = self.runner.verify(self.tstate, ids, tokens, num_draft=k, recovery=self.recovery)
-        self.trace.append(verified.logits)
+        self._trace(verified.logits)
         rows = greedy_accept_rows(verified.logits, proposed)  # [n, 2 + k]
         if self.accept_hook is None:
             rows = rows.tolist()  # the step's one host read
@@ -339,8 +348,9 @@ class Speculator:
         tokens = [t for r in ids for t in emitted[r] + [0] * (k1 - len(emitted[r]))]
         verified = self.draft_runner.verify(self.dstate, ids, self._tokens(tokens), num_draft=self.k,
                                             hidden=hidden)
-        kept = [b * k1 + j for b, r in enumerate(ids) for j in range(accepted[r])]
-        self.trace.append(verified.logits[self._tokens(kept)])  # the rows an eager catch-up computes
+        if self._tracing:  # the rows an eager catch-up computes
+            kept = [b * k1 + j for b, r in enumerate(ids) for j in range(accepted[r])]
+            self._trace(verified.logits[self._tokens(kept)])
         for b, r in enumerate(ids):  # the next proposals stay on the device (0-d tensors)
             row = b * k1 + accepted[r] - 1
             self.proposal[r] = (verified.logits[row].argmax(), verified.hidden[row])

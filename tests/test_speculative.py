@@ -73,7 +73,7 @@ def forced(ref, emitted, vocab):
 
 def run(m, recovery, ref):
     emitted = {r: [] for r in PROMPTS}
-    spec = Speculator(target_step=m["target_step"], target_params=m["target_params"],
+    spec = Speculator(trace=True, target_step=m["target_step"], target_params=m["target_params"],
                       target_attn=fa.ModelAttention(m["target_specs"]),
                       target_state=state(m["target_specs"], STEPS * (K + 1) + 32),
                       draft_step=m["draft_step"], draft_params=m["draft_params"],
@@ -111,7 +111,7 @@ def test_native_and_replay_are_bitwise_equal_and_emit_greedy_tokens(name):
 
 def test_aborted_request_releases_everything_mid_speculation():
     m = tiny_models()
-    spec = Speculator(target_step=m["target_step"], target_params=m["target_params"],
+    spec = Speculator(trace=True, target_step=m["target_step"], target_params=m["target_params"],
                       target_attn=fa.ModelAttention(m["target_specs"]), target_state=state(m["target_specs"], 64),
                       draft_step=m["draft_step"], draft_params=m["draft_params"],
                       draft_attn=fa.ModelAttention(m["draft_specs"]), draft_state=state(m["draft_specs"], 64),

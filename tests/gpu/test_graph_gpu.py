@@ -127,7 +127,7 @@ def mtp_run(recovery, capture):
     d_attn = fa.ModelAttention(draft.specs, device="cuda")
     runner = StepRunner(fam.step_hidden, params, t_attn, fam.manifest(cfg, hidden=True), capture=capture,
                         max_context=512, buckets=(2,))
-    spec = Speculator(target_step=fam.step_hidden, target_params=params, target_attn=t_attn,
+    spec = Speculator(trace=True, target_step=fam.step_hidden, target_params=params, target_attn=t_attn,
                       target_state=state(cfg.specs, page, ring=5), draft_step=draft.step, draft_params=draft.params,
                       draft_attn=d_attn, draft_state=state(draft.specs, page), num_draft=3, recovery=recovery,
                       target_runner=runner)

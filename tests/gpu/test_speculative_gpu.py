@@ -35,7 +35,7 @@ def run(m, recovery, steps, k, ref):
     def st(specs):
         return fa.State(specs, num_pages=64, page_size=16, max_requests=4, device="cuda")
 
-    spec = Speculator(target_step=m["target_step"], target_params=m["target_params"],
+    spec = Speculator(trace=True, target_step=m["target_step"], target_params=m["target_params"],
                       target_attn=fa.ModelAttention(specs_t, prefer=("reference",), device="cuda"),
                       target_state=st(specs_t), draft_step=m["draft_step"], draft_params=m["draft_params"],
                       draft_attn=fa.ModelAttention(specs_d, prefer=("reference",), device="cuda"),
