@@ -69,6 +69,7 @@ class Batch:
     ring: int = 0  # ring rows per slot when new states go to spare ring rows; 0: they overwrite the current row
     ring_size: int = 1  # the State's recurrent_ring, whether or not this batch writes into the ring
     logits_for: str = "all"  # "all": a step returns logits for every new token; "last": each request's last only
+    decode_lanes: int = 0  # a mixed prefill: its first lanes are decode tokens (one each) for the decode backends
 
     @property
     def num_requests(self) -> int:
@@ -184,6 +185,36 @@ class Batch:
                       staging=staging, pad_counts=pad_counts)
 
     @staticmethod
+    def mixed(state, decode_ids: Iterable[int], counts: Mapping[int, int], *, logits_for: str = "last") -> "Batch":
+        """One step of both phases: a decode token of each of ``decode_ids`` (the first lanes), then the prompt
+        chunks of ``counts``. A prefill to the apply (each request's new tokens after its cursor); the
+        session runs each layer's decode backend on the decode lanes' rows and its prefill backend on the
+        rest (`parts`), so both phases share every projection and MLP launch of the step."""
+        ids = _ids("Batch.mixed", decode_ids)
+        if not ids:
+            fail("Batch.mixed", "decode_ids", "at least one request (a step without decode lanes is a prefill)", ids)
+        if not isinstance(counts, Mapping) or not counts:
+            fail("Batch.mixed", "counts", "a non-empty mapping request id -> new token count", counts)
+        both = sorted(set(ids) & set(counts))
+        if both:
+            fail("Batch.mixed", "counts", "requests other than decode_ids (a request is in one phase a step)", both)
+        if logits_for not in LOGITS_FOR:
+            fail("Batch.mixed", "logits_for", f"one of {LOGITS_FOR}", logits_for)
+        return _build(state, "prefill", {**dict.fromkeys(ids, 1), **counts}, num_draft=0, logits_for=logits_for,
+                      decode_lanes=len(ids))
+
+    def parts(self, state) -> tuple["Batch", "Batch"]:
+        """A mixed batch's decode lanes and prefill lanes, each as a batch of its own phase built from
+        ``state`` (the handle this batch was built from): what the session runs each phase's backends on."""
+        d = self.decode_lanes
+        if not 0 < d < self.num_requests or any(n != 1 for n in self.host_new_lens[:d]):
+            fail("Batch.parts", "batch.decode_lanes", f"an int in 1..{self.num_requests - 1} whose lanes have one "
+                 "new token each", d)
+        ids = self.request_ids
+        return (Batch.decode(state, ids[:d]),
+                Batch.prefill(state, dict(zip(ids[d:], self.host_new_lens[d:])), logits_for=self.logits_for))
+
+    @staticmethod
     def decode(state, request_ids: Iterable[int], *, pad_to: int | None = None,
                columns: int | None = None, staging=None) -> "Batch":
         """One new token per request.
@@ -273,7 +304,8 @@ def pad_lane(lane: int, tokens: int, page_size: int) -> PadLane:
 
 def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None = None,
            recovery: str = "native", pad_to: int | None = None, columns: int | None = None,
-           pad_tokens: int = 1, staging=None, logits_for: str = "all", pad_counts: tuple[int, ...] = ()) -> Batch:
+           pad_tokens: int = 1, staging=None, logits_for: str = "all", pad_counts: tuple[int, ...] = (),
+           decode_lanes: int = 0) -> Batch:
     where = f"Batch.{phase}"
     if not (_STATE_CLASS and isinstance(state, _STATE_CLASS[0])):
         fail(where, "state", "a State", type(state).__name__)
@@ -329,6 +361,7 @@ def _build(state, phase: str, counts: dict, *, num_draft: int, ids: tuple | None
         ring=ring,
         ring_size=state.recurrent_ring,
         logits_for=logits_for,
+        decode_lanes=decode_lanes,
     )
     # What the apply needs to know the tensors still hold what was derived here: the storage (its lineage
     # number) and version they were derived from, each tensor with its version counter (an in-place op moves
@@ -441,6 +474,7 @@ def expected_tensors(state, phase: str, reqs, *, columns: int | None = None,
 _TENSORS = ("cu_seqlens", "cache_lens", "positions", "block_table", "slot_mapping", "recurrent_slots",
             "recurrent_write_rows")
 _STATIC = ("phase", "request_ids", "page_size", "num_draft", "recovery", "state_version", "step_id", "logits_for",
+           "decode_lanes",
            "host_new_lens", "host_cache_lens", "host_pages", "host_ring_pos", "ring", "ring_size")
 optree.register_pytree_node(
     Batch,

@@ -132,7 +132,8 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
              max_new_tokens: int | None = None, stop: StopCriteria | None = None, sampler: Sampler | None = None,
              tokenizer=None, chunk: int | None = None,
              on_step: Callable[[int, dict[int, int]], None] | None = None, release: bool = True,
-             max_running: int | None = None, share_prefixes: bool = False, runner=None, prefill_runner=None):
+             max_running: int | None = None, share_prefixes: bool = False, runner=None, prefill_runner=None,
+             mixed: bool = False):
     """Generate for a batch of new requests; ``-> (state, {rid: new tokens})``, a `GenerateResult` whose
     ``.stats["prefix_hit_rate"]`` is the share of prompt tokens served from shared pages.
 
@@ -145,7 +146,7 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
     result = generate_completions(step, params, model_attention, state, prompts, max_new_tokens=max_new_tokens,
                                   stop=stop, sampler=sampler, tokenizer=tokenizer, chunk=chunk, on_step=on_step,
                                   release=release, max_running=max_running, share_prefixes=share_prefixes,
-                                  runner=runner, prefill_runner=prefill_runner)
+                                  runner=runner, prefill_runner=prefill_runner, mixed=mixed)
     state, done = result
     return GenerateResult(state, {r: c.ids for r, c in done.items()}, result.stats)
 
@@ -168,7 +169,7 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
                          on_step: Callable[[int, dict[int, int]], None] | None = None,
                          on_text: Callable[[int, str], None] | None = None, release: bool = True,
                          max_running: int | None = None, share_prefixes: bool = False, runner=None,
-                         prefill_runner=None):
+                         prefill_runner=None, mixed: bool = False):
     """`generate` with ``-> (state, {rid: Completion})`` (a `GenerateResult`); ``on_text(rid, chunk)`` streams
     each request's text.
 
@@ -191,6 +192,11 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
     ``runner``: a `fnattn.graph.StepRunner` of the same model, which runs the decode steps (captured CUDA
     graphs on a GPU; requests join and leave its buckets between replays). ``prefill_runner``: a
     `fnattn.prefill_graph.PrefillRunner` of the same model, which runs the prefill steps (`prefill`'s ``runner``).
+
+    ``mixed``: prompts admitted while others decode are prefilled inside the decode steps (`Batch.mixed`: each
+    step a decode token of every running request and a chunk of ``chunk`` tokens, default all, of each new
+    prompt), not in prefill steps of their own that keep the running requests waiting. Not with
+    ``share_prefixes``; mixed steps run eagerly.
     """
     stop = _criteria(max_new_tokens, stop)
     if max_running is not None:
@@ -207,6 +213,8 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
         fail("generate", "sampler", "a Sampler", type(sampler).__name__)
     if not isinstance(share_prefixes, bool):
         fail("generate", "share_prefixes", "a bool", share_prefixes)
+    if not isinstance(mixed, bool) or (mixed and share_prefixes):
+        fail("generate", "mixed", "a bool, False with share_prefixes", mixed)
     streams = {r: RequestStream(p, stop, tokenizer) for r, p in prompts.items()}
     index = PrefixIndex(state.page_size) if share_prefixes else None
     S = state.page_size
@@ -267,14 +275,32 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
                 or n in state.boundary_checkpoints(holder))
 
     waiting, running, i = list(prompts), [], 0
-    while waiting or running:
-        room = len(waiting) if max_running is None else max_running - len(running)
+    filling: dict[int, list[int]] = {}  # mixed: admitted prompts not yet fed whole, their tokens left
+    while waiting or running or filling:
+        room = len(waiting) if max_running is None else max_running - len(running) - len(filling)
         if waiting and room > 0:  # admission: a finished request's slot and pages went back to the pool
             new, waiting = waiting[:room], waiting[room:]
-            last = admit(new)
+            if mixed and running:  # their prefill rides on the running requests' decode steps
+                for r in new:
+                    state = state.admit(r)
+                    filling[r] = list(prompts[r])
+            else:
+                last = admit(new)
+                take(new, torch.stack([last[r] for r in new]), i)
+                running, i = running + new, i + 1
+        running = [r for r in running if not streams[r].completion.finished]
+        if filling and not running:  # nobody left to decode beside them: a prefill step of their own
+            state, last = prefill(step, params, model_attention, state, filling, chunk=chunk, runner=prefill_runner)
+            new, filling = list(filling), {}
             take(new, torch.stack([last[r] for r in new]), i)
             running, i = running + new, i + 1
-        running = [r for r in running if not streams[r].completion.finished]
+            continue
+        if filling:
+            state, filled, logits = _mixed_step(step, params, model_attention, state, running, filling, chunk,
+                                                [streams[r].completion.ids[-1] for r in running])
+            take(running + filled, logits, i)
+            running, i = [r for r in running + filled if not streams[r].completion.finished], i + 1
+            continue
         if running:
             state = state.reserve({r: 1 for r in running})
             tokens = torch.tensor([streams[r].completion.ids[-1] for r in running], dtype=torch.long,
@@ -288,6 +314,26 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
     total = sum(len(p) for p in prompts.values())
     stats = {"prompt_tokens": total, "prefix_hit_tokens": hits, "prefix_hit_rate": hits / total if total else 0.0}
     return GenerateResult(state, {r: s.completion for r, s in streams.items()}, stats)
+
+
+def _mixed_step(step, params, model_attention, state, running: list, filling: dict, chunk, last_ids: list):
+    """One mixed step: a decode token of each of ``running``, the next chunk of each prompt of ``filling``
+    (trimmed here). ``-> (state, the prompts fed whole, logits [running + those, V])``."""
+    counts = {r: len(p) if chunk is None else min(chunk, len(p)) for r, p in filling.items()}
+    state = state.reserve({**dict.fromkeys(running, 1), **counts})
+    batch = Batch.mixed(state, running, counts)
+    tokens = torch.tensor(last_ids + [t for r in counts for t in filling[r][:counts[r]]], dtype=torch.long,
+                          device=state.device)
+    state, logits = run_step(step, params, model_attention, state, batch, tokens)  # [lanes, V]
+    if logits.shape[0] == batch.num_tokens and batch.num_tokens != batch.num_requests:  # every token's
+        logits = logits[torch.tensor(batch.host_cu_seqlens[1:], device=logits.device) - 1]
+    filled = [r for r in counts if counts[r] == len(filling[r])]
+    for r in counts:
+        filling[r] = filling[r][counts[r]:]
+        if not filling[r]:
+            del filling[r]
+    lanes = list(range(len(running))) + [len(running) + list(counts).index(r) for r in filled]
+    return state, filled, logits[torch.tensor(lanes, device=logits.device)]
 
 
 def _lead(leader: Sequence[int], p: Sequence[int], state) -> int:

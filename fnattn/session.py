@@ -24,6 +24,7 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import replace
 
+import optree
 import torch
 
 from .apply import capturing, check_batch
@@ -45,7 +46,6 @@ class AttentionSession:
         self.id = next(_sessions)
         self._open = False
         self._closed = False
-        self._plans: dict[int, object] = {}
         self._metas: dict = {}  # group -> the StepMeta its layers' inputs carry, from entry on
         self._views: Mapping = {}  # layer -> its Views: the storage's, built once (`State.views`)
         self._dispatch: dict = {}  # layer -> (spec, backend, input types, group), from entry on
@@ -55,6 +55,7 @@ class AttentionSession:
         self.replay_outputs: dict[int, object] = {}
         #: name -> tensor a model built inside the step and declared as a generated lane (`record`)
         self.generated: dict[str, torch.Tensor] = {}
+        self._parts = None  # a mixed step: (phase, its batch, its dispatch, its metas) for decode, then prefill
 
     # ---------------------------------------------------------------- context
     def __enter__(self) -> AttentionSession:
@@ -72,25 +73,25 @@ class AttentionSession:
                  "backends for (ModelAttention(..., device=...))", f"a State on {state.device}")
         if batch.page_size != state.page_size:
             fail("AttentionSession", "batch.page_size", f"the state's page size {state.page_size}", batch.page_size)
-        for name, size in ma.page_sizes(batch.phase):  # a backend that serves one page size (FlashMLA: 64)
+        phases = (batch.phase, "decode") if batch.decode_lanes else (batch.phase,)
+        for name, size in (pair for phase in phases for pair in ma.page_sizes(phase)):  # FlashMLA serves 64
             if batch.page_size != size:
                 fail("AttentionSession", "batch.page_size", f"{size}, the one page size backend {name!r} serves "
                      f"(build the State with page_size={size} or prefer another backend)", batch.page_size)
         check_of_state(state, batch, "AttentionSession")
         self._dispatch = ma.dispatch(batch.phase)
+        parts = batch.parts(state) if batch.decode_lanes else None  # refuses a forged decode_lanes by name
         self._lease = ma.workspace.lease()
         try:
-            for group, specs in ma.groups(batch.phase).items():
-                backend = ma.backend(specs[0].index, batch.phase)
-                self._plans[group] = backend.plan(specs, batch, self._lease) if backend.plan else None
+            if parts is None:
+                self._metas = self._plan(batch.phase, batch)
+            else:  # a mixed step: each phase's backends plan for their own lanes only
+                self._parts = tuple((phase, part, ma.dispatch(phase), self._plan(phase, part))
+                                    for phase, part in zip(("decode", "prefill"), parts))
         except BaseException:
             self._lease.release()
             self._closed = True
             raise
-        # One StepMeta per group (frozen: its layers share it) and the storage's views, looked up per layer.
-        self._metas = {group: StepMeta(batch=batch, plan=plan, workspace=self._lease)
-                       for group, plan in self._plans.items()}
-        self._metas.setdefault(None, StepMeta(batch=batch, plan=None, workspace=self._lease))
         storage = state.storage
         self._views = storage.views  # filled by `State.views`, shared by every session over this storage
         self._device = state.device
@@ -98,6 +99,17 @@ class AttentionSession:
             storage.lend_ring(batch.state_version, self.id)
         self._open = True
         return self
+
+    def _plan(self, phase: str, batch: Batch) -> dict:
+        """One StepMeta per group of ``phase`` (frozen: its layers share it), with the plan its backend makes
+        for ``batch``; the None group's for layers whose backend plans nothing."""
+        ma, metas = self.model_attention, {}
+        for group, specs in ma.groups(phase).items():
+            backend = ma.backend(specs[0].index, phase)
+            plan = backend.plan(specs, batch, self._lease) if backend.plan else None
+            metas[group] = StepMeta(batch=batch, plan=plan, workspace=self._lease)
+        metas.setdefault(None, StepMeta(batch=batch, plan=None, workspace=self._lease))
+        return metas
 
     def __exit__(self, *exc) -> None:
         self._open = False
@@ -121,20 +133,33 @@ class AttentionSession:
         if layer in self._done:
             fail("AttentionSession.forward", "layer", "a layer not yet run in this step (each layer runs once)",
                  layer)
-        spec, backend, expected, group = entry
-        if backend is None:
-            ma.backend(layer, batch.phase)  # raises, saying why no backend serves it
+        spec, _, expected, _ = entry
         if not isinstance(inputs, expected):
             fail("AttentionSession.forward", "inputs",
                  f"{' or '.join(t.__name__ for t in expected)} (layer {layer} is {spec.kind})",
                  type(inputs).__name__)
+        self.state.check_live()
+        if self._parts is None:
+            out, writes = self._run(layer, inputs, batch, entry, self._metas)
+        else:
+            out, writes = self._run_mixed(layer, inputs)
+        self._done.add(layer)
+        if writes is not None:
+            writes = writes.bound(layer=layer, step=batch.step_id, session=self.id)
+        if batch.recovery == "replay" and getattr(out, "replay", None) is not None:
+            self.replay_outputs[layer] = out
+        return out, writes
+
+    def _run(self, layer: int, inputs, batch: Batch, entry, metas):
+        """``layer``'s backend of ``entry`` over ``batch`` (this step's, or one part of a mixed step's)."""
+        spec, backend, _, group = entry
+        if backend is None:
+            self.model_attention.backend(layer, batch.phase)  # raises, saying why no backend serves it
         inputs.validate(spec, batch, self._device)
-        meta = self._metas.get(group) or self._metas[None]
-        state = self.state
-        state.check_live()
+        meta = metas.get(group) or metas[None]
         views = self._views.get(layer)
         if views is None:
-            views = state.views(layer)
+            views = self.state.views(layer)
         if CHECKS_ENABLED and not capturing():
             with debug_check():
                 watch = _Watch(self.state, layer, views, batch)
@@ -144,20 +169,24 @@ class AttentionSession:
         if watch is not None:
             with debug_check():
                 watch.check(backend)
-        self._done.add(layer)
+        where = f"backend {backend.name!r} ({spec.kind}, {batch.phase})"
         if not isinstance(result, tuple) or len(result) != 2:
-            fail(f"backend {backend.name!r} ({spec.kind}, {batch.phase})", "return", "a pair (outputs, writes)",
-                 type(result).__name__)
+            fail(where, "return", "a pair (outputs, writes)", type(result).__name__)
         out, writes = result
         if writes is not None and not isinstance(writes, Writes):
-            fail(f"backend {backend.name!r} ({spec.kind}, {batch.phase})", "writes",
-                 "fnattn.writes(...) or None", type(writes).__name__)
-        if writes is not None:
-            writes = writes.bound(layer=layer, step=batch.step_id, session=self.id)
-        if batch.recovery == "replay" and getattr(out, "replay", None) is not None:
-            self.replay_outputs[layer] = out
+            fail(where, "writes", "fnattn.writes(...) or None", type(writes).__name__)
         return out, writes
 
+    def _run_mixed(self, layer: int, inputs):
+        """A mixed step's layer: its decode backend on the decode lanes' rows, its prefill backend on the rest,
+        their outputs and writes joined in the step's row order (decode lanes first)."""
+        d = self.batch.decode_lanes
+        halves = []
+        for (phase, part, dispatch, metas), rows, lanes in zip(self._parts, (slice(0, d), slice(d, None)),
+                                                              (slice(0, d), slice(d, None))):
+            halves.append(self._run(layer, split_inputs(inputs, rows, lanes, part), part, dispatch[layer], metas))
+        (out_d, w_d), (out_p, w_p) = halves
+        return join_parts(layer, out_d, out_p), join_writes(layer, w_d, w_p)
 
     def record(self, name: str, tensor: torch.Tensor) -> None:
         """Name a tensor the step generates on the device (an in-graph top-k, say): the lane of that name in
@@ -216,6 +245,64 @@ class _Watch:
             if changed or (t._version != self.versions[name] and keep is None):
                 raise PurityError(f"backend {backend.name!r} ({backend.kind}, {backend.phase}) wrote into its "
                                   f"view {name!r}: backends return writes and never change the storage they read")
+
+
+def split_inputs(inputs, rows: slice, lanes: slice, part: Batch):
+    """One part of a mixed step's layer inputs (``part`` its batch): every field whose first dimension is the
+    step's tokens (``T``) at ``rows``, every one of its requests (``B``) at ``lanes``, nested inputs alike; a
+    field with a ``for_part(batch, rows, lanes)`` method (per-step metadata that names lanes) is asked for its
+    own; the rest (weights of the layer) whole."""
+    import dataclasses
+
+    from .declare import field_dims
+
+    cut = {}
+    for f in dataclasses.fields(inputs):
+        value = getattr(inputs, f.name)
+        if callable(getattr(value, "for_part", None)):
+            cut[f.name] = value.for_part(part, rows, lanes)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and f.name != "meta":
+            cut[f.name] = split_inputs(value, rows, lanes, part)
+    for name, dims in field_dims(type(inputs)):
+        value = getattr(inputs, name)
+        if isinstance(value, torch.Tensor) and dims and dims[0] in ("T", "B"):
+            cut[name] = value[rows if dims[0] == "T" else lanes]
+    return replace(inputs, **cut)
+
+
+def join_parts(layer: int, a, b):
+    """The outputs of a mixed step's two parts, joined along their first dimension (tokens)."""
+    la, spec_a = optree.tree_flatten(a, namespace="fnattn", none_is_leaf=True)
+    lb, spec_b = optree.tree_flatten(b, namespace="fnattn", none_is_leaf=True)
+    if spec_a != spec_b:
+        fail("AttentionSession.forward", f"layer {layer}'s outputs", "the same structure from its decode and "
+             "prefill backends (a mixed step joins them)", f"{type(a).__name__} and {type(b).__name__}")
+    return optree.tree_unflatten(spec_a, [_join(layer, x, y) for x, y in zip(la, lb)])
+
+
+def join_writes(layer: int, a, b):
+    if a is None and b is None:
+        return None
+    if a is None or b is None or set(a.values) != set(b.values):
+        fail("AttentionSession.forward", f"layer {layer}'s writes", "the same storage names from its decode and "
+             "prefill backends (a mixed step joins them)",
+             (None if a is None else sorted(a.values), None if b is None else sorted(b.values)))
+    return Writes({name: _join(layer, a[name], b[name]) for name in a.values})
+
+
+def _join(layer: int, x, y):
+    if x is None and y is None:
+        return None
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape[1:] == y.shape[1:] \
+            and x.dtype == y.dtype:
+        return torch.cat([x, y])
+    fail("AttentionSession.forward", f"layer {layer}'s outputs", "tensors of the same row shape and dtype from "
+         "its decode and prefill backends, or None from both (a mixed step joins them)",
+         (_shape(x), _shape(y)))
+
+
+def _shape(x):
+    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

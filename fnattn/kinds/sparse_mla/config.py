@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from ...checks import check_tensor, fail
@@ -117,6 +117,10 @@ class SparseQueryMetadata:
         rows = torch.searchsorted(batch.cu_seqlens[1:], tokens, right=True)
         return SparseQueryMetadata(topk=topk, request_of_token=rows, visible_keys=batch.positions + 1)
 
+    def for_part(self, batch, rows: slice, lanes: slice) -> "SparseQueryMetadata":
+        """The metadata of one part of a mixed step (`fnattn.session.split_inputs`): its lanes count from 0."""
+        return SparseQueryMetadata.build(batch, topk=self.topk)
+
 
 @tensor_pytree
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ class SparseMLAInputs(MLAInputs):
     index_q: Float[Tensor, "T Hi Di"] | None = None  # [T, Hi, Di] indexer queries, rope applied
     index_w: Float[Tensor, "T Hi"] | None = None  # [T, Hi] per-head indexer weights (scales folded in)
     index_k: Float[Tensor, "T Di"] | None = None  # [T, Di] this step's new indexer keys
-    topk_indices: Tensor | None = None  # [T, topk] int64 positions chosen by the source layer (-1: none)
+    topk_indices: Int[Tensor, "T K"] | None = None  # [T, topk] int64 positions chosen by the source layer (-1: none)
 
     def validate(self, spec, batch, device) -> None:
         super().validate(spec, batch, device)

@@ -1,0 +1,114 @@
+"""Mixed steps (`Batch.mixed`): decode tokens of some requests and prompt chunks of others in one step, each
+layer's decode backend on the decode lanes and its prefill backend on the rest. In the invariant mode the step
+equals the same requests run phase by phase -- a decode step, then a prefill step -- bit for bit, for every
+family: the logits of both phases and everything each left in the State (read back by the steps after)."""
+
+import functools
+
+import pytest
+import torch
+
+import fnattn as fa
+import fnattn.switches
+from fnattn.driver import generate, prefill, run_step
+from fnattn.models.registry import family_names
+
+OLD = {0: [3, 17, 5, 9, 11], 1: [6, 1, 12]}  # decoding when the new prompts arrive
+NEW = {2: [4, 4, 8, 1, 9, 2, 7], 3: [5, 3]}
+
+
+@functools.cache
+def model(name):
+    from fnattn.models.registry import random_model
+
+    return random_model(name, seed=0, dtype=torch.bfloat16)
+
+
+def fresh(m):
+    return fa.State(m.specs, num_pages=40, page_size=4, max_requests=5)
+
+
+def started(m, attn):
+    st = fresh(m)
+    for r in OLD:
+        st = st.admit(r)
+    st, last = prefill(m.step, m.params, attn, st, OLD)
+    return st, torch.stack([last[r] for r in OLD]).argmax(-1)
+
+
+def after(m, attn, st, ids):
+    """Two decode steps of every request: what the State holds, read back."""
+    out, tok = [], ids
+    for _ in range(2):
+        st = st.reserve({r: 1 for r in st.requests})
+        st, logits = run_step(m.step, m.params, attn, st, fa.Batch.decode(st, list(st.requests)), tok)
+        out.append(logits)
+        tok = logits.argmax(-1)
+    return out
+
+
+def phase_by_phase(m):
+    attn = fa.ModelAttention(m.specs)
+    st, ids = started(m, attn)
+    st = st.reserve({r: 1 for r in OLD})
+    st, dec = run_step(m.step, m.params, attn, st, fa.Batch.decode(st, list(OLD)), ids)
+    for r in NEW:
+        st = st.admit(r)
+    st, last = prefill(m.step, m.params, attn, st, NEW)
+    first = torch.stack([last[r] for r in NEW])
+    nxt = torch.cat([dec.argmax(-1), first.argmax(-1)])
+    return [dec, first, *after(m, attn, st, nxt)]
+
+
+def mixed(m):
+    attn = fa.ModelAttention(m.specs)
+    st, ids = started(m, attn)
+    for r in NEW:
+        st = st.admit(r)
+    st = st.reserve({**{r: 1 for r in OLD}, **{r: len(p) for r, p in NEW.items()}})
+    batch = fa.Batch.mixed(st, list(OLD), {r: len(p) for r, p in NEW.items()})
+    tokens = torch.cat([ids, torch.tensor([t for p in NEW.values() for t in p])])
+    st, logits = run_step(m.step, m.params, attn, st, batch, tokens)  # [lanes, V]: each lane's last token
+    dec, first = logits[:len(OLD)], logits[len(OLD):]
+    return [dec, first, *after(m, attn, st, logits.argmax(-1))]
+
+
+@pytest.mark.parametrize("name", family_names())
+def test_a_mixed_step_equals_decode_then_prefill_bitwise(name):
+    m = model(name)
+    with fnattn.switches.set(invariant=True):
+        want, got = phase_by_phase(m), mixed(m)
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert torch.equal(w, g), (name, i)
+
+
+def test_generate_with_mixed_admission_emits_what_phase_by_phase_admission_does():
+    m = model("qwen3_5")
+    prompts = {r: [(5 * r + i) % 40 + 1 for i in range(n)] for r, n in enumerate([6, 3, 9, 4, 7])}
+    with fnattn.switches.set(invariant=True):
+        _, want = generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, max_new_tokens=5,
+                           max_running=2)
+        _, got = generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, max_new_tokens=5,
+                          max_running=2, mixed=True)
+    assert got == want
+
+
+def test_mixed_batch_refusals():
+    m = model("llama")
+    st = fresh(m).admit(0).admit(1).reserve({0: 2, 1: 2})
+    with pytest.raises(ValueError, match="decode_ids"):
+        fa.Batch.mixed(st, [], {1: 2})
+    with pytest.raises(ValueError, match="counts"):
+        fa.Batch.mixed(st, [0], {0: 1})  # a request in both phases
+    with pytest.raises(ValueError, match="counts"):
+        fa.Batch.mixed(st, [0], {})
+    b = fa.Batch.mixed(st, [0], {1: 2})
+    assert b.phase == "prefill" and b.decode_lanes == 1 and b.host_new_lens == (1, 2)
+    d, p = b.parts(st)
+    assert (d.phase, d.request_ids, p.phase, p.request_ids) == ("decode", (0,), "prefill", (1,))
+    import dataclasses
+
+    forged = dataclasses.replace(b, decode_lanes=2)  # every lane "decode": nothing left to prefill
+    with pytest.raises(ValueError, match="decode_lanes"):
+        with fa.ModelAttention(m.specs).session(st, forged):
+            pass
