@@ -105,8 +105,6 @@ SUITES: dict[str, Suite] = {
         tests(270, "graph_gpu.json", "tests/gpu/test_graph_gpu.py tests/gpu/test_overhead_gpu.py"),
         tests(240, "bug_classes_gpu.json", "tests/gpu/test_verify_bug_classes_gpu.py "
               "tests/gpu/test_padded_lanes_gpu.py tests/test_indexer_drops.py -m gpu"),
-        # prefill captured in pieces around eager attention (`fnattn.prefill_graph`) == the capture-free step
-        tests(150, "prefill_graph_gpu.json", "tests/gpu/test_prefill_graph_gpu.py"),
     )),
     "kernels": Suite("GDN gating and fused decode, FlashInfer sampling, grouped experts, transfer between devices", (
         tests(120, "gdn_pdl_gpu.json", "tests/gpu/test_gdn_gating_gpu.py tests/gpu/test_gdn_decode_fused_gpu.py"),
@@ -181,8 +179,10 @@ SUITES: dict[str, Suite] = {
         bench(200, "invariance --family qwen3_5 --new-tokens 24 --batch 1 8 --steps 6",
               "bench_invariance_qwen3_5_tiny.json"),
     )),
-    "generate": Suite("the whole of generation at the Qwen3.5-0.8B shape: time to first token, the 8192-token "
-                      "prefill, plain and eager decode, MTP k = 3 with every draft kept or none, the serving mix", (
+    "generate": Suite("prefill captured in pieces (replay == the capture-free step, every family); the whole of "
+                      "generation at the Qwen3.5-0.8B shape: time to first token, the 8192-token prefill, plain and "
+                      "eager decode, MTP k = 3 with every draft kept or none, the serving mix", (
+        tests(150, "prefill_graph_gpu.json", "tests/gpu/test_prefill_graph_gpu.py"),
         bench(330, "generate --family qwen3_5 --shape 0.8b --batch 1 8 --steps 32", "bench_generate_qwen3_5_0.8b.json"),
     )),
     "cpu": Suite("every family's tiny model and the framework's overhead on one CPU thread (any machine)", (
