@@ -45,12 +45,14 @@ def _runner(step, params, ma, manifest, args, *, max_context: int):
 
 
 def _prefill_runner(step, params, ma, args, *, max_context: int):
-    """Prefill captured in pieces per bucket on CUDA unless ``--eager`` (`fnattn.prefill_graph`); None otherwise."""
+    """Prefill captured in pieces per bucket on CUDA unless ``--eager`` (`fnattn.prefill_graph`); None otherwise.
+    Its largest bucket is ``--chunk`` where given, else 2048 tokens (or the whole context, if shorter)."""
     if getattr(args, "eager", False) or not str(args.device).startswith("cuda"):
         return None
     from .prefill_graph import DEFAULT_TOKENS, PrefillRunner
 
-    sizes = tuple(t for t in DEFAULT_TOKENS if t < min(max_context, 2048)) + (min(max_context, 2048),)
+    top = getattr(args, "chunk", None) or min(max_context, 2048)
+    sizes = tuple(t for t in DEFAULT_TOKENS if t < top) + (top,)
     return PrefillRunner(step, params, ma, tokens=sizes, max_context=max_context)
 
 
@@ -432,7 +434,7 @@ def generate_text(args) -> int:
     sampler = Sampler(**_sampling(args, prog), seed=seed, kernel=args.sampler)
     ma = ModelAttention(model.specs, device=args.device)
     running = min(args.max_batch or len(prompts), len(prompts))
-    share = len(prompts) > 1 and not args.no_prefix_sharing
+    share = len(prompts) > 1 and not args.no_prefix_sharing and not args.mixed
     # Recurrent layers resume a shared prefix from states kept at page boundaries.
     state = _state_for(model.specs, tokens=longest + args.max_new_tokens, page_size=args.page_size,
                        device=args.device, max_requests=running, prefix_checkpoints=share)
@@ -451,7 +453,8 @@ def generate_text(args) -> int:
     prefill_runner = _prefill_runner(model.step, model.params, ma, args, max_context=longest + args.max_new_tokens)
     result = generate_completions(model.step, model.params, ma, state, prompts, stop=stop, sampler=sampler,
                                   tokenizer=tokenizer, on_text=on_text, max_running=running,
-                                  share_prefixes=share, runner=runner, prefill_runner=prefill_runner)
+                                  share_prefixes=share, runner=runner, prefill_runner=prefill_runner,
+                                  mixed=args.mixed, chunk=args.chunk)
     _, done = result
     elapsed = time.perf_counter() - started
     total = sum(len(c.ids) for c in done.values())
@@ -546,6 +549,12 @@ def main(argv=None) -> int:
     g.add_argument("--max-batch", type=_int_in(1), default=None,
                    help="requests running at once (default: every prompt); the others wait and are admitted "
                         "as running ones finish")
+    g.add_argument("--mixed", action="store_true",
+                   help="prompts admitted while others decode (--max-batch) are prefilled inside the running "
+                        "requests' decode steps, each layer's decode and prefill backends side by side, instead "
+                        "of in steps of their own that keep those waiting; turns prefix sharing off")
+    g.add_argument("--chunk", type=_int_in(1), default=None,
+                   help="prompt tokens a request feeds per step at most (chunked prefill; default: all at once)")
     g.add_argument("--json", action="store_true", help="print ids, text, finish reason and timings per prompt as JSON")
     g.add_argument("--no-prefix-sharing", action="store_true",
                    help="with several prompts, do not share the pages of their common prefix (shared by default; "

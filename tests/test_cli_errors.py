@@ -59,6 +59,12 @@ def test_several_prompts_json_and_the_tokens_alias(ckpt, capsys):
                       "--max-batch", "1")
     assert [r["ids"] for r in queued] == [r["ids"] for r in rows]
     assert queued[1]["timings"]["first_token_s"] >= queued[0]["timings"]["finished_s"]
+    # Mixed: the third prompt is prefilled, two tokens a step, inside the running ones' decode steps.
+    three = ["--prompt", "the cat", "--prompt", "中文", "--prompt", "a dog sat", "--tokens", "5"]
+    mixed = run_json(capsys, "--model", str(ckpt), *three, "--max-batch", "2", "--mixed", "--chunk", "2")
+    plain = run_json(capsys, "--model", str(ckpt), *three, "--max-batch", "2")
+    assert [r["ids"] for r in mixed] == [r["ids"] for r in plain]
+    assert [r["ids"] for r in mixed[:2]] == [r["ids"] for r in rows]
 
 
 def test_single_prompt_streams_the_decoded_text(ckpt, capsys):
@@ -170,6 +176,7 @@ BAD_OPTIONS = [
     (["--stop", ""], "fnattn generate: error: argument --stop: must be a non-empty string, got ''"),
     (["--device", "cpu:1"], "--device: must be cpu or cuda[:N] (the CPU has one device), got 'cpu:1'"),
     (["--max-batch", "0"], "--max-batch"),
+    (["--chunk", "0"], "--chunk"),
     (["--sampler", "flashinfer"], "--sampler flashinfer needs --device cuda"),
     (["--sampler", "curand"], "--sampler"),
     (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt"),
