@@ -9,25 +9,10 @@ import sys
 import time
 
 
-class _Progress:
-    """Decode progress: a tqdm bar on a terminal; a log (not a terminal) gets one summary line at the end."""
+def _progress(total: int):
+    from .generation import Progress
 
-    def __init__(self, total: int, stream=None):
-        from tqdm import tqdm
-
-        self.stream = stream or sys.stderr  # looked up per run: tests and notebooks swap sys.stderr
-        self.total, self.done, self.started = total, 0, time.perf_counter()
-        self.tty = bool(getattr(self.stream, "isatty", None) and self.stream.isatty())
-        self.bar = tqdm(total=total, desc="decode", unit="tok", file=self.stream, disable=not self.tty)
-
-    def __call__(self, done: int) -> None:
-        self.bar.update(done - self.done)
-        self.done = done
-        if done == self.total:
-            self.bar.close()
-            if not self.tty:
-                rate = done / max(time.perf_counter() - self.started, 1e-9)
-                self.stream.write(f"decode {done}/{self.total}  {rate:6.1f} tok/s\n")
+    return Progress(total)
 
 
 def _runner(step, params, ma, manifest, args, *, max_context: int):
@@ -45,15 +30,14 @@ def _runner(step, params, ma, manifest, args, *, max_context: int):
 
 
 def _prefill_runner(step, params, ma, args, *, max_context: int):
-    """Prefill captured in pieces per bucket on CUDA unless ``--eager`` (`fnattn.prefill_graph`); None otherwise.
-    Its largest bucket is ``--chunk`` where given, else 2048 tokens (or the whole context, if shorter)."""
+    """Prefill captured in pieces per bucket on CUDA unless ``--eager`` (`fnattn.prefill_graph`), its largest
+    bucket ``--chunk`` where given, else 2048 tokens (or the whole context, if shorter); None otherwise."""
     if getattr(args, "eager", False) or not str(args.device).startswith("cuda"):
         return None
-    from .prefill_graph import DEFAULT_TOKENS, PrefillRunner
+    from .prefill_graph import PrefillRunner, tokens_up_to
 
     top = getattr(args, "chunk", None) or min(max_context, 2048)
-    sizes = tuple(t for t in DEFAULT_TOKENS if t < top) + (top,)
-    return PrefillRunner(step, params, ma, tokens=sizes, max_context=max_context)
+    return PrefillRunner(step, params, ma, tokens=tokens_up_to(top), max_context=max_context)
 
 
 def demo(args) -> int:
@@ -79,7 +63,7 @@ def demo(args) -> int:
           f"d{cfg.head_dim}, random weights) on {args.device}")
     print(f"prompt: {args.prompt!r} ({len(prompt)} tokens)")
     started = time.perf_counter()
-    progress = _Progress(args.tokens)
+    progress = _progress(args.tokens)
     runner = _runner(tiny.step, params, ma, tiny.manifest(cfg), args, max_context=len(prompt) + args.tokens)
     state, out = generate(tiny.step, params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
                           on_step=lambda i, _: progress(i + 1), runner=runner)
@@ -119,7 +103,7 @@ def demo_family(args) -> int:
     print(f"fnattn demo: {args.model} (tiny config, {len(model.specs)} layers: {', '.join(kinds)}, random weights)")
     print(f"prompt: {args.prompt!r} as token ids {prompt}")
     started = time.perf_counter()
-    progress = _Progress(args.tokens)
+    progress = _progress(args.tokens)
     runner = _runner(model.step, model.params, ma, model.manifest(), args, max_context=len(prompt) + args.tokens)
     state, out = generate(model.step, model.params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
                           on_step=lambda i, _: progress(i + 1), runner=runner)
@@ -179,7 +163,7 @@ def demo_mtp(args) -> int:
     print(f"fnattn demo --mtp {args.mtp}: {args.model} target + draft head (random weights), "
           f"{args.recovery} recovery")
     started = time.perf_counter()
-    progress = _Progress(args.tokens)
+    progress = _progress(args.tokens)
     out = [spec.start({0: prompt})[0]]
     steps, accepted = 0, 0
     while len(out) < args.tokens:

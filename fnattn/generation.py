@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -375,3 +377,24 @@ class RequestStream:
                     c.finish_reason = "stop"
         c.text += shown
         return shown
+
+
+class Progress:
+    """Decode progress: a tqdm bar on a terminal; a log (not a terminal) gets one summary line at the end."""
+
+    def __init__(self, total: int, stream=None):
+        from tqdm import tqdm
+
+        self.stream = stream or sys.stderr  # looked up per run: tests and notebooks swap sys.stderr
+        self.total, self.done, self.started = total, 0, time.perf_counter()
+        self.tty = bool(getattr(self.stream, "isatty", None) and self.stream.isatty())
+        self.bar = tqdm(total=total, desc="decode", unit="tok", file=self.stream, disable=not self.tty)
+
+    def __call__(self, done: int) -> None:
+        self.bar.update(done - self.done)
+        self.done = done
+        if done == self.total:
+            self.bar.close()
+            if not self.tty:
+                rate = done / max(time.perf_counter() - self.started, 1e-9)
+                self.stream.write(f"decode {done}/{self.total}  {rate:6.1f} tok/s\n")

@@ -38,6 +38,11 @@ DEFAULT_LANES = (1, 2, 4, 8)
 DEFAULT_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+def tokens_up_to(top: int) -> tuple[int, ...]:
+    """Token buckets for steps of at most ``top`` tokens: the default ones below it, then ``top``."""
+    return tuple(t for t in DEFAULT_TOKENS if t < top) + (top,)
+
+
 @dataclass
 class _Island:
     """One attention layer between two captured pieces: its inputs (the previous piece's tensors) and the
@@ -294,4 +299,4 @@ def _sizes(name: str, sizes) -> tuple[int, ...]:
     return sizes
 
 
-__all__ = ["DEFAULT_LANES", "DEFAULT_TOKENS", "PrefillRunner"]
+__all__ = ["DEFAULT_LANES", "DEFAULT_TOKENS", "PrefillRunner", "tokens_up_to"]

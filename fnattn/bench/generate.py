@@ -82,10 +82,9 @@ def _prefill_runner(model, ma, tokens: int):
     """A PrefillRunner whose token buckets end at ``tokens`` (CUDA); None elsewhere."""
     if ma.device.type != "cuda":
         return None
-    from ..prefill_graph import DEFAULT_TOKENS, PrefillRunner
+    from ..prefill_graph import PrefillRunner, tokens_up_to
 
-    sizes = tuple(t for t in DEFAULT_TOKENS if t < tokens) + (tokens,)
-    return PrefillRunner(model.step, model.params, ma, tokens=sizes, max_context=tokens)
+    return PrefillRunner(model.step, model.params, ma, tokens=tokens_up_to(tokens), max_context=tokens)
 
 
 def _runner(model, ma, batch: int, max_context: int, hidden: bool = False):
