@@ -166,42 +166,33 @@ class Batch:
             fail("Batch.prefill", "counts", "a non-empty mapping request id -> new token count", counts)
         if logits_for not in LOGITS_FOR:
             fail("Batch.prefill", "logits_for", f"one of {LOGITS_FOR}", logits_for)
-        pad_counts = ()
-        if (pad_to is None) != (tokens is None):
-            fail("Batch.prefill", "tokens", "given with pad_to (a bucket's lanes and tokens), or neither", tokens)
-        if pad_to is not None:
-            for rid, n in counts.items():
-                _check_count("Batch.prefill", rid, n)
-            live = sum(counts.values())
-            pads = pad_to - len(counts) if isinstance(pad_to, int) and not isinstance(pad_to, bool) else -1
-            if pads < 0:
-                fail("Batch.prefill", "pad_to", f"an int >= {len(counts)} (the batch's requests)", pad_to)
-            spare = tokens - live if isinstance(tokens, int) and not isinstance(tokens, bool) else -1
-            if spare < pads or (pads == 0 and spare != 0):
-                fail("Batch.prefill", "tokens", f"{live} (the requests' tokens) when pad_to leaves no pad lane, "
-                     f"else at least {live} + one a pad lane ({live + pads})", tokens)
-            pad_counts = (spare - pads + 1,) + (1,) * (pads - 1) if pads else ()
+        pad_counts = _bucket_pads("Batch.prefill", counts, pad_to, tokens)
         return _build(state, "prefill", dict(counts), num_draft=0, logits_for=logits_for, columns=columns,
                       staging=staging, pad_counts=pad_counts)
 
     @staticmethod
-    def mixed(state, decode_ids: Iterable[int], counts: Mapping[int, int], *, logits_for: str = "last") -> "Batch":
+    def mixed(state, decode_ids: Iterable[int], counts: Mapping[int, int], *, logits_for: str = "last",
+              pad_to: int | None = None, tokens: int | None = None, columns: int | None = None,
+              staging=None) -> "Batch":
         """One step of both phases: a decode token of each of ``decode_ids`` (the first lanes), then the prompt
         chunks of ``counts``. A prefill to the apply (each request's new tokens after its cursor); the
         session runs each layer's decode backend on the decode lanes' rows and its prefill backend on the
-        rest (`parts`), so both phases share every projection and MLP launch of the step."""
+        rest (`parts`), so both phases share every projection and MLP launch of the step. ``pad_to`` /
+        ``tokens`` / ``columns`` / ``staging``: a captured prefill's bucket, as `prefill` pads it (the pad
+        lanes after the prompts belong to the prefill part)."""
         ids = _ids("Batch.mixed", decode_ids)
         if not ids:
             fail("Batch.mixed", "decode_ids", "at least one request (a step without decode lanes is a prefill)", ids)
-        if not isinstance(counts, Mapping) or not counts:
+        if not isinstance(counts, Mapping) or (not counts and not pad_to):
             fail("Batch.mixed", "counts", "a non-empty mapping request id -> new token count", counts)
         both = sorted(set(ids) & set(counts))
         if both:
             fail("Batch.mixed", "counts", "requests other than decode_ids (a request is in one phase a step)", both)
         if logits_for not in LOGITS_FOR:
             fail("Batch.mixed", "logits_for", f"one of {LOGITS_FOR}", logits_for)
-        return _build(state, "prefill", {**dict.fromkeys(ids, 1), **counts}, num_draft=0, logits_for=logits_for,
-                      decode_lanes=len(ids))
+        every = {**dict.fromkeys(ids, 1), **counts}
+        return _build(state, "prefill", every, num_draft=0, logits_for=logits_for, decode_lanes=len(ids),
+                      columns=columns, staging=staging, pad_counts=_bucket_pads("Batch.mixed", every, pad_to, tokens))
 
     def parts(self, state) -> tuple["Batch", "Batch"]:
         """A mixed batch's decode lanes and prefill lanes, each as a batch of its own phase built from
@@ -210,9 +201,12 @@ class Batch:
         if not 0 < d < self.num_requests or any(n != 1 for n in self.host_new_lens[:d]):
             fail("Batch.parts", "batch.decode_lanes", f"an int in 1..{self.num_requests - 1} whose lanes have one "
                  "new token each", d)
-        ids = self.request_ids
-        return (Batch.decode(state, ids[:d]),
-                Batch.prefill(state, dict(zip(ids[d:], self.host_new_lens[d:])), logits_for=self.logits_for))
+        ids, lens = self.request_ids[d:], self.host_new_lens[d:]
+        live = {r: n for r, n in zip(ids, lens) if r >= 0}
+        pads = len(ids) - len(live)  # a captured bucket's: the prefill part keeps them, padded the same way
+        prefill = Batch.prefill(state, live, logits_for=self.logits_for, **(
+            dict(pad_to=len(ids), tokens=sum(lens)) if pads else {}))
+        return Batch.decode(state, self.request_ids[:d]), prefill
 
     @staticmethod
     def decode(state, request_ids: Iterable[int], *, pad_to: int | None = None,
@@ -268,6 +262,26 @@ class Batch:
             _check_count("Batch.replay", rid, n)
         return _build(state, "verify", dict(counts), num_draft=max(counts.values()) - 1, recovery="native",
                       pad_to=pad_to, columns=columns, pad_tokens=pad_tokens)
+
+
+def _bucket_pads(where: str, counts: Mapping[int, int], pad_to, tokens) -> tuple[int, ...]:
+    """The pad lanes' token counts that fill a bucket of ``pad_to`` lanes and ``tokens`` tokens after
+    ``counts``: the first takes all the requests leave but one token for each other pad lane."""
+    if (pad_to is None) != (tokens is None):
+        fail(where, "tokens", "given with pad_to (a bucket's lanes and tokens), or neither", tokens)
+    if pad_to is None:
+        return ()
+    for rid, n in counts.items():
+        _check_count(where, rid, n)
+    live = sum(counts.values())
+    pads = pad_to - len(counts) if isinstance(pad_to, int) and not isinstance(pad_to, bool) else -1
+    if pads < 0:
+        fail(where, "pad_to", f"an int >= {len(counts)} (the batch's requests)", pad_to)
+    spare = tokens - live if isinstance(tokens, int) and not isinstance(tokens, bool) else -1
+    if spare < pads or (pads == 0 and spare != 0):
+        fail(where, "tokens", f"{live} (the requests' tokens) when pad_to leaves no pad lane, else at least "
+             f"{live} + one a pad lane ({live + pads})", tokens)
+    return (spare - pads + 1,) + (1,) * (pads - 1) if pads else ()
 
 
 def _check_count(where: str, rid, n) -> None:

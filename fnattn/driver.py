@@ -87,12 +87,17 @@ def prefill(step, params, model_attention, state, prompts: Mapping[int, Sequence
 
 
 def _fitting(runner, counts: dict) -> dict:
-    """The first of ``counts``' requests that one of ``runner``'s buckets holds together (a request alone
-    always fits: its count is at most the largest bucket)."""
+    """The first of ``counts``' requests that one of ``runner``'s buckets holds together; at least the first,
+    with fewer tokens where its whole count fills no bucket alone (no one-lane bucket of exactly that size)."""
     taken: dict = {}
     for r, n in counts.items():
         if runner.bucket({**taken, r: n}) is None:
             break
+        taken[r] = n
+    if not taken:
+        r, n = next(iter(counts.items()))
+        while n > 1 and runner.bucket({r: n}) is None:  # n - 1 fits beside a one-token pad lane
+            n -= 1
         taken[r] = n
     return taken
 
@@ -196,7 +201,8 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
     ``mixed``: prompts admitted while others decode are prefilled inside the decode steps (`Batch.mixed`: each
     step a decode token of every running request and a chunk of ``chunk`` tokens, default all, of each new
     prompt), not in prefill steps of their own that keep the running requests waiting. Not with
-    ``share_prefixes``; mixed steps run eagerly.
+    ``share_prefixes``. With ``prefill_runner`` a mixed step goes through its buckets (chunks of its largest
+    at most) where one holds it, else it runs eagerly.
     """
     stop = _criteria(max_new_tokens, stop)
     if max_running is not None:
@@ -297,7 +303,7 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
             continue
         if filling:
             state, filled, logits = _mixed_step(step, params, model_attention, state, running, filling, chunk,
-                                                [streams[r].completion.ids[-1] for r in running])
+                                                [streams[r].completion.ids[-1] for r in running], prefill_runner)
             take(running + filled, logits, i)
             running, i = [r for r in running + filled if not streams[r].completion.finished], i + 1
             continue
@@ -316,17 +322,23 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
     return GenerateResult(state, {r: s.completion for r, s in streams.items()}, stats)
 
 
-def _mixed_step(step, params, model_attention, state, running: list, filling: dict, chunk, last_ids: list):
+def _mixed_step(step, params, model_attention, state, running: list, filling: dict, chunk, last_ids: list,
+                runner=None):
     """One mixed step: a decode token of each of ``running``, the next chunk of each prompt of ``filling``
-    (trimmed here). ``-> (state, the prompts fed whole, logits [running + those, V])``."""
-    counts = {r: len(p) if chunk is None else min(chunk, len(p)) for r, p in filling.items()}
+    (trimmed here), through ``runner``'s buckets where one holds them all, else eagerly. ``-> (state, the
+    prompts fed whole, logits [running + those, V])``."""
+    caps = [c for c in (chunk, None if runner is None else runner.max_tokens) if c is not None]
+    counts = {r: min([len(p), *caps]) for r, p in filling.items()}
     state = state.reserve({**dict.fromkeys(running, 1), **counts})
-    batch = Batch.mixed(state, running, counts)
     tokens = torch.tensor(last_ids + [t for r in counts for t in filling[r][:counts[r]]], dtype=torch.long,
                           device=state.device)
-    state, logits = run_step(step, params, model_attention, state, batch, tokens)  # [lanes, V]
-    if logits.shape[0] == batch.num_tokens and batch.num_tokens != batch.num_requests:  # every token's
-        logits = logits[torch.tensor(batch.host_cu_seqlens[1:], device=logits.device) - 1]
+    if runner is not None and runner.bucket({**dict.fromkeys(running, 1), **counts}) is not None:
+        state, logits = runner.prefill(state, counts, tokens, decode_ids=running)
+    else:
+        batch = Batch.mixed(state, running, counts)
+        state, logits = run_step(step, params, model_attention, state, batch, tokens)  # [lanes, V]
+        if logits.shape[0] == batch.num_tokens and batch.num_tokens != batch.num_requests:  # every token's
+            logits = logits[torch.tensor(batch.host_cu_seqlens[1:], device=logits.device) - 1]
     filled = [r for r in counts if counts[r] == len(filling[r])]
     for r in counts:
         filling[r] = filling[r][counts[r]:]

@@ -12,6 +12,10 @@ between over the live batch, through a session opened on it as any step's is: ea
 real lengths. What a backend returns is copied into the tensors the next piece was captured reading; the
 last piece holds the step's apply (`State.write`), so the step still commits once, inside the graph.
 
+A mixed step (``decode_ids``: decode tokens of running requests beside the prompt chunks, `Batch.mixed`) goes
+through the same bucket: its session splits each layer between the decode and prefill backends and joins
+what they return, which the next piece reads as it reads a prefill backend's.
+
 Without capture (the CPU, ``capture=False``) the same padded batch runs as one eager step with its apply:
 the bucket logic is the same, only the replay is missing. Prompts longer than the largest bucket are fed in
 chunks of it (`fnattn.driver.prefill` with ``runner=``).
@@ -173,32 +177,43 @@ class PrefillRunner:
         return list(self._entries.values())
 
     # --------------------------------------------------------------- steps
-    def prefill(self, state, counts: Mapping[int, int], tokens: Int[Tensor, " T"]):
+    def prefill(self, state, counts: Mapping[int, int], tokens: Int[Tensor, " T"], *,
+                decode_ids: Iterable[int] = ()):
         """One prefill step of ``counts`` ({request: new tokens}, in the order of ``tokens``) through its
-        bucket: ``-> (state, logits [requests, V])``, each request's last token's."""
+        bucket: ``-> (state, logits [requests, V])``, each request's last token's. ``decode_ids``: a mixed
+        step (`Batch.mixed`): a decode token of each of these requests first (``tokens`` starts with them,
+        the logits too), in the same bucket as a prefill of as many lanes and tokens."""
+        decode_ids = tuple(decode_ids)
         if not isinstance(counts, Mapping) or not counts:
             fail("PrefillRunner.prefill", "counts", "a non-empty mapping request id -> new token count", counts)
-        live = sum(counts.values()) if all(isinstance(n, int) for n in counts.values()) else None
+        every = {**dict.fromkeys(decode_ids, 1), **counts}
+        live = sum(every.values()) if all(isinstance(n, int) for n in counts.values()) else None
         if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.shape[0] != live:
             fail("PrefillRunner.prefill", "tokens", f"a 1-D tensor of {live} token ids (the requests' new tokens)",
                  getattr(tokens, "shape", type(tokens).__name__))
         if tokens.dtype != torch.int64 or tokens.device != state.device:
             raise LaneError(f"lane 'tokens': expected torch.int64 on {state.device}, got {tokens.dtype} on "
                             f"{tokens.device}")
-        lanes, total = self.bucket_for(counts)
+        lanes, total = self.bucket_for(every)
         columns = self.columns(state)
-        # every check the builder makes (room reserved, admitted ids, columns), before any buffer is touched
-        Batch.prefill(state, counts, logits_for="last", pad_to=lanes, tokens=total, columns=columns)
+
+        def build(state, staging=None):
+            if decode_ids:
+                return Batch.mixed(state, decode_ids, counts, pad_to=lanes, tokens=total, columns=columns,
+                                   staging=staging)
+            return Batch.prefill(state, counts, logits_for="last", pad_to=lanes, tokens=total, columns=columns,
+                                 staging=staging)
+
+        build(state)  # every check the builder makes (room reserved, admitted ids, columns) before any buffer
         if (tokens.device.type == "cpu" or CHECKS_ENABLED) and int(tokens.min()) < 0:
             raise LaneError(f"lane 'tokens': expected ids >= 0, got {int(tokens.min())}")
         state, entry = self._ensure(state, lanes, total, columns)
-        batch = Batch.prefill(state, counts, logits_for="last", pad_to=lanes, tokens=total, columns=columns,
-                              staging=entry.staging)
+        batch = build(state, entry.staging)
         entry.token_ids[:live].copy_(tokens)  # pad rows keep earlier ids (zeros at first): valid ones
         if not entry.graphs:
             with static_shapes(), self.attn.session(state, batch) as s:
                 logits, deltas = self.step(self.params, s, entry.token_ids)
-            return state.apply(deltas), logits[:len(counts)]
+            return state.apply(deltas), logits[:len(every)]
         if state.lineage != entry.lineage:
             fail("PrefillRunner.prefill", "state", f"a handle of the State this runner's graphs were captured on "
                  f"(lineage {entry.lineage})", f"lineage {state.lineage}")
@@ -209,7 +224,7 @@ class PrefillRunner:
                 _copy_back(island, result)
                 graph.replay()
         entry.replays += 1
-        return _advance(state, batch), entry.logits[:len(counts)].clone()
+        return _advance(state, batch), entry.logits[:len(every)].clone()
 
     # ------------------------------------------------------------- internals
     def _ensure(self, state, lanes: int, tokens: int, columns: int):

@@ -12,6 +12,7 @@ import fnattn as fa
 import fnattn.switches
 from fnattn.driver import generate, prefill, run_step
 from fnattn.models.registry import family_names
+from fnattn.prefill_graph import PrefillRunner
 
 OLD = {0: [3, 17, 5, 9, 11], 1: [6, 1, 12]}  # decoding when the new prompts arrive
 NEW = {2: [4, 4, 8, 1, 9, 2, 7], 3: [5, 3]}
@@ -60,24 +61,33 @@ def phase_by_phase(m):
     return [dec, first, *after(m, attn, st, nxt)]
 
 
-def mixed(m):
+def mixed(m, bucketed=False):
+    """The same requests, the decode tokens and the new prompts in one step (``bucketed``: through a
+    capture-free PrefillRunner's bucket, pad lanes after the prompts)."""
     attn = fa.ModelAttention(m.specs)
     st, ids = started(m, attn)
     for r in NEW:
         st = st.admit(r)
-    st = st.reserve({**{r: 1 for r in OLD}, **{r: len(p) for r, p in NEW.items()}})
-    batch = fa.Batch.mixed(st, list(OLD), {r: len(p) for r, p in NEW.items()})
+    counts = {r: len(p) for r, p in NEW.items()}
+    st = st.reserve({**{r: 1 for r in OLD}, **counts})
     tokens = torch.cat([ids, torch.tensor([t for p in NEW.values() for t in p])])
-    st, logits = run_step(m.step, m.params, attn, st, batch, tokens)  # [lanes, V]: each lane's last token
+    if bucketed:
+        runner = PrefillRunner(m.step, m.params, attn, lanes=(8,), tokens=(16,))
+        st, logits = runner.prefill(st, counts, tokens, decode_ids=list(OLD))
+        assert [(e.lanes, e.tokens) for e in runner.entries()] == [(8, 16)]
+    else:
+        batch = fa.Batch.mixed(st, list(OLD), counts)
+        st, logits = run_step(m.step, m.params, attn, st, batch, tokens)  # [lanes, V]: each lane's last token
     dec, first = logits[:len(OLD)], logits[len(OLD):]
     return [dec, first, *after(m, attn, st, logits.argmax(-1))]
 
 
+@pytest.mark.parametrize("bucketed", [False, True], ids=["eager", "bucket"])
 @pytest.mark.parametrize("name", family_names())
-def test_a_mixed_step_equals_decode_then_prefill_bitwise(name):
+def test_a_mixed_step_equals_decode_then_prefill_bitwise(name, bucketed):
     m = model(name)
     with fnattn.switches.set(invariant=True):
-        want, got = phase_by_phase(m), mixed(m)
+        want, got = phase_by_phase(m), mixed(m, bucketed)
     for i, (w, g) in enumerate(zip(want, got)):
         assert torch.equal(w, g), (name, i)
 
@@ -90,7 +100,12 @@ def test_generate_with_mixed_admission_emits_what_phase_by_phase_admission_does(
                            max_running=2)
         _, got = generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, max_new_tokens=5,
                           max_running=2, mixed=True)
-    assert got == want
+        attn = fa.ModelAttention(m.specs)
+        runner = PrefillRunner(m.step, m.params, attn, lanes=(2, 4), tokens=(4, 8))  # chunks of 4 at most
+        _, bucketed = generate(m.step, m.params, attn, fresh(m), prompts, max_new_tokens=5, max_running=2,
+                               mixed=True, prefill_runner=runner)
+    assert got == want and bucketed == want
+    assert any(e.lanes == 4 for e in runner.entries())  # a mixed step went through a bucket
 
 
 def test_mixed_batch_refusals():

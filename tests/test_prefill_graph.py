@@ -147,3 +147,16 @@ def test_driver_refuses_a_runner_of_another_model_attention_and_too_long_chunks(
         prefill(m.step, m.params, fa.ModelAttention(m.specs), st, {0: [1, 2]}, runner=runner)
     with pytest.raises(ValueError, match="chunk"):
         prefill(m.step, m.params, runner.attn, st, {0: [1, 2]}, runner=runner, chunk=16)
+
+
+def test_a_prompt_of_exactly_the_largest_bucket_without_a_one_lane_bucket_goes_in_two_steps():
+    """(2, 8) holds 7 tokens beside a pad lane, not 8 alone: the driver feeds 7, then 1."""
+    m = model("llama")
+    prompt = {0: [3, 1, 4, 1, 5, 9, 2, 6]}
+    with fnattn.switches.set(invariant=True):
+        want = prefilled(m, prompt)
+        runner = PrefillRunner(m.step, m.params, fa.ModelAttention(m.specs), lanes=(2,), tokens=(8,))
+        got = prefilled(m, prompt, runner)
+    assert [(e.lanes, e.tokens, e.replays) for e in runner.entries()] == [(2, 8, 0)]
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
