@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--only", default=None, metavar="REGEX",
                    help="print only the functions whose file:line(name) matches (the framework's: 'fnattn/')")
     p.add_argument("--prefill", action="store_true", help="profile prefill steps of --prompt tokens instead")
+    p.add_argument("--captured", action="store_true",
+                   help="with --prefill: through a PrefillRunner (pieces replayed around eager attention, CUDA)")
     a = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -44,7 +46,11 @@ def main() -> None:
     model = Model(fam, cfg, fam.load(cfg, random_checkpoint(fam, cfg, dtype=dtype, device=dev)))
     ma = ModelAttention(model.specs, device=dev)
     page = ma.page_size or 16  # what the chosen backends need (FlashMLA's 64), else 16
-    if a.prefill:
+    if a.prefill and a.captured:
+        steps, what = captured_prefill(model, ma, dev, a.batch, a.prompt, page), f"captured prefill B{a.batch} " \
+            f"P{a.prompt}"
+        steps(2)  # capture, compile and warm up outside the profile
+    elif a.prefill:
         def steps(n):
             return time_prefill(model, ma, dev, a.batch, a.prompt, page_size=page, reps=n)
 
@@ -63,12 +69,45 @@ def main() -> None:
     prof.enable()
     times = steps(a.steps)
     prof.disable()
-    print(f"{a.family} {a.shape} {what}: eager step {sum(times) / len(times) * 1e3:.2f} ms under cProfile, "
+    print(f"{a.family} {a.shape} {what}: step {sum(times) / len(times) * 1e3:.2f} ms under cProfile, "
           f"{a.steps} steps")
     for key in ("tottime", "cumtime"):
         pstats.Stats(prof).sort_stats(key).print_stats(*([a.only] if a.only else []), a.rows)
     if dev.type == "cuda":
         print_syncs(lambda: steps(1))
+
+
+def captured_prefill(model, ma, dev, batch: int, prompt: int, page: int):
+    """``steps(n)``: n prefills of ``batch`` fresh prompts through one PrefillRunner (one State: a runner's
+    graphs replay into the State they were captured on), each admitted, prefilled and released."""
+    import time
+
+    from fnattn.driver import prefill
+    from fnattn.prefill_graph import PrefillRunner, tokens_up_to
+    from fnattn.state import State
+
+    runner = PrefillRunner(model.step, model.params, ma, tokens=tokens_up_to(batch * prompt), max_context=prompt)
+    st = [State(model.specs, num_pages=batch * (-(-prompt // page) + 1) + 2, page_size=page, max_requests=batch + 1,
+                device=dev)]
+    prompts = {r: [(7 * r + i) % 1000 for i in range(prompt)] for r in range(batch)}
+
+    def steps(n):
+        times = []
+        for _ in range(n):
+            s = st[0]
+            for r in prompts:
+                s = s.admit(r)
+            torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+            t0 = time.perf_counter()
+            s, last = prefill(model.step, model.params, ma, s, prompts, runner=runner)
+            int(last[0].argmax())
+            times.append(time.perf_counter() - t0)
+            for r in prompts:
+                s = s.release(r)
+            st[0] = s
+        return times
+
+    return steps
 
 
 def print_syncs(step) -> None:
