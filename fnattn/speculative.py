@@ -351,9 +351,11 @@ class Speculator:
         if self._tracing:  # the rows an eager catch-up computes
             kept = [b * k1 + j for b, r in enumerate(ids) for j in range(accepted[r])]
             self._trace(verified.logits[self._tokens(kept)])
-        for b, r in enumerate(ids):  # the next proposals stay on the device (0-d tensors)
-            row = b * k1 + accepted[r] - 1
-            self.proposal[r] = (verified.logits[row].argmax(), verified.hidden[row])
+        # the next proposals stay on the device (0-d views of one argmax over every request's last kept row)
+        rows = self._tokens([b * k1 + accepted[r] - 1 for b, r in enumerate(ids)])
+        choices, hidden = verified.logits.index_select(0, rows).argmax(-1), verified.hidden.index_select(0, rows)
+        for b, r in enumerate(ids):
+            self.proposal[r] = (choices[b], hidden[b])
         self.dstate = verified.accept(dict(accepted))
 
     def _accept(self, logits, batch, drafts):
