@@ -10,8 +10,9 @@ One model (``--family`` at ``--shape``, random weights; bf16 on CUDA), batch 1 u
   ``accept_hook``, so the figure is the machinery's, not the random draft's numerics) and every draft wrong
   (forced to none): ms a step and tokens/s; ``mtp_oracle_speedup`` (batch 1, over plain decode's tokens/s)
   and ``mtp_wrong_step_ratio`` (a wrong step over a plain decode step);
-* a serving mix (``--mix-requests`` prompts of random lengths in ``--mix-prompt``, ``--mix-new`` tokens each,
-  arriving together, `fnattn.driver.generate` with the runner): tokens/s.
+* a serving mix (``--mix`` REQUESTS prompts of LO..HI tokens, NEW tokens each, arriving together,
+  `fnattn.driver.generate` with the decode and prefill runners): tokens/s, and ``serving_busy_share``: the
+  device's busy time over the mix's wall time (1 where the device never waits for the host).
 
 Each timed piece also has ``busy_ms``, the device's busy time in one call (`fnattn.bench.profile`; on a CPU
 the torch ops' own time), so the host's share shows.
@@ -179,20 +180,30 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
 
 
 def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *, graph: bool) -> dict:
+    """``requests`` prompts of ``lo``..``hi`` tokens arriving together, ``new`` tokens each (`generate`, with
+    the decode and prefill runners on CUDA): tokens/s of a run after a first one that captures (not timed),
+    and ``busy_share``, the device's busy time over the wall time (`fnattn.bench.profile`), so the host's
+    share of the mix shows."""
     lengths = torch.randint(lo, hi + 1, (requests,), generator=torch.Generator().manual_seed(3)).tolist()
     prompts = {r: _ids(n, model.config.vocab_size, 100 + r) for r, n in enumerate(lengths)}
     runner = _runner(model, ma, requests, hi + new + 8) if graph else None
     prefill_runner = _prefill_runner(model, ma, 8192) if graph else None
-    st = _state(model, device, requests, hi + new + 8)
+    holder = {"st": _state(model, device, requests, hi + new + 8), "out": None}
+
+    def once():  # every request released at its end: the next run starts from the same empty State
+        holder["st"], holder["out"] = generate(model.step, model.params, ma, holder["st"], prompts,
+                                               max_new_tokens=new, runner=runner, prefill_runner=prefill_runner)
+
+    once()  # captures every bucket the mix meets
     _sync(device)
     t0 = time.perf_counter()
-    _, out = generate(model.step, model.params, ma, st, prompts, max_new_tokens=new, runner=runner,
-                      prefill_runner=prefill_runner)
+    once()
     _sync(device)
     seconds = time.perf_counter() - t0
-    made = sum(len(t) for t in out.values())
+    made = sum(len(t) for t in holder["out"].values())
+    busy_s = _busy_ms(once, device) / 1e3
     return {"requests": requests, "prompt_tokens": sum(lengths), "new_tokens": made, "s": seconds,
-            "tok_s": made / seconds, "graph": runner is not None}
+            "tok_s": made / seconds, "busy_s": busy_s, "busy_share": busy_s / seconds, "graph": runner is not None}
 
 
 def run_generate_bench(*, family: str, shape: str, device: str, batches: list[int], prompt: int, long_prompt: int,
@@ -239,7 +250,8 @@ def run_generate_bench(*, family: str, shape: str, device: str, batches: list[in
                "ttft_ms": ttft["ms"], "ttft_busy_ms": ttft["busy_ms"], "prefill_long_tok_s": long["tok_s"],
                "ttft_eager_ms": eager_ttft["ms"], "prefill_long_eager_tok_s": eager_long["tok_s"],
                "decode_ms": {b: plain[b]["ms"] for b in batches}, "eager_decode_ms": eager["ms"],
-               "eager_decode_busy_ms": eager["busy_ms"], "serving_tok_s": served["tok_s"]}
+               "eager_decode_busy_ms": eager["busy_ms"], "serving_tok_s": served["tok_s"],
+               "serving_busy_share": served["busy_share"]}
     if long_prompt == 8192:
         summary["prefill_8192_tok_s"] = long["tok_s"]
     if spec:
