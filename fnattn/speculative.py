@@ -69,6 +69,36 @@ def greedy_accept_rows(logits: Float[Tensor, "T V"], drafts: Int[Tensor, "n k"])
     return torch.cat([kept[:, None] + 1, choice], dim=1)
 
 
+def sampled_accept_rows(logits: Float[Tensor, "T V"], drafts: Int[Tensor, "n k"], draft_probs: Float[Tensor, "n k V"],
+                        sampler, generator) -> Int[Tensor, "n k2"]:
+    """Speculative sampling's acceptance on the device, in `greedy_accept_rows`' row format ``(accepted,
+    *emitted)``: draft ``j`` of request b is kept while ``u < p(x) / q(x)`` (``p`` the target's warped
+    distribution at that position, ``q`` the draft's one it was drawn from, ``u`` uniform from ``generator``);
+    at the first refusal a token is drawn from ``max(0, p - q)`` renormalised, and after ``k`` kept drafts from
+    ``p`` at the last position. The emitted tokens are then distributed as the target's own sampling
+    (``sampler``'s temperature and filters) would draw them, whatever the draft proposes."""
+    n, k = drafts.shape
+    if logits.dim() != 2 or logits.shape[0] != n * (k + 1):
+        fail("sampled_accept_rows", "logits", f"[n * (1 + k), vocab] rows for drafts [n, k] = {(n, k)}",
+             tuple(logits.shape))
+    if tuple(draft_probs.shape) != (n, k, logits.shape[1]):
+        fail("sampled_accept_rows", "draft_probs", f"[n, k, vocab] = {(n, k, logits.shape[1])}",
+             tuple(draft_probs.shape))
+    p = sampler.warp(logits).softmax(dim=-1).view(n, k + 1, -1)  # [n, 1 + k, V] fp32
+    px = p[:, :k].gather(2, drafts[..., None]).squeeze(2)  # [n, k]
+    qx = draft_probs.float().gather(2, drafts[..., None]).squeeze(2)
+    u = torch.rand((n, k), generator=generator, device=logits.device)
+    kept = (u * qx < px).long().cumprod(dim=1).sum(dim=1)  # [n]: u < p / q, without dividing by q
+    lanes = torch.arange(n, device=logits.device)
+    p_at = p[lanes, kept]  # [n, V]
+    q_at = draft_probs.float()[lanes, kept.clamp(max=k - 1)] * (kept < k)[:, None]
+    residual = (p_at - q_at).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)  # p == q there: draw from p
+    token = torch.multinomial(residual, 1, generator=generator)  # [n, 1]
+    emitted = torch.cat([drafts, token], dim=1).scatter(1, kept[:, None], token)
+    return torch.cat([kept[:, None] + 1, emitted], dim=1)
+
+
 def replay_writes(model_attention, state, verify_batch: Batch, outputs: Mapping[int, object],
                   accepted: Mapping[int, int]) -> StepDeltas:
     """The recurrent writes of the accepted tokens of a replay-mode verify step, as the replay batch's deltas.
@@ -163,7 +193,7 @@ class Speculator:
 
     def __init__(self, *, target_step, target_params, target_attn, target_state, draft_step, draft_params,
                  draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None,
-                 target_runner=None, accept_hook=None, draft_runner=None, trace: bool = False):
+                 target_runner=None, accept_hook=None, draft_runner=None, trace: bool = False, sampler=None):
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Speculator", "num_draft", "an int >= 1", num_draft)
         if recovery not in ("native", "replay"):
@@ -178,13 +208,26 @@ class Speculator:
                  "lanes", type(draft_runner).__name__)
         if not isinstance(trace, bool):
             fail("Speculator", "trace", "a bool", trace)
+        from .generation import Sampler
+
+        if sampler is not None and not isinstance(sampler, Sampler):
+            fail("Speculator", "sampler", "None (greedy) or a fnattn.generation.Sampler", type(sampler).__name__)
+        sampling = sampler is not None and not sampler.greedy
+        if sampling and (propose_hook is not None or accept_hook is not None):
+            fail("Speculator", "sampler", "greedy (None or temperature 0) with a propose_hook or accept_hook",
+                 sampler)
+        if sampling and sampler._flashinfer(torch.empty(0, device=target_state.device)):
+            fail("Speculator", "sampler", "kernel 'torch' (acceptance draws from the torch generator)", sampler.kernel)
+        self.sampler = sampler if sampling else None
+        self.generator = sampler.generator(target_state.device) if sampling else None
         self.k, self.recovery, self.propose_hook, self.accept_hook = num_draft, recovery, propose_hook, accept_hook
         self.runner, self.draft_runner = target_runner, draft_runner
         self.target = (target_step, target_params, target_attn)
         self.draft = (draft_step, draft_params, draft_attn)
         self.tstate, self.dstate = target_state, draft_state
         self.last: dict[int, int] = {}  # newest token of each request, not yet fed to the target
-        self.proposal: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # draft's next token (0-d) and hidden_out
+        # draft's next token (0-d), its hidden_out and, when sampling, the distribution it was drawn from [V]
+        self.proposal: dict[int, tuple] = {}
         self.steps = 0
         #: with ``trace=True``, every logits tensor computed, in order (target verify/prefill, draft), for
         #: comparisons; off by default (a long generation would keep every step's logits alive)
@@ -195,6 +238,14 @@ class Speculator:
     def _trace(self, logits: torch.Tensor) -> None:
         if self._tracing:
             self.trace.append(logits)
+
+    def _choose(self, logits: torch.Tensor):
+        """One token per row of ``logits`` [m, V]: ``-> (tokens [m], the distributions drawn from [m, V] or
+        None)``: the argmax, or with a sampler a draw from its warped distribution."""
+        if self.sampler is None:
+            return logits.argmax(-1), None
+        probs = self.sampler.warp(logits).softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1), probs
 
     def _run_target(self, batch, tokens):
         step, params, attn = self.target
@@ -211,21 +262,24 @@ class Speculator:
         self.dstate = self.dstate.apply(deltas)
         return logits, hout
 
-    def _draft_chain(self, ids) -> torch.Tensor:
+    def _draft_chain(self, ids):
         """The draft's ``k`` proposals for every request, ``[n, k]`` on the device, rows in ``ids`` order: its
-        pending proposal, then ``k - 1`` proposal steps on speculative entries, rolled back afterwards."""
+        pending proposal, then ``k - 1`` proposal steps on speculative entries, rolled back afterwards;
+        ``-> (drafts, the distributions they were drawn from [n, k, V] or None)``."""
         tok = torch.stack([self.proposal[r][0] for r in ids])  # [n]
         hid = torch.stack([self.proposal[r][1] for r in ids])  # [n, D]
-        drafts = [tok]
+        drafts, probs = [tok], [torch.stack([self.proposal[r][2] for r in ids])] if self.sampler else None
         if self.k > 1:
             ckpt = self.dstate.checkpoint(ids)
             for _ in range(self.k - 1):
                 self.dstate = self.dstate.reserve({r: 1 for r in ids})
                 logits, hid = self._propose(ids, tok, hid)
-                tok = logits.argmax(-1)
+                tok, q = self._choose(logits)
                 drafts.append(tok)
+                if probs is not None:
+                    probs.append(q)
             self.dstate = self.dstate.restore(ckpt)
-        return torch.stack(drafts, dim=1)
+        return torch.stack(drafts, dim=1), None if probs is None else torch.stack(probs, dim=1)
 
     def _propose(self, ids, tok, hid):
         """One proposal step (``tok`` [n], ``hid`` [n, D] in ``ids`` order): ``-> (logits, hidden_out)``."""
@@ -243,9 +297,15 @@ class Speculator:
         self.dstate = self.dstate.reserve(counts)
         batch = Batch.prefill(self.dstate, counts)
         logits, hout = self._run_draft(batch, self._tokens(tokens), hidden)
-        for b, rid in enumerate(batch.request_ids):
-            row = batch.host_cu_seqlens[b + 1] - 1
-            self.proposal[rid] = (logits[row].argmax(), hout[row])  # stays on the device
+        rows = self._tokens([end - 1 for end in batch.host_cu_seqlens[1:]])
+        self._keep_proposals(batch.request_ids, logits.index_select(0, rows), hout.index_select(0, rows))
+
+    def _keep_proposals(self, ids, logits, hidden) -> None:
+        """Each request's next proposal from its last kept row (``logits`` [n, V], ``hidden`` [n, D] in ``ids``
+        order): on the device, 0-d views of one choice over every row."""
+        choices, probs = self._choose(logits)
+        for b, r in enumerate(ids):
+            self.proposal[r] = (choices[b], hidden[b], None if probs is None else probs[b])
 
     # ------------------------------------------------------------------ public
     def start(self, prompts: Mapping[int, list[int]]) -> dict[int, int]:
@@ -260,9 +320,10 @@ class Speculator:
         tokens = [t for r in batch.request_ids for t in prompts[r]]
         logits, hidden, deltas, _ = self._run_target(batch, self._tokens(tokens))
         self.tstate = self.tstate.apply(deltas)
-        cu, first, shifted = batch.host_cu_seqlens, {}, []
-        for b, r in enumerate(batch.request_ids):
-            first[r] = int(logits[cu[b + 1] - 1].argmax())
+        cu, shifted = batch.host_cu_seqlens, []
+        chosen, _ = self._choose(logits.index_select(0, self._tokens([end - 1 for end in cu[1:]])))
+        first = dict(zip(batch.request_ids, chosen.tolist()))
+        for r in batch.request_ids:
             shifted += list(prompts[r][1:]) + [first[r]]
         self.last.update(first)
         self._catch_up(counts, shifted, hidden)
@@ -275,7 +336,8 @@ class Speculator:
             fail("Speculator.step", "requests", "at least one active request", ids)
         if self.runner is not None and self.draft_runner is not None and self.propose_hook is None:
             return self._step_on_device(ids)
-        drafts = dict(zip(ids, self._draft_chain(ids).tolist()))
+        proposed, probs = self._draft_chain(ids)
+        drafts = dict(zip(ids, proposed.tolist()))
         if self.propose_hook is not None:
             drafts = {r: list(d) for r, d in self.propose_hook(self.steps, drafts).items()}
         self.tstate = self.tstate.reserve({r: self.k + 1 for r in ids})
@@ -285,13 +347,13 @@ class Speculator:
                                           recovery=self.recovery)
             batch, logits, hidden = verified.live_batch, verified.logits, verified.hidden
             self._trace(logits)
-            accepted, bonus = self._accept(logits, batch, drafts)
+            accepted, bonus = self._accept(logits, batch, drafts, proposed, probs)
             self.tstate = verified.accept(accepted)
         else:
             batch = Batch.verify(self.tstate, ids, num_draft=self.k, recovery=self.recovery)
             tokens = [t for r in batch.request_ids for t in [self.last[r], *drafts[r]]]
             logits, hidden, deltas, replay_outputs = self._run_target(batch, self._tokens(tokens))
-            accepted, bonus = self._accept(logits, batch, drafts)
+            accepted, bonus = self._accept(logits, batch, drafts, proposed, probs)
             replay = None
             if self.recovery == "replay":
                 replay = replay_writes(self.target[2], self.tstate, batch, replay_outputs, accepted)
@@ -316,13 +378,16 @@ class Speculator:
         computed there, and one host read a step brings back each request's accepted count with the target's
         choices (the emitted tokens are the first ``accepted`` of them: the kept drafts matched them)."""
         k = self.k
-        proposed = self._draft_chain(ids)  # [n, k]
+        proposed, probs = self._draft_chain(ids)  # [n, k], [n, k, V] when sampling
         last = torch.tensor([self.last[r] for r in ids], dtype=torch.long, device=proposed.device)
         self.tstate = self.tstate.reserve({r: k + 1 for r in ids})
         tokens = torch.cat([last[:, None], proposed], dim=1).reshape(-1)  # [n * (1 + k)]
         verified = self.runner.verify(self.tstate, ids, tokens, num_draft=k, recovery=self.recovery)
         self._trace(verified.logits)
-        rows = greedy_accept_rows(verified.logits, proposed)  # [n, 2 + k]
+        if self.sampler is None:
+            rows = greedy_accept_rows(verified.logits, proposed)  # [n, 2 + k]
+        else:
+            rows = sampled_accept_rows(verified.logits, proposed, probs, self.sampler, self.generator)
         if self.accept_hook is None:
             rows = rows.tolist()  # the step's one host read
             accepted = {r: row[0] for r, row in zip(ids, rows)}
@@ -351,15 +416,17 @@ class Speculator:
         if self._tracing:  # the rows an eager catch-up computes
             kept = [b * k1 + j for b, r in enumerate(ids) for j in range(accepted[r])]
             self._trace(verified.logits[self._tokens(kept)])
-        # the next proposals stay on the device (0-d views of one argmax over every request's last kept row)
         rows = self._tokens([b * k1 + accepted[r] - 1 for b, r in enumerate(ids)])
-        choices, hidden = verified.logits.index_select(0, rows).argmax(-1), verified.hidden.index_select(0, rows)
-        for b, r in enumerate(ids):
-            self.proposal[r] = (choices[b], hidden[b])
+        self._keep_proposals(ids, verified.logits.index_select(0, rows), verified.hidden.index_select(0, rows))
         self.dstate = verified.accept(dict(accepted))
 
-    def _accept(self, logits, batch, drafts):
-        """Greedy acceptance, or the counts ``accept_hook`` forces with the target's bonus after them."""
+    def _accept(self, logits, batch, drafts, proposed, probs):
+        """Greedy (or with a sampler, speculative sampling's) acceptance, or the counts ``accept_hook`` forces
+        with the target's bonus after them."""
+        if self.sampler is not None:
+            rows = sampled_accept_rows(logits, proposed, probs, self.sampler, self.generator).tolist()
+            return ({r: row[0] for r, row in zip(batch.request_ids, rows)},
+                    {r: row[row[0]] for r, row in zip(batch.request_ids, rows)})
         accepted, bonus = greedy_accept(logits, batch, drafts)
         if self.accept_hook is None:
             return accepted, bonus
