@@ -69,7 +69,8 @@ def main() -> None:
     prof.enable()
     times = steps(a.steps)
     prof.disable()
-    print(f"{a.family} {a.shape} {what}: {'captured' if a.captured and a.prefill else 'eager'} step {sum(times) / len(times) * 1e3:.2f} ms under cProfile, "
+    kind = "captured" if a.captured and a.prefill else "eager"
+    print(f"{a.family} {a.shape} {what}: {kind} step {sum(times) / len(times) * 1e3:.2f} ms under cProfile, "
           f"{a.steps} steps")
     for key in ("tottime", "cumtime"):
         pstats.Stats(prof).sort_stats(key).print_stats(*([a.only] if a.only else []), a.rows)

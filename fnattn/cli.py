@@ -15,6 +15,14 @@ def _progress(total: int):
     return Progress(total)
 
 
+def _demo_sampler(args):
+    from .generation import Sampler  # torch's draws: speculative sampling's acceptance reads the same generator
+    return Sampler(temperature=args.temperature, seed=args.seed, kernel="torch")
+
+
+_how = {True: "sampled", False: "greedy"}.get  # by bool(--temperature)
+
+
 def _runner(step, params, ma, manifest, args, *, max_context: int):
     """A captured-step runner on CUDA unless ``--eager``; None (eager steps) otherwise."""
     if getattr(args, "eager", False) or not str(args.device).startswith("cuda"):
@@ -65,12 +73,12 @@ def demo(args) -> int:
     started = time.perf_counter()
     progress = _progress(args.tokens)
     runner = _runner(tiny.step, params, ma, tiny.manifest(cfg), args, max_context=len(prompt) + args.tokens)
-    state, out = generate(tiny.step, params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
-                          on_step=lambda i, _: progress(i + 1), runner=runner)
+    state, out = generate(tiny.step, params, ma, state, {0: prompt}, max_new_tokens=args.tokens, runner=runner,
+                          sampler=_demo_sampler(args), on_step=lambda i, _: progress(i + 1))
     elapsed = time.perf_counter() - started
     text = bytes(t for t in out[0]).decode("utf-8", errors="replace")
     print(f"generated {len(out[0])} tokens: {text!r}")
-    print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, greedy, batch 1)")
+    print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, {_how(args.temperature > 0)}, batch 1)")
     print(f"pages free after release: {state.free_pages}/{state.num_pages}")
     print()
     print(ma.explain())
@@ -106,10 +114,10 @@ def demo_family(args) -> int:
     progress = _progress(args.tokens)
     runner = _runner(model.step, model.params, ma, model.manifest(), args, max_context=len(prompt) + args.tokens)
     state, out = generate(model.step, model.params, ma, state, {0: prompt}, max_new_tokens=args.tokens,
-                          on_step=lambda i, _: progress(i + 1), runner=runner)
+                          sampler=_demo_sampler(args), on_step=lambda i, _: progress(i + 1), runner=runner)
     elapsed = time.perf_counter() - started
     print(f"generated token ids: {out[0]}")
-    print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, greedy, batch 1)")
+    print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, {_how(args.temperature > 0)}, batch 1)")
     print()
     print(ma.explain())
     return 0
@@ -159,7 +167,8 @@ def demo_mtp(args) -> int:
     draft_runner = runner and _runner(draft[0], draft[1], d_attn, draft_manifest, args, max_context=total)
     spec = Speculator(target_step=target[0], target_params=target[1], target_attn=t_attn, target_state=t_state,
                       draft_step=draft[0], draft_params=draft[1], draft_attn=d_attn, draft_state=d_state,
-                      num_draft=args.mtp, recovery=args.recovery, target_runner=runner, draft_runner=draft_runner)
+                      num_draft=args.mtp, recovery=args.recovery, target_runner=runner, draft_runner=draft_runner,
+                      sampler=_demo_sampler(args))
     print(f"fnattn demo --mtp {args.mtp}: {args.model} target + draft head (random weights), "
           f"{args.recovery} recovery")
     started = time.perf_counter()
@@ -177,7 +186,7 @@ def demo_mtp(args) -> int:
     print(f"generated token ids: {out[: args.tokens]}")
     print(f"speculative steps: {steps}; mean accepted drafts per step: {accepted / max(steps, 1):.2f} of "
           f"{args.mtp}; tokens per step: {(len(out) - 1) / max(steps, 1):.2f}")
-    print(f"{len(out) / elapsed:.1f} tokens/s (greedy, batch 1)")
+    print(f"{len(out) / elapsed:.1f} tokens/s ({_how(args.temperature > 0)}, batch 1)")
     # Said every run: 0 accepted looks like a bug, and here it is what random weights give.
     print("note: the target and its draft head have independent random weights, so few or no drafts are "
           "accepted; a checkpoint's trained MTP head is what makes them agree")
@@ -490,7 +499,7 @@ def main(argv=None) -> int:
     parser = _Parser(prog="fnattn", description="Attention for LLM inference as pure functions.")
     parser.add_argument("--version", action="version", version=f"fnattn {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="command")  # without one: the help, then exit 2
-    p = sub.add_parser("demo", help="prefill a prompt and greedily decode with a tiny random model")
+    p = sub.add_parser("demo", help="prefill a prompt and decode (greedy, or sampled) with a tiny random model")
     p.add_argument("--prompt", default="Attention is a pure function.", type=_non_empty,
                    help="prompt text (bytes are tokens)")
     p.add_argument("--tokens", "--max-new-tokens", dest="tokens", type=_int_in(1, MAX_NEW_TOKENS), default=32,
@@ -504,6 +513,8 @@ def main(argv=None) -> int:
                    help="speculative decoding with a K-token draft head; prints acceptance and tokens per step")
     p.add_argument("--recovery", choices=["native", "replay"], default="native",
                    help="how recurrent layers recover after verification (with --mtp)")
+    p.add_argument("--temperature", type=_float_in(0, 1e4, "a number >= 0"), default=0.0,
+                   help="0: greedy (default); > 0: sample, seeded by --seed (with --mtp: speculative sampling)")
     p.set_defaults(fn=demo)
     g = sub.add_parser("generate", help="generation from a local checkpoint directory")
     g.add_argument("--model", required=True, help="directory with config.json, safetensors and tokenizer.json")

@@ -52,6 +52,19 @@ def test_demo_mtp_prints_acceptance_and_tokens_per_step(capsys):
         main(["demo", "--mtp", "-1"])
 
 
+def test_demo_samples_with_a_seed_plain_and_speculative(capsys):
+    def ids(*argv):
+        assert main(["demo", "--tokens", "8", *argv]) == 0
+        out = capsys.readouterr().out
+        return [line for line in out.splitlines() if line.startswith("generated ")][0]
+
+    for mtp in ([], ["--mtp", "2"]):
+        a, b = ids(*mtp, "--temperature", "0.9", "--seed", "4"), ids(*mtp, "--temperature", "0.9", "--seed", "4")
+        assert a == b and a != ids(*mtp)  # the seed repeats it; greedy differs
+    assert main(["demo", "--tokens", "4", "--temperature", "1"]) == 0
+    assert "sampled, batch 1)" in capsys.readouterr().out
+
+
 def test_demo_family_reads_the_prompt_and_logs_progress_without_carriage_returns(capsys):
     assert main(["demo", "--model", "qwen3_5", "--tokens", "3", "--prompt", "ab"]) == 0
     out = capsys.readouterr()

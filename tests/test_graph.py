@@ -417,7 +417,8 @@ def test_mtp_through_the_verify_runner_equals_eager(recovery):
         t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
         runner = StepRunner(model.family.step_hidden, model.params, t_attn, model.manifest(hidden=True),
                             host_reads="error", max_context=96, buckets=(2,)) if use_runner else None
-        spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params, target_attn=t_attn,
+        spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params,
+                          target_attn=t_attn,
                           target_state=_state(model.specs, recurrent_ring=5), draft_step=draft.step,
                           draft_params=draft.params, draft_attn=d_attn, draft_state=_state(draft.specs),
                           num_draft=2, recovery=recovery, target_runner=runner)
@@ -562,7 +563,8 @@ def test_the_speculative_step_through_both_runners_equals_eager(name, recovery, 
         t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
         runner = StepRunner(model.family.step_hidden, model.params, t_attn, model.manifest(hidden=True),
                             host_reads=reads, max_context=96, buckets=(4,)) if use_runners else None
-        spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params, target_attn=t_attn,
+        spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params,
+                          target_attn=t_attn,
                           target_state=_state(model.specs, recurrent_ring=6), draft_step=draft.step,
                           draft_params=draft.params, draft_attn=d_attn, draft_state=_state(draft.specs),
                           num_draft=3, recovery=recovery, target_runner=runner,
@@ -595,7 +597,8 @@ def test_forced_acceptance_through_both_runners_emits_what_the_eager_step_does()
         t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
         runner = StepRunner(model.family.step_hidden, model.params, t_attn, model.manifest(hidden=True),
                             max_context=96, buckets=(2,)) if use_runners else None
-        spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params, target_attn=t_attn,
+        spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params,
+                          target_attn=t_attn,
                           target_state=_state(model.specs, recurrent_ring=6), draft_step=draft.step,
                           draft_params=draft.params, draft_attn=d_attn, draft_state=_state(draft.specs),
                           num_draft=3, target_runner=runner,
