@@ -134,7 +134,8 @@ def _prefill_step(step, params, model_attention, state, counts, pending, last):
 
 
 def generate(step, params, model_attention, state, prompts: Mapping[int, Sequence[int]], *,
-             max_new_tokens: int | None = None, stop: StopCriteria | None = None, sampler: Sampler | None = None,
+             max_new_tokens: int | Mapping[int, int] | None = None,
+             stop: StopCriteria | Mapping[int, StopCriteria] | None = None, sampler: Sampler | None = None,
              tokenizer=None, chunk: int | None = None,
              on_step: Callable[[int, dict[int, int]], None] | None = None, release: bool = True,
              max_running: int | None = None, share_prefixes: bool = False, runner=None, prefill_runner=None,
@@ -142,8 +143,8 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
     """Generate for a batch of new requests; ``-> (state, {rid: new tokens})``, a `GenerateResult` whose
     ``.stats["prefix_hit_rate"]`` is the share of prompt tokens served from shared pages.
 
-    Greedy unless ``sampler`` says otherwise. ``stop`` (or ``max_new_tokens`` alone)
-    ends each request on its own; `generate_completions` also returns the text,
+    Greedy unless ``sampler`` says otherwise. ``stop`` (or ``max_new_tokens`` alone; either may be a mapping
+    request -> its own) ends each request on its own; `generate_completions` also returns the text,
     the finish reason and timings. ``on_step(i, {rid: token})`` is called after each
     step (i = 0 after prefill) with the requests that produced a token. ``share_prefixes``: see
     `generate_completions`.
@@ -156,20 +157,35 @@ def generate(step, params, model_attention, state, prompts: Mapping[int, Sequenc
     return GenerateResult(state, {r: c.ids for r, c in done.items()}, result.stats)
 
 
-def _criteria(max_new_tokens, stop) -> StopCriteria:
+def _criteria(max_new_tokens, stop, prompts) -> dict:
+    """Each request's StopCriteria: ``stop`` (one for all, or a mapping request -> its own), or
+    ``max_new_tokens`` alone (one int for all, or a mapping request -> int)."""
     if stop is None:
+        if isinstance(max_new_tokens, Mapping):
+            if set(max_new_tokens) != set(prompts):
+                fail("generate", "max_new_tokens", f"an int, or a mapping with every request {sorted(prompts)}",
+                     sorted(max_new_tokens))
+            return {r: StopCriteria(max_new_tokens=max_new_tokens[r]) for r in prompts}
         if max_new_tokens is None:
             fail("generate", "max_new_tokens", "an int >= 1 (or stop=StopCriteria(...))", None)
-        return StopCriteria(max_new_tokens=max_new_tokens)
-    if not isinstance(stop, StopCriteria):
+        stop = StopCriteria(max_new_tokens=max_new_tokens)
+    elif isinstance(stop, Mapping):
+        if set(stop) != set(prompts) or not all(isinstance(s, StopCriteria) for s in stop.values()):
+            fail("generate", "stop", f"a StopCriteria, or a mapping request -> StopCriteria for every request "
+                 f"{sorted(prompts)}", sorted(stop))
+        if max_new_tokens is not None:
+            fail("generate", "max_new_tokens", "None with a stop per request", max_new_tokens)
+        return dict(stop)
+    elif not isinstance(stop, StopCriteria):
         fail("generate", "stop", "a StopCriteria", type(stop).__name__)
-    if max_new_tokens is not None and max_new_tokens != stop.max_new_tokens:
+    elif max_new_tokens is not None and max_new_tokens != stop.max_new_tokens:
         fail("generate", "max_new_tokens", f"None or stop.max_new_tokens ({stop.max_new_tokens})", max_new_tokens)
-    return stop
+    return dict.fromkeys(prompts, stop)
 
 
 def generate_completions(step, params, model_attention, state, prompts: Mapping[int, Sequence[int]], *,
-                         max_new_tokens: int | None = None, stop: StopCriteria | None = None,
+                         max_new_tokens: int | Mapping[int, int] | None = None,
+                         stop: StopCriteria | Mapping[int, StopCriteria] | None = None,
                          sampler: Sampler | None = None, tokenizer=None, chunk: int | None = None,
                          on_step: Callable[[int, dict[int, int]], None] | None = None,
                          on_text: Callable[[int, str], None] | None = None, release: bool = True,
@@ -204,7 +220,7 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
     ``share_prefixes``. With ``prefill_runner`` a mixed step goes through its buckets (chunks of its largest
     at most) where one holds it, else it runs eagerly.
     """
-    stop = _criteria(max_new_tokens, stop)
+    stops = _criteria(max_new_tokens, stop, prompts)
     if max_running is not None:
         if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
             fail("generate", "max_running", "an int >= 1 or None", max_running)
@@ -221,7 +237,7 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
         fail("generate", "share_prefixes", "a bool", share_prefixes)
     if not isinstance(mixed, bool) or (mixed and share_prefixes):
         fail("generate", "mixed", "a bool, False with share_prefixes", mixed)
-    streams = {r: RequestStream(p, stop, tokenizer) for r, p in prompts.items()}
+    streams = {r: RequestStream(p, stops[r], tokenizer) for r, p in prompts.items()}
     index = PrefixIndex(state.page_size) if share_prefixes else None
     S = state.page_size
     boundaries = share_prefixes and state.has_recurrent and state.prefix_checkpoints
@@ -282,6 +298,7 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
 
     waiting, running, i = list(prompts), [], 0
     filling: dict[int, list[int]] = {}  # mixed: admitted prompts not yet fed whole, their tokens left
+    mixed_steps = 0
     while waiting or running or filling:
         room = len(waiting) if max_running is None else max_running - len(running) - len(filling)
         if waiting and room > 0:  # admission: a finished request's slot and pages went back to the pool
@@ -306,6 +323,7 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
                                                 [streams[r].completion.ids[-1] for r in running], prefill_runner)
             take(running + filled, logits, i)
             running, i = [r for r in running + filled if not streams[r].completion.finished], i + 1
+            mixed_steps += 1
             continue
         if running:
             state = state.reserve({r: 1 for r in running})
@@ -318,7 +336,8 @@ def generate_completions(step, params, model_attention, state, prompts: Mapping[
             take(list(running), logits, i)
             running, i = [r for r in running if not streams[r].completion.finished], i + 1
     total = sum(len(p) for p in prompts.values())
-    stats = {"prompt_tokens": total, "prefix_hit_tokens": hits, "prefix_hit_rate": hits / total if total else 0.0}
+    stats = {"prompt_tokens": total, "prefix_hit_tokens": hits, "prefix_hit_rate": hits / total if total else 0.0,
+             "mixed_steps": mixed_steps}
     return GenerateResult(state, {r: s.completion for r, s in streams.items()}, stats)
 
 

@@ -18,15 +18,18 @@ def test_bench_generate_records_every_figure(tmp_path, capsys):
     assert doc["command"].startswith("fnattn bench generate --family qwen3_5")
     cases = [r["case"] for r in doc["records"]]
     assert cases == ["ttft eager", "prefill long eager", "decode", "decode", "decode eager", "mtp", "mtp", "mtp", "mtp",
-                     "serving mix", "generate summary"]
+                     "serving mix", "serving mix continuous", "serving mix mixed", "generate summary"]
     mtp = [r for r in doc["records"] if r["case"] == "mtp"]
     assert [(r["batch"], r["accept"], r["tokens_per_step"]) for r in mtp] == [
         (1, "all", 4.0), (1, "none", 1.0), (2, "all", 4.0), (2, "none", 1.0)]
-    mix = doc["records"][-2]
+    mix = doc["records"][-4]
+    assert [r["mixed"] for r in doc["records"][-3:-1]] == [False, True] and doc["records"][-2]["running"] == 2
+    assert doc["records"][-3]["mixed_steps"] == 0 and doc["records"][-2]["mixed_steps"] > 0
     assert mix["requests"] == 3 and mix["new_tokens"] == 12 and mix["tok_s"] > 0 and mix["busy_s"] > 0
     summary = doc["records"][-1]
     for name in ("ttft_ms", "prefill_long_tok_s", "eager_decode_ms", "mtp_oracle_speedup", "mtp_wrong_step_ratio",
-                 "serving_tok_s", "serving_busy_share"):
+                 "serving_tok_s", "serving_busy_share",
+                 "serving_continuous_tok_s", "serving_mixed_tok_s"):
         assert summary[name] > 0, name
     assert "prefill_8192_tok_s" not in summary  # the long prompt was 40 tokens
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary

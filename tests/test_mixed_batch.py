@@ -127,3 +127,27 @@ def test_mixed_batch_refusals():
     with pytest.raises(ValueError, match="decode_lanes"):
         with fa.ModelAttention(m.specs).session(st, forged):
             pass
+
+
+def test_each_request_may_have_its_own_length_and_mixed_steps_are_counted():
+    from fnattn.generation import StopCriteria
+
+    m = model("llama")
+    prompts = {0: [3, 4, 5], 1: [6, 7], 2: [8, 9, 1, 2]}
+    lens = {0: 2, 1: 6, 2: 3}
+    result = generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, max_new_tokens=lens,
+                      max_running=2, mixed=True)
+    assert {r: len(t) for r, t in result[1].items()} == lens
+    assert result.stats["mixed_steps"] == 1  # request 2 joined while 1 decoded, its prompt in one step
+    stops = {r: StopCriteria(max_new_tokens=n) for r, n in lens.items()}
+    again = generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, stop=stops)
+    assert {r: len(t) for r, t in again[1].items()} == lens
+    with pytest.raises(ValueError, match="`max_new_tokens`"):
+        generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, max_new_tokens={0: 2})
+    with pytest.raises(ValueError, match="`max_new_tokens`"):
+        generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, stop=stops, max_new_tokens=3)
+    with pytest.raises(ValueError, match="`stop`"):
+        generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, stop={0: stops[0]})
+    with pytest.raises(ValueError, match="`mixed`"):
+        generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, max_new_tokens=2, mixed=True,
+                 share_prefixes=True)

@@ -12,7 +12,9 @@ One model (``--family`` at ``--shape``, random weights; bf16 on CUDA), batch 1 u
   and ``mtp_wrong_step_ratio`` (a wrong step over a plain decode step);
 * a serving mix (``--mix`` REQUESTS prompts of LO..HI tokens, NEW tokens each, arriving together,
   `fnattn.driver.generate` with the decode and prefill runners): tokens/s, and ``serving_busy_share``: the
-  device's busy time over the mix's wall time (1 where the device never waits for the host).
+  device's busy time over the mix's wall time (1 where the device never waits for the host); then the same
+  prompts with a quarter running at once (continuous batching), admitted in prefill steps of their own
+  (``serving_continuous_tok_s``) or inside the running requests' decode steps (``serving_mixed_tok_s``).
 
 Each timed piece also has ``busy_ms``, the device's busy time in one call (`fnattn.bench.profile`; on a CPU
 the torch ops' own time), so the host's share shows.
@@ -179,20 +181,28 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
             "busy_ms": _busy_ms(spec.step, device)}
 
 
-def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *, graph: bool) -> dict:
+def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *, graph: bool,
+                running: int | None = None, mixed: bool = False) -> dict:
     """``requests`` prompts of ``lo``..``hi`` tokens arriving together, ``new`` tokens each (`generate`, with
     the decode and prefill runners on CUDA): tokens/s of a run after a first one that captures (not timed),
     and ``busy_share``, the device's busy time over the wall time (`fnattn.bench.profile`), so the host's
-    share of the mix shows."""
+    share of the mix shows. ``running``: at most this many at once, the others admitted as they finish
+    (``mixed``: prefilled inside the running ones' decode steps), each request then generating its own number
+    of tokens in ``new`` / 2 .. ``new``."""
     lengths = torch.randint(lo, hi + 1, (requests,), generator=torch.Generator().manual_seed(3)).tolist()
     prompts = {r: _ids(n, model.config.vocab_size, 100 + r) for r, n in enumerate(lengths)}
     runner = _runner(model, ma, requests, hi + new + 8) if graph else None
     prefill_runner = _prefill_runner(model, ma, 8192) if graph else None
     holder = {"st": _state(model, device, requests, hi + new + 8), "out": None}
+    # with fewer running than requests, each its own length (new / 2 .. new): they finish apart, so others are
+    # admitted while some decode
+    lens = new if running is None else dict(zip(prompts, torch.randint(
+        max(1, new // 2), new + 1, (requests,), generator=torch.Generator().manual_seed(4)).tolist()))
 
     def once():  # every request released at its end: the next run starts from the same empty State
-        holder["st"], holder["out"] = generate(model.step, model.params, ma, holder["st"], prompts,
-                                               max_new_tokens=new, runner=runner, prefill_runner=prefill_runner)
+        result = generate(model.step, model.params, ma, holder["st"], prompts, max_new_tokens=lens, runner=runner,
+                          prefill_runner=prefill_runner, max_running=running, mixed=mixed)
+        holder["st"], holder["out"], holder["stats"] = result[0], result[1], result.stats
 
     once()  # captures every bucket the mix meets
     _sync(device)
@@ -203,7 +213,8 @@ def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *,
     made = sum(len(t) for t in holder["out"].values())
     busy_s = _busy_ms(once, device) / 1e3
     return {"requests": requests, "prompt_tokens": sum(lengths), "new_tokens": made, "s": seconds,
-            "tok_s": made / seconds, "busy_s": busy_s, "busy_share": busy_s / seconds, "graph": runner is not None}
+            "tok_s": made / seconds, "busy_s": busy_s, "busy_share": busy_s / seconds, "graph": runner is not None,
+            "running": running or requests, "mixed": mixed, "mixed_steps": holder["stats"]["mixed_steps"]}
 
 
 def run_generate_bench(*, family: str, shape: str, device: str, batches: list[int], prompt: int, long_prompt: int,
@@ -245,13 +256,20 @@ def run_generate_bench(*, family: str, shape: str, device: str, batches: list[in
                                                                graph=graph))
     requests, lo, hi, new = mix
     served = add("serving mix", serving_mix(model, ma, dev, requests, lo, hi, new, graph=graph))
+    # continuous batching: a quarter running at once, the rest admitted as they finish, in prefill steps of
+    # their own or inside the running requests' decode steps
+    running = max(2, requests // 4)
+    waves = {mixed: add("serving mix " + ("mixed" if mixed else "continuous"),
+                        serving_mix(model, ma, dev, requests, lo, hi, new, graph=graph, running=running, mixed=mixed))
+             for mixed in (False, True)}
     b1 = batches[0]
     summary = {"case": "generate summary", **base, "prompt": prompt, "long_prompt": long_prompt, "k": k,
                "ttft_ms": ttft["ms"], "ttft_busy_ms": ttft["busy_ms"], "prefill_long_tok_s": long["tok_s"],
                "ttft_eager_ms": eager_ttft["ms"], "prefill_long_eager_tok_s": eager_long["tok_s"],
                "decode_ms": {b: plain[b]["ms"] for b in batches}, "eager_decode_ms": eager["ms"],
                "eager_decode_busy_ms": eager["busy_ms"], "serving_tok_s": served["tok_s"],
-               "serving_busy_share": served["busy_share"]}
+               "serving_busy_share": served["busy_share"], "serving_continuous_tok_s": waves[False]["tok_s"],
+               "serving_mixed_tok_s": waves[True]["tok_s"]}
     if long_prompt == 8192:
         summary["prefill_8192_tok_s"] = long["tok_s"]
     if spec:
