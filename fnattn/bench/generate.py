@@ -182,13 +182,13 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
 
 
 def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *, graph: bool,
-                running: int | None = None, mixed: bool = False) -> dict:
+                running: int | None = None, mixed: bool = False, busy: bool = True) -> dict:
     """``requests`` prompts of ``lo``..``hi`` tokens arriving together, ``new`` tokens each (`generate`, with
     the decode and prefill runners on CUDA): tokens/s of a run after a first one that captures (not timed),
     and ``busy_share``, the device's busy time over the wall time (`fnattn.bench.profile`), so the host's
     share of the mix shows. ``running``: at most this many at once, the others admitted as they finish
     (``mixed``: prefilled inside the running ones' decode steps), each request then generating its own number
-    of tokens in ``new`` / 2 .. ``new``."""
+    of tokens in ``new`` / 2 .. ``new``. ``busy``: also profile a run for ``busy_s`` (else NaN)."""
     lengths = torch.randint(lo, hi + 1, (requests,), generator=torch.Generator().manual_seed(3)).tolist()
     prompts = {r: _ids(n, model.config.vocab_size, 100 + r) for r, n in enumerate(lengths)}
     runner = _runner(model, ma, requests, hi + new + 8) if graph else None
@@ -211,7 +211,7 @@ def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *,
     _sync(device)
     seconds = time.perf_counter() - t0
     made = sum(len(t) for t in holder["out"].values())
-    busy_s = _busy_ms(once, device) / 1e3
+    busy_s = _busy_ms(once, device) / 1e3 if busy else float("nan")  # a third run, under the profiler
     return {"requests": requests, "prompt_tokens": sum(lengths), "new_tokens": made, "s": seconds,
             "tok_s": made / seconds, "busy_s": busy_s, "busy_share": busy_s / seconds, "graph": runner is not None,
             "running": running or requests, "mixed": mixed, "mixed_steps": holder["stats"]["mixed_steps"]}
@@ -260,7 +260,8 @@ def run_generate_bench(*, family: str, shape: str, device: str, batches: list[in
     # their own or inside the running requests' decode steps
     running = max(2, requests // 4)
     waves = {mixed: add("serving mix " + ("mixed" if mixed else "continuous"),
-                        serving_mix(model, ma, dev, requests, lo, hi, new, graph=graph, running=running, mixed=mixed))
+                        serving_mix(model, ma, dev, requests, lo, hi, new, graph=graph, running=running, mixed=mixed,
+                                    busy=False))
              for mixed in (False, True)}
     b1 = batches[0]
     summary = {"case": "generate summary", **base, "prompt": prompt, "long_prompt": long_prompt, "k": k,
