@@ -188,7 +188,7 @@ def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *,
     and ``busy_share``, the device's busy time over the wall time (`fnattn.bench.profile`), so the host's
     share of the mix shows. ``running``: at most this many at once, the others admitted as they finish
     (``mixed``: prefilled inside the running ones' decode steps), each request then generating its own number
-    of tokens in ``new`` / 2 .. ``new``. ``busy``: also profile a run for ``busy_s`` (else NaN)."""
+    of tokens in ``new`` / 2 .. ``new``. ``busy``: also profile a run for ``busy_s`` (else None)."""
     lengths = torch.randint(lo, hi + 1, (requests,), generator=torch.Generator().manual_seed(3)).tolist()
     prompts = {r: _ids(n, model.config.vocab_size, 100 + r) for r, n in enumerate(lengths)}
     runner = _runner(model, ma, requests, hi + new + 8) if graph else None
@@ -211,9 +211,9 @@ def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *,
     _sync(device)
     seconds = time.perf_counter() - t0
     made = sum(len(t) for t in holder["out"].values())
-    busy_s = _busy_ms(once, device) / 1e3 if busy else float("nan")  # a third run, under the profiler
+    busy_s = _busy_ms(once, device) / 1e3 if busy else None  # a third run, under the profiler
     return {"requests": requests, "prompt_tokens": sum(lengths), "new_tokens": made, "s": seconds,
-            "tok_s": made / seconds, "busy_s": busy_s, "busy_share": busy_s / seconds, "graph": runner is not None,
+            "tok_s": made / seconds, "busy_s": busy_s, "busy_share": None if busy_s is None else busy_s / seconds, "graph": runner is not None,
             "running": running or requests, "mixed": mixed, "mixed_steps": holder["stats"]["mixed_steps"]}
 
 
