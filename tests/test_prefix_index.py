@@ -119,7 +119,7 @@ def test_tiny_shared_prefixes_give_the_tokens_of_a_run_without(monkeypatch):
     stop = staggering_stop(model, prompts)
     want, cold = run(model, prompts, share=False, max_running=2, stop=stop)
     assert cold == {"prompt_tokens": sum(map(len, prompts.values())), "prefix_hit_tokens": 0,
-                    "prefix_hit_rate": 0.0}
+                    "prefix_hit_rate": 0.0, "mixed_steps": 0}
     spy = AdmitSpy(monkeypatch, prompts)
     got, stats = run(model, prompts, share=True, max_running=2, stop=stop)
     assert got == want
