@@ -204,7 +204,8 @@ class PrefillRunner:
             return Batch.prefill(state, counts, logits_for="last", pad_to=lanes, tokens=total, columns=columns,
                                  staging=staging)
 
-        build(state)  # every check the builder makes (room reserved, admitted ids, columns) before any buffer
+        if (lanes, total, columns) not in self._entries:  # the builder's checks before a bucket is captured
+            build(state)  # (into a bucket's staging the builder checks everything before it writes a row)
         if (tokens.device.type == "cpu" or CHECKS_ENABLED) and int(tokens.min()) < 0:
             raise LaneError(f"lane 'tokens': expected ids >= 0, got {int(tokens.min())}")
         state, entry = self._ensure(state, lanes, total, columns)

@@ -121,6 +121,14 @@ def test_prefill_refusals_write_nothing():
     assert runner.entries() == [] and st.request(0).length == 0
     st, last = runner.prefill(st, {0: 3}, torch.arange(3))  # the handle is still live
     assert last.shape == (1, m.config.vocab_size) and st.request(0).length == 3
+    # with the bucket's buffers in place: a refused step still changes nothing
+    st = st.reserve({0: 1})
+    with pytest.raises(ValueError, match="request_ids"):
+        runner.prefill(st, {7: 1}, torch.arange(1))  # not admitted
+    with pytest.raises(ValueError, match="counts"):
+        runner.prefill(st, {0: 2}, torch.arange(2))  # one token of room
+    st, again = runner.prefill(st, {0: 1}, torch.arange(1))
+    assert st.request(0).length == 4 and len(runner.entries()) == 1
 
 
 def test_padded_prefill_batch_refusals():
