@@ -20,7 +20,8 @@ def _demo_sampler(args):
     return Sampler(temperature=args.temperature, seed=args.seed, kernel="torch")
 
 
-_how = {True: "sampled", False: "greedy"}.get  # by bool(--temperature)
+def _how(args) -> str:
+    return "sampled" if args.temperature else "greedy"
 
 
 def _runner(step, params, ma, manifest, args, *, max_context: int):
@@ -78,7 +79,7 @@ def demo(args) -> int:
     elapsed = time.perf_counter() - started
     text = bytes(t for t in out[0]).decode("utf-8", errors="replace")
     print(f"generated {len(out[0])} tokens: {text!r}")
-    print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, {_how(args.temperature > 0)}, batch 1)")
+    print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, {_how(args)}, batch 1)")
     print(f"pages free after release: {state.free_pages}/{state.num_pages}")
     print()
     print(ma.explain())
@@ -117,7 +118,7 @@ def demo_family(args) -> int:
                           sampler=_demo_sampler(args), on_step=lambda i, _: progress(i + 1), runner=runner)
     elapsed = time.perf_counter() - started
     print(f"generated token ids: {out[0]}")
-    print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, {_how(args.temperature > 0)}, batch 1)")
+    print(f"{len(out[0]) / elapsed:.1f} tokens/s (prefill + decode, {_how(args)}, batch 1)")
     print()
     print(ma.explain())
     return 0
@@ -186,7 +187,7 @@ def demo_mtp(args) -> int:
     print(f"generated token ids: {out[: args.tokens]}")
     print(f"speculative steps: {steps}; mean accepted drafts per step: {accepted / max(steps, 1):.2f} of "
           f"{args.mtp}; tokens per step: {(len(out) - 1) / max(steps, 1):.2f}")
-    print(f"{len(out) / elapsed:.1f} tokens/s ({_how(args.temperature > 0)}, batch 1)")
+    print(f"{len(out) / elapsed:.1f} tokens/s ({_how(args)}, batch 1)")
     # Said every run: 0 accepted looks like a bug, and here it is what random weights give.
     print("note: the target and its draft head have independent random weights, so few or no drafts are "
           "accepted; a checkpoint's trained MTP head is what makes them agree")

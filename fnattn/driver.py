@@ -112,6 +112,17 @@ def _runner_step(runner, state, counts, pending, last):
     return state
 
 
+def _last_rows(logits, batch: Batch) -> Sequence[int]:
+    """The row of each lane's last token in a prefill step's ``logits``: one row a lane, as a batch with
+    ``logits_for="last"`` asks, or every token's from a step that ignores it."""
+    if logits.shape[0] == batch.num_requests:
+        return range(batch.num_requests)
+    if logits.shape[0] == batch.num_tokens:
+        return [end - 1 for end in batch.host_cu_seqlens[1:]]
+    fail("prefill", "step", f"logits of {batch.num_requests} rows (each request's last token) or "
+         f"{batch.num_tokens} (every token)", tuple(logits.shape))
+
+
 def _prefill_step(step, params, model_attention, state, counts, pending, last):
     """One chunk of every pending prompt; fills ``last`` and trims ``pending``; ``-> the state after``."""
     batch = Batch.prefill(state, counts, logits_for="last")
@@ -119,13 +130,7 @@ def _prefill_step(step, params, model_attention, state, counts, pending, last):
                           dtype=torch.long, device=state.device)
     with model_attention.session(state, batch) as session:
         logits, deltas = step(params, session, tokens)
-    if logits.shape[0] == batch.num_requests:  # one row per request, as the batch asked
-        rows = range(batch.num_requests)
-    elif logits.shape[0] == batch.num_tokens:
-        rows = [end - 1 for end in batch.host_cu_seqlens[1:]]
-    else:  # refused before the apply
-        fail("prefill", "step", f"logits of {batch.num_requests} rows (each request's last token) or "
-             f"{batch.num_tokens} (every token)", tuple(logits.shape))
+    rows = _last_rows(logits, batch)  # refused before the apply
     state = state.apply(deltas)
     for b, r in zip(rows, batch.request_ids):
         last[r] = logits[b]
@@ -348,22 +353,25 @@ def _mixed_step(step, params, model_attention, state, running: list, filling: di
     prompts fed whole, logits [running + those, V])``."""
     caps = [c for c in (chunk, None if runner is None else runner.max_tokens) if c is not None]
     counts = {r: min([len(p), *caps]) for r, p in filling.items()}
-    state = state.reserve({**dict.fromkeys(running, 1), **counts})
+    every = {**dict.fromkeys(running, 1), **counts}
+    state = state.reserve(every)
     tokens = torch.tensor(last_ids + [t for r in counts for t in filling[r][:counts[r]]], dtype=torch.long,
                           device=state.device)
-    if runner is not None and runner.bucket({**dict.fromkeys(running, 1), **counts}) is not None:
-        state, logits = runner.prefill(state, counts, tokens, decode_ids=running)
+    if runner is not None and runner.bucket(every) is not None:
+        state, logits = runner.prefill(state, counts, tokens, decode_ids=running)  # [lanes, V]
+        rows = range(len(every))
     else:
         batch = Batch.mixed(state, running, counts)
-        state, logits = run_step(step, params, model_attention, state, batch, tokens)  # [lanes, V]
-        if logits.shape[0] == batch.num_tokens and batch.num_tokens != batch.num_requests:  # every token's
-            logits = logits[torch.tensor(batch.host_cu_seqlens[1:], device=logits.device) - 1]
+        with model_attention.session(state, batch) as session:
+            logits, deltas = step(params, session, tokens)
+        rows = _last_rows(logits, batch)  # refused before the apply
+        state = state.apply(deltas)
     filled = [r for r in counts if counts[r] == len(filling[r])]
     for r in counts:
         filling[r] = filling[r][counts[r]:]
         if not filling[r]:
             del filling[r]
-    lanes = list(range(len(running))) + [len(running) + list(counts).index(r) for r in filled]
+    lanes = [rows[b] for b, r in enumerate(every) if b < len(running) or r in filled]  # running, then filled
     return state, filled, logits[torch.tensor(lanes, device=logits.device)]
 
 

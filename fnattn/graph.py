@@ -35,7 +35,8 @@ from torch import Tensor
 from .batch import RECOVERY, TENSOR_DTYPES, Batch, next_step_id, rebound
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
-from .lanes import BATCH_LANES, Bucket, LaneError, Manifest, check_lanes, check_out, no_host_reads, static_shapes
+from .lanes import (BATCH_LANES, Bucket, LaneError, Manifest, block_columns, bucket_sizes, check_lanes,
+                    check_max_context, check_out, no_host_reads, static_shapes)
 from .session import check_of_state
 from .staging import Staging
 
@@ -86,13 +87,8 @@ class StepRunner:
             fail("StepRunner", "step", "a step function (params, session, tokens) -> (logits, ..., deltas)", step)
         if not isinstance(manifest, Manifest):
             fail("StepRunner", "manifest", "a fnattn.lanes.Manifest", type(manifest).__name__)
-        buckets = tuple(buckets) if not isinstance(buckets, (str, bytes)) else buckets
-        if not buckets or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets) \
-                or list(buckets) != sorted(set(buckets)):
-            fail("StepRunner", "buckets", "increasing positive ints", buckets)
-        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
-                                        or max_context < 1):
-            fail("StepRunner", "max_context", "None or a positive int", max_context)
+        buckets = bucket_sizes("StepRunner", "buckets", buckets)
+        check_max_context("StepRunner", max_context)
         if capture not in (None, True, False):
             fail("StepRunner", "capture", "None, True or False", capture)
         if host_reads not in ("allow", "error"):
@@ -135,8 +131,7 @@ class StepRunner:
         fail("StepRunner", "request_ids", f"at most {self.buckets[-1]} requests (the largest bucket)", n)
 
     def columns(self, state) -> int:
-        tokens = self.max_context or state.num_pages * state.page_size
-        return -(-tokens // state.page_size)
+        return block_columns(state, self.max_context)
 
     # --------------------------------------------------------------- steps
     def decode(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " n"], *,
@@ -243,7 +238,7 @@ class StepRunner:
         outputs, deltas, _ = self._run(state, entry, batch, tokens, out, built_here=built_here, hidden=hidden)
         if entry.graph is None:
             return state.apply(deltas), outputs
-        return _advance_past(state, batch, batch.cursor_after(batch.host_new_lens)), outputs
+        return advance_past(state, batch, batch.cursor_after(batch.host_new_lens)), outputs
 
     def verify(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " T"], *, num_draft: int,
                recovery: str = "native", hidden: Tensor | None = None) -> "Verified":
@@ -440,7 +435,7 @@ class StepRunner:
                 batch = self._pad_batch(state, entry)
                 outputs, deltas, _ = self._eager(state, entry, batch)
                 self._write(state, deltas)
-                state = _advance_past(state, batch, deltas.cursor)
+                state = advance_past(state, batch, deltas.cursor)
         torch.cuda.current_stream(state.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -449,13 +444,13 @@ class StepRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs, deltas, replay_outputs = self._eager(state, entry, batch)
             self._write(state, deltas)
-        state = _advance_past(state, batch, deltas.cursor)
+        state = advance_past(state, batch, deltas.cursor)
         entry.graph, entry.outputs, entry.replay_outputs = graph, outputs, replay_outputs
         entry.lineage = state.lineage
         return state
 
 
-def _advance_past(state, batch: Batch, cursor):
+def advance_past(state, batch: Batch, cursor):
     """The host half of the apply of ``batch``'s step, whose rows are written (`State.advance`)."""
     if batch.state_version != state.version:
         fail("StepRunner", "state", f"the state the batch was built from (version {batch.state_version})",
@@ -532,7 +527,7 @@ def accept_written(state, batch: Batch, accepted: Mapping[int, int], replay: Ste
     cursors; ``-> the new state``."""
     deltas = StepDeltas.collect(batch, []).accept(batch, accepted, replay=replay)
     state.write(deltas, main_written=True)
-    return _advance_past(state, batch, deltas.cursor)
+    return advance_past(state, batch, deltas.cursor)
 
 
 __all__ = ["DEFAULT_BUCKETS", "StepRunner", "Verified"]

@@ -86,6 +86,27 @@ class Bucket:
                 "R": self.tokens if self.phase == "verify" else self.lanes}
 
 
+def bucket_sizes(owner: str, name: str, sizes) -> tuple[int, ...]:
+    """A runner's bucket sizes, checked: increasing positive ints (``-> as a tuple``)."""
+    sizes = tuple(sizes) if not isinstance(sizes, (str, bytes)) else sizes
+    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes) \
+            or list(sizes) != sorted(set(sizes)):
+        fail(owner, name, "increasing positive ints", sizes)
+    return sizes
+
+
+def check_max_context(owner: str, max_context) -> None:
+    if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                    or max_context < 1):
+        fail(owner, "max_context", "None or a positive int", max_context)
+
+
+def block_columns(state, max_context: int | None) -> int:
+    """The block table's width of a captured step: pages for ``max_context`` tokens (default the whole pool)."""
+    tokens = max_context or state.num_pages * state.page_size
+    return -(-tokens // state.page_size)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Every lane of a model's captured step; ``dims`` binds the model's constant sizes (``V``, ``D``...)."""

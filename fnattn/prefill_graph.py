@@ -35,7 +35,8 @@ from torch import Tensor
 from .batch import TENSOR_DTYPES, Batch
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
-from .lanes import LaneError, static_shapes
+from .graph import advance_past
+from .lanes import LaneError, block_columns, bucket_sizes, check_max_context, static_shapes
 from .staging import Staging
 
 DEFAULT_LANES = (1, 2, 4, 8)
@@ -125,12 +126,10 @@ class PrefillRunner:
                  capture: bool | None = None):
         if not callable(step):
             fail("PrefillRunner", "step", "a step function (params, session, tokens) -> (logits, deltas)", step)
-        lanes, tokens = _sizes("lanes", lanes), _sizes("tokens", tokens)
+        lanes, tokens = bucket_sizes("PrefillRunner", "lanes", lanes), bucket_sizes("PrefillRunner", "tokens", tokens)
         if lanes[-1] < 2:  # a request shorter than its token bucket takes a pad lane beside it
             fail("PrefillRunner", "lanes", "lane buckets up to 2 at least (a pad lane beside one request)", lanes)
-        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
-                                        or max_context < 1):
-            fail("PrefillRunner", "max_context", "None or a positive int", max_context)
+        check_max_context("PrefillRunner", max_context)
         on_cuda = model_attention.device.type == "cuda"
         if capture not in (None, True, False):
             fail("PrefillRunner", "capture", "None, True or False", capture)
@@ -149,8 +148,7 @@ class PrefillRunner:
         return self.tokens[-1]
 
     def columns(self, state) -> int:
-        tokens = self.max_context or state.num_pages * state.page_size
-        return -(-tokens // state.page_size)
+        return block_columns(state, self.max_context)
 
     def bucket(self, counts: Mapping[int, int]) -> tuple[int, int] | None:
         """The smallest (lanes, tokens) bucket ``counts`` fits -- the requests alone, or with pad lanes that
@@ -304,15 +302,7 @@ def _about(x) -> str:
 
 
 def _advance(state, batch: Batch):
-    return state.advance(batch.cursor_after(batch.host_new_lens), batch.step_id)
-
-
-def _sizes(name: str, sizes) -> tuple[int, ...]:
-    sizes = tuple(sizes) if not isinstance(sizes, (str, bytes)) else sizes
-    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes) \
-            or list(sizes) != sorted(set(sizes)):
-        fail("PrefillRunner", name, "increasing positive ints", sizes)
-    return sizes
+    return advance_past(state, batch, batch.cursor_after(batch.host_new_lens))
 
 
 __all__ = ["DEFAULT_LANES", "DEFAULT_TOKENS", "PrefillRunner", "tokens_up_to"]

@@ -181,10 +181,9 @@ class AttentionSession:
         """A mixed step's layer: its decode backend on the decode lanes' rows, its prefill backend on the rest,
         their outputs and writes joined in the step's row order (decode lanes first)."""
         d = self.batch.decode_lanes
-        halves = []
-        for (phase, part, dispatch, metas), rows, lanes in zip(self._parts, (slice(0, d), slice(d, None)),
-                                                              (slice(0, d), slice(d, None))):
-            halves.append(self._run(layer, split_inputs(inputs, rows, lanes, part), part, dispatch[layer], metas))
+        # a decode lane has one token: the decode part's rows and lanes are the first d alike
+        halves = [self._run(layer, split_inputs(inputs, cut, cut, part), part, dispatch[layer], metas)
+                  for (_, part, dispatch, metas), cut in zip(self._parts, (slice(0, d), slice(d, None)))]
         (out_d, w_d), (out_p, w_p) = halves
         return join_parts(layer, out_d, out_p), join_writes(layer, w_d, w_p)
 

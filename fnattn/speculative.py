@@ -374,9 +374,9 @@ class Speculator:
         return emitted
 
     def _step_on_device(self, ids) -> dict[int, list[int]]:
-        """`step` with both runners: the drafts stay on the device from proposal to verify, greedy acceptance is
-        computed there, and one host read a step brings back each request's accepted count with the target's
-        choices (the emitted tokens are the first ``accepted`` of them: the kept drafts matched them)."""
+        """`step` with both runners: the drafts stay on the device from proposal to verify, acceptance (greedy, or
+        with a sampler speculative sampling's) is computed there, and one host read a step brings back each
+        request's accepted count with its emitted tokens (the kept drafts, then the bonus)."""
         k = self.k
         proposed, probs = self._draft_chain(ids)  # [n, k], [n, k, V] when sampling
         last = torch.tensor([self.last[r] for r in ids], dtype=torch.long, device=proposed.device)

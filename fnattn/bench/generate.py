@@ -213,7 +213,8 @@ def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *,
     made = sum(len(t) for t in holder["out"].values())
     busy_s = _busy_ms(once, device) / 1e3 if busy else None  # a third run, under the profiler
     return {"requests": requests, "prompt_tokens": sum(lengths), "new_tokens": made, "s": seconds,
-            "tok_s": made / seconds, "busy_s": busy_s, "busy_share": None if busy_s is None else busy_s / seconds, "graph": runner is not None,
+            "tok_s": made / seconds, "busy_s": busy_s, "busy_share": None if busy_s is None else busy_s / seconds,
+            "graph": runner is not None,
             "running": running or requests, "mixed": mixed, "mixed_steps": holder["stats"]["mixed_steps"]}
 
 
