@@ -2,6 +2,7 @@
 
     python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8
     python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 8192 --steps 3 --prefill
+    python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 16 --mtp 3
 
 Prints the functions taking the most host time of their own (tottime) and in all (cumtime); ``--only REGEX``
 keeps those whose place matches (``--only fnattn/``: the session, the apply, the batch, the kinds). An eager step
@@ -38,6 +39,9 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true", help="profile prefill steps of --prompt tokens instead")
     p.add_argument("--captured", action="store_true",
                    help="with --prefill: through a PrefillRunner (pieces replayed around eager attention, CUDA)")
+    p.add_argument("--mtp", type=int, default=0, metavar="K",
+                   help="profile speculative steps with K MTP drafts instead (both runners captured on CUDA), then "
+                        "each phase's wall time and each captured graph's replay time alone")
     a = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -46,7 +50,11 @@ def main() -> None:
     model = Model(fam, cfg, fam.load(cfg, random_checkpoint(fam, cfg, dtype=dtype, device=dev)))
     ma = ModelAttention(model.specs, device=dev)
     page = ma.page_size or 16  # what the chosen backends need (FlashMLA's 64), else 16
-    if a.prefill and a.captured:
+    if a.mtp:
+        spec = mtp_speculator(model, dev, a.batch, a.prompt, a.mtp, a.steps)
+        steps, what = mtp_steps(spec, dev), f"MTP k={a.mtp} B{a.batch} ctx{a.prompt}"
+        steps(3)  # capture and warm up outside the profile
+    elif a.prefill and a.captured:
         steps, what = captured_prefill(model, ma, dev, a.batch, a.prompt, page), f"captured prefill B{a.batch} " \
             f"P{a.prompt}"
         steps(2)  # capture, compile and warm up outside the profile
@@ -69,13 +77,89 @@ def main() -> None:
     prof.enable()
     times = steps(a.steps)
     prof.disable()
-    kind = "captured" if a.captured and a.prefill else "eager"
+    kind = "captured" if (a.captured and a.prefill) or a.mtp else "eager"
     print(f"{a.family} {a.shape} {what}: {kind} step {sum(times) / len(times) * 1e3:.2f} ms under cProfile, "
           f"{a.steps} steps")
     for key in ("tottime", "cumtime"):
         pstats.Stats(prof).sort_stats(key).print_stats(*([a.only] if a.only else []), a.rows)
     if dev.type == "cuda":
         print_syncs(lambda: steps(1))
+    if a.mtp:
+        print_phases(spec, dev, steps)
+
+
+def mtp_speculator(model, dev, batch: int, prompt: int, k: int, steps: int):
+    """A started `Speculator` (every draft kept by force) over ``batch`` random prompts."""
+    from fnattn.bench.generate import _ids, speculator
+
+    prompts = {r: _ids(prompt, model.config.vocab_size, 10 + r) for r in range(batch)}
+    spec = speculator(model, dev, prompts, k, 4 * steps + 16, accept_all=True, graph=dev.type == "cuda")
+    spec.start(prompts)
+    return spec
+
+
+def mtp_steps(spec, dev):
+    import time
+
+    def steps(n):
+        times = []
+        for _ in range(n):
+            torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+            t0 = time.perf_counter()
+            spec.step()
+            torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+            times.append(time.perf_counter() - t0)
+        return times
+
+    return steps
+
+
+def print_phases(spec, dev, steps) -> None:
+    """Each phase of a speculative step timed with a sync on either side (its wall: the larger of its host and
+    device time), then every captured graph's replay alone (its device time)."""
+    import statistics
+    import time
+
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    spent = collections.defaultdict(list)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            spent[name].append(time.perf_counter() - t0)
+            return out
+        return wrapper
+
+    saved = {name: getattr(spec, name) for name in ("_draft_chain", "_catch_up_verify")}
+    spec._draft_chain = timed("draft proposals", saved["_draft_chain"])
+    spec._catch_up_verify = timed("draft catch-up", saved["_catch_up_verify"])
+    verify = spec.runner.verify if spec.runner is not None else None
+    if verify is not None:
+        spec.runner.verify = timed("target verify", verify)
+    try:
+        steps(8)
+    finally:
+        for name in saved:
+            delattr(spec, name)
+        if verify is not None:
+            del spec.runner.verify
+    print("speculative step phases, median wall ms with a sync either side:")
+    for name, times in spent.items():
+        print(f"  {name:18s} {statistics.median(times) * 1e3:8.3f}  ({len(times)} calls)")
+    for who, runner in (("target", spec.runner), ("draft", spec.draft_runner)):
+        for entry in runner.entries() if runner is not None else []:
+            if entry.graph is None:
+                continue
+            entry.graph.replay()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                entry.graph.replay()
+            sync()
+            print(f"  {who} graph {entry.bucket}: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms a replay alone")
 
 
 def captured_prefill(model, ma, dev, batch: int, prompt: int, page: int):

@@ -136,11 +136,10 @@ def plain_decode(model, ma, device, batch: int, prompt: int, steps: int, *, grap
             "graph": runner is not None, "emitted": emitted, "prompts": prompts}
 
 
-def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: bool, graph: bool) -> dict:
-    """MTP with ``k`` drafts over ``plain``'s prompts, every draft kept (``accept_all``) or none, by force
-    (`Speculator`'s ``accept_hook``): the machinery's speed at either end, whatever the drafts say. With
-    both runners the step is `Speculator._step_on_device`'s: drafts on the device, one host read."""
-    fam, prompts = model.family, plain["prompts"]
+def speculator(model, device, prompts: dict, k: int, steps: int, *, accept_all: bool, graph: bool) -> Speculator:
+    """A `Speculator` with ``k`` MTP drafts for ``prompts`` (room for ``steps`` steps), every draft kept
+    (``accept_all``) or none, by force (its ``accept_hook``); with both runners captured on CUDA (``graph``)."""
+    fam = model.family
     draft = fam.draft(model.config, model.params, None, seed=1)
     batch, prompt = len(prompts), len(next(iter(prompts.values())))
     room = prompt + (k + 1) * (steps + 2) + 8
@@ -153,14 +152,22 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
         draft_runner = StepRunner(draft.step, draft.params, d_attn, draft.manifest(model.config), buckets=(batch,),
                                   max_context=room + k)
         draft_runner = draft_runner if draft_runner.capture else None
-    emitted = {r: [] for r in prompts}
-
-    spec = Speculator(target_step=fam.step_hidden, target_params=model.params, target_attn=attn,
+    return Speculator(target_step=fam.step_hidden, target_params=model.params, target_attn=attn,
                       target_state=_state(model, device, batch, room, ring=k + 2), draft_step=draft.step,
                       draft_params=draft.params, draft_attn=d_attn,
                       draft_state=_state(draft, device, batch, room + k), num_draft=k,
                       target_runner=runner, draft_runner=draft_runner,
                       accept_hook=lambda step, acc: {r: (k + 1 if accept_all else 1) for r in acc})
+
+
+def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: bool, graph: bool) -> dict:
+    """MTP with ``k`` drafts over ``plain``'s prompts, every draft kept (``accept_all``) or none, by force
+    (`Speculator`'s ``accept_hook``): the machinery's speed at either end, whatever the drafts say. With
+    both runners the step is `Speculator._step_on_device`'s: drafts on the device, one host read."""
+    prompts = plain["prompts"]
+    batch = len(prompts)
+    spec = speculator(model, device, prompts, k, steps, accept_all=accept_all, graph=graph)
+    emitted = {r: [] for r in prompts}
     for r, t in spec.start(prompts).items():
         emitted[r].append(t)
     times, made = [], 0
@@ -176,8 +183,8 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
     ms = statistics.median(times[2:] or times) * 1e3
     per_step = made / steps / batch
     return {"batch": batch, "k": k, "accept": "all" if accept_all else "none", "ms": ms,
-            "tokens_per_step": per_step, "tok_s": batch * per_step / ms * 1e3, "graph": runner is not None,
-            "draft_graph": draft_runner is not None,
+            "tokens_per_step": per_step, "tok_s": batch * per_step / ms * 1e3, "graph": spec.runner is not None,
+            "draft_graph": spec.draft_runner is not None,
             "busy_ms": _busy_ms(spec.step, device)}
 
 
