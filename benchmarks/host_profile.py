@@ -23,6 +23,7 @@ import torch
 from fnattn.models.registry import Model, _with_dtype, family_named, random_checkpoint
 
 from fnattn.bench.model import config_for, decode_state, time_decode, time_prefill
+from fnattn.bench.profile import kernel_profile, print_profile
 from fnattn.model_attention import ModelAttention
 
 
@@ -160,6 +161,7 @@ def print_phases(spec, dev, steps) -> None:
                 entry.graph.replay()
             sync()
             print(f"  {who} graph {entry.bucket}: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms a replay alone")
+            print_profile("    its kernels", kernel_profile(entry.graph.replay, steps=3, device=dev), rows=12)
 
 
 def captured_prefill(model, ma, dev, batch: int, prompt: int, page: int):

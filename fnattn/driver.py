@@ -15,6 +15,7 @@ from .batch import Batch
 from .checks import fail
 from .generation import RequestStream, Sampler, StopCriteria
 from .prefix_index import PrefixIndex
+from .staging import to_device
 
 
 class GenerateResult(tuple):
@@ -372,7 +373,7 @@ def _mixed_step(step, params, model_attention, state, running: list, filling: di
         if not filling[r]:
             del filling[r]
     lanes = [rows[b] for b, r in enumerate(every) if b < len(running) or r in filled]  # running, then filled
-    return state, filled, logits[torch.tensor(lanes, device=logits.device)]
+    return state, filled, logits[to_device(lanes, torch.long, logits.device)]
 
 
 def _lead(leader: Sequence[int], p: Sequence[int], state) -> int:

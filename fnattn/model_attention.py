@@ -185,10 +185,13 @@ class ModelAttention:
             checked.clear()
         checked[id(specs)] = specs  # held: its id cannot be reused while it is here
 
-    def session(self, state, batch):
+    def session(self, state, batch, *, defer_capturable: bool = False):
+        """The step's `AttentionSession`. ``defer_capturable``: the groups of capturable prefill backends
+        plan at their first layer's forward instead of on entry (`fnattn.prefill_graph`: inside the graph
+        piece that holds them)."""
         from .session import AttentionSession
 
-        return AttentionSession(self, state, batch)
+        return AttentionSession(self, state, batch, defer_capturable=defer_capturable)
 
     def explain(self) -> str:
         """A table of the backend chosen for every (layer, phase); each refusal is stated once below it,

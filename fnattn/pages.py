@@ -19,6 +19,7 @@ import torch
 
 from .checks import fail
 from .errors import PoolExhaustedError
+from .staging import to_device
 
 
 def prefix_plan(state, boundary: Mapping, request_id: int, prefix_of, tokens) -> tuple:
@@ -110,7 +111,7 @@ def recurrent_rows(state, rows: Mapping[int, int]) -> dict:
     """``{request: {(pool, tensor): copy of its storage row [L, *row]}}`` for ``rows`` (request -> row)."""
     if not rows:
         return {}
-    idx = torch.tensor(list(rows.values()), dtype=torch.long, device=state.device)
+    idx = to_device(list(rows.values()), torch.long, state.device)
     out: dict = {r: {} for r in rows}
     with torch.no_grad():
         for pool in state.pools.values():

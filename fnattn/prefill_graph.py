@@ -3,13 +3,15 @@
     runner = PrefillRunner(model.step, model.params, attn)
     state, last = runner.prefill(state, {rid: n}, tokens)   # last: [requests, V], each request's last token
 
-A prefill step's attention launches follow the prompts' lengths (FlashInfer's plan, the delta rule's chunk
-list), but everything between two attention layers -- projections, norms, rope, the MLP, the logits -- is
-shaped by the token count alone. So a bucket of ``lanes`` requests and ``tokens`` tokens (the requests, then
-pad lanes on the null page and slot taking the rest: `Batch.prefill(..., pad_to=, tokens=)`) is captured as
-one CUDA graph per stretch between attention layers, and a replay runs each layer's backend eagerly in
-between over the live batch, through a session opened on it as any step's is: each backend plans for the
-real lengths. What a backend returns is copied into the tensors the next piece was captured reading; the
+Most of a prefill step's attention launches follow the prompts' lengths (FlashInfer's plan), but everything
+between two attention layers -- projections, norms, rope, the MLP, the logits -- is shaped by the token count
+alone. So a bucket of ``lanes`` requests and ``tokens`` tokens (the requests, then pad lanes on the null page
+and slot taking the rest: `Batch.prefill(..., pad_to=, tokens=)`) is captured as one CUDA graph per stretch
+between attention layers, and a replay runs each layer's backend eagerly in between over the live batch,
+through a session opened on it as any step's is: each backend plans for the real lengths. A layer whose
+prefill backend is capturable (fla-core's GDN chunk forward over a chunk list padded to the bucket's most
+chunks, planned from the batch's device tensors) stays inside its piece: a Qwen3.5 bucket is then six
+eager attention layers between seven graphs, not 24 between 25. What a backend returns is copied into the tensors the next piece was captured reading; the
 last piece holds the step's apply (`State.write`), so the step still commits once, inside the graph.
 
 A mixed step (``decode_ids``: decode tokens of running requests beside the prompt chunks, `Batch.mixed`) goes
@@ -100,6 +102,8 @@ class _CapturingSession:
         return getattr(self._session, name)
 
     def forward(self, layer: int, inputs):
+        if self._session.holds_in_graph(layer):  # its launches are shaped by the bucket: captured in the piece
+            return self._session.forward(layer, inputs)
         self._pieces.end()
         result = self._session.forward(layer, inputs)
         leaves, spec = optree.tree_flatten(result, namespace="fnattn", none_is_leaf=True)
@@ -216,7 +220,7 @@ class PrefillRunner:
         if state.lineage != entry.lineage:
             fail("PrefillRunner.prefill", "state", f"a handle of the State this runner's graphs were captured on "
                  f"(lineage {entry.lineage})", f"lineage {state.lineage}")
-        with self.attn.session(state, batch) as s:
+        with self.attn.session(state, batch, defer_capturable=True) as s:  # plans for the eager layers only
             entry.graphs[0].replay()
             for island, graph in zip(entry.islands, entry.graphs[1:]):
                 result = s.forward(island.layer, island.inputs)
@@ -260,7 +264,7 @@ class PrefillRunner:
             batch = self._pad_batch(state, entry)
             pieces = _Pieces(self._pool)
             # The session opens (plans, lease) before the first piece begins: a plan copies from the host.
-            with static_shapes(), self.attn.session(state, batch) as s, _ending(pieces):
+            with static_shapes(), self.attn.session(state, batch, defer_capturable=True) as s, _ending(pieces):
                 pieces.begin()
                 logits, deltas = self.step(self.params, _CapturingSession(s, pieces, entry.islands), entry.token_ids)
                 if not isinstance(deltas, StepDeltas):

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .staging import to_device
+
 
 class Rows(NamedTuple):
     """Where the writes of one index space go for one batch."""
@@ -87,7 +89,7 @@ def token_rows(batch, accepted: tuple[int, ...] | None = None) -> Tensor:
     if accepted is None or tuple(accepted) == batch.host_new_lens:
         return batch.slot_mapping
     keep = [i < n for n, m in zip(accepted, batch.host_new_lens) for i in range(m)]
-    keep_t = torch.tensor(keep, dtype=torch.bool, device=batch.slot_mapping.device)
+    keep_t = to_device(keep, torch.bool, batch.slot_mapping.device)
     return torch.where(keep_t, batch.slot_mapping, torch.full_like(batch.slot_mapping, -1))
 
 
@@ -102,7 +104,7 @@ def state_rows(batch, accepted: tuple[int, ...] | None = None) -> Tensor:
     cu = batch.host_cu_seqlens
     last = [cu[b] + n - 1 for b, n in enumerate(accepted)]
     rows = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=batch.recurrent_write_rows.device)
-    return rows.index_copy(0, torch.tensor(last, dtype=torch.long, device=rows.device), batch.recurrent_slots)
+    return rows.index_copy(0, to_device(last, torch.long, rows.device), batch.recurrent_slots)
 
 
 def step_rows(batch, accepted: tuple[int, ...] | None = None, *, tokens: bool = True) -> StepRows:

@@ -39,7 +39,7 @@ _sessions = itertools.count(1)
 
 
 class AttentionSession:
-    def __init__(self, model_attention, state, batch: Batch):
+    def __init__(self, model_attention, state, batch: Batch, *, defer_capturable: bool = False):
         self.model_attention = model_attention
         self.state = state
         self.batch = batch
@@ -56,6 +56,10 @@ class AttentionSession:
         #: name -> tensor a model built inside the step and declared as a generated lane (`record`)
         self.generated: dict[str, torch.Tensor] = {}
         self._parts = None  # a mixed step: (phase, its batch, its dispatch, its metas) for decode, then prefill
+        # A prefill graph captured in pieces (`fnattn.prefill_graph`) holds the layers of capturable backends:
+        # their groups plan at their first layer, inside the piece being captured, not on entry.
+        self._defer = defer_capturable
+        self._deferred: dict = {}  # group -> its specs, planned at its first layer's forward
 
     # ---------------------------------------------------------------- context
     def __enter__(self) -> AttentionSession:
@@ -106,6 +110,9 @@ class AttentionSession:
         ma, metas = self.model_attention, {}
         for group, specs in ma.groups(phase).items():
             backend = ma.backend(specs[0].index, phase)
+            if self._defer and self.holds_in_graph(specs[0].index, phase) and backend.plan:
+                self._deferred[group] = specs
+                continue
             plan = backend.plan(specs, batch, self._lease) if backend.plan else None
             metas[group] = StepMeta(batch=batch, plan=plan, workspace=self._lease)
         metas.setdefault(None, StepMeta(batch=batch, plan=None, workspace=self._lease))
@@ -156,6 +163,9 @@ class AttentionSession:
         if backend is None:
             self.model_attention.backend(layer, batch.phase)  # raises, saying why no backend serves it
         inputs.validate(spec, batch, self._device)
+        if group in self._deferred:  # planned here, inside the graph piece that holds the layer
+            metas[group] = StepMeta(batch=batch, plan=backend.plan(self._deferred.pop(group), batch, self._lease),
+                                    workspace=self._lease)
         meta = metas.get(group) or metas[None]
         views = self._views.get(layer)
         if views is None:
@@ -176,6 +186,16 @@ class AttentionSession:
         if writes is not None and not isinstance(writes, Writes):
             fail(where, "writes", "fnattn.writes(...) or None", type(writes).__name__)
         return out, writes
+
+    def holds_in_graph(self, layer: int, phase: str | None = None) -> bool:
+        """Whether a prefill graph captured in pieces holds ``layer`` (its prefill backend is capturable: in a
+        bucket its launches are shaped by the bucket) rather than running it eagerly between pieces. Never in
+        a mixed step, whose parts are built per step."""
+        phase = phase or self.batch.phase
+        if phase != "prefill" or self.batch.decode_lanes:
+            return False
+        backend = self.model_attention.backend(layer, phase)
+        return backend.capturable
 
     def _run_mixed(self, layer: int, inputs):
         """A mixed step's layer: its decode backend on the decode lanes' rows, its prefill backend on the rest,

@@ -32,6 +32,7 @@ from .batch import Batch
 from .checks import fail
 from .declare import select_tokens
 from .deltas import StepDeltas
+from .staging import to_device
 
 
 def greedy_accept(logits: torch.Tensor, batch: Batch, drafts: Mapping[int, list[int]]):
@@ -67,6 +68,22 @@ def greedy_accept_rows(logits: Float[Tensor, "T V"], drafts: Int[Tensor, "n k"])
     choice = logits.argmax(-1).view(n, k + 1)  # [n, 1 + k]
     kept = (choice[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [n] leading drafts it agrees with
     return torch.cat([kept[:, None] + 1, choice], dim=1)
+
+
+def forced_accept_rows(logits: Float[Tensor, "T V"], drafts: Int[Tensor, "n k"], count: int) -> Int[Tensor, "n k2"]:
+    """`greedy_accept_rows`' format with every request keeping ``count`` tokens (1 .. k + 1: the last one and
+    ``count - 1`` drafts) whatever the target chose: the kept drafts, then the target's choice after the last
+    of them (its bonus), then its choices after the others. Benchmarks time the machinery at either end of
+    acceptance with it, on the device as greedy acceptance is."""
+    n, k = drafts.shape
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= k + 1:
+        fail("forced_accept_rows", "count", f"an int in 1..{k + 1}", count)
+    if logits.dim() != 2 or logits.shape[0] != n * (k + 1):
+        fail("forced_accept_rows", "logits", f"[n * (1 + k), vocab] rows for drafts [n, k] = {(n, k)}",
+             tuple(logits.shape))
+    choice = logits.argmax(-1).view(n, k + 1)  # [n, 1 + k]
+    emitted = torch.cat([drafts[:, :count - 1], choice[:, count - 1:]], dim=1)
+    return torch.cat([torch.full((n, 1), count, dtype=emitted.dtype, device=emitted.device), emitted], dim=1)
 
 
 def sampled_accept_rows(logits: Float[Tensor, "T V"], drafts: Int[Tensor, "n k"], draft_probs: Float[Tensor, "n k V"],
@@ -187,13 +204,16 @@ class Speculator:
     Prefill and the catch-up on the prompts stay eager.
     ``accept_hook(step, accepted) -> accepted``: replaces greedy acceptance's counts (each 1 .. k + 1: the
     last token plus the drafts kept); the bonus token is then the target's choice after the last one kept.
-    For benchmarks that force every draft in (or none) whatever the logits say. ``trace``: keep every logits
+    For benchmarks that force every draft in (or none) whatever the logits say. ``force_accept``: every request
+    keeps this many tokens a step (1 .. k + 1), decided on the device, so the one-read path keeps its order (the
+    catch-up launched before the read); what benchmarks time at either end of acceptance. ``trace``: keep every logits
     tensor computed in ``self.trace`` (for comparisons).
     """
 
     def __init__(self, *, target_step, target_params, target_attn, target_state, draft_step, draft_params,
                  draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None,
-                 target_runner=None, accept_hook=None, draft_runner=None, trace: bool = False, sampler=None):
+                 target_runner=None, accept_hook=None, draft_runner=None, trace: bool = False, sampler=None,
+                 force_accept: int | None = None):
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Speculator", "num_draft", "an int >= 1", num_draft)
         if recovery not in ("native", "replay"):
@@ -206,6 +226,11 @@ class Speculator:
                                          or draft_runner.attn is not draft_attn):
             fail("Speculator", "draft_runner", "None or a StepRunner over draft_attn with 'hidden_in' and 'hidden' "
                  "lanes", type(draft_runner).__name__)
+        if force_accept is not None and (isinstance(force_accept, bool) or not isinstance(force_accept, int)
+                                         or not 1 <= force_accept <= num_draft + 1):
+            fail("Speculator", "force_accept", f"None or an int in 1..{num_draft + 1}", force_accept)
+        if force_accept is not None and accept_hook is not None:
+            fail("Speculator", "force_accept", "None with an accept_hook (both force the counts)", force_accept)
         if not isinstance(trace, bool):
             fail("Speculator", "trace", "a bool", trace)
         from .generation import Sampler
@@ -213,14 +238,15 @@ class Speculator:
         if sampler is not None and not isinstance(sampler, Sampler):
             fail("Speculator", "sampler", "None (greedy) or a fnattn.generation.Sampler", type(sampler).__name__)
         sampling = sampler is not None and not sampler.greedy
-        if sampling and (propose_hook is not None or accept_hook is not None):
-            fail("Speculator", "sampler", "greedy (None or temperature 0) with a propose_hook or accept_hook",
-                 sampler)
+        if sampling and (propose_hook is not None or accept_hook is not None or force_accept is not None):
+            fail("Speculator", "sampler", "greedy (None or temperature 0) with a propose_hook, accept_hook or "
+                 "force_accept", sampler)
         if sampling and sampler._flashinfer(torch.empty(0, device=target_state.device)):
             fail("Speculator", "sampler", "kernel 'torch' (acceptance draws from the torch generator)", sampler.kernel)
         self.sampler = sampler if sampling else None
         self.generator = sampler.generator(target_state.device) if sampling else None
         self.k, self.recovery, self.propose_hook, self.accept_hook = num_draft, recovery, propose_hook, accept_hook
+        self.force_accept = force_accept
         self.runner, self.draft_runner = target_runner, draft_runner
         self.target = (target_step, target_params, target_attn)
         self.draft = (draft_step, draft_params, draft_attn)
@@ -290,7 +316,7 @@ class Speculator:
         return logits, hout
 
     def _tokens(self, rows) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.tstate.device)
+        return to_device(rows, torch.long, self.tstate.device)
 
     def _catch_up(self, counts, tokens, hidden):
         """Draft entries for accepted positions; its last row gives the next proposal."""
@@ -374,34 +400,60 @@ class Speculator:
         return emitted
 
     def _step_on_device(self, ids) -> dict[int, list[int]]:
-        """`step` with both runners: the drafts stay on the device from proposal to verify, acceptance (greedy, or
-        with a sampler speculative sampling's) is computed there, and one host read a step brings back each
-        request's accepted count with its emitted tokens (the kept drafts, then the bonus)."""
+        """`step` with both runners: the drafts stay on the device from proposal to verify, acceptance (greedy,
+        forced, or with a sampler speculative sampling's) is computed there, and so are the draft's catch-up on
+        the emitted tokens and its next proposals, all launched before the step's one host read (each request's
+        accepted count with its emitted tokens): the device runs the whole step while the host waits once.
+        With an ``accept_hook`` (host counts) the catch-up follows the read."""
         k = self.k
         proposed, probs = self._draft_chain(ids)  # [n, k], [n, k, V] when sampling
-        last = torch.tensor([self.last[r] for r in ids], dtype=torch.long, device=proposed.device)
+        last = to_device([self.last[r] for r in ids], torch.long, proposed.device)
         self.tstate = self.tstate.reserve({r: k + 1 for r in ids})
         tokens = torch.cat([last[:, None], proposed], dim=1).reshape(-1)  # [n * (1 + k)]
         verified = self.runner.verify(self.tstate, ids, tokens, num_draft=k, recovery=self.recovery)
         self._trace(verified.logits)
-        if self.sampler is None:
-            rows = greedy_accept_rows(verified.logits, proposed)  # [n, 2 + k]
-        else:
+        if self.sampler is not None:
             rows = sampled_accept_rows(verified.logits, proposed, probs, self.sampler, self.generator)
-        if self.accept_hook is None:
-            rows = rows.tolist()  # the step's one host read
-            accepted = {r: row[0] for r, row in zip(ids, rows)}
-            emitted = {r: row[1:1 + row[0]] for r, row in zip(ids, rows)}
-        else:  # forced counts: the kept drafts are the proposals, whatever the target chose
-            rows = torch.cat([rows, proposed], dim=1).tolist()  # still one read
+        elif self.force_accept is not None:
+            rows = forced_accept_rows(verified.logits, proposed, self.force_accept)
+        else:
+            rows = greedy_accept_rows(verified.logits, proposed)  # [n, 2 + k]
+        if self.accept_hook is not None:  # forced counts: the kept drafts are the proposals, whatever the target chose
+            rows = torch.cat([rows, proposed], dim=1).tolist()  # the step's one read
             accepted = self._forced(ids, {r: row[0] for r, row in zip(ids, rows)})
             emitted = {r: row[2 + k:1 + k + accepted[r]] + [row[accepted[r]]] for r, row in zip(ids, rows)}
-        self.tstate = verified.accept(accepted)
+            self.tstate = verified.accept(accepted)
+            self._catch_up_verify(tuple(ids), emitted, accepted, verified.hidden)
+        else:
+            caught_up = self._catch_up_rows(tuple(ids), rows, verified.hidden)
+            rows = rows.tolist()  # the step's one read
+            accepted = {r: row[0] for r, row in zip(ids, rows)}
+            emitted = {r: row[1:1 + row[0]] for r, row in zip(ids, rows)}
+            self.tstate = verified.accept(accepted)
+            if self._tracing:  # the rows an eager catch-up computes
+                k1 = k + 1
+                self._trace(caught_up.logits[self._tokens([b * k1 + j for b, r in enumerate(ids)
+                                                            for j in range(accepted[r])])])
+            self.dstate = caught_up.accept(accepted)
         for r in ids:
             self.last[r] = emitted[r][-1]
-        self._catch_up_verify(tuple(ids), emitted, accepted, verified.hidden)
         self.steps += 1
         return emitted
+
+    def _catch_up_rows(self, ids, rows, hidden):
+        """`_catch_up_verify` from the acceptance rows on the device (``rows`` [n, 2 + k]: each request's count,
+        then its emitted tokens first), launched before the host knows the counts: the tokens past each count are
+        0, and the next proposals come from the rows at ``count - 1``; ``-> the draft's Verified`` (its
+        acceptance waits for the counts)."""
+        k1 = self.k + 1
+        count, emitted = rows[:, 0], rows[:, 1:]  # [n], [n, 1 + k]
+        positions = torch.arange(k1, device=rows.device)
+        tokens = torch.where(positions[None, :] < count[:, None], emitted, 0).reshape(-1)  # [n * (1 + k)]
+        self.dstate = self.dstate.reserve({r: k1 for r in ids})
+        verified = self.draft_runner.verify(self.dstate, ids, tokens, num_draft=self.k, hidden=hidden)
+        last = torch.arange(len(ids), device=rows.device) * k1 + count - 1  # [n]
+        self._keep_proposals(ids, verified.logits.index_select(0, last), verified.hidden.index_select(0, last))
+        return verified
 
     def _catch_up_verify(self, ids, emitted, accepted, hidden):
         """The catch-up through the draft runner: every request's ``1 + k`` positions of this step (its emitted
@@ -428,7 +480,7 @@ class Speculator:
             return ({r: row[0] for r, row in zip(batch.request_ids, rows)},
                     {r: row[row[0]] for r, row in zip(batch.request_ids, rows)})
         accepted, bonus = greedy_accept(logits, batch, drafts)
-        if self.accept_hook is None:
+        if self.accept_hook is None and self.force_accept is None:
             return accepted, bonus
         forced = self._forced(batch.request_ids, accepted)
         cu = batch.host_cu_seqlens
@@ -439,6 +491,8 @@ class Speculator:
 
     def _forced(self, ids, accepted: dict) -> dict:
         """``accept_hook``'s counts for ``ids``, each checked: an int in 1 .. k + 1."""
+        if self.force_accept is not None:
+            return {r: self.force_accept for r in ids}
         forced = dict(self.accept_hook(self.steps, dict(accepted)))
         for r in ids:
             n = forced.get(r)

@@ -118,6 +118,16 @@ def packed(values: Mapping[str, list], dtypes: Mapping[str, torch.dtype], device
     return out
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list as a device tensor without making the host wait: on CUDA one non-blocking copy from
+    pinned memory (a plain ``torch.tensor(values, device=cuda)`` copies from pageable memory, and the host
+    then waits for every launch queued before it), elsewhere the tensor itself."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _flat(values: list) -> list:
     """A lane's host values as one flat list (a 2-D lane's rows joined)."""
     return list(itertools.chain.from_iterable(values)) if values and isinstance(values[0], (list, tuple)) else values
@@ -130,4 +140,4 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["Generation", "Staging", "packed"]
+__all__ = ["Generation", "Staging", "packed", "to_device"]

@@ -36,6 +36,7 @@ from .deltas import StepDeltas
 from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, StaleStateError
 from .request import Request
 from .spec import LayerSpec
+from .staging import to_device
 from .storage import Pool, Storage, allocate
 from .transfer import RequestState  # also lets torch.load(weights_only=True) rebuild payloads
 
@@ -529,7 +530,7 @@ class State:
         if len(set(ids)) != len(ids):
             fail("State.checkpoint", "request_ids", "unique ids", ids)
         reqs = tuple(self.request(r) for r in ids)
-        slots = torch.tensor([self.recurrent_row(r.id) for r in reqs], dtype=torch.long, device=self.device)
+        slots = to_device([self.recurrent_row(r.id) for r in reqs], torch.long, self.device)
         copies = {}
         for pool in self._storage.pools.values():
             if pool.index_space == "request":
@@ -548,8 +549,8 @@ class State:
                  f"lineage {checkpoint.lineage}")
         expected = check_restore(self, checkpoint, where)
         # Back into the ring row the request had then: every row of its ring is its own.
-        slots = torch.tensor([r.ring_pos * self.slots_per_ring + r.slot for r in checkpoint.requests],
-                             dtype=torch.long, device=self.device)
+        slots = to_device([r.ring_pos * self.slots_per_ring + r.slot for r in checkpoint.requests], torch.long,
+                          self.device)
         with torch.no_grad():
             for key, saved in checkpoint.recurrent.items():
                 expected[key].index_copy_(1, slots, saved)

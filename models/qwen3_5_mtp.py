@@ -30,9 +30,9 @@ from fnattn import StepDeltas
 from fnattn.checks import checked
 
 from . import qwen3_5 as q
-from .common import check_tokens, logit_rows, rms_norm, rope_cos_sin
+from .common import check_tokens, logit_rows, rope_cos_sin
+from .fused import linear, rms_norm_offset, step_rope_table
 from .mtp import DraftModel, check_step_inputs, draft_weights
-from .norm_rope import row_linear
 
 MARKER = "mtp.fc.weight"
 
@@ -97,17 +97,23 @@ def step(params: MTPParams, session, tokens: Int[Tensor, " T"], hidden: Float[Te
     cfg, batch = params.config, session.batch
     check_step_inputs(f"{cfg.model_type} mtp step", batch, tokens, hidden, cfg.hidden_size)
     check_tokens(f"{cfg.model_type} mtp step", tokens, cfg.vocab_size)
-    eps = cfg.rms_norm_eps
+    eps, layers = cfg.rms_norm_eps, params.layers
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, rotary_dim]
-    e = rms_norm(F.embedding(tokens, params.embed), params.norm_embedding, eps, offset=1.0)  # [T, D]
-    h = rms_norm(hidden.to(e.dtype), params.norm_hidden, eps, offset=1.0)  # [T, D]
-    x = row_linear(torch.cat([e, h], dim=-1), params.fc)  # [T, D]
+    e = rms_norm_offset(F.embedding(tokens, params.embed), params.norm_embedding, eps)  # [T, D]
+    h = rms_norm_offset(hidden.to(e.dtype), params.norm_hidden, eps)  # [T, D]
+    x = linear(torch.cat([e, h], dim=-1), params.fc)  # [T, D]; the residual stream, this step's own tensor
+    # The target's fused layer path (`qwen3_5.step_hidden`): each residual add and the norm after it go with
+    # the projection before them; the last layer's MLP output meets the final norm.
+    table = step_rope_table(cos, sin, x)
+    h = rms_norm_offset(x, layers[0].input_norm, eps)
     layer_deltas = []
-    for j, layer in enumerate(params.layers):
-        x, deltas = q.decoder_layer(session, params.first_layer + j, layer, x, cos, sin, cfg)
+    for j, layer in enumerate(layers):
+        last = j + 1 == len(layers)
+        x, h, deltas = q._chained_layer(session, params.first_layer + j, layer, x, h,
+                                        params.norm if last else layers[j + 1].input_norm, cos, sin, cfg, table,
+                                        split_next=not last)
         layer_deltas.append(deltas)
-    out = rms_norm(x, params.norm, eps, offset=1.0)  # [T, D]
-    return row_linear(logit_rows(batch, out), params.lm_head).float(), out, StepDeltas.collect(batch, layer_deltas)
-
+    logits = linear(logit_rows(batch, h), params.lm_head, widen=True)  # [Tl, vocab] fp32
+    return logits, h, StepDeltas.collect(batch, layer_deltas)
 
 q.draft.register(draft)  # the target family reaches its draft through this (it cannot import this module)

@@ -613,6 +613,45 @@ def test_forced_acceptance_through_both_runners_emits_what_the_eager_step_does()
                                                                   for i in range(5)]
 
 
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_force_accept_on_the_device_emits_what_the_eager_step_does(count):
+    """`Speculator`'s ``force_accept`` (the counts decided on the device, the draft's catch-up launched before
+    the step's read): the one-read path emits what the eager path does with the same forced count, and its
+    trace (target verify, draft proposals, the catch-up's kept rows) is the eager one's."""
+    model = random_model("qwen3_5")
+    draft = model.family.draft(model.config, model.params, None, seed=1)
+
+    def run(use_runners):
+        t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
+        runner = StepRunner(model.family.step_hidden, model.params, t_attn, model.manifest(hidden=True),
+                            max_context=96, buckets=(2,)) if use_runners else None
+        spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params,
+                          target_attn=t_attn, target_state=_state(model.specs, recurrent_ring=6),
+                          draft_step=draft.step, draft_params=draft.params, draft_attn=d_attn,
+                          draft_state=_state(draft.specs), num_draft=3, target_runner=runner, force_accept=count,
+                          draft_runner=_draft_runner(model, draft, d_attn, buckets=(2,)) if use_runners else None)
+        spec.start({0: [1, 2, 3, 4], 1: [9, 8]})
+        return [spec.step() for _ in range(4)], spec.trace
+
+    (a, ta), (b, tb) = run(False), run(True)
+    assert a == b
+    assert all(len(t) == count for out in b for t in out.values())
+    assert len(ta) == len(tb)
+    for x, y in zip(ta, tb):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, 5, True, 2.0])
+def test_force_accept_outside_1_to_k_plus_1_is_refused_by_name(bad):
+    model = random_model("qwen3_5")
+    draft = model.family.draft(model.config, model.params, None, seed=1)
+    with pytest.raises(ValueError, match=r"Speculator: `force_accept` must be None or an int in 1..4"):
+        Speculator(target_step=model.family.step_hidden, target_params=model.params,
+                   target_attn=fa.ModelAttention(model.specs), target_state=_state(model.specs),
+                   draft_step=draft.step, draft_params=draft.params, draft_attn=fa.ModelAttention(draft.specs),
+                   draft_state=_state(draft.specs), num_draft=3, force_accept=bad)
+
+
 def test_a_draft_runner_takes_only_propose_and_checks_its_hidden():
     model = random_model("qwen3_5")
     draft = model.family.draft(model.config, model.params, None, seed=1)

@@ -7,8 +7,8 @@ One model (``--family`` at ``--shape``, random weights; bf16 on CUDA), batch 1 u
 * plain decode through `fnattn.graph.StepRunner` (captured on CUDA) per batch: ms a step, tokens/s;
   ``eager_decode_ms``: the same step eager (session + apply), batch 1;
 * MTP with k drafts (families with a draft): every draft accepted (acceptance forced with `Speculator`'s
-  ``accept_hook``, so the figure is the machinery's, not the random draft's numerics) and every draft wrong
-  (forced to none): ms a step and tokens/s; ``mtp_oracle_speedup`` (batch 1, over plain decode's tokens/s)
+  ``force_accept``, decided on the device, so the figure is the machinery's, not the random draft's numerics)
+  and every draft wrong (forced to none): ms a step and tokens/s; ``mtp_oracle_speedup`` (batch 1, over plain decode's tokens/s)
   and ``mtp_wrong_step_ratio`` (a wrong step over a plain decode step);
 * a serving mix (``--mix`` REQUESTS prompts of LO..HI tokens, NEW tokens each, arriving together,
   `fnattn.driver.generate` with the decode and prefill runners): tokens/s, and ``serving_busy_share``: the
@@ -138,7 +138,8 @@ def plain_decode(model, ma, device, batch: int, prompt: int, steps: int, *, grap
 
 def speculator(model, device, prompts: dict, k: int, steps: int, *, accept_all: bool, graph: bool) -> Speculator:
     """A `Speculator` with ``k`` MTP drafts for ``prompts`` (room for ``steps`` steps), every draft kept
-    (``accept_all``) or none, by force (its ``accept_hook``); with both runners captured on CUDA (``graph``)."""
+    (``accept_all``) or none, by force (its ``force_accept``, decided on the device); with both runners captured
+    on CUDA (``graph``)."""
     fam = model.family
     draft = fam.draft(model.config, model.params, None, seed=1)
     batch, prompt = len(prompts), len(next(iter(prompts.values())))
@@ -157,12 +158,12 @@ def speculator(model, device, prompts: dict, k: int, steps: int, *, accept_all: 
                       draft_params=draft.params, draft_attn=d_attn,
                       draft_state=_state(draft, device, batch, room + k), num_draft=k,
                       target_runner=runner, draft_runner=draft_runner,
-                      accept_hook=lambda step, acc: {r: (k + 1 if accept_all else 1) for r in acc})
+                      force_accept=k + 1 if accept_all else 1)
 
 
 def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: bool, graph: bool) -> dict:
     """MTP with ``k`` drafts over ``plain``'s prompts, every draft kept (``accept_all``) or none, by force
-    (`Speculator`'s ``accept_hook``): the machinery's speed at either end, whatever the drafts say. With
+    (`Speculator`'s ``force_accept``): the machinery's speed at either end, whatever the drafts say. With
     both runners the step is `Speculator._step_on_device`'s: drafts on the device, one host read."""
     prompts = plain["prompts"]
     batch = len(prompts)

@@ -110,6 +110,37 @@ def _chunk_list(batch, chunk_size: int) -> tuple[Tensor, Tensor]:
     return both[0], both[1]
 
 
+def padded_chunk_list(cu_seqlens: Tensor, tokens: int, chunk_size: int) -> Tensor:
+    """fla-core's ``chunk_indices`` ``[chunks, 2]`` int64 (request, chunk of request) from the device's
+    ``cu_seqlens`` ``[B + 1]`` alone, with room for any lengths of ``tokens`` in all: ``ceil(tokens /
+    chunk_size) + B`` entries, the requests' chunks in order, then entries past the last request's end,
+    which every chunk kernel masks whole (no row of theirs is loaded or stored). Its shape is the batch's
+    shapes', so a step that builds it may be captured per (lanes, tokens) bucket."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]  # [B]
+    B = lens.shape[0]
+    counts = (lens + chunk_size - 1) // chunk_size  # [B]
+    ends = counts.cumsum(0)  # [B] where each request's chunks end in the list
+    slots = torch.arange(-(-tokens // chunk_size) + B, device=cu_seqlens.device)  # [chunks]
+    request = torch.searchsorted(ends, slots, right=True).clamp(max=B - 1)  # past the end: the last request
+    chunk = slots - (ends - counts).index_select(0, request)  # past the end: >= the last request's chunks
+    return torch.stack([request, chunk], dim=1).long()
+
+
+def static_plan(specs, batch, lease) -> RecurrentPlan:
+    """`plan` for the "fla" prefill provider; inside `fnattn.lanes.static_shapes` (a bucket's step) built from
+    the batch's device tensors alone, with `padded_chunk_list`: no host value, no copy from the host, shapes
+    fixed by the bucket, so the step's graph may hold the layer (`fnattn.prefill_graph`)."""
+    from ...lanes import in_static_step
+
+    if batch.phase != "prefill" or not in_static_step():
+        return plan(specs, batch, lease)
+    read = batch.recurrent_slots.masked_fill(batch.cache_lens == 0, -1)  # [B]
+    return RecurrentPlan(read_slots=read, write_slots=batch.recurrent_write_rows, in_ring=bool(batch.ring),
+                         chunk_size=CHUNK_SIZE, cu_seqlens_long=batch.cu_seqlens.long(),
+                         fla_chunks=padded_chunk_list(batch.cu_seqlens, batch.num_tokens, CHUNK_SIZE),
+                         start_rows=read.clamp(min=0), fresh=(read < 0)[:, None, None, None])
+
+
 def plan(specs, batch, lease) -> RecurrentPlan:
     """Per-step slot tensors (and chunk list), built once for every layer of a group."""
     # From the device tensors, not the host copies: no host-to-device copy, so building it may be captured too.
@@ -269,14 +300,15 @@ def _fla_prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tupl
     # (the rows and the mask come from the plan: once a step, not once a layer)
     h0 = views.ssm.index_select(0, p.start_rows).float().masked_fill(p.fresh, 0.0)  # [B, H, K, V]
     forward = _fla_gdn_forward() if _FLA_DIRECT[-1] and spec.kind == "gdn" and p.fla_chunks is not None else None
-    if forward is not None and not torch.is_grad_enabled():
+    if forward is not None and not any(t.requires_grad for t in (q, k, v, inputs.g, inputs.beta)):
         o, final = forward(q[None], k[None], v[None], inputs.g[None], inputs.beta[None], c.scale, h0,
                            p.cu_seqlens_long, p.fla_chunks)
     else:
         op = chunk_gated_delta_rule if spec.kind == "gdn" else chunk_kda
+        chunks = dict(chunk_indices=p.fla_chunks) if spec.kind == "gdn" else {}  # (the padded list of a bucket)
         o, final = op(q[None], k[None], v[None], inputs.g[None], inputs.beta[None], scale=c.scale, initial_state=h0,
                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=p.cu_seqlens_long,
-                      cu_seqlens_cpu=p.cu_seqlens_cpu)  # [1, T, H, V], [B, H, K, V] fp32
+                      cu_seqlens_cpu=p.cu_seqlens_cpu, **chunks)  # [1, T, H, V], [B, H, K, V] fp32
     return RecurrentOutput(o=o[0].to(spec.dtype)), _write(final.to(c.state_dtype), windows)
 
 
@@ -318,6 +350,9 @@ for _kind in ("gdn", "kda"):
     _guards["_prefill"] = register(_kind, "prefill", "triton", supports=supports, plan=plan)(_prefill)
     _guards["_decode"] = register(_kind, "decode", "triton", supports=supports, plan=plan, capturable=True)(_decode)
     _guards["_verify"] = register(_kind, "verify", "triton", supports=supports, plan=plan, capturable=True)(_verify)
-    _guards["_fla_prefill"] = register(_kind, "prefill", "fla", supports=fla_supports, plan=plan)(_fla_prefill)
+    # GDN's: in a bucket its launches are shaped by the bucket (`static_plan`), so a prefill graph holds it
+    _guards["_fla_prefill"] = register(_kind, "prefill", "fla", supports=fla_supports,
+                                       plan=static_plan if _kind == "gdn" else plan,
+                                       capturable=_kind == "gdn")(_fla_prefill)
 # The module's names run only through a session from here on, like every registered backend.
 _prefill, _decode, _verify, _fla_prefill = (_guards[n] for n in ("_prefill", "_decode", "_verify", "_fla_prefill"))
