@@ -42,9 +42,11 @@ def supports(spec, device) -> list[str]:
     return reasons
 
 
-def cache_layout(batch, device, *, extra: int = 0):
+def cache_layout(batch, device, *, extra: int = 0, host: bool = False):
     """FlashInfer's indptr [B+1], indices [pages], last_page_len [B] over each request's
-    cached tokens plus ``extra`` more (1: the usual append-then-decode layout)."""
+    cached tokens plus ``extra`` more (1: the usual append-then-decode layout). ``host``: on the host
+    (pinned where ``device`` is CUDA), which a FlashInfer plan takes without reading a device tensor back
+    (it copies them to its own buffers with non-blocking copies)."""
     S = batch.page_size
     indptr, indices, last = [0], [], []
     for pages, cached in zip(batch.host_pages, batch.host_cache_lens):
@@ -53,7 +55,11 @@ def cache_layout(batch, device, *, extra: int = 0):
         indices.extend(pages[:used])
         indptr.append(len(indices))
         last.append(n - (used - 1) * S if used else 0)
-    t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    if host:
+        pin = torch.device(device).type == "cuda"
+        t = lambda x: torch.tensor(x, dtype=torch.int32, pin_memory=pin)  # noqa: E731
+    else:
+        t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return t(indptr), t(indices), t(last)
 
 
@@ -84,7 +90,7 @@ def plan_decode(specs, batch, lease):
     tc = use_tensor_cores(c, batch.num_requests)
     w = _wrapper(lease, ("fi_decode", spec.config, spec.dtype, tc), "BatchDecodeWithPagedKVCacheWrapper", "NHD",
                  False, tc)  # (kv_layout, use_cuda_graph, use_tensor_cores)
-    indptr, indices, last = cache_layout(batch, device)
+    indptr, indices, last = cache_layout(batch, device, host=True)
     w.plan(indptr, indices, last, c.num_q_heads, c.num_kv_heads, c.head_dim, batch.page_size,
            logits_soft_cap=c.softcap or None, sm_scale=c.scale, q_data_type=spec.dtype, kv_data_type=spec.dtype)
     return {"decode": w}
@@ -94,13 +100,15 @@ def plan_varlen(specs, batch, lease):
     spec = specs[0]
     c, device = spec.config, lease.workspace.device
     ragged = _wrapper(lease, ("fi_ragged", spec.config, spec.dtype), "BatchPrefillWithRaggedKVCacheWrapper", "NHD")
-    ragged.plan(batch.cu_seqlens, batch.cu_seqlens, c.num_q_heads, c.num_kv_heads, c.head_dim, causal=True,
+    # the lengths from the host: a plan given device tensors reads them back (the host waits for the device)
+    cu = torch.tensor(batch.host_cu_seqlens, dtype=torch.int32, pin_memory=device.type == "cuda")
+    ragged.plan(cu, cu, c.num_q_heads, c.num_kv_heads, c.head_dim, causal=True,
                 logits_soft_cap=c.softcap or None, sm_scale=c.scale, q_data_type=spec.dtype, kv_data_type=spec.dtype)
     plan = {"ragged": ragged}
     if batch.has_prefix:
         paged = _wrapper(lease, ("fi_paged", spec.config, spec.dtype), "BatchPrefillWithPagedKVCacheWrapper", "NHD")
-        indptr, indices, last = cache_layout(batch, device)
-        paged.plan(batch.cu_seqlens, indptr, indices, last, c.num_q_heads, c.num_kv_heads, c.head_dim,
+        indptr, indices, last = cache_layout(batch, device, host=True)
+        paged.plan(cu, indptr, indices, last, c.num_q_heads, c.num_kv_heads, c.head_dim,
                    batch.page_size, causal=False, logits_soft_cap=c.softcap or None, sm_scale=c.scale,
                    q_data_type=spec.dtype, kv_data_type=spec.dtype)
         plan["paged"] = paged
