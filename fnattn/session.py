@@ -205,7 +205,23 @@ class AttentionSession:
         halves = [self._run(layer, split_inputs(inputs, cut, cut, part), part, dispatch[layer], metas)
                   for (_, part, dispatch, metas), cut in zip(self._parts, (slice(0, d), slice(d, None)))]
         (out_d, w_d), (out_p, w_p) = halves
+        if w_d is not None and w_p is not None:  # a part that wrote a ring row in place hands its rows on
+            w_d, w_p = (self._as_values(layer, w, other, part)
+                        for w, other, (_, part, _, _) in ((w_d, w_p, self._parts[0]), (w_p, w_d, self._parts[1])))
         return join_parts(layer, out_d, out_p), join_writes(layer, w_d, w_p)
+
+    def _as_values(self, layer: int, w: Writes, other: Writes, part: Batch) -> Writes:
+        """``w`` with each recurrent state the part's backend wrote in place (None: straight into the batch's
+        spare ring rows, `fnattn.kinds.delta_rule`) read back from those rows where the other part returns
+        values, so the step's writes join; the apply writes them to the same rows again."""
+        spaces = self.state.storage_spaces[layer]
+        missing = [name for name, v in w.values.items()
+                   if v is None and other.values.get(name) is not None and spaces.get(name) == "request"]
+        if not missing or not part.ring:
+            return w
+        views = self._views.get(layer) or self.state.views(layer)
+        rows = part.recurrent_write_rows  # [B] the ring rows the part's kernel wrote
+        return Writes({**w.values, **{name: views[name].index_select(0, rows) for name in missing}})
 
     def record(self, name: str, tensor: torch.Tensor) -> None:
         """Name a tensor the step generates on the device (an in-graph top-k, say): the lane of that name in

@@ -151,3 +151,40 @@ def test_each_request_may_have_its_own_length_and_mixed_steps_are_counted():
     with pytest.raises(ValueError, match="`mixed`"):
         generate(m.step, m.params, fa.ModelAttention(m.specs), fresh(m), prompts, max_new_tokens=2, mixed=True,
                  share_prefixes=True)
+
+
+def test_a_mixed_step_joins_a_decode_backend_that_wrote_its_ring_rows_in_place():
+    """A fast GDN decode writes the new states straight into the batch's spare ring rows (``ssm=None``) while
+    the prefill backend returns its states as values: the mixed step reads the decode lanes' rows back so the
+    writes join, and the step equals one whose decode backend returned values."""
+    from helpers import registry_scope
+
+    from fnattn.kinds.delta_rule.reference import per_request
+
+    m = model("qwen3_5")
+
+    def in_place(spec, views, inputs):
+        out, w = per_request(spec, views, inputs, chunked=False)
+        views.ssm.index_copy_(0, inputs.meta.batch.recurrent_write_rows, w["ssm"])
+        return out, fa.writes(ssm=None, conv=w["conv"])
+
+    def run(prefer):
+        attn = fa.ModelAttention(m.specs, prefer=prefer)
+        st = fa.State(m.specs, num_pages=40, page_size=4, max_requests=5, recurrent_ring=2)
+        for r in OLD:
+            st = st.admit(r)
+        st, last = prefill(m.step, m.params, attn, st, OLD)
+        ids = torch.stack([last[r] for r in OLD]).argmax(-1)
+        for r in NEW:
+            st = st.admit(r)
+        counts = {r: len(p) for r, p in NEW.items()}
+        st = st.reserve({**{r: 1 for r in OLD}, **counts})
+        tokens = torch.cat([ids, torch.tensor([t for p in NEW.values() for t in p])])
+        st, logits = run_step(m.step, m.params, attn, st, fa.Batch.mixed(st, list(OLD), counts), tokens)
+        return [logits, *after(m, attn, st, logits.argmax(-1))]
+
+    with registry_scope():
+        fa.register("gdn", "decode", "test_ring_in_place")(in_place)
+        want, got = run(("reference",)), run(("test_ring_in_place", "reference"))
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
