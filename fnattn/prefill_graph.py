@@ -65,6 +65,7 @@ class _Entry:
     lanes: int
     tokens: int
     columns: int
+    mixed: bool  # a mixed steps' bucket: every attention layer between pieces (each splits by phase)
     staging: Staging
     token_ids: Tensor  # [tokens] int64, the step's tokens lane
     graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph per piece: len(islands) + 1
@@ -95,14 +96,14 @@ class _CapturingSession:
     layer's backend outside the graph, keeps what came back as static tensors and begins the next piece.
     Everything else is the real session's."""
 
-    def __init__(self, session, pieces: _Pieces, islands: list):
-        self._session, self._pieces, self._islands = session, pieces, islands
+    def __init__(self, session, pieces: _Pieces, islands: list, hold: bool):
+        self._session, self._pieces, self._islands, self._hold = session, pieces, islands, hold
 
     def __getattr__(self, name):
         return getattr(self._session, name)
 
     def forward(self, layer: int, inputs):
-        if self._session.holds_in_graph(layer):  # its launches are shaped by the bucket: captured in the piece
+        if self._hold and self._session.holds_in_graph(layer):  # shaped by the bucket: captured in the piece
             return self._session.forward(layer, inputs)
         self._pieces.end()
         result = self._session.forward(layer, inputs)
@@ -206,11 +207,11 @@ class PrefillRunner:
             return Batch.prefill(state, counts, logits_for="last", pad_to=lanes, tokens=total, columns=columns,
                                  staging=staging)
 
-        if (lanes, total, columns) not in self._entries:  # the builder's checks before a bucket is captured
+        if (lanes, total, columns, bool(decode_ids)) not in self._entries:  # the builder's checks first
             build(state)  # (into a bucket's staging the builder checks everything before it writes a row)
         if (tokens.device.type == "cpu" or CHECKS_ENABLED) and int(tokens.min()) < 0:
             raise LaneError(f"lane 'tokens': expected ids >= 0, got {int(tokens.min())}")
-        state, entry = self._ensure(state, lanes, total, columns)
+        state, entry = self._ensure(state, lanes, total, columns, bool(decode_ids))
         batch = build(state, entry.staging)
         entry.token_ids[:live].copy_(tokens)  # pad rows keep earlier ids (zeros at first): valid ones
         if not entry.graphs:
@@ -230,15 +231,18 @@ class PrefillRunner:
         return _advance(state, batch), entry.logits[:len(every)].clone()
 
     # ------------------------------------------------------------- internals
-    def _ensure(self, state, lanes: int, tokens: int, columns: int):
-        key = (lanes, tokens, columns)
+    def _ensure(self, state, lanes: int, tokens: int, columns: int, mixed: bool):
+        """The bucket's entry, captured on first use. Mixed steps have entries of their own: a prefill bucket's
+        graphs may hold layers (`AttentionSession.holds_in_graph`) that a mixed step runs by phase."""
+        key = (lanes, tokens, columns, mixed)
         entry = self._entries.get(key)
         if entry is not None:
             return state, entry
         probe = Batch.prefill(state, {}, logits_for="last", pad_to=lanes, tokens=tokens, columns=columns)
         shapes = {name: tuple(getattr(probe, name).shape) for name in TENSOR_DTYPES}
         staging = Staging(shapes, TENSOR_DTYPES, state.device)
-        entry = _Entry(lanes, tokens, columns, staging, torch.zeros(tokens, dtype=torch.long, device=state.device))
+        entry = _Entry(lanes, tokens, columns, mixed, staging,
+                       torch.zeros(tokens, dtype=torch.long, device=state.device))
         if self.capture:
             state = self._capture(state, entry)
         self._entries[key] = entry
@@ -266,7 +270,7 @@ class PrefillRunner:
             # The session opens (plans, lease) before the first piece begins: a plan copies from the host.
             with static_shapes(), self.attn.session(state, batch, defer_capturable=True) as s, _ending(pieces):
                 pieces.begin()
-                logits, deltas = self.step(self.params, _CapturingSession(s, pieces, entry.islands), entry.token_ids)
+                logits, deltas = self.step(self.params, _CapturingSession(s, pieces, entry.islands, hold=not entry.mixed), entry.token_ids)
                 if not isinstance(deltas, StepDeltas):
                     fail("PrefillRunner", "step", "a step returning (logits, deltas)", type(deltas).__name__)
                 state.write(deltas)

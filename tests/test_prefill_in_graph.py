@@ -103,3 +103,20 @@ def test_a_mixed_step_holds_no_layer_in_the_graph():
             assert not any(s.holds_in_graph(layer) for layer in range(4))
         with attn.session(st_, fa.Batch.prefill(st_, {1: 2}), defer_capturable=True) as s:
             assert s.holds_in_graph(0)
+
+
+def test_a_mixed_step_has_a_bucket_of_its_own():
+    """A prefill bucket's graphs may hold layers a mixed step must run by phase: the two never share an
+    entry, whatever their (lanes, tokens)."""
+    from fnattn.driver import prefill
+    from fnattn.models.registry import random_model
+    from fnattn.prefill_graph import PrefillRunner
+
+    m = random_model("qwen3_5", seed=0)
+    attn = fa.ModelAttention(m.specs)
+    runner = PrefillRunner(m.step, m.params, attn, lanes=(2, 4), tokens=(8,))
+    st_ = fa.State(m.specs, num_pages=24, page_size=4, max_requests=4).admit(0).admit(1)
+    st_, _ = prefill(m.step, m.params, attn, st_, {0: [3, 1, 4]}, runner=runner)
+    st_ = st_.reserve({0: 1, 1: 7})  # one decode token and 7 prompt tokens: the bucket (2, 8) exactly
+    st_, _ = runner.prefill(st_, {1: 7}, torch.tensor([9, 2, 6, 5, 3, 5, 8, 9]), decode_ids=[0])
+    assert sorted((e.lanes, e.tokens, e.mixed) for e in runner.entries()) == [(2, 8, False), (2, 8, True)]
