@@ -26,6 +26,9 @@ def check_restore(state, checkpoint, where: str) -> dict:
         if cur.admission != old.admission or cur.slot != old.slot or cur.pages[: len(old.pages)] != old.pages:
             fail(where, "checkpoint", f"the admission of request {old.id} it was taken in "
                  "(it was released and readmitted since)", (old.admission, cur.admission))
+        if checkpoint.serial < cur.rollbacks_from:
+            fail(where, "checkpoint", f"a checkpoint of request {old.id} taken after its oldest kept rollback "
+                 f"(serial {cur.rollbacks_from}; older ones cannot be checked)", checkpoint.serial)
         # Rolled back below this checkpoint since it was taken: its rows past that point may be rewritten.
         later = [n for serial, n in cur.rollbacks if serial > checkpoint.serial and n < old.length]
         if later:

@@ -15,4 +15,12 @@ class Request:
     length: int  # the cursor: tokens already in the cache / recurrent steps taken
     ring_pos: int = 0  # which of the slot's ring rows holds its current recurrent state
     admission: int = 0  # unique per admission: a released and readmitted id is another request
-    rollbacks: tuple[tuple[int, int], ...] = ()  # (serial, length) of every restore since admission
+    # (serial, length) of the restores since admission that a checkpoint's check may need: a newer one to fewer
+    # tokens makes an older one to as many or more redundant, and at most ROLLBACKS_KEPT are kept
+    rollbacks: tuple[tuple[int, int], ...] = ()
+    rollbacks_from: int = 0  # the newest serial dropped past ROLLBACKS_KEPT: older checkpoints cannot be checked
+
+
+#: Rollbacks a request keeps for `State.restore`'s checks: a speculative decoder restores its draft every step,
+#: and an unbounded history would grow with the generation (and each restore's check with it).
+ROLLBACKS_KEPT = 32

@@ -34,7 +34,7 @@ from .checks import fail
 from .cursor import CursorAdvance
 from .deltas import StepDeltas
 from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, StaleStateError
-from .request import Request
+from .request import ROLLBACKS_KEPT, Request
 from .spec import LayerSpec
 from .staging import to_device
 from .storage import Pool, Storage, allocate
@@ -559,8 +559,10 @@ class State:
         for old in checkpoint.requests:
             boundary = pages.drop_boundaries(boundary, old.id, above=old.length)
             cur = reqs[old.id]
-            reqs[old.id] = replace(cur, length=old.length, ring_pos=old.ring_pos,
-                                   rollbacks=cur.rollbacks + ((serial, old.length),))
+            kept = tuple(r for r in cur.rollbacks if r[1] < old.length) + ((serial, old.length),)
+            dropped = kept[:-ROLLBACKS_KEPT]
+            reqs[old.id] = replace(cur, length=old.length, ring_pos=old.ring_pos, rollbacks=kept[-ROLLBACKS_KEPT:],
+                                   rollbacks_from=dropped[-1][0] if dropped else cur.rollbacks_from)
         return self._successor(requests=reqs, boundary=boundary)
 
     def __repr__(self) -> str:

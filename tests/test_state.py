@@ -158,6 +158,35 @@ def test_checkpoint_restore_rolls_back_the_cursor():
         released.restore(ckpt)
 
 
+def test_a_speculative_loop_keeps_a_bounded_rollback_history():
+    """A draft restored every step (checkpoint, speculative tokens, restore at a longer length each time) keeps
+    at most ROLLBACKS_KEPT rollbacks, so a restore's checks do not grow with the generation; a checkpoint
+    older than the kept history is refused by name, a recent one restores."""
+    from fnattn.request import ROLLBACKS_KEPT
+
+    specs = [full_spec(0)]
+    st = fa.State(specs, num_pages=64, page_size=4, max_requests=2).admit(0)
+    oldest = st.checkpoint([0])
+    for _ in range(3 * ROLLBACKS_KEPT):
+        st = st.reserve({0: 2})
+        st = st.apply(_step_deltas(specs, st, 2))  # two tokens kept
+        ckpt = st.checkpoint([0])
+        st = st.reserve({0: 1})
+        st = st.apply(_step_deltas(specs, st, 1))  # a speculative one, rolled back
+        st = st.restore(ckpt)
+    req = st.request(0)
+    assert len(req.rollbacks) == ROLLBACKS_KEPT and req.rollbacks_from > oldest.serial
+    with pytest.raises(ValueError, match=r"`checkpoint` must be a checkpoint of request 0 taken after its oldest "
+                                         r"kept rollback"):
+        st.restore(oldest)
+    assert st.restore(ckpt).request(0).length == req.length
+
+
+def _step_deltas(specs, st, n):
+    batch = fa.Batch.prefill(st, {0: n})
+    return run(fa.ModelAttention(specs), st, batch, {0: full_inputs(specs[0], n)})[1]
+
+
 # --------------------------------------------------------------------------- ring of recurrent rows
 
 
