@@ -28,6 +28,12 @@ def test_tiny_model_bench_writes_every_record(tmp_path, capsys):
     by = {(r["case"], r["backend"]): r for r in doc["records"]}
     eager = by[("qwen3_5 tiny B1 ctx48", "fnattn eager")]
     assert eager["time_us"] > 0 and eager["x_roofline"] > 0 and eager["ratio_to_peer"] > 0
+    roof = by[("qwen3_5 tiny B1 ctx48", "roofline step")]
+    assert eager["achieved_tb_s"] == pytest.approx(sum(roof["bytes"].values()) / eager["time_us"] / 1e6)
+    summary = doc["records"][-1]
+    assert summary["case"] == "qwen3_5 tiny model summary"  # no graph on a CPU: the eager steps
+    assert summary["decode_b1_ms"] == pytest.approx(eager["time_us"] / 1e3)
+    assert summary["decode_b2_backend"] == "fnattn eager" and "launches_per_step" not in summary  # not profiled
     assert "CUDA" in by[("qwen3_5 tiny B1 ctx48", "fnattn graph")]["skipped"]
     e2e = by[("qwen3_5 tiny cpu e2e P48+3", "fnattn eager")]
     assert e2e["total_s"] == pytest.approx(e2e["prefill_s"] + e2e["decode_s"])
@@ -135,6 +141,8 @@ def test_profile_on_a_cpu_splits_a_step_into_torch_ops(tmp_path):
         assert all(t["us_per_step"] >= 0 and t["per_step"] > 0 for t in p["top"])
     # a prefill of 32 tokens does more GEMM work than a decode step of 2
     assert pre["profile"]["by_kind"]["gemm"] > rec["profile"]["by_kind"]["gemm"]
+    timed = next(r for r in doc["records"] if r["case"] == rec["case"] and r["backend"] == "fnattn eager")
+    assert timed["launches_per_step"] == rec["profile"]["kernels"]
 
 
 @pytest.mark.parametrize("argv", [["--family", "nope"], ["--batch", "0"], ["--prompt", "-1"], ["--steps", "0"],

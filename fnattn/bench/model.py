@@ -16,8 +16,11 @@ bf16 on CUDA and fp32 on CPU. For each prompt length P and batch B:
   step's routed experts count as many as its tokens picked in one untimed eager step before the timed ones
   (``experts_touched``: the distinct experts of each MoE layer).
 
-Every decode record carries ``x_roofline`` (its step over its own roofline) and ``ratio_to_peer``
-(transformers' step over this one, > 1: faster). ``--shape tiny`` runs on CPU in seconds; its
+Every decode record carries ``x_roofline`` (its step over its own roofline), ``achieved_tb_s`` (the step's
+bytes, as the roofline counts them, over its time) and ``ratio_to_peer`` (transformers' step over this one,
+> 1: faster); with ``--profile`` the profiled cases' records also carry ``launches_per_step``. The last record,
+``model summary``, names the captured step at the first prompt length per batch (``decode_b1_ms``,
+``decode_b8_ms``, ``decode_b32_ms`` where those batches ran) and its ``launches_per_step`` (batch 1, profiled). ``--shape tiny`` runs on CPU in seconds; its
 ``cpu e2e`` record is the tiny model's P-token prefill plus ``--steps`` decode steps, end to end.
 """
 
@@ -433,7 +436,30 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
             _finish_case(records, case)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+    records.append(model_summary(records, name, prompts[0]))
     return records
+
+
+def model_summary(records: list[dict], name: str, prompt: int) -> dict:
+    """The figures a script reads: the captured decode step (eager where none was captured) at ``prompt`` per
+    batch, ``decode_b{B}_ms``, and batch 1's ``launches_per_step`` when it was profiled."""
+    out = {"case": f"{name} model summary", "backend": "summary", "phase": "decode", "prompt": prompt}
+    steps = {}
+    for backend in ("fnattn eager", "fnattn graph"):  # the graph's figure replaces the eager one
+        for r in records:
+            case = r["case"]
+            if r["backend"] == backend and r.get("time_us") and case.startswith(f"{name} B") \
+                    and case.endswith(f" ctx{prompt}"):
+                b = int(case[len(name) + 2:].split()[0])
+                steps[b] = (r["time_us"] / 1e3, backend, r.get("launches_per_step"), r.get("achieved_tb_s"))
+    for b, (ms, backend, launches, tb_s) in sorted(steps.items()):
+        out[f"decode_b{b}_ms"] = ms
+        out[f"decode_b{b}_backend"] = backend
+        if tb_s is not None:
+            out[f"decode_b{b}_achieved_tb_s"] = tb_s
+        if b == 1 and launches is not None:
+            out["launches_per_step"] = launches
+    return out
 
 
 def _profile_decode(records, case, backend, model, ma, state, batch, steps, log, runner=None):
@@ -447,6 +473,9 @@ def _profile_decode(records, case, backend, model, ma, state, batch, steps, log,
 
     result = kernel_profile(one, steps=steps, device=state.device)
     records.append({"case": case, "backend": f"{backend} profile", "phase": "decode", "profile": result})
+    timed = next((r for r in reversed(records) if r["case"] == case and r["backend"] == backend), None)
+    if timed is not None and "kernels" in result:
+        timed["launches_per_step"] = result["kernels"]
     print_profile(f"{case} {backend}", result, log=log)
     return holder[0]
 
@@ -460,6 +489,7 @@ def _finish_case(records: list[dict], case: str) -> None:
         if r["backend"].startswith("fnattn") or r["backend"].startswith("transformers"):
             if roof:
                 r["x_roofline"] = r["time_us"] / roof["time_us"]
+                r["achieved_tb_s"] = sum(roof["bytes"].values()) / (r["time_us"] * 1e-6) / 1e12
             if peer:
                 r["peer"] = peer["backend"]
 
