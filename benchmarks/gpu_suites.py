@@ -179,11 +179,16 @@ SUITES: dict[str, Suite] = {
         bench(200, "invariance --family qwen3_5 --new-tokens 24 --batch 1 8 --steps 6",
               "bench_invariance_qwen3_5_tiny.json"),
     )),
-    "generate": Suite("prefill captured in pieces (replay == the capture-free step, every family); the whole of "
-                      "generation at the Qwen3.5-0.8B shape: time to first token, the 8192-token prefill, plain and "
-                      "eager decode, MTP k = 3 with every draft kept or none, the serving mix", (
-        tests(240, "prefill_graph_gpu.json", "tests/gpu/test_prefill_graph_gpu.py"),  # Kimi's KDA compiles ~100 s
+    "prefill-graph": Suite("prefill captured in pieces: replay == the capture-free step, every family (fla's and "
+                           "Kimi's KDA kernels compile ~100 s each on a fresh machine)", (
+        tests(560, "prefill_graph_gpu.json", "tests/gpu/test_prefill_graph_gpu.py"),
+    )),
+    "generate": Suite("the whole of generation at the Qwen3.5-0.8B shape: time to first token, the 8192-token "
+                      "prefill, plain and eager decode, MTP k = 3 with every draft kept or none, the serving mix; "
+                      "then where a speculative step's time goes (printed, in session.log)", (
         bench(330, "generate --family qwen3_5 --shape 0.8b --batch 1 8 --steps 32", "bench_generate_qwen3_5_0.8b.json"),
+        Part(200, "python -u benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --mtp 3 --batch 8 --steps 8 "
+             "--rows 30"),
     )),
     "cpu": Suite("every family's tiny model and the framework's overhead on one CPU thread (any machine)", (
         bench(70, f"model --family qwen3_5 {TINY} --steps 64", "bench_model_tiny_cpu.json", **CPU),
