@@ -67,6 +67,20 @@ def test_the_speculative_step_through_both_runners_equals_eager(name, recovery, 
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+def _speculator(model, draft, use_runners, **kw):
+    """Qwen3.5's MTP speculator over two prompts (k = 3), with both runners (a bucket of 2) or eager."""
+    t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
+    runner = StepRunner(model.family.step_hidden, model.params, t_attn, model.manifest(hidden=True),
+                        max_context=96, buckets=(2,)) if use_runners else None
+    spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params,
+                      target_attn=t_attn, target_state=_state(model.specs, recurrent_ring=6), draft_step=draft.step,
+                      draft_params=draft.params, draft_attn=d_attn, draft_state=_state(draft.specs), num_draft=3,
+                      target_runner=runner,
+                      draft_runner=_draft_runner(model, draft, d_attn, buckets=(2,)) if use_runners else None, **kw)
+    spec.start({0: [1, 2, 3, 4], 1: [9, 8]})
+    return spec
+
+
 def test_forced_acceptance_through_both_runners_emits_what_the_eager_step_does():
     """`Speculator`'s ``accept_hook`` on the one-read path (both runners): the kept drafts are the proposals,
     then the target's choice after them, as on the eager path, for every count 1 .. k + 1."""
@@ -74,17 +88,8 @@ def test_forced_acceptance_through_both_runners_emits_what_the_eager_step_does()
     draft = model.family.draft(model.config, model.params, None, seed=1)
 
     def run(use_runners):
-        t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
-        runner = StepRunner(model.family.step_hidden, model.params, t_attn, model.manifest(hidden=True),
-                            max_context=96, buckets=(2,)) if use_runners else None
-        spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params,
-                          target_attn=t_attn,
-                          target_state=_state(model.specs, recurrent_ring=6), draft_step=draft.step,
-                          draft_params=draft.params, draft_attn=d_attn, draft_state=_state(draft.specs),
-                          num_draft=3, target_runner=runner,
-                          accept_hook=lambda step, got: {r: 1 + (step + r) % 4 for r in got},
-                          draft_runner=_draft_runner(model, draft, d_attn, buckets=(2,)) if use_runners else None)
-        spec.start({0: [1, 2, 3, 4], 1: [9, 8]})
+        spec = _speculator(model, draft, use_runners,
+                           accept_hook=lambda step, got: {r: 1 + (step + r) % 4 for r in got})
         return [spec.step() for _ in range(5)]
 
     a, b = run(False), run(True)
@@ -102,15 +107,7 @@ def test_force_accept_on_the_device_emits_what_the_eager_step_does(count):
     draft = model.family.draft(model.config, model.params, None, seed=1)
 
     def run(use_runners):
-        t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
-        runner = StepRunner(model.family.step_hidden, model.params, t_attn, model.manifest(hidden=True),
-                            max_context=96, buckets=(2,)) if use_runners else None
-        spec = Speculator(trace=True, target_step=model.family.step_hidden, target_params=model.params,
-                          target_attn=t_attn, target_state=_state(model.specs, recurrent_ring=6),
-                          draft_step=draft.step, draft_params=draft.params, draft_attn=d_attn,
-                          draft_state=_state(draft.specs), num_draft=3, target_runner=runner, force_accept=count,
-                          draft_runner=_draft_runner(model, draft, d_attn, buckets=(2,)) if use_runners else None)
-        spec.start({0: [1, 2, 3, 4], 1: [9, 8]})
+        spec = _speculator(model, draft, use_runners, force_accept=count)
         return [spec.step() for _ in range(4)], spec.trace
 
     (a, ta), (b, tb) = run(False), run(True)
