@@ -11,8 +11,9 @@ between attention layers, and a replay runs each layer's backend eagerly in betw
 through a session opened on it as any step's is: each backend plans for the real lengths. A layer whose
 prefill backend is capturable (fla-core's GDN chunk forward over a chunk list padded to the bucket's most
 chunks, planned from the batch's device tensors) stays inside its piece: a Qwen3.5 bucket is then six
-eager attention layers between seven graphs, not 24 between 25. What a backend returns is copied into the tensors the next piece was captured reading; the
-last piece holds the step's apply (`State.write`), so the step still commits once, inside the graph.
+eager attention layers between seven graphs, not 24 between 25. What a backend returns is copied into the
+tensors the next piece was captured reading; the last piece holds the step's apply (`State.write`), so the
+step still commits once, inside the graph.
 
 A mixed step (``decode_ids``: decode tokens of running requests beside the prompt chunks, `Batch.mixed`) goes
 through the same bucket: its session splits each layer between the decode and prefill backends and joins
@@ -270,7 +271,8 @@ class PrefillRunner:
             # The session opens (plans, lease) before the first piece begins: a plan copies from the host.
             with static_shapes(), self.attn.session(state, batch, defer_capturable=True) as s, _ending(pieces):
                 pieces.begin()
-                logits, deltas = self.step(self.params, _CapturingSession(s, pieces, entry.islands, hold=not entry.mixed), entry.token_ids)
+                capturing = _CapturingSession(s, pieces, entry.islands, hold=not entry.mixed)
+                logits, deltas = self.step(self.params, capturing, entry.token_ids)
                 if not isinstance(deltas, StepDeltas):
                     fail("PrefillRunner", "step", "a step returning (logits, deltas)", type(deltas).__name__)
                 state.write(deltas)

@@ -7,11 +7,11 @@ import functools
 
 import pytest
 import torch
+from fnattn.models.registry import family_names
 
 import fnattn as fa
 import fnattn.switches
 from fnattn.driver import generate, prefill, run_step
-from fnattn.models.registry import family_names
 from fnattn.prefill_graph import PrefillRunner
 
 OLD = {0: [3, 17, 5, 9, 11], 1: [6, 1, 12]}  # decoding when the new prompts arrive

@@ -3,6 +3,7 @@ chunk list padded to a bucket's most chunks, built from the device's ``cu_seqlen
 plans a capturable backend's group at its first layer (inside the piece being captured), not on entry."""
 
 import torch
+from helpers import registry_scope
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,8 +11,6 @@ import fnattn as fa
 from fnattn.kinds.delta_rule.reference import per_request
 from fnattn.kinds.delta_rule.triton import _chunk_list, padded_chunk_list
 from fnattn.lanes import static_shapes
-
-from helpers import registry_scope
 
 
 @settings(max_examples=60, deadline=None)
@@ -85,8 +84,9 @@ def test_a_deferred_session_plans_a_capturable_group_at_its_first_layer():
 
 def test_a_mixed_step_holds_no_layer_in_the_graph():
     """A mixed step's parts are built per step: every layer of it runs between pieces."""
-    from fnattn.driver import prefill
     from fnattn.models.registry import random_model
+
+    from fnattn.driver import prefill
 
     m = random_model("qwen3_5", seed=0)
 
@@ -108,8 +108,9 @@ def test_a_mixed_step_holds_no_layer_in_the_graph():
 def test_a_mixed_step_has_a_bucket_of_its_own():
     """A prefill bucket's graphs may hold layers a mixed step must run by phase: the two never share an
     entry, whatever their (lanes, tokens)."""
-    from fnattn.driver import prefill
     from fnattn.models.registry import random_model
+
+    from fnattn.driver import prefill
     from fnattn.prefill_graph import PrefillRunner
 
     m = random_model("qwen3_5", seed=0)

@@ -8,8 +8,8 @@ One model (``--family`` at ``--shape``, random weights; bf16 on CUDA), batch 1 u
   ``eager_decode_ms``: the same step eager (session + apply), batch 1;
 * MTP with k drafts (families with a draft): every draft accepted (acceptance forced with `Speculator`'s
   ``force_accept``, decided on the device, so the figure is the machinery's, not the random draft's numerics)
-  and every draft wrong (forced to none): ms a step and tokens/s; ``mtp_oracle_speedup`` (batch 1, over plain decode's tokens/s)
-  and ``mtp_wrong_step_ratio`` (a wrong step over a plain decode step);
+  and every draft wrong (forced to none): ms a step and tokens/s; ``mtp_oracle_speedup`` (batch 1, over plain
+  decode's tokens/s) and ``mtp_wrong_step_ratio`` (a wrong step over a plain decode step);
 * a serving mix (``--mix`` REQUESTS prompts of LO..HI tokens, NEW tokens each, arriving together,
   `fnattn.driver.generate` with the decode and prefill runners): tokens/s, and ``serving_busy_share``: the
   device's busy time over the mix's wall time (1 where the device never waits for the host); then the same

@@ -20,8 +20,9 @@ Every decode record carries ``x_roofline`` (its step over its own roofline), ``a
 bytes, as the roofline counts them, over its time) and ``ratio_to_peer`` (transformers' step over this one,
 > 1: faster); with ``--profile`` the profiled cases' records also carry ``launches_per_step``. The last record,
 ``model summary``, names the captured step at the first prompt length per batch (``decode_b1_ms``,
-``decode_b8_ms``, ``decode_b32_ms`` where those batches ran) and its ``launches_per_step`` (batch 1, profiled). ``--shape tiny`` runs on CPU in seconds; its
-``cpu e2e`` record is the tiny model's P-token prefill plus ``--steps`` decode steps, end to end.
+``decode_b8_ms``, ``decode_b32_ms`` where those batches ran) and its ``launches_per_step`` (batch 1, profiled).
+``--shape tiny`` runs on CPU in seconds; its ``cpu e2e`` record is the tiny model's P-token prefill plus
+``--steps`` decode steps, end to end.
 """
 
 from __future__ import annotations
