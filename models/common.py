@@ -226,6 +226,32 @@ def _grouped(x: Tensor, down: Tensor | None) -> bool:
     return x.dtype is torch.bfloat16 and D % 8 == 0 and inner % 8 == 0
 
 
+_LAYER_RANGES: list[bool] = []  # one entry per open `layer_ranges` block
+
+
+@contextlib.contextmanager
+def layer_ranges() -> Iterator[None]:
+    """Within this block `each_layer` wraps each layer's work in a profiler range named ``fnattn layer {i}``,
+    so a profile can charge each kernel to its layer (the model bench's time against bytes). Eager steps only:
+    a graph replay runs no Python."""
+    _LAYER_RANGES.append(True)
+    try:
+        yield
+    finally:
+        _LAYER_RANGES.pop()
+
+
+def each_layer(layers: Sequence, first: int = 0) -> Iterator[tuple[int, object]]:
+    """``enumerate(layers, first)``; inside `layer_ranges`, the loop body of each layer runs in its range."""
+    if not _LAYER_RANGES:
+        yield from enumerate(layers, first)
+        return
+    for i, layer in enumerate(layers, first):
+        # the generator stays suspended inside the range while the caller's loop body runs
+        with torch.profiler.record_function(f"fnattn layer {i}"):
+            yield i, layer
+
+
 _ROUTED_COUNTS: list[list[int]] = []  # innermost `counting_routed_experts` block last
 
 

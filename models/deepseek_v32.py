@@ -43,6 +43,7 @@ from .common import (
     SwiGLU,
     check_config_value,
     check_step_tokens,
+    each_layer,
     grouped_topk,
     logit_rows,
     moe_sum,
@@ -474,7 +475,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     sparse = SparseQueryMetadata.build(batch, topk=cfg.indexer.topk) if cfg.indexer is not None else None
     topk: dict[int, Tensor] = {}  # layer -> its [T, topk] selection, for the layers that reuse it
     layer_deltas = []
-    for i, layer in enumerate(params.layers):
+    for i, layer in each_layer(params.layers):
         x, deltas = decoder_layer(session, i, layer, cfg, x, cos, sin, sparse, topk)
         layer_deltas.append(deltas)
     hidden = rms_norm(x, params.norm, cfg.rms_norm_eps)  # [T, D]

@@ -28,7 +28,15 @@ from fnattn.kinds.dsv4 import DSV4Config
 from fnattn.kinds.dsv4.math import rms_norm_fp32w
 from fnattn.tp import all_reduce
 
-from .common import StackedExperts, check_config_value, check_step_tokens, experts, grouped_topk, logit_rows
+from .common import (
+    StackedExperts,
+    check_config_value,
+    check_step_tokens,
+    each_layer,
+    experts,
+    grouped_topk,
+    logit_rows,
+)
 from .deepseek_v32 import get_field, rope_tables
 from .dsv4_layer import AttnWeights, attention_inputs, output_projection, unweighted_norm
 from .dsv4_layer import rope_tables as cos_sin
@@ -434,7 +442,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
                                                                                       x.dtype)}
     streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, N, D]
     layer_deltas = []
-    for i, layer in enumerate(params.layers):
+    for i, layer in each_layer(params.layers):
         streams, deltas = decoder_layer(session, i, layer, cfg.specs[i].config, cfg, streams, ropes,
                                         params.inv_freq_compress, tokens)
         layer_deltas.append(deltas)

@@ -44,6 +44,7 @@ from .common import (
     check_config_value,
     check_step_tokens,
     config_field,
+    each_layer,
     grouped_topk,
     logit_rows,
     moe_sum,
@@ -431,7 +432,7 @@ def step(params: Params, session, tokens: Int[Tensor, " T"]) -> tuple[Float[Tens
     T, dt = tokens.shape[0], cfg.dtype  # attention runs in the spec dtype, maybe not the weights'
     x = params.embed[tokens]  # [T, D]
     layer_deltas = []
-    for i, layer in enumerate(params.layers):
+    for i, layer in each_layer(params.layers):
         h = rms_norm(x, layer.input_norm, cfg.rms_eps)
         if isinstance(layer.attn, KDAParams):
             w = layer.attn.w

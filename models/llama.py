@@ -32,6 +32,7 @@ from .common import (
     apply_rope,
     check_step_tokens,
     config_field,
+    each_layer,
     llama3_inv_freq,
     logit_rows,
     rms_norm,
@@ -259,7 +260,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     cos, sin = rope_cos_sin(batch.positions, params.inv_freq)  # [T, head_dim] fp32
     x = F.embedding(tokens, params.embed)  # [T, D]
     layer_deltas = []
-    for i, layer in enumerate(params.layers):
+    for i, layer in each_layer(params.layers):
         y, deltas = attention(session, i, layer, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin, cfg)
         layer_deltas.append(deltas)
         x = x + all_reduce(y)  # o_proj and down_proj are row-parallel under TP (models/tp.py)

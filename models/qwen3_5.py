@@ -42,6 +42,7 @@ from .common import (
     SwiGLU,
     check_step_tokens,
     config_field,
+    each_layer,
     logit_rows,
     moe_sum,
     rope_cos_sin,
@@ -514,7 +515,7 @@ def step_hidden(params: Params, session, tokens: Int[Tensor, " T"]
     table = step_rope_table(cos, sin, x)
     eps, layers, layer_deltas = cfg.rms_norm_eps, params.layers, []
     h = rms_norm_offset(x, layers[0].input_norm, eps)
-    for i, layer in enumerate(layers):
+    for i, layer in each_layer(layers):
         next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else params.norm
         x, h, deltas = _chained_layer(session, i, layer, x, h, next_norm, cos, sin, cfg, table,
                                       split_next=i + 1 < len(layers))

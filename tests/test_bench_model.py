@@ -314,3 +314,30 @@ def test_commit_names_a_tree_whose_files_differ_from_its_head(tmp_path, monkeypa
     assert bench.commit() == head + "+changes"
     monkeypatch.setenv("FNATTN_COMMIT", "abc")
     assert bench.commit() == "abc"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v32"])
+def test_the_profile_sets_each_layer_s_time_against_its_bytes(family):
+    """With ``--profile``, an eager case's ``layers`` record holds one row per layer: its ops' time, and bytes
+    that add up, with the rest of the step's, to the case's roofline (a MoE layer's picked experts included)."""
+    from fnattn.bench.model import run_model_bench
+
+    torch.set_num_threads(1)
+    logged = []
+    records = run_model_bench(family=family, shape="tiny", batches=[2], prompts=[16], steps=2, device="cpu",
+                              transformers=False, graph=False, profile=2, log=logged.append)
+    (rec,) = [r for r in records if r["backend"] == "fnattn eager layers"]
+    (roof,) = [r for r in records if r["backend"] == "roofline step"]
+    (prof,) = [r for r in records if r["backend"] == "fnattn eager profile" and r["phase"] == "decode"]
+    model_specs = [r["layer"] for r in rec["layers"]]
+    assert model_specs == list(range(len(model_specs))) and len(model_specs) >= 2
+    for r in rec["layers"]:
+        assert r["time_us"] > 0 and r["bytes"]["weights"] > 0 and r["floor_us"] > 0
+        assert r["x_floor"] == pytest.approx(r["time_us"] / r["floor_us"])
+    assert {r["kind"] for r in rec["layers"]} >= ({"gdn", "full"} if family == "qwen3_5" else {"sparse_mla"})
+    for key in ("kv_read", "kv_written", "state_read", "state_written"):
+        assert sum(r["bytes"][key] for r in rec["layers"]) == roof["bytes"][key]
+    weights = sum(r["bytes"]["weights"] for r in rec["layers"])
+    assert weights + rec["outside_weight_bytes"] == roof["bytes"]["weights"] and rec["outside_weight_bytes"] > 0
+    assert rec["busy_us"] == prof["profile"]["busy_us"] and 0 < rec["layers_us"] < rec["busy_us"]
+    assert any("layers" in line and "floor" in line for line in logged)

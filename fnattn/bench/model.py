@@ -18,7 +18,9 @@ bf16 on CUDA and fp32 on CPU. For each prompt length P and batch B:
 
 Every decode record carries ``x_roofline`` (its step over its own roofline), ``achieved_tb_s`` (the step's
 bytes, as the roofline counts them, over its time) and ``ratio_to_peer`` (transformers' step over this one,
-> 1: faster); with ``--profile`` the profiled cases' records also carry ``launches_per_step``. The last record,
+> 1: faster); with ``--profile`` the profiled cases' records also carry ``launches_per_step``, and each eager
+case has a ``fnattn eager layers`` record: every layer's kernel time a step (its work inside a profiler range,
+`models.common.layer_ranges`) against its own bytes over the copy bandwidth (`roofline.layer_times`). The last record,
 ``model summary``, names the captured step at the first prompt length per batch (``decode_b1_ms``,
 ``decode_b8_ms``, ``decode_b32_ms`` where those batches ran) and its ``launches_per_step`` (batch 1, profiled).
 ``--shape tiny`` runs on CPU in seconds; its ``cpu e2e`` record is the tiny model's P-token prefill plus
@@ -27,13 +29,22 @@ bytes, as the roofline counts them, over its time) and ``ratio_to_peer`` (transf
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
 
 import torch
 
-from .roofline import copy_bandwidth, expert_layers, experts_per_token, step_bytes, weight_bytes
+from .roofline import (
+    copy_bandwidth,
+    expert_layers,
+    experts_per_token,
+    layer_times,
+    print_layers,
+    step_bytes,
+    weight_bytes,
+)
 
 QWEN3_5_0_8B = {  # the Qwen3.5-0.8B text decoder's shape
     "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "num_hidden_layers": 24,
@@ -413,7 +424,8 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
             times, st = time_decode(model, ma, st, b, steps)
             records.append(_record(case, "fnattn eager", "decode", statistics.median(times), b))
             if profile:
-                st = _profile_decode(records, case, "fnattn eager", model, ma, st, b, profile, log)
+                st = _profile_decode(records, case, "fnattn eager", model, ma, st, b, profile, log,
+                                     layers=(prompt, touched, bw))
             if graph:
                 runner, why = _graph_runner(model, ma, b, prompt + room)  # the block table's reserved width
                 if runner is None:
@@ -463,8 +475,12 @@ def model_summary(records: list[dict], name: str, prompt: int) -> dict:
     return out
 
 
-def _profile_decode(records, case, backend, model, ma, state, batch, steps, log, runner=None):
-    """Profile ``steps`` decode steps (`fnattn.bench.profile`); ``-> the state after``."""
+def _profile_decode(records, case, backend, model, ma, state, batch, steps, log, runner=None, layers=None):
+    """Profile ``steps`` decode steps (`fnattn.bench.profile`); ``-> the state after``.
+
+    ``layers`` (eager steps only): ``(ctx, touched, bandwidth)``; each layer's work then runs in a profiler range
+    and a ``... layers`` record sets each layer's kernel time against its bytes (`layer_times`)."""
+    from ..models.common import layer_ranges
     from .profile import kernel_profile, print_profile
 
     holder = [state]
@@ -472,8 +488,16 @@ def _profile_decode(records, case, backend, model, ma, state, batch, steps, log,
     def one():
         holder[0] = time_decode(model, ma, holder[0], batch, 1, runner=runner, warmup=0)[1]
 
-    result = kernel_profile(one, steps=steps, device=state.device)
+    prefix = "fnattn layer "
+    with layer_ranges() if layers is not None else contextlib.nullcontext():
+        result = kernel_profile(one, steps=steps, device=state.device, ranges=prefix if layers else None)
     records.append({"case": case, "backend": f"{backend} profile", "phase": "decode", "profile": result})
+    if layers is not None and "ranges" in result:
+        ctx, touched, bw = layers
+        times = [result["ranges"].get(f"{prefix}{i}", 0.0) for i in range(len(model.config.specs))]
+        rec = layer_times(model, holder[0], batch, ctx, touched, bw, times, busy_us=result["busy_us"])
+        records.append({"case": case, "backend": f"{backend} layers", "phase": "decode", **rec})
+        print_layers(f"{case} {backend}", rec, log=log)
     timed = next((r for r in reversed(records) if r["case"] == case and r["backend"] == backend), None)
     if timed is not None and "kernels" in result:
         timed["launches_per_step"] = result["kernels"]

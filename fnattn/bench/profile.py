@@ -10,7 +10,9 @@
 - ``kernels``: launches a step (CPU: the torch calls the step makes, not the ops inside them);
 - ``by_kind``: busy time split into GEMMs, attention / recurrent kernels (Triton and library), element-wise
   and reduction ops, copies (a coarse, name-based split: what to fuse next);
-- ``top``: the kernels taking the most time a step, with their launch counts.
+- ``top``: the kernels taking the most time a step, with their launch counts;
+- ``ranges`` (when asked for, by a name prefix): each profiler range's kernel time a step, the kernels
+  launched inside it (on a CPU: its ops' time), e.g. each layer's under `models.common.layer_ranges`.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ def kind_of(name: str) -> str:
     return "attention / other"  # Triton kernels, FlashInfer, fla, FlashMLA: named by their op
 
 
-def kernel_profile(fn, *, steps: int, device: torch.device, top: int = 25) -> dict:
-    """Profile ``steps`` calls of ``fn`` (after one unprofiled call); ``-> the per-step summary`` above."""
+def kernel_profile(fn, *, steps: int, device: torch.device, top: int = 25, ranges: str | None = None) -> dict:
+    """Profile ``steps`` calls of ``fn`` (after one unprofiled call); ``-> the per-step summary`` above.
+
+    ``ranges``: also sum, per step, the time of each `torch.profiler.record_function` range whose name starts
+    with it (``ranges`` in the summary, in order of first appearance)."""
     import time
 
     from torch.autograd import DeviceType
@@ -75,7 +80,7 @@ def kernel_profile(fn, *, steps: int, device: torch.device, top: int = 25) -> di
     for name, times in per_name.items():
         by_kind[kind_of(name)] += sum(times) / steps
     rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
-    return {
+    out = {
         "steps": steps,
         "device": device.type,
         "busy_us": busy / steps,
@@ -85,6 +90,20 @@ def kernel_profile(fn, *, steps: int, device: torch.device, top: int = 25) -> di
         "top": [{"name": name[:160], "kind": kind_of(name), "per_step": len(t) / steps,
                  "us_per_step": sum(t) / steps, "mean_us": sum(t) / len(t)} for name, t in rows[:top]],
     }
+    if ranges is not None:
+        out["ranges"] = range_times(prof.events(), ranges, steps=steps, cuda=cuda)
+    return out
+
+
+def range_times(events, prefix: str, *, steps: int, cuda: bool) -> dict[str, float]:
+    """Per step, each range named ``prefix...``: the kernels launched inside it (every op's under it, nested
+    ones included, and those launched by the range itself, as Triton's are); on a CPU, its ops' time."""
+    times: dict[str, float] = {}
+    for e in events:
+        if e.name.startswith(prefix) and e.device_type.name == "CPU":
+            spent = e.device_time_total if cuda else sum(c.cpu_time_total for c in e.cpu_children)
+            times[e.name] = times.get(e.name, 0.0) + spent / steps
+    return times
 
 
 def print_profile(label: str, p: dict, rows: int = 15, log=print) -> None:

@@ -1,5 +1,6 @@
 """What a decode step must move, for the model bench's rooflines: the weights (a MoE step's routed experts as
-many as its tokens pick), the K/V and recurrent rows read and written, and the device's copy bandwidth."""
+many as its tokens pick), the K/V and recurrent rows read and written, and the device's copy bandwidth; and
+each layer's profiled time against its own bytes."""
 
 from __future__ import annotations
 
@@ -79,10 +80,13 @@ def experts_per_token(config) -> int | None:
     return None
 
 
-def step_bytes(state, batch: int, ctx: int) -> dict[str, int]:
-    """K/V and recurrent bytes one decode step moves for ``batch`` requests with ``ctx`` cached tokens."""
+def step_bytes(state, batch: int, ctx: int, layers: Sequence[int] | None = None) -> dict[str, int]:
+    """K/V and recurrent bytes one decode step moves for ``batch`` requests with ``ctx`` cached tokens (only the
+    layers indexed ``layers``, when given)."""
     out = {"kv_read": 0, "kv_written": 0, "state_read": 0, "state_written": 0}
     for spec in state.specs:
+        if layers is not None and spec.index not in layers:
+            continue
         views = state.views(spec.index)
         for name, space in state.storage_spaces[spec.index].items():
             t = views[name]
@@ -112,3 +116,46 @@ def copy_bandwidth(device: torch.device) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return 2 * n / min(times)
+
+
+def layer_times(model, state, batch: int, ctx: int, touched, bw: float, times_us: list[float], *,
+                busy_us: float) -> dict:
+    """Each layer's kernel time a step (``times_us``, in layer order) against the bytes it must move: its
+    weights (a MoE layer's routed experts as many as ``touched`` counted) and its K/V and recurrent rows, over
+    the copy bandwidth ``bw``. ``outside`` is the rest of the step (embedding, final norm, lm_head, the apply)."""
+    layers_params = model.params.layers if hasattr(model.params, "layers") else model.params["layers"]
+    counts = iter(touched or ())
+    rows, layer_weights = [], 0
+    for spec, params, t in zip(model.config.specs, layers_params, times_us, strict=True):
+        moe = len(expert_layers(params))
+        picked = [next(counts) for _ in range(moe)] if touched is not None else None
+        weights = weight_bytes(params, tokens=batch, experts_per_token=experts_per_token(model.config),
+                               touched=picked)
+        layer_weights += weights
+        moved = step_bytes(state, batch, ctx, layers=(spec.index,))
+        nbytes = weights + sum(moved.values())
+        floor = nbytes / bw * 1e6
+        rows.append({"layer": spec.index, "kind": spec.kind, "time_us": t, "bytes": {"weights": weights, **moved},
+                     "floor_us": floor, "x_floor": t / floor if floor else None,
+                     "achieved_tb_s": nbytes / (t * 1e-6) / 1e12 if t else None})
+    in_layers = sum(times_us)
+    return {"layers": rows, "layers_us": in_layers, "busy_us": busy_us, "outside_us": busy_us - in_layers,
+            "outside_weight_bytes": weight_bytes(model.params, tokens=batch,
+                                                 experts_per_token=experts_per_token(model.config),
+                                                 touched=touched) - layer_weights,
+            "note": "kernel time inside each layer's profiler range (eager steps: the captured step runs the same "
+                    "kernels without the host between them) against its bytes over the copy bandwidth"}
+
+
+def print_layers(label: str, rec: dict, log=print) -> None:
+    """One line per layer kind (layers of one kind sum), then the rest of the step."""
+    by_kind: dict[str, list[float]] = {}
+    for r in rec["layers"]:
+        acc = by_kind.setdefault(r["kind"], [0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += r["time_us"]
+        acc[2] += r["floor_us"]
+    for kind, (n, t, floor) in by_kind.items():
+        log(f"{label}: {n} {kind} layers {t:.0f} us, floor {floor:.0f} us ({t / floor:.1f}x)" if floor else
+            f"{label}: {n} {kind} layers {t:.0f} us")
+    log(f"{label}: outside the layers {rec['outside_us']:.0f} us of {rec['busy_us']:.0f} us busy")
