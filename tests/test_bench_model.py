@@ -341,3 +341,22 @@ def test_the_profile_sets_each_layer_s_time_against_its_bytes(family):
     assert weights + rec["outside_weight_bytes"] == roof["bytes"]["weights"] and rec["outside_weight_bytes"] > 0
     assert rec["busy_us"] == prof["profile"]["busy_us"] and 0 < rec["layers_us"] < rec["busy_us"]
     assert any("layers" in line and "floor" in line for line in logged)
+
+
+def test_a_range_s_device_time_is_the_kernels_inside_its_span():
+    """On CUDA a layer's time is the kernels that ran within its range's device-side span, not the span itself
+    (which holds the host's gaps between launches in an eager step)."""
+    from types import SimpleNamespace
+
+    from fnattn.bench.profile import range_kernel_times
+
+    def event(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    annotations = [event("fnattn layer 0", 0, 100), event("fnattn layer 1", 100, 300), event("other", 0, 300),
+                   event("fnattn layer 0", 300, 400)]  # a second step
+    kernels = [event("k", 10, 20), event("k", 50, 55), event("k", 120, 150), event("k", 290, 310),
+               event("k", 320, 330)]
+    times = range_kernel_times(annotations, kernels, "fnattn layer ", steps=2)
+    # the kernel straddling two spans (290-310) is charged to neither
+    assert times == {"fnattn layer 0": (15 + 10) / 2, "fnattn layer 1": 30 / 2}

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections import defaultdict
 
@@ -62,8 +63,13 @@ def kernel_profile(fn, *, steps: int, device: torch.device, top: int = 25, range
         sync()
         wall = time.perf_counter() - started
     per_name: dict[str, list[float]] = defaultdict(list)
+    annotations = []  # each range's device-side span (the profiler draws one per range on the device too)
     if cuda:
-        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        events = []
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                ranged = e.is_user_annotation or (ranges is not None and e.name.startswith(ranges))
+                (annotations if ranged else events).append(e)
         if not events:
             return {"steps": steps, "error": "the profiler recorded no device events (CUPTI unavailable?)"}
         for e in events:
@@ -91,18 +97,36 @@ def kernel_profile(fn, *, steps: int, device: torch.device, top: int = 25, range
                  "us_per_step": sum(t) / steps, "mean_us": sum(t) / len(t)} for name, t in rows[:top]],
     }
     if ranges is not None:
-        out["ranges"] = range_times(prof.events(), ranges, steps=steps, cuda=cuda)
+        out["ranges"] = (range_kernel_times(annotations, events, ranges, steps=steps) if cuda else
+                         range_op_times(prof.events(), ranges, steps=steps))
     return out
 
 
-def range_times(events, prefix: str, *, steps: int, cuda: bool) -> dict[str, float]:
-    """Per step, each range named ``prefix...``: the kernels launched inside it (every op's under it, nested
-    ones included, and those launched by the range itself, as Triton's are); on a CPU, its ops' time."""
+def range_kernel_times(annotations, kernels, prefix: str, *, steps: int) -> dict[str, float]:
+    """Per step, each range named ``prefix...``: the time of the kernels that ran inside its span on the device
+    (a step's kernels run one after another on one stream, so the spans do not overlap)."""
+    kernels = sorted(kernels, key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in kernels]
+    times: dict[str, float] = {}
+    for a in annotations:
+        if not a.name.startswith(prefix):
+            continue
+        spent = 0.0
+        for e in kernels[bisect.bisect_left(starts, a.time_range.start):]:
+            if e.time_range.start >= a.time_range.end:
+                break
+            if e.time_range.end <= a.time_range.end:
+                spent += e.time_range.end - e.time_range.start
+        times[a.name] = times.get(a.name, 0.0) + spent / steps
+    return times
+
+
+def range_op_times(events, prefix: str, *, steps: int) -> dict[str, float]:
+    """On a CPU, per step, each range named ``prefix...``: the time of the torch ops called inside it."""
     times: dict[str, float] = {}
     for e in events:
         if e.name.startswith(prefix) and e.device_type.name == "CPU":
-            spent = e.device_time_total if cuda else sum(c.cpu_time_total for c in e.cpu_children)
-            times[e.name] = times.get(e.name, 0.0) + spent / steps
+            times[e.name] = times.get(e.name, 0.0) + sum(c.cpu_time_total for c in e.cpu_children) / steps
     return times
 
 
