@@ -83,8 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS decode steps of each case, eager and replayed, and one prefill "
                         "step: time per step by "
-                        "kernel (CUDA) or leaf torch op (CPU), name and kind, in the JSON "
-                        "(fnattn/bench/profile.py; default 0: off)")
+                        "kernel (CUDA) or leaf torch op (CPU), name and kind, and each layer's time against its "
+                        "own bytes (the eager steps), in the JSON (fnattn/bench/profile.py; default 0: off)")
 
 
 def run_model(args) -> int:
