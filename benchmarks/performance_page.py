@@ -45,6 +45,8 @@ TEXT = {
         "decode_head": ["decode step", "roofline", "fnattn eager", "fnattn graph", "graph x roofline",
                         "transformers", "eager vs transformers", "graph vs transformers"],
         "prefill_head": ["prefill", "fnattn", "tok/s", "transformers", "vs transformers"],
+        "layers_head": ["decode step, eager kernels", "layers", "kernel time", "floor (own bytes)", "x floor"],
+        "outside": "outside the layers",
         "cpu": "### Tiny models on the CPU",
         "cpu_intro": "The tiny config of each family on one CPU thread (the `fnattn bench model --shape tiny` "
         "records): prefill of 512 tokens and one decode step, at batch 1 and 8.",
@@ -86,6 +88,8 @@ TEXT = {
         "decode_head": ["decode 步", "roofline", "fnattn eager", "fnattn graph", "graph x roofline",
                         "transformers", "eager 对比 transformers", "graph 对比 transformers"],
         "prefill_head": ["prefill", "fnattn", "tok/s", "transformers", "对比 transformers"],
+        "layers_head": ["decode 步,eager kernel", "层", "kernel 时间", "下限(自身字节)", "x 下限"],
+        "outside": "层外",
         "cpu": "### CPU 上的 tiny 模型",
         "cpu_intro": "各模型族的 tiny 配置,单个 CPU 线程(`fnattn bench model --shape tiny` 的记录):512 token 的 "
         "prefill 与一个 decode 步,batch 1 与 8。",
@@ -256,7 +260,29 @@ def _model_tables(rec: dict, L: dict) -> list[str]:
             prefill.append([case, t(ours.get("time_us")), f"{ours.get('tok_s', 0):,.0f}", t(hf.get("time_us")),
                             x(ours.get("ratio_to_peer"))])
     out = table(L["decode_head"], decode) + [""]
-    return out + (table(L["prefill_head"], prefill) + [""] if prefill else [])
+    out += table(L["prefill_head"], prefill) + [""] if prefill else []
+    per_layer = [row for case, rs in cases.items() for r in rs if r.get("backend") == "fnattn eager layers"
+                 for row in _layer_rows(case, r, L)]
+    return out + (table(L["layers_head"], per_layer) + [""] if per_layer else [])
+
+
+def _layer_rows(case: str, rec: dict, L: dict) -> list[list[str]]:
+    """One row per layer kind of a ``fnattn eager layers`` record (each layer's kernel time against its own
+    bytes, summed over the layers of that kind), then the rest of the step."""
+    kinds: dict[str, list[float]] = {}
+    for layer in rec.get("layers", []):
+        acc = kinds.setdefault(layer["kind"], [0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += layer["time_us"]
+        acc[2] += layer["floor_us"]
+    rows = [[case, f"{n} {kind}", t(us), t(floor), x(us / floor if floor else None)]
+            for kind, (n, us, floor) in kinds.items()]
+    # the rest of the step moves the weights outside the layers (embedding rows, final norm, lm_head)
+    first = (rec.get("layers") or [{}])[0]
+    outside, floor = rec.get("outside_us"), None
+    if first.get("floor_us") and rec.get("outside_weight_bytes") is not None:
+        floor = rec["outside_weight_bytes"] / (sum(first["bytes"].values()) / first["floor_us"])
+    return rows + [[case, L["outside"], t(outside), t(floor), x(outside / floor if outside and floor else None)]]
 
 
 def _cpu_row(rec: dict) -> list[str]:

@@ -69,3 +69,17 @@ def test_check_reports_a_stale_page(tmp_path, monkeypatch, capsys):
     (root / page.RESULTS / "bench_decode.json").write_text(json.dumps(_layer_record(60.0, 30.0)))
     assert page.main(["--check"]) == 1
     assert "docs/performance.md" in capsys.readouterr().err
+
+
+def test_a_layers_record_gives_each_kind_s_time_against_its_floor():
+    """A ``fnattn eager layers`` record becomes one row per layer kind (times and floors summed over its layers)
+    and one for the rest of the step, whose floor is its weights at the layers' bandwidth."""
+    def layer(kind, us, floor, nbytes):
+        return {"kind": kind, "time_us": us, "floor_us": floor, "bytes": {"weights": nbytes, "kv_read": 0}}
+
+    rec = {"layers": [layer("gdn", 30.0, 10.0, 1000), layer("gdn", 40.0, 10.0, 1000), layer("full", 9.0, 3.0, 300)],
+           "outside_us": 60.0, "outside_weight_bytes": 4000}
+    rows = page._layer_rows("m B1 ctx8", rec, page.TEXT["en"])
+    assert rows == [["m B1 ctx8", "2 gdn", "70.0 us", "20.0 us", page.x(3.5)],
+                    ["m B1 ctx8", "1 full", "9.0 us", "3.0 us", page.x(3.0)],
+                    ["m B1 ctx8", "outside the layers", "60.0 us", "40.0 us", page.x(1.5)]]
