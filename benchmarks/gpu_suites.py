@@ -161,9 +161,9 @@ SUITES: dict[str, Suite] = {
         bench(280, "model --family kimi_linear --shape 4-layer --batch 1 8 32 --prompt 2048 --no-transformers",
               "bench_model_kimi_linear_4-layer.json"),
     )),
-    "profile": Suite("where the Qwen3.5-0.8B decode step's time goes: kernels per step (eager and replayed), then "
-                     "eager host time (printed, in session.log)", (
-        bench(300, "model --family qwen3_5 --shape 0.8b --batch 1 32 --prompt 512 --steps 16 --no-transformers "
+    "profile": Suite("where the Qwen3.5-0.8B decode step's time goes: kernels per step (eager and replayed), each "
+                     "layer's kernel time against its bytes, then eager host time (printed, in session.log)", (
+        bench(330, "model --family qwen3_5 --shape 0.8b --batch 1 8 32 --prompt 512 --steps 16 --no-transformers "
               "--profile 4", "bench_model_qwen3_5_0.8b_profile.json"),
         Part(120, "python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 "
              "--rows 25"),
