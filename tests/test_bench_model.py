@@ -360,3 +360,29 @@ def test_a_range_s_device_time_is_the_kernels_inside_its_span():
     times = range_kernel_times(annotations, kernels, "fnattn layer ", steps=2)
     # the kernel straddling two spans (290-310) is charged to neither
     assert times == {"fnattn layer 0": (15 + 10) / 2, "fnattn layer 1": 30 / 2}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "deepseek_v4", "glm5", "kimi_linear", "llama",
+                                    "qwen2", "qwen3", "qwen3_5", "qwen3_next"])
+def test_every_family_walks_its_layers_in_profiler_ranges(family):
+    """Each family's step runs each layer inside `layer_ranges`' range ``fnattn layer {i}``, once a step, and
+    nothing of the kind outside the block: what the per-layer profile charges kernels by."""
+    import fnattn as fa
+    from fnattn.models.common import layer_ranges
+    from fnattn.models.registry import random_model
+    from torch.profiler import ProfilerActivity, profile
+
+    from fnattn.driver import prefill
+
+    torch.set_num_threads(1)
+    model = random_model(family)
+    attn = fa.ModelAttention(model.specs)
+    page = attn.page_size or 4
+    st = fa.State(model.specs, num_pages=64, page_size=page, max_requests=2).admit(0).admit(1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, layer_ranges():
+        st, _ = prefill(model.step, model.params, attn, st, {0: [3, 5, 7]})
+    names = [e.name for e in prof.events() if e.name.startswith("fnattn layer ")]
+    assert sorted(names) == sorted(f"fnattn layer {i}" for i in range(len(model.specs)))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        prefill(model.step, model.params, attn, st, {1: [2, 4]})
+    assert not [e for e in prof.events() if e.name.startswith("fnattn layer ")]
