@@ -367,11 +367,11 @@ def test_a_range_s_device_time_is_the_kernels_inside_its_span():
 def test_every_family_walks_its_layers_in_profiler_ranges(family):
     """Each family's step runs each layer inside `layer_ranges`' range ``fnattn layer {i}``, once a step, and
     nothing of the kind outside the block: what the per-layer profile charges kernels by."""
-    import fnattn as fa
     from fnattn.models.common import layer_ranges
     from fnattn.models.registry import random_model
     from torch.profiler import ProfilerActivity, profile
 
+    import fnattn as fa
     from fnattn.driver import prefill
 
     torch.set_num_threads(1)
