@@ -241,12 +241,12 @@ def layer_ranges() -> Iterator[None]:
         _LAYER_RANGES.pop()
 
 
-def each_layer(layers: Sequence, first: int = 0) -> Iterator[tuple[int, object]]:
-    """``enumerate(layers, first)``; inside `layer_ranges`, the loop body of each layer runs in its range."""
+def each_layer(layers: Sequence) -> Iterator[tuple[int, object]]:
+    """``enumerate(layers)``; inside `layer_ranges`, the loop body of each layer runs in its range."""
     if not _LAYER_RANGES:
-        yield from enumerate(layers, first)
+        yield from enumerate(layers)
         return
-    for i, layer in enumerate(layers, first):
+    for i, layer in enumerate(layers):
         # the generator stays suspended inside the range while the caller's loop body runs
         with torch.profiler.record_function(f"fnattn layer {i}"):
             yield i, layer

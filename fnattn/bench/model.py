@@ -490,7 +490,7 @@ def _profile_decode(records, case, backend, model, ma, state, batch, steps, log,
 
     prefix = "fnattn layer "
     with layer_ranges() if layers is not None else contextlib.nullcontext():
-        result = kernel_profile(one, steps=steps, device=state.device, ranges=prefix if layers else None)
+        result = kernel_profile(one, steps=steps, device=state.device, ranges=prefix if layers is not None else None)
     records.append({"case": case, "backend": f"{backend} profile", "phase": "decode", "profile": result})
     if layers is not None and "ranges" in result:
         ctx, touched, bw = layers

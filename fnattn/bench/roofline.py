@@ -124,13 +124,12 @@ def layer_times(model, state, batch: int, ctx: int, touched, bw: float, times_us
     weights (a MoE layer's routed experts as many as ``touched`` counted) and its K/V and recurrent rows, over
     the copy bandwidth ``bw``. ``outside`` is the rest of the step (embedding, final norm, lm_head, the apply)."""
     layers_params = model.params.layers if hasattr(model.params, "layers") else model.params["layers"]
-    counts = iter(touched or ())
+    k, counts = experts_per_token(model.config), iter(touched or ())
     rows, layer_weights = [], 0
     for spec, params, t in zip(model.config.specs, layers_params, times_us, strict=True):
         moe = len(expert_layers(params))
         picked = [next(counts) for _ in range(moe)] if touched is not None else None
-        weights = weight_bytes(params, tokens=batch, experts_per_token=experts_per_token(model.config),
-                               touched=picked)
+        weights = weight_bytes(params, tokens=batch, experts_per_token=k, touched=picked)
         layer_weights += weights
         moved = step_bytes(state, batch, ctx, layers=(spec.index,))
         nbytes = weights + sum(moved.values())
@@ -140,8 +139,7 @@ def layer_times(model, state, batch: int, ctx: int, touched, bw: float, times_us
                      "achieved_tb_s": nbytes / (t * 1e-6) / 1e12 if t else None})
     in_layers = sum(times_us)
     return {"layers": rows, "layers_us": in_layers, "busy_us": busy_us, "outside_us": busy_us - in_layers,
-            "outside_weight_bytes": weight_bytes(model.params, tokens=batch,
-                                                 experts_per_token=experts_per_token(model.config),
+            "outside_weight_bytes": weight_bytes(model.params, tokens=batch, experts_per_token=k,
                                                  touched=touched) - layer_weights,
             "note": "kernel time inside each layer's profiler range (eager steps: the captured step runs the same "
                     "kernels without the host between them) against its bytes over the copy bandwidth"}
