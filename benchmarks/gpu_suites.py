@@ -36,7 +36,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json"}
+NEW = {"tp_gpu.json", "bench_invariance_tiny.json", "bench_invariance_qwen3_5_0.8b.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -169,15 +169,20 @@ SUITES: dict[str, Suite] = {
              "--rows 25"),
     )),
     "invariance": Suite("whether a token's result depends on its phase, batch or graph, with the invariant mode off "
-                        "and on (fnattn bench invariance; on CUDA the projections and the Triton full attention honour "
-                        "the mode, MLA, the recurrent and the fused kernels not yet); Llama / Qwen3 verify == decode "
-                        "on CUDA; the mode's fixed-tile GEMM against cuBLAS and the default GEMV", (
+                        "and on, every family (fnattn bench invariance; in the mode a ModelAttention chooses only "
+                        "backends that honour it: the Triton full-attention and GDN / KDA kernels, the MLA kinds' "
+                        "reference paths); every family's verify == decode and batch invariance on CUDA", (
         tests(90, "invariant_linear_gpu.json", "tests/kernels/test_invariant_linear.py "
               "tests/kernels/test_paged_attention_invariant.py"),
-        tests(120, "invariant_gpu.json", "tests/gpu/test_invariant_gpu.py"),
+        tests(200, "invariant_gpu.json", "tests/gpu/test_invariant_gpu.py"),
+        bench(270, "invariance --family all --new-tokens 32 --batch 1 8 --steps 4", "bench_invariance_tiny.json"),
+    )),
+    "invariance-cost": Suite("the invariant mode's cost: its fixed-tile GEMM against cuBLAS and the default GEMV, then "
+                             "the Qwen3.5-0.8B shape's properties and its decode step, captured, mode on over off at "
+                             "batch 1 / 8 / 32 / 128", (
         Part(150, "python benchmarks/invariant_linear_cost.py --out {out}/invariant_linear_cost.json"),
-        bench(200, "invariance --family qwen3_5 --new-tokens 24 --batch 1 8 --steps 6",
-              "bench_invariance_qwen3_5_tiny.json"),
+        bench(400, "invariance --family qwen3_5 --shape 0.8b --new-tokens 64 --batch 1 8 32 128 --steps 8",
+              "bench_invariance_qwen3_5_0.8b.json"),
     )),
     "prefill-graph": Suite("prefill captured in pieces: replay == the capture-free step, every family (fla's and "
                            "Kimi's KDA kernels compile ~100 s each on a fresh machine)", (

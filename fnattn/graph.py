@@ -35,8 +35,20 @@ from torch import Tensor
 from .batch import RECOVERY, TENSOR_DTYPES, Batch, next_step_id, rebound
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
-from .lanes import (BATCH_LANES, Bucket, LaneError, Manifest, block_columns, bucket_sizes, check_lanes,
-                    check_max_context, check_out, no_host_reads, static_shapes)
+from .kernels.invariant import invariant_on
+from .lanes import (
+    BATCH_LANES,
+    Bucket,
+    LaneError,
+    Manifest,
+    block_columns,
+    bucket_sizes,
+    check_lanes,
+    check_max_context,
+    check_out,
+    no_host_reads,
+    static_shapes,
+)
 from .session import check_of_state
 from .staging import Staging
 
@@ -59,6 +71,7 @@ class _Entry:
     # `StepRunner._prepare_next`
     prepared: tuple[Batch, tuple] | None = None
     prepared_used: int = 0  # decode steps that took the prepared batch
+    invariant: bool = False  # captured while the invariant mode was on (its launches honour it)
 
 
 def _check_lineage(state, entry: _Entry, where: str) -> None:
@@ -337,6 +350,8 @@ class StepRunner:
         if hidden is not None:  # a draft's step (`propose`): checked there, pad lanes keep earlier rows
             entry.inputs["hidden_in"][:live].copy_(hidden)
         if entry.graph is not None:
+            if not entry.invariant and invariant_on():
+                refuse_replay_in_the_mode("StepRunner", self.attn)
             entry.graph.replay()
             entry.replays += 1
             outputs, deltas, replay_outputs = entry.outputs, None, entry.replay_outputs
@@ -446,8 +461,17 @@ class StepRunner:
             self._write(state, deltas)
         state = advance_past(state, batch, deltas.cursor)
         entry.graph, entry.outputs, entry.replay_outputs = graph, outputs, replay_outputs
-        entry.lineage = state.lineage
+        entry.lineage, entry.invariant = state.lineage, invariant_on()
         return state
+
+
+def refuse_replay_in_the_mode(where: str, attn) -> None:
+    """Raise: a graph captured outside the invariant mode replays launches that do not honour it (the
+    projections' GEMMs, the attention's split), and the mode is on now."""
+    if attn.not_invariant:
+        attn.refuse_outside_the_mode(where)
+    fail(where, "the invariant mode", "off, as when this bucket's graph was captured (its launches do not honour "
+         "the mode); use a runner whose graphs were captured inside `fnattn.switches.set(invariant=True)`", "on")
 
 
 def advance_past(state, batch: Batch, cursor):

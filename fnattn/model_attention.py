@@ -11,6 +11,7 @@ import torch
 from .batch import PHASES
 from .checks import fail
 from .errors import NoBackendError
+from .kernels.invariant import invariant_on
 from .registry import Backend, all_backends, backend_names
 from .spec import LayerSpec
 from .workspace import Workspace
@@ -82,12 +83,16 @@ class ModelAttention:
 
         group_ids: dict[tuple, int] = {}
         self.choices: dict[tuple[int, str], Choice] = {}
+        # The invariant mode is a property of the choices: while it is on, only backends that honour it.
+        self.invariant = invariant_on()
         for spec in self.specs:
             for phase in phases:
                 options = self._options(backends, spec.kind, phase)
                 refused, chosen = [], None
                 for b in options:
                     reasons = tuple(b.supports(spec, self.device))
+                    if self.invariant and not b.invariant:
+                        reasons += ("does not honour the invariant mode, which is on (fnattn.kernels.invariant)",)
                     if reasons:
                         refused.append((b.name, reasons))
                     else:
@@ -99,6 +104,9 @@ class ModelAttention:
                     group = group_ids.setdefault(key, len(group_ids))
                 self.choices[(spec.index, phase)] = Choice(spec.index, phase, chosen, tuple(refused), group)
         self.workspace = Workspace(self.device)
+        #: the chosen backends that do not honour the invariant mode: a session refuses to run them in it
+        self.not_invariant = tuple(sorted({c.backend.name for c in self.choices.values()
+                                           if c.backend is not None and not c.backend.invariant}))
 
     def _options(self, backends: list[Backend], kind: str, phase: str) -> list[Backend]:
         """The backends of one (kind, phase), most preferred first."""
@@ -191,7 +199,16 @@ class ModelAttention:
         piece that holds them)."""
         from .session import AttentionSession
 
+        if self.not_invariant and invariant_on():
+            self.refuse_outside_the_mode("ModelAttention.session")
         return AttentionSession(self, state, batch, defer_capturable=defer_capturable)
+
+    def refuse_outside_the_mode(self, where: str) -> None:
+        """Raise: the invariant mode is on, and this ModelAttention, built outside it, chose backends that do
+        not honour it (their steps would be batch- and phase-dependent while the caller expects otherwise)."""
+        fail(where, "the invariant mode", f"off, as when this ModelAttention chose its backends (those that do "
+             f"not honour the mode: {', '.join(self.not_invariant)}); build the ModelAttention (and any runner "
+             "over it) inside `fnattn.switches.set(invariant=True)`", "on")
 
     def explain(self) -> str:
         """A table of the backend chosen for every (layer, phase); each refusal is stated once below it,

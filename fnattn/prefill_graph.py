@@ -38,7 +38,8 @@ from torch import Tensor
 from .batch import TENSOR_DTYPES, Batch
 from .checks import CHECKS_ENABLED, fail
 from .deltas import StepDeltas
-from .graph import advance_past
+from .graph import advance_past, refuse_replay_in_the_mode
+from .kernels.invariant import invariant_on
 from .lanes import LaneError, block_columns, bucket_sizes, check_max_context, static_shapes
 from .staging import Staging
 
@@ -74,6 +75,7 @@ class _Entry:
     logits: Tensor | None = None  # [lanes, V] captured
     lineage: int | None = None
     replays: int = 0
+    invariant: bool = False  # captured while the invariant mode was on (its launches honour it)
 
 
 class _Pieces:
@@ -222,6 +224,8 @@ class PrefillRunner:
         if state.lineage != entry.lineage:
             fail("PrefillRunner.prefill", "state", f"a handle of the State this runner's graphs were captured on "
                  f"(lineage {entry.lineage})", f"lineage {state.lineage}")
+        if not entry.invariant and invariant_on():
+            refuse_replay_in_the_mode("PrefillRunner", self.attn)
         with self.attn.session(state, batch, defer_capturable=True) as s:  # plans for the eager layers only
             entry.graphs[0].replay()
             for island, graph in zip(entry.islands, entry.graphs[1:]):
@@ -278,6 +282,7 @@ class PrefillRunner:
                 state.write(deltas)
         torch.cuda.current_stream(device).wait_stream(stream)
         entry.graphs, entry.logits, entry.lineage = pieces.graphs, logits, state.lineage
+        entry.invariant = invariant_on()
         return _advance(state, batch)
 
 

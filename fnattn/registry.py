@@ -55,6 +55,9 @@ class Backend:
     # reads no device value on the host and launches shapes fixed by the batch's shapes: a graph may hold it
     capturable: bool = False
     page_size: int | None = None  # the one page size it serves (FlashMLA's 64); None: any
+    # honours the invariant mode (`fnattn.kernels.invariant`): while it is on, a token's result depends only on
+    # its own context, whatever shares its step; a backend that does not is refused while the mode is on
+    invariant: bool = False
 
     def __post_init__(self):
         if self.phase not in PHASES:
@@ -67,7 +70,8 @@ _REGISTRY: dict[tuple[str, str, str], Backend] = {}
 
 
 def register(kind: str, phase: str, name: str, *, supports: Supports | None = None, plan: Planner | None = None,
-             replace: bool = False, capturable: bool = False, page_size: int | None = None):
+             replace: bool = False, capturable: bool = False, page_size: int | None = None,
+             invariant: bool = False):
     """Decorator: register ``fn`` as backend ``name`` for one (kind, phase).
 
     ``replace=True`` lets a notebook cell re-register its backend. ``capturable=True`` declares that the
@@ -75,6 +79,10 @@ def register(kind: str, phase: str, name: str, *, supports: Supports | None = No
     only on the batch's tensor shapes, so `fnattn.graph` may capture it in a CUDA graph. ``page_size``: the
     one page size the backend serves: a session refuses a batch of any other, naming it, and a State for it
     is built with that size (`ModelAttention.page_size` says which a model's chosen backends need).
+    ``invariant=True`` declares that while the invariant mode is on (`fnattn.kernels.invariant`) the backend
+    computes each token's result in an order that depends only on that token's own context: not on the other
+    tokens or requests of the step, its bucket, its phase or whether it is captured. A `ModelAttention` built
+    while the mode is on refuses the backends that do not declare it.
     """
     if kind not in known_kinds():
         fail("register", "kind", f"a registered kind (known: {list(known_kinds())}; add one with "
@@ -83,8 +91,9 @@ def register(kind: str, phase: str, name: str, *, supports: Supports | None = No
         fail("register", "phase", f"one of {PHASES}", phase)
     if not isinstance(name, str) or not name:
         fail("register", "name", "a non-empty string", name)
-    if not isinstance(capturable, bool):
-        fail("register", "capturable", "a bool", capturable)
+    for what, flag in (("capturable", capturable), ("invariant", invariant)):
+        if not isinstance(flag, bool):
+            fail("register", what, "a bool", flag)
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
         fail("register", "page_size", "a positive int or None", page_size)
     for what, f in (("supports", supports), ("plan", plan)):
@@ -101,7 +110,7 @@ def register(kind: str, phase: str, name: str, *, supports: Supports | None = No
                              "pass replace=True to redefine it")
         builtin = getattr(fn, "__module__", "").startswith("fnattn.") and kind_info(kind).builtin
         _REGISTRY[key] = Backend(kind, phase, name, checked(fn), supports or _always, plan, builtin, fn, capturable,
-                                 page_size)
+                                 page_size, invariant)
         return _session_only(fn, key)
 
     return deco

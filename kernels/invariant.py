@@ -7,19 +7,24 @@ partial results merged in position order, never a shape that follows the step's 
 greedy decoding emits what plain greedy decoding emits, bit for bit, and a request's logits do not change
 when the server is busy.
 
-Honoured today by the CPU reference paths of full attention (`fnattn.kinds.full.reference`, through
-`attention_naive.attention_fixed_order`), of MLA and sparse MLA (`fnattn.kinds.mla.math.mla_fixed_order`,
-through `attention_naive.latent_attention_fixed_order`; a sparse token over exactly its selected rows in
-ascending position, the indexer scoring on fixed shapes), of DeepSeek-V4 (`fnattn.kinds.dsv4.math`
-`attend_sinks_fixed_order`); the CPU sdpa backends hand a step to them. The recurrent kinds (GDN, KDA) run
-prefill token by token as decode and verify do (`fnattn.kinds.delta_rule.reference.per_request`), and GDN's
-per-head gates are computed on rows padded to whole vector blocks (`row_aligned`). The models' projections
-(`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`) and the fixed-tile
-GEMM on CUDA (`fnattn.kernels.invariant_linear`); on CUDA full attention's Triton kernels take their invariant
-launch (`paged_decode` / `paged_prefill`, ``invariant=True``: a token alone in its programs, key tiles fixed by
-position, no split) and FlashInfer steps aside; RMSNorm's statistics sum each row through the same GEMM
-(`models.norm_rope.row_mean_squares`) and `models.fused` runs its torch bodies. CUDA's MLA and recurrent kernels
-do not honour it yet.
+Every backend declares whether it honours the mode (``fnattn.register(..., invariant=True)``), and a
+`ModelAttention` built while the mode is on chooses only those that do; a session (or a replay of a graph)
+in the mode over choices made outside it is refused. Honoured by the reference paths of every kind and the
+CPU backends that hand a step to them: full attention (through `attention_naive.attention_fixed_order`),
+MLA and sparse MLA (`fnattn.kinds.mla.math.mla_fixed_order`, through
+`attention_naive.latent_attention_fixed_order`; a sparse token over exactly its selected rows in ascending
+position, the indexer scoring on fixed shapes), DeepSeek-V4 (`fnattn.kinds.dsv4.math`
+`attend_sinks_fixed_order`); the recurrent kinds (GDN, KDA) run prefill token by token as decode and verify
+do (`fnattn.kinds.delta_rule.reference.per_request`), and GDN's per-head gates are computed on rows padded
+to whole vector blocks (`row_aligned`). On CUDA: full attention's Triton kernels take their invariant
+launch (`paged_decode` / `paged_prefill`, ``invariant=True``: a token alone in its programs, key tiles fixed
+by position, no split); GDN / KDA's Triton kernels (one program per request and head, each token's update
+in the same order in decode and verify) and, in the mode, their prefill through decode's launches over
+every prompt token; the MLA kinds (MLA, sparse MLA, DeepSeek-V4) through their reference paths, which
+FlashMLA and FlashInfer leave to them (slow: uncaptured, a loop over requests). The models' projections
+(`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`) and the
+fixed-tile GEMM on CUDA (`fnattn.kernels.invariant_linear`); RMSNorm's statistics sum each row through the
+same GEMM (`models.norm_rope.row_mean_squares`) and `models.fused` runs its torch bodies.
 
 Importing it imports neither torch nor triton.
 """
@@ -32,9 +37,9 @@ _INVARIANT = declare(
        "blocks of a fixed size: a token's result is the same in every phase, batch and bucket",
     off="each path reduces in the order its shapes suggest (one softmax over a step's new keys merged with "
         "one over the cached keys, matmuls sized by the step)",
-    why="off: only the CPU paths and CUDA's projections honour it so far, and on the CPU the fixed order costs a "
-        "loop over query blocks and key tiles in place of one product; on where bitwise agreement is the point "
-        "(speculative greedy == plain greedy, tests of batch invariance)")
+    why="off: the fixed order costs a loop over query blocks and key tiles on the CPU, a fixed-tile GEMM in place of "
+        "cuBLAS on CUDA, and the MLA kinds their reference paths there (FlashMLA and FlashInfer do not honour it); "
+        "on where bitwise agreement is the point (speculative greedy == plain greedy, tests of batch invariance)")
 
 
 def invariant(enabled: bool):

@@ -9,8 +9,10 @@ For each family (tiny random weights in bf16 unless ``--shape`` names another), 
   plain greedy's, and the drafts accepted over those proposed;
 * ``batch_invariant``: a request's logits decoded alone against beside two others of other lengths;
 * ``graph_equals_eager``: greedy ids and logits of captured steps (`fnattn.graph.StepRunner`) against eager
-  ones (CUDA only; None on a CPU);
-* ``invariant_cost``: the decode step's time with the mode on over off, per batch, and its worst batch.
+  ones (CUDA only; None on a CPU and where the chosen backends cannot be captured);
+* ``invariant_cost``: the decode step's time with the mode on over off, per batch, and its worst batch; each
+  step as a server runs it (``decode_form``: ``"graph"``, captured, where the chosen backends can be, else
+  ``"eager"``), so on CUDA the cost of a mode whose backends cannot be captured includes the host's launches.
 
 Each record is one (family, mode); a summary record names the figures over every family.
 """
@@ -124,37 +126,50 @@ def batch_invariant(model, device, steps: int) -> bool:
 
 
 def graph_equals_eager(model, device, steps: int) -> bool | None:
+    """None on a CPU, and where the chosen backends cannot be captured (the runner's steps would be eager too)."""
+    runner = _runner(model, fa.ModelAttention(model.specs, device=device), device, 2)
+    if runner is None:
+        return None
+    prompts = {r: PROMPTS[r] for r in (0, 1)}
+    _, eager = _decode(model, runner.attn, device, prompts, steps)
+    _, graph = _decode(model, runner.attn, device, prompts, steps, runner)
+    return bool(torch.equal(eager, graph))
+
+
+def _runner(model, attn, device, lanes: int):
+    """A `StepRunner` of one bucket that captures its steps, or None (a CPU; backends that cannot be captured)."""
     if torch.device(device).type != "cuda":
         return None
     from ..graph import StepRunner
 
-    attn = fa.ModelAttention(model.specs, device=device)
-    prompts = {r: PROMPTS[r] for r in (0, 1)}
-    runner = StepRunner(model.step, model.params, attn, model.manifest(), buckets=(len(prompts),))
-    _, eager = _decode(model, attn, device, prompts, steps)
-    _, graph = _decode(model, attn, device, prompts, steps, runner)
-    return bool(torch.equal(eager, graph))
+    runner = StepRunner(model.step, model.params, attn, model.manifest(), buckets=(lanes,))
+    return runner if runner.capture else None
 
 
-def decode_step_us(model, device, batch: int, steps: int) -> float:
-    """Median microseconds of an eager decode step of ``batch`` requests (prompts of 16 tokens)."""
+def decode_step_us(model, device, batch: int, steps: int) -> tuple[float, str]:
+    """Median microseconds of a decode step of ``batch`` requests (prompts of 16 tokens) as a server runs it:
+    captured (``"graph"``) where the chosen backends can be, else eager (``"eager"``): ``-> (us, form)``."""
     attn = fa.ModelAttention(model.specs, device=device)
+    runner = _runner(model, attn, device, batch)
     prompts = {r: [(7 * r + i) % model.config.vocab_size for i in range(16)] for r in range(batch)}
     st = fa.State(model.specs, num_pages=batch * (-(-(16 + steps + 4) // 4)) + 4, page_size=4,
                   max_requests=batch + 1, device=device)
     st, last = _prefill(model, attn, st, prompts)
     ids, times = last.argmax(-1), []
-    for _ in range(steps):
+    for _ in range(steps + 1):  # the first captures (or warms up): left out of the median
         st = st.reserve({r: 1 for r in prompts})
         _sync(device)
         t0 = time.perf_counter()
-        with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
-            logits, d = model.step(model.params, s, ids)
-        st = st.apply(d)
+        if runner is None:
+            with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
+                logits, d = model.step(model.params, s, ids)
+            st = st.apply(d)
+        else:
+            st, logits = runner.decode(st, list(prompts), ids)
         _sync(device)
         times.append(time.perf_counter() - t0)
         ids = logits.argmax(-1)
-    return statistics.median(times[1:]) * 1e6
+    return statistics.median(times[1:]) * 1e6, "eager" if runner is None else "graph"
 
 
 def _sync(device) -> None:
@@ -181,7 +196,9 @@ def family_records(name: str, *, shape: str, device: str, tokens: int, batches: 
                 rec["oracle_acceptance"] = sum(acc) / sum(prop)
             rec["batch_invariant"] = batch_invariant(model, device, steps=min(tokens, 16))
             rec["graph_equals_eager"] = graph_equals_eager(model, device, steps=min(tokens, 16))
-            rec["decode_us"] = {b: decode_step_us(model, device, b, steps) for b in batches}
+            timed = {b: decode_step_us(model, device, b, steps) for b in batches}
+            rec["decode_us"] = {b: us for b, (us, _) in timed.items()}
+            rec["decode_form"] = {b: form for b, (_, form) in timed.items()}
             cost[on] = rec["decode_us"]
             log(f"{name} invariant={on}: " + ", ".join(f"{k}={v}" for k, v in rec.items() if k not in ("case",)))
             records.append(rec)

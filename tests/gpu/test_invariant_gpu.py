@@ -1,11 +1,13 @@
-"""The invariant mode on CUDA for the families whose every layer CUDA now runs invariantly (full attention through
-the Triton kernels' invariant launch, projections through the fixed-tile GEMM): in bf16, a verify's logits are the
-decode steps' logits bit for bit, and a request's decode logits do not change beside another request."""
+"""The invariant mode on CUDA for every family: in bf16, a verify's logits are the decode steps' logits bit for bit,
+and a request's decode logits do not change beside another request. In the mode a ModelAttention chooses only
+backends that honour it (full attention's Triton kernels in their invariant launch, GDN / KDA's Triton kernels,
+the MLA kinds' reference paths), the projections take the fixed-tile GEMM and the fused model kernels give way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from fnattn.models.registry import family_names
 
 import fnattn as fa
 import fnattn.switches
@@ -14,7 +16,7 @@ pytestmark = pytest.mark.gpu
 DEV, K = "cuda", 3
 PROMPTS = {0: [5, 17, 9, 3, 11, 2, 7, 30, 4, 19, 21, 6], 1: [8, 1, 4, 22, 13]}
 TOKENS = [3, 14, 15, 9]
-FAMILIES = ["llama", "qwen3"]
+FAMILIES = family_names()
 
 
 def model_of(name):
@@ -25,8 +27,8 @@ def model_of(name):
 
 def prefilled(model, ids, ring=K + 2):
     attn = fa.ModelAttention(model.specs, device=DEV)
-    st = fa.State(model.specs, num_pages=64, page_size=16, max_requests=4, recurrent_ring=ring, device=DEV,
-                  fill=float("nan"))
+    st = fa.State(model.specs, num_pages=64, page_size=attn.page_size or 16, max_requests=4, recurrent_ring=ring,
+                  device=DEV, fill=float("nan"))
     for r in ids:
         st = st.admit(r)
     counts = {r: len(PROMPTS[r]) for r in ids}

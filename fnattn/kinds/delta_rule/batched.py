@@ -171,7 +171,8 @@ def _prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[Re
     return out, writes(ssm=torch.stack(finals), conv=torch.stack(after).to(views.conv.dtype))
 
 
-_guards = [register(kind, "decode", NAME, supports=supports)(_decode) for kind in ("gdn", "kda")]
+_guards = [register(kind, "decode", NAME, supports=supports, invariant=True)(_decode) for kind in ("gdn", "kda")]
 _decode = _guards[0]
-_prefill_guards = [register(kind, "prefill", NAME, supports=supports)(_prefill) for kind in ("gdn", "kda")]
+_prefill_guards = [register(kind, "prefill", NAME, supports=supports, invariant=True)(_prefill)
+                   for kind in ("gdn", "kda")]
 _prefill = _prefill_guards[0]

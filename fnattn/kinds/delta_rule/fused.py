@@ -40,7 +40,7 @@ def _decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[Rec
     return RecurrentOutput(o=o), writes(ssm=None if into else states, conv=windows)
 
 
-_guards = [register(kind, "decode", NAME, supports=supports, plan=plan, capturable=True)(_decode)
+_guards = [register(kind, "decode", NAME, supports=supports, plan=plan, capturable=True, invariant=True)(_decode)
            for kind in ("gdn", "kda")]
 # The module's name runs only through a session from here on, like every registered backend.
 _decode = _guards[0]

@@ -141,14 +141,14 @@ def per_token(spec: LayerSpec, views: Views, inputs: RecurrentInputs):
 
 
 for _kind in ("gdn", "kda"):
-    @register(_kind, "prefill", "reference")
+    @register(_kind, "prefill", "reference", invariant=True)
     def prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
         return per_request(spec, views, inputs, chunked=True)
 
-    @register(_kind, "decode", "reference")
+    @register(_kind, "decode", "reference", invariant=True)
     def decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
         return per_request(spec, views, inputs, chunked=False)
 
-    @register(_kind, "verify", "reference")
+    @register(_kind, "verify", "reference", invariant=True)
     def verify(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes | None]:
         return per_token(spec, views, inputs)

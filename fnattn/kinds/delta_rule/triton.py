@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ...deltas import Writes, writes
+from ...kernels.invariant import invariant_on
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
@@ -216,6 +217,8 @@ def _prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[Re
     from ...kernels import gated_delta_chunked
 
     check_inputs(spec, inputs)
+    if invariant_on():  # decode's launches over every prompt token: a token's bits are the same in every phase
+        return _one_state_a_request(spec, views, inputs, replace(_plan_of(spec, inputs), in_ring=False, chunks=None))
     c, p = spec.config, _plan_of(spec, inputs)
     mixed, windows = _conv(spec, views, inputs, p, per_token=False)  # [T, C], [B, C, W - 1]
     q, k, v = _split(spec, mixed)
@@ -227,7 +230,13 @@ def _prefill(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[Re
 
 def _decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[RecurrentOutput, Writes]:
     check_inputs(spec, inputs)
-    p = _plan_of(spec, inputs)
+    return _one_state_a_request(spec, views, inputs, _plan_of(spec, inputs))
+
+
+def _one_state_a_request(spec, views, inputs, p: RecurrentPlan) -> tuple[RecurrentOutput, Writes]:
+    """The conv and the recurrence token by token over each request's new tokens, one state row a request out:
+    decode's launches; in the invariant mode prefill's too (its states then leave as values, ``p.in_ring``
+    False)."""
     mixed, windows = _conv(spec, views, inputs, p, per_token=False)  # [T, C], [B, C, W - 1]
     q, k, v = _split(spec, mixed)
     o, states = _recurrent(spec, views, inputs, p, q, k, v, per_token=False)  # [T, H, V], [B, H, K, V] | None
@@ -347,9 +356,12 @@ def _fla_gdn_forward():
 
 _guards = {}
 for _kind in ("gdn", "kda"):
-    _guards["_prefill"] = register(_kind, "prefill", "triton", supports=supports, plan=plan)(_prefill)
-    _guards["_decode"] = register(_kind, "decode", "triton", supports=supports, plan=plan, capturable=True)(_decode)
-    _guards["_verify"] = register(_kind, "verify", "triton", supports=supports, plan=plan, capturable=True)(_verify)
+    _guards["_prefill"] = register(_kind, "prefill", "triton", supports=supports, plan=plan,
+                                   invariant=True)(_prefill)
+    _guards["_decode"] = register(_kind, "decode", "triton", supports=supports, plan=plan, capturable=True,
+                                  invariant=True)(_decode)
+    _guards["_verify"] = register(_kind, "verify", "triton", supports=supports, plan=plan, capturable=True,
+                                  invariant=True)(_verify)
     # GDN's: in a bucket its launches are shaped by the bucket (`static_plan`), so a prefill graph holds it
     _guards["_fla_prefill"] = register(_kind, "prefill", "fla", supports=fla_supports,
                                        plan=static_plan if _kind == "gdn" else plan,

@@ -201,19 +201,19 @@ def _writes(spec: LayerSpec, values: dict, *, states: bool) -> Writes:
     return writes(**keep)
 
 
-@register("dsv4", "prefill", "reference")
+@register("dsv4", "prefill", "reference", invariant=True)
 def prefill(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Output, Writes]:
     out, values = run(spec, views, inputs, per_token_states=False)
     return out, _writes(spec, values, states=True)
 
 
-@register("dsv4", "decode", "reference")
+@register("dsv4", "decode", "reference", invariant=True)
 def decode(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Output, Writes]:
     out, values = run(spec, views, inputs, per_token_states=False)
     return out, _writes(spec, values, states=True)
 
 
-@register("dsv4", "verify", "reference")
+@register("dsv4", "verify", "reference", invariant=True)
 def verify(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Output, Writes]:
     """Verify: the compressor state after every token (native), or none and the inputs to replay them."""
     replay_mode = inputs.meta.batch.recovery == "replay"

@@ -48,13 +48,13 @@ def attend_sinks_sdpa(q: Float[Tensor, "n H D"], keys: Float[Tensor, "K D"], bia
     return o.to(keys.dtype)
 
 
-@register("dsv4", "prefill", NAME, supports=supports)
+@register("dsv4", "prefill", NAME, supports=supports, invariant=True)
 def prefill(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Output, Writes]:
     out, values = run(spec, views, inputs, per_token_states=False, attend=attend_sinks_sdpa)
     return out, _writes(spec, values, states=True)
 
 
-@register("dsv4", "decode", NAME, supports=supports)
+@register("dsv4", "decode", NAME, supports=supports, invariant=True)
 def decode(spec: LayerSpec, views: Views, inputs: DSV4Inputs) -> tuple[DSV4Output, Writes]:
     out, values = run(spec, views, inputs, per_token_states=False, attend=attend_sinks_sdpa)
     return out, _writes(spec, values, states=True)

@@ -14,7 +14,6 @@ import math
 import torch
 
 from ...deltas import Writes, writes
-from ...kernels.invariant import invariant_on
 from ...outputs import AttentionOutput
 from ...registry import register
 from ...spec import LayerSpec
@@ -37,8 +36,6 @@ def supports(spec, device) -> list[str]:
         reasons.append("sinks are not wired to FlashInfer here")
     if c.sliding_window:
         reasons.append("a sliding window over a cached prefix needs absolute positions")
-    if invariant_on():
-        reasons.append("the invariant mode is on: FlashInfer's split and tiles follow the batch (triton honours it)")
     return reasons
 
 

@@ -74,16 +74,16 @@ def _fixed_order(cfg, views: Views, inputs: FullAttentionInputs, b: int, rows: s
 
 
 # One function per phase, as the registry wants; the reference math is shared.
-@register("full", "prefill", "reference")
+@register("full", "prefill", "reference", invariant=True)
 def prefill(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     return paged_attention(spec, views, inputs)
 
 
-@register("full", "decode", "reference")
+@register("full", "decode", "reference", invariant=True)
 def decode(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     return paged_attention(spec, views, inputs)
 
 
-@register("full", "verify", "reference")
+@register("full", "verify", "reference", invariant=True)
 def verify(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     return paged_attention(spec, views, inputs)

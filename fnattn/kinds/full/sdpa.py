@@ -128,16 +128,16 @@ def paged_sdpa(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tu
     return AttentionOutput(o=torch.cat(outs), lse=torch.cat(lses)), writes(k=inputs.k, v=inputs.v)
 
 
-@register("full", "prefill", "sdpa", supports=supports)
+@register("full", "prefill", "sdpa", supports=supports, invariant=True)
 def prefill(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     return paged_sdpa(spec, views, inputs)
 
 
-@register("full", "decode", "sdpa", supports=supports)
+@register("full", "decode", "sdpa", supports=supports, invariant=True)
 def decode(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     return paged_sdpa(spec, views, inputs)
 
 
-@register("full", "verify", "sdpa", supports=supports)
+@register("full", "verify", "sdpa", supports=supports, invariant=True)
 def verify(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple[AttentionOutput, Writes]:
     return paged_sdpa(spec, views, inputs)

@@ -50,6 +50,6 @@ def _varlen(spec: LayerSpec, views: Views, inputs: FullAttentionInputs) -> tuple
 
 
 # Decode's launch is sized by the block table's width and verify's by its 1 + k tokens: both capturable.
-_decode = register("full", "decode", "triton", supports=supports, capturable=True)(_decode)
-register("full", "prefill", "triton", supports=supports)(_varlen)
-_varlen = register("full", "verify", "triton", supports=supports, capturable=True)(_varlen)
+_decode = register("full", "decode", "triton", supports=supports, capturable=True, invariant=True)(_decode)
+register("full", "prefill", "triton", supports=supports, invariant=True)(_varlen)
+_varlen = register("full", "verify", "triton", supports=supports, capturable=True, invariant=True)(_varlen)

@@ -74,16 +74,16 @@ def paged_mla(spec: LayerSpec, views: Views, inputs: MLAInputs, *, phase: str,
 
 
 # One function per phase, as the registry wants; the reference math is shared.
-@register("mla", "prefill", "reference")
+@register("mla", "prefill", "reference", invariant=True)
 def prefill(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
     return paged_mla(spec, views, inputs, phase="prefill"), writes(latent=spec.config.mla.encode_latent(inputs.latent))
 
 
-@register("mla", "decode", "reference")
+@register("mla", "decode", "reference", invariant=True)
 def decode(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
     return paged_mla(spec, views, inputs, phase="decode"), writes(latent=spec.config.mla.encode_latent(inputs.latent))
 
 
-@register("mla", "verify", "reference")
+@register("mla", "verify", "reference", invariant=True)
 def verify(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
     return paged_mla(spec, views, inputs, phase="verify"), writes(latent=spec.config.mla.encode_latent(inputs.latent))

@@ -192,18 +192,18 @@ def paged_decode_sdpa(spec: LayerSpec, views: Views, inputs: MLAInputs, selected
     return AttentionOutput(o=o.to(inputs.q_nope.dtype).to(spec.dtype), lse=lse.float())
 
 
-@register("mla", "verify", NAME, supports=supports)
+@register("mla", "verify", NAME, supports=supports, invariant=True)
 def verify(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
     return paged_mla_sdpa(spec, views, inputs, phase="verify"), writes(
         latent=spec.config.mla.encode_latent(inputs.latent))
 
 
-@register("mla", "decode", NAME, supports=supports)
+@register("mla", "decode", NAME, supports=supports, invariant=True)
 def decode(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
     return paged_decode_sdpa(spec, views, inputs), writes(latent=spec.config.mla.encode_latent(inputs.latent))
 
 
-@register("mla", "prefill", NAME, supports=supports)
+@register("mla", "prefill", NAME, supports=supports, invariant=True)
 def prefill(spec: LayerSpec, views: Views, inputs: MLAInputs) -> tuple[AttentionOutput, Writes]:
     return paged_mla_sdpa(spec, views, inputs, phase="prefill"), writes(
         latent=spec.config.mla.encode_latent(inputs.latent))

@@ -93,16 +93,16 @@ def own_index_values(spec: LayerSpec, inputs: SparseMLAInputs) -> dict:
 
 
 # One function per phase, as the registry wants; the reference math is shared.
-@register("sparse_mla", "prefill", "reference")
+@register("sparse_mla", "prefill", "reference", invariant=True)
 def prefill(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return sparse_step(spec, views, inputs, "prefill")
 
 
-@register("sparse_mla", "decode", "reference")
+@register("sparse_mla", "decode", "reference", invariant=True)
 def decode(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return sparse_step(spec, views, inputs, "decode")
 
 
-@register("sparse_mla", "verify", "reference")
+@register("sparse_mla", "verify", "reference", invariant=True)
 def verify(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return sparse_step(spec, views, inputs, "verify")

@@ -31,16 +31,16 @@ def _step(spec: LayerSpec, views: Views, inputs: SparseMLAInputs, phase: str) ->
     return out, writes(latent=spec.config.mla.encode_latent(inputs.latent), **index_values)
 
 
-@register("sparse_mla", "prefill", NAME, supports=supports)
+@register("sparse_mla", "prefill", NAME, supports=supports, invariant=True)
 def prefill(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return _step(spec, views, inputs, "prefill")
 
 
-@register("sparse_mla", "decode", NAME, supports=supports)
+@register("sparse_mla", "decode", NAME, supports=supports, invariant=True)
 def decode(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return _step(spec, views, inputs, "decode")
 
 
-@register("sparse_mla", "verify", NAME, supports=supports)
+@register("sparse_mla", "verify", NAME, supports=supports, invariant=True)
 def verify(spec: LayerSpec, views: Views, inputs: SparseMLAInputs) -> tuple[SparseAttentionOutput, Writes]:
     return _step(spec, views, inputs, "verify")

@@ -474,3 +474,46 @@ def test_qkv_apart_is_on_by_default_and_recorded_with_the_switches():
     assert triton_backend._QKV_APART[-1] is True and environment()["switches"]["qkv_apart"] is True
     with triton_backend.qkv_apart(False):
         assert environment()["switches"]["qkv_apart"] is False
+
+
+# --------------------------------------------------------------------------- the invariant mode
+
+
+def _rows(inp, rows):
+    """The inputs of token rows ``rows`` (a slice) of ``inp``."""
+    return dataclasses.replace(inp, x=inp.x[rows], g=inp.g[rows], beta=inp.beta[rows])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_invariant_prefill_is_decode_token_by_token_bit_for_bit(kind):
+    """With the mode on, a prompt's prefill runs decode's launches over its tokens: each output row and the
+    final state and conv window are the bits of decoding those tokens one a step, whatever other request shares
+    the prefill (a verify's per-token recurrence is decode's too: `test_verify_and_accept_match_reference`)."""
+    import fnattn.switches
+
+    spec = spec_of(kind)
+    n = 7
+    inp = recurrent_inputs(spec, n + 4, seed=5)
+    with fnattn.switches.set(invariant=True):
+        # three copies of the same prefilled requests (the reference's bits), one for each way through
+        pre, alone, dec = (prefilled(spec, {0: 5, 1: 3}) for _ in range(3))
+        pre = pre.reserve({0: n, 1: 4})
+        batch = fa.Batch.prefill(pre, {0: n, 1: 4})
+        out, w = forward("triton", spec, pre, batch, inp)
+        alone = alone.reserve({0: n})
+        batch_alone = fa.Batch.prefill(alone, {0: n})
+        out_alone, w_alone = forward("triton", spec, alone, batch_alone, _rows(inp, slice(0, n)))
+        rows = []
+        for t in range(n):
+            dec = dec.reserve({0: 1})
+            b = fa.Batch.decode(dec, [0])
+            o, wd = forward("triton", spec, dec, b, _rows(inp, slice(t, t + 1)))
+            rows.append(o.o)
+            dec = dec.apply(fa.StepDeltas.collect(b, [wd]))
+    first = batch.request_ids.index(0)
+    decoded = torch.cat(rows)  # [n, H, V]
+    assert same_bits(out.o[:n] if first == 0 else out.o[4:], decoded) and same_bits(out_alone.o, decoded)
+    assert w["ssm"] is not None  # a prefill's states leave as values, as the chunked prefill's do
+    for name in ("ssm", "conv"):
+        kept = getattr(dec.views(0), name)[dec.recurrent_row(0)]
+        assert same_bits(w_alone[name][0], kept) and same_bits(w[name][first], kept)

@@ -38,14 +38,14 @@ def sparse_specs(*, topk, Hi=8, Di=128, shared=False, dtype=torch.bfloat16, key_
 def fill_backends():
     """Prefill backends that only return the rows to cache (outputs are zeros): fast cache filling."""
     with registry_scope():
-        @fa.register("mla", "prefill", FILL, replace=True)
+        @fa.register("mla", "prefill", FILL, replace=True, invariant=True)  # each row on its own
         def mla_rows(spec, views, inputs):
             T, H = inputs.q_nope.shape[:2]
             o = torch.zeros(T, H, spec.config.mla.v_head_dim, dtype=spec.dtype, device=inputs.latent.device)
             return (AttentionOutput(o=o, lse=torch.zeros(T, H, device=o.device)),
                     fa.writes(latent=spec.config.mla.encode_latent(inputs.latent)))
 
-        @fa.register("sparse_mla", "prefill", FILL, replace=True)
+        @fa.register("sparse_mla", "prefill", FILL, replace=True, invariant=True)
         def sparse_rows(spec, views, inputs):
             m = spec.config.mla
             T, H = inputs.q_nope.shape[:2]
