@@ -509,8 +509,8 @@ class State:
         reqs = dict(self._requests)
         ring = c.ring if c.ring is not None else (None,) * len(c.request_ids)
         for rid, n, pos in zip(c.request_ids, c.counts, ring):
-            pos = reqs[rid].ring_pos if pos is None else pos
-            reqs[rid] = replace(reqs[rid], length=reqs[rid].length + n, ring_pos=pos)
+            req = reqs[rid]
+            reqs[rid] = req.moved(req.length + n, req.ring_pos if pos is None else pos)
         # The last steps applied to this lineage, for `DoubleApplyError`: an older step's deltas have an older
         # state version and are refused as stale. A bounded window, so a long run copies no growing set a step.
         applied = (*self._storage.applied_steps[1 - _APPLIED_KEPT:], step_id)
