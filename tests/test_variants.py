@@ -114,6 +114,21 @@ def test_probe_the_vectorized_prefill_against_the_reference():
     assert report.rows[0].max_rel < 1e-5
 
 
+def test_in_the_invariant_mode_the_vectorized_prefill_steps_aside_for_the_reference():
+    """The page's reference says it honours the mode; the vectorized prefill does not, so a ModelAttention built
+    in the mode takes the reference, and explains why."""
+    import fnattn.switches
+
+    gl = load()
+    spec = gated_spec(gl)
+    prefer = ("vectorized", "reference")
+    assert fa.ModelAttention([spec], prefer=prefer).backend(0, "prefill").name == "vectorized"
+    with fnattn.switches.set(invariant=True):
+        attn = fa.ModelAttention([spec], prefer=prefer)
+    assert {attn.backend(0, p).name for p in ("prefill", "decode", "verify")} == {"reference"}
+    assert "vectorized (does not honour the invariant mode" in attn.explain()
+
+
 def test_checkpoint_then_restore_gives_the_same_step():
     gl = load()
     spec = gated_spec(gl)

@@ -85,17 +85,17 @@ def reference(spec, views, inputs) -> tuple[fa.Output, fa.Writes]:
     return fa.Output(o=o), fa.writes(state=states.index_select(0, last))
 
 
-@fa.register("gated_linear", "prefill", "reference", replace=True)
+@fa.register("gated_linear", "prefill", "reference", replace=True, invariant=True)
 def prefill(spec: fa.LayerSpec, views: fa.Views, inputs: GatedLinearInputs) -> tuple[fa.Output, fa.Writes]:
     return reference(spec, views, inputs)
 
 
-@fa.register("gated_linear", "decode", "reference", replace=True)
+@fa.register("gated_linear", "decode", "reference", replace=True, invariant=True)
 def decode(spec: fa.LayerSpec, views: fa.Views, inputs: GatedLinearInputs) -> tuple[fa.Output, fa.Writes]:
     return reference(spec, views, inputs)
 
 
-@fa.register("gated_linear", "verify", "reference", replace=True)
+@fa.register("gated_linear", "verify", "reference", replace=True, invariant=True)
 def verify(spec: fa.LayerSpec, views: fa.Views, inputs: GatedLinearInputs) -> tuple[fa.Output, fa.Writes | None]:
     """The state after every token (native recovery keeps the accepted one's), and the inputs to
     replay the accepted tokens (replay recovery: then no state leaves this step)."""
