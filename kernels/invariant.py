@@ -20,8 +20,10 @@ to whole vector blocks (`row_aligned`). On CUDA: full attention's Triton kernels
 launch (`paged_decode` / `paged_prefill`, ``invariant=True``: a token alone in its programs, key tiles fixed
 by position, no split); GDN / KDA's Triton kernels (one program per request and head, each token's update
 in the same order in decode and verify) and, in the mode, their prefill through decode's launches over
-every prompt token; the MLA kinds (MLA, sparse MLA, DeepSeek-V4) through their reference paths, which
-FlashMLA and FlashInfer leave to them (slow: uncaptured, a loop over requests). The models' projections
+every prompt token; dense MLA through its invariant Triton backend (`fnattn.kinds.mla.triton`: the absorbed
+query and ``W_UV`` in fixed token tiles, `latent_invariant.latent_attention_invariant` with key tiles fixed by
+position; capturable); sparse MLA and DeepSeek-V4 through their reference paths, which FlashMLA leaves to them
+(slow: uncaptured, a loop over requests). The models' projections
 (`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`) and the
 fixed-tile GEMM on CUDA (`fnattn.kernels.invariant_linear`); RMSNorm's statistics sum each row through the
 same GEMM (`models.norm_rope.row_mean_squares`) and `models.fused` runs its torch bodies.
@@ -38,7 +40,8 @@ _INVARIANT = declare(
     off="each path reduces in the order its shapes suggest (one softmax over a step's new keys merged with "
         "one over the cached keys, matmuls sized by the step)",
     why="off: the fixed order costs a loop over query blocks and key tiles on the CPU, a fixed-tile GEMM in place of "
-        "cuBLAS on CUDA, and the MLA kinds their reference paths there (FlashMLA and FlashInfer do not honour it); "
+        "cuBLAS on CUDA, MLA a Triton path in place of FlashMLA there, and sparse MLA and DeepSeek-V4 their "
+        "reference paths (FlashMLA does not honour it); "
         "on where bitwise agreement is the point (speculative greedy == plain greedy, tests of batch invariance)")
 
 

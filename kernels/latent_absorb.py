@@ -29,7 +29,7 @@ from .lse_merge import no_cached_key, own_row_weights
 @triton.jit
 def _absorb_query_kernel(
     QN, QP, W, OUT, T, H, Dn, R, Dr, TOKENS_PER_PROGRAM,
-    sqn_t, sqn_h, sqp_t, sqp_h, sw_h, sw_d, so_t, so_h,
+    sqn_t, sqn_h, sqp_t, sqp_h, sw_h, sw_d, sw_r, so_t, so_h,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     K_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -42,8 +42,8 @@ def _absorb_query_kernel(
     p = tl.arange(0, BLOCK_P)
     if K_STEPS == 1:  # the whole weight tile, loaded once and held for every token block
         d = tl.arange(0, BLOCK_K)
-        w = tl.load(W + h * sw_h + d[:, None] * sw_d + r[None, :], mask=(d[:, None] < Dn) & (r[None, :] < R),
-                    other=0.0)  # [BLOCK_K, BLOCK_R]
+        w = tl.load(W + h * sw_h + d[:, None] * sw_d + r[None, :] * sw_r,
+                    mask=(d[:, None] < Dn) & (r[None, :] < R), other=0.0)  # [BLOCK_K, BLOCK_R]
     for t0 in range(t_first, t_stop, BLOCK_T):
         t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
         t_ok = t < t_stop
@@ -57,7 +57,7 @@ def _absorb_query_kernel(
                 dk = k * BLOCK_K + tl.arange(0, BLOCK_K)
                 qn = tl.load(QN + t[:, None] * sqn_t + h * sqn_h + dk[None, :],
                              mask=t_ok[:, None] & (dk[None, :] < Dn), other=0.0)
-                wk = tl.load(W + h * sw_h + dk[:, None] * sw_d + r[None, :],
+                wk = tl.load(W + h * sw_h + dk[:, None] * sw_d + r[None, :] * sw_r,
                              mask=(dk[:, None] < Dn) & (r[None, :] < R), other=0.0)
                 acc = tl.dot(qn, wk, acc)
         tl.store(OUT + t[:, None] * so_t + h * so_h + r[None, :], acc.to(OUT.dtype.element_ty),
@@ -130,7 +130,7 @@ def absorb_query(q_nope: Float[Tensor, "T H Dn"], q_pe: Float[Tensor, "T H Dr"],
     _absorb_query_kernel[grid](
         q_nope, q_pe, w_uk, out, T, H, Dn, R, Dr, per_program,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1),
-        out.stride(0), out.stride(1),
+        w_uk.stride(2), out.stride(0), out.stride(1),
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(Dr)),
         K_STEPS=triton.cdiv(Dn, block_k), NUM_STAGES=num_stages, num_warps=num_warps)
     return out

@@ -14,7 +14,9 @@ launch, and
 `gated_rms_norm_silu` and `sigmoid_gate` are the gates on a mixer's output, reading strided gates in place;
 `add_rms_norm_` and `silu_and_mul` the residual add + RMSNorm and SwiGLU's activation; `topk_slots` a
 sparse layer's top-k positions as the pool slots and own-row indices its attention kernel reads;
-`absorb_query` MLA's absorbed decode query (``[q_nope W_UK, q_pe]``) in one launch.
+`absorb_query` MLA's absorbed decode query (``[q_nope W_UK, q_pe]``) in one launch;
+`latent_attention_invariant` and `latent_values` MLA's latent attention and ``W_UV`` in the invariant mode
+(each token alone in its programs, key tiles fixed by position, products in fixed token tiles).
 The decode-step kernels (the GEMV, gating, fused GDN decode, q / k norms and rope, paged attention and
 its merge, the output gates, the add + norm and activation) launch with programmatic dependent launch on
 Hopper and later, unless within `pdl(False)`.
@@ -69,6 +71,8 @@ _EXPORTS = {
     "add_rms_norm_": "norm_act", "add_rms_norm_ref": "norm_act",
     "topk_slots": "sparse_slots", "topk_slots_ref": "sparse_slots",
     "absorb_query": "latent_absorb", "absorb_query_ref": "latent_absorb",
+    "latent_attention_invariant": "latent_invariant", "latent_attention_invariant_ref": "latent_invariant",
+    "latent_values": "latent_invariant", "latent_values_ref": "latent_invariant",
     "silu_and_mul": "norm_act", "silu_and_mul_ref": "norm_act",
     "indexer_scores_paged": "indexer",
     "indexer_scores_paged_ref": "indexer",

@@ -5,6 +5,6 @@ from .config import MLAConfig, MLAInputs
 
 register_kind("mla", config=MLAConfig, inputs=MLAInputs)
 
-from . import flashinfer, flashmla, reference, sdpa  # noqa: E402,F401 - registers the backends
+from . import flashinfer, flashmla, reference, sdpa, triton  # noqa: E402,F401 - registers the backends
 
 __all__ = ["MLAConfig", "MLAInputs"]

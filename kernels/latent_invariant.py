@@ -1,0 +1,208 @@
+"""MLA's latent attention in the invariant mode: each token alone in its programs, its keys in tiles fixed by
+position, so a token's result is the same bits in a prefill, a decode and a verify, and beside any requests.
+
+`latent_attention_invariant`: the absorbed query ``q [T, H, R + Dr]`` of every token over its request's cached
+latent rows (a paged pool ``[P, S, R + Dr]``) and the step's own new rows up to itself (``new [T, R + Dr]``, not
+in the pool while the step runs), one softmax: ``-> (o_lat [T, H, R], lse [T, H])`` in fp32, the LSE in natural
+log. A program owns one token and a block of heads and walks the token's positions ``0 .. pos`` in tiles of
+``block_n`` keys, ``[i * block_n, (i + 1) * block_n)``: position ``j`` is read from the pool below the request's
+cache length and from the step's rows at and above it, so the same key tile holds the same rows whether they
+were cached in an earlier step or come with this one. A score is summed over ``R + Dr`` in steps of
+``block_d``, in order; the tiles merge in position order. Nothing in a launch depends on how many tokens or
+requests the step has, or on the phase: the property the invariant mode (`kernels.invariant`) asks for.
+
+`latent_values`: ``o_lat [T, H, R]`` through ``W_UV`` (``[H, Dv, R]``) per head, ``-> [T, H, Dv]``, in tiles of
+16 tokens whatever ``T``; with `latent_absorb.absorb_query` at ``block_t=16`` for ``W_UK`` the whole latent
+layer keeps a token's bits whatever shares its step.
+"""
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ._triton import next_pow2, require_triton, tl, triton
+
+#: Tokens one weight product takes: fixed, so a token's row goes through the same products whatever ``T`` is.
+TOKEN_TILE = 16
+
+
+@triton.jit
+def _latent_attention_kernel(
+    Q, CACHE, NEW, BLOCK_TABLE, CACHE_LENS, POSITIONS, REQUESTS, OUT, LSE,
+    H, R, DQ, S, scale,
+    sq_t, sq_h, sc_p, sc_s, sn_t, sbt_b, so_t, so_h, sl_t,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    b = tl.load(REQUESTS + t).to(tl.int64)
+    cached_len = tl.load(CACHE_LENS + b).to(tl.int64)
+    pos = tl.load(POSITIONS + t).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for i in range(0, (pos + BLOCK_N) // BLOCK_N):  # the tiles that hold positions 0 .. pos
+        j = i * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)  # [BLOCK_N] key positions
+        valid = j <= pos
+        cached = j < cached_len
+        fresh = valid & (j >= cached_len)
+        page = tl.load(BLOCK_TABLE + b * sbt_b + j // S, mask=cached, other=0).to(tl.int64)
+        c_row = page * sc_p + (j % S) * sc_s  # the key's row in the pool
+        n_row = (t + j - pos) * sn_t  # the key's row among the step's new rows (this request's are consecutive)
+        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for step in range(D_STEPS):
+            d = step * BLOCK_D + tl.arange(0, BLOCK_D)
+            d_ok = d < DQ
+            q = tl.load(Q + t * sq_t + h[:, None] * sq_h + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                        other=0.0)  # [BLOCK_H, BLOCK_D]
+            k_c = tl.load(CACHE + c_row[:, None] + d[None, :], mask=cached[:, None] & d_ok[None, :], other=0.0)
+            k_n = tl.load(NEW + n_row[:, None] + d[None, :], mask=fresh[:, None] & d_ok[None, :], other=0.0)
+            k = tl.where(cached[:, None], k_c, k_n)  # [BLOCK_N, BLOCK_D]
+            s += tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_c = tl.load(CACHE + c_row[:, None] + r[None, :], mask=cached[:, None] & (r[None, :] < R), other=0.0)
+        v_n = tl.load(NEW + n_row[:, None] + r[None, :], mask=fresh[:, None] & (r[None, :] < R), other=0.0)
+        v = tl.where(cached[:, None], v_c, v_n)  # [BLOCK_N, BLOCK_R]: a row's latent c_kv is its value
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(OUT + t * so_t + h[:, None] * so_h + r[None, :], o, mask=h_ok[:, None] & (r[None, :] < R))
+    tl.store(LSE + t * sl_t + h, m_i + tl.log(l_i), mask=h_ok)
+
+
+def _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank):
+    def shape(name, t, dims, want):
+        if not isinstance(t, torch.Tensor) or t.dim() != len(want) or any(
+                w is not None and w != n for w, n in zip(want, t.shape)):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"latent_attention_invariant: {name}: expected shape [{dims}] = "
+                             f"{tuple('*' if w is None else w for w in want)}, got {got}")
+
+    shape("q", q, "T, H, Dq", (None, None, None))
+    T, H, Dq = q.shape
+    shape("cache", cache, "P, S, Dq", (None, None, Dq))
+    shape("new", new, "T, Dq", (T, Dq))
+    shape("block_table", block_table, "B, pages", (None, None))
+    B = block_table.shape[0]
+    shape("cache_lens", cache_lens, "B", (B,))
+    shape("positions", positions, "T", (T,))
+    shape("requests", requests, "T", (T,))
+    for name, t in (("cache", cache), ("new", new)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"latent_attention_invariant: {name}: expected dtype {q.dtype} (q's), got {t.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"latent_attention_invariant: q: expected dtype bfloat16, float16 or float32, got {q.dtype}")
+    for name, t in (("block_table", block_table), ("cache_lens", cache_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"latent_attention_invariant: {name}: expected dtype torch.int32, got {t.dtype}")
+    for name, t in (("positions", positions), ("requests", requests)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"latent_attention_invariant: {name}: expected an integer dtype, got {t.dtype}")
+    for name, t in (("q", q), ("cache", cache), ("new", new), ("block_table", block_table)):
+        if t.device != q.device:
+            raise ValueError(f"latent_attention_invariant: {name}: expected device {q.device} (q's), got {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"latent_attention_invariant: {name}: expected a unit stride on the last dim, got "
+                             f"strides {t.stride()}")
+    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 0 < kv_rank <= Dq:
+        raise ValueError(f"latent_attention_invariant: kv_rank: expected an int in 1..{Dq} (q's last dim), got "
+                         f"{kv_rank!r}")
+
+
+def latent_attention_invariant(q: Float[Tensor, "T H Dq"], cache: Float[Tensor, "P S Dq"], new: Float[Tensor, "T Dq"],
+                               block_table: Int[Tensor, "B pages"], cache_lens: Int[Tensor, " B"],
+                               positions: Int[Tensor, " T"], requests: Int[Tensor, " T"], *, kv_rank: int,
+                               scale: float, block_h: int = 16, block_n: int = 32, block_d: int = 64,
+                               num_warps: int = 4) -> tuple[Float[Tensor, "T H R"], Float[Tensor, "T H"]]:
+    """Module docstring. ``requests [T]``: each token's request (its row of ``block_table`` and
+    ``cache_lens``); ``positions [T]``: its position, ``cache_lens[request]`` and up, a request's tokens
+    consecutive rows of ``new`` in position order. Every token sees at least itself. The tiles are fixed by the
+    dims alone; a caller that wants a token's bits to follow nothing else passes the same ones every step."""
+    require_triton()
+    _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank)
+    T, H, Dq = q.shape
+    if not scale > 0:
+        raise ValueError(f"latent_attention_invariant: scale: expected > 0, got {scale!r}")
+    o = torch.empty((T, H, kv_rank), dtype=torch.float32, device=q.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return o, lse
+    _latent_attention_kernel[(T, triton.cdiv(H, block_h))](
+        q, cache, new, block_table, cache_lens, positions, requests, o, lse,
+        H, kv_rank, Dq, cache.shape[1], float(scale),
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), new.stride(0), block_table.stride(0),
+        o.stride(0), o.stride(1), lse.stride(0),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, D_STEPS=triton.cdiv(Dq, block_d),
+        BLOCK_R=max(16, next_pow2(kv_rank)), num_warps=num_warps)
+    return o, lse
+
+
+def latent_attention_invariant_ref(q, cache, new, block_table, cache_lens, positions, requests, *, kv_rank: int,
+                                   scale: float) -> tuple[Tensor, Tensor]:
+    """`latent_attention_invariant` in fp32 torch, a token at a time: its keys gathered by position."""
+    T, H, _ = q.shape
+    S = cache.shape[1]
+    o = torch.zeros((T, H, kv_rank), dtype=torch.float32, device=q.device)
+    lse = torch.zeros((T, H), dtype=torch.float32, device=q.device)
+    for t in range(T):
+        b, pos = int(requests[t]), int(positions[t])
+        c = int(cache_lens[b])
+        rows = [cache[int(block_table[b, j // S]), j % S] if j < c else new[t + j - pos] for j in range(pos + 1)]
+        k = torch.stack(rows).float()  # [pos + 1, Dq]
+        s = q[t].float() @ k.T * scale  # [H, pos + 1]
+        lse[t] = torch.logsumexp(s, -1)
+        o[t] = torch.softmax(s, -1) @ k[:, :kv_rank]
+    return o, lse
+
+
+def request_of_token(cu_seqlens: Int[Tensor, " B1"], tokens: int) -> Int[Tensor, " T"]:
+    """Each of ``tokens`` rows' request, from the batch's ``cu_seqlens [B + 1]`` on its device (no host read)."""
+    rows = torch.arange(tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True)
+
+
+def latent_values(o_lat: Float[Tensor, "T H R"], w_uv: Float[Tensor, "H Dv R"], *, block_r: int = 128,
+                  block_k: int = 64, num_warps: int = 4) -> Float[Tensor, "T H Dv"]:
+    """``o_lat [T, H, R]`` (rounded to ``w_uv``'s dtype first, as the unfused layer does) through ``W_UV`` per
+    head: ``-> [T, H, Dv]`` in ``w_uv``'s dtype, fp32 accumulation, ``TOKEN_TILE`` tokens a product whatever
+    ``T`` is (`latent_absorb.absorb_query`'s kernel, reading ``W_UV`` transposed in place)."""
+    from .latent_absorb import _absorb_query_kernel
+
+    require_triton()
+    if not isinstance(o_lat, torch.Tensor) or o_lat.dim() != 3:
+        raise ValueError(f"latent_values: o_lat: expected a [T, H, R] tensor, got "
+                         f"{tuple(o_lat.shape) if isinstance(o_lat, torch.Tensor) else type(o_lat).__name__}")
+    T, H, R = o_lat.shape
+    if not isinstance(w_uv, torch.Tensor) or w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != R:
+        raise ValueError(f"latent_values: w_uv: expected shape [H, Dv, R] = ({H}, Dv, {R}), got "
+                         f"{tuple(w_uv.shape) if isinstance(w_uv, torch.Tensor) else type(w_uv).__name__}")
+    if w_uv.device != o_lat.device:
+        raise ValueError(f"latent_values: w_uv: expected device {o_lat.device} (o_lat's), got {w_uv.device}")
+    x = o_lat.to(w_uv.dtype).contiguous()
+    Dv = w_uv.shape[1]
+    out = torch.empty((T, H, Dv), dtype=w_uv.dtype, device=o_lat.device)
+    if T == 0:
+        return out
+    full_k = max(16, next_pow2(R))
+    block_k = min(block_k, full_k)
+    block_r = min(block_r, max(16, next_pow2(Dv)))
+    # W_UV[h] read as [R, Dv] in place: along R (the product's K) stride w_uv.stride(2), along Dv w_uv.stride(1)
+    per_program = 4 * TOKEN_TILE  # whole token tiles a program: which program takes a tile changes no bit of it
+    _absorb_query_kernel[(triton.cdiv(T, per_program), triton.cdiv(Dv, block_r), H)](
+        x, x, w_uv, out, T, H, R, Dv, 0, per_program,
+        x.stride(0), x.stride(1), 0, 0, w_uv.stride(0), w_uv.stride(2), w_uv.stride(1), out.stride(0), out.stride(1),
+        BLOCK_T=TOKEN_TILE, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_P=16, K_STEPS=triton.cdiv(R, block_k),
+        NUM_STAGES=2, num_warps=num_warps)
+    return out
+
+
+def latent_values_ref(o_lat: Tensor, w_uv: Tensor) -> Tensor:
+    """`latent_values` in torch: fp32 products of the rounded latent, rounded once."""
+    return torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype).float(), w_uv.float()).to(w_uv.dtype)

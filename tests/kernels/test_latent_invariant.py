@@ -1,0 +1,125 @@
+"""latent_attention_invariant and latent_values (MLA's latent layer in the invariant mode) against their references,
+and the property they exist for: a token's result is the same bits whatever else its launch holds (interpreted in
+fp32 on the CPU; bf16 on CUDA)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from fnattn.kernels.latent_invariant import (  # noqa: E402
+    latent_attention_invariant,
+    latent_attention_invariant_ref,
+    latent_values,
+    latent_values_ref,
+    request_of_token,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+TOL = 2e-5 if DTYPE == torch.float32 else 2e-2
+R, DR, H, S = 32, 16, 3, 4  # latent rank, rope dims, heads, page size
+
+
+def pool(cached: list[int], seed=0):
+    """A paged pool of every request's cached rows (NaN elsewhere: a stray read shows), its block table and
+    cache lengths; each request's pages after the previous one's, leaving room for new tokens."""
+    g = torch.Generator().manual_seed(seed)
+    per = [-(-(c + 8) // S) for c in cached]
+    cache = torch.full((sum(per) + 1, S, R + DR), float("nan"))
+    table = torch.zeros(len(cached), max(per), dtype=torch.int32)
+    start = 1  # page 0 is the null page
+    for b, (c, n) in enumerate(zip(cached, per)):
+        table[b, :n] = torch.arange(start, start + n, dtype=torch.int32)
+        for j in range(c):
+            cache[start + j // S, j % S] = torch.randn(R + DR, generator=g)
+        start += n
+    return cache.to(DTYPE).to(DEVICE), table.to(DEVICE), torch.tensor(cached, dtype=torch.int32, device=DEVICE)
+
+
+def step(cached: list[int], new: list[int], seed=1):
+    """Queries and new rows of ``new[b]`` tokens for each request: ``-> (q, rows, positions, cu_seqlens)``."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(new)
+    q = torch.randn(T, H, R + DR, generator=g).to(DTYPE).to(DEVICE)
+    rows = torch.randn(T, R + DR, generator=g).to(DTYPE).to(DEVICE)
+    positions = torch.tensor([c + i for c, n in zip(cached, new) for i in range(n)], device=DEVICE)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return q, rows, positions, cu
+
+
+def attend(cache, table, lens, q, rows, positions, cu, **tiles):
+    return latent_attention_invariant(q, cache, rows, table, lens, positions, request_of_token(cu, q.shape[0]),
+                                      kv_rank=R, scale=0.3, **tiles)
+
+
+@pytest.mark.parametrize("cached, new", [([0], [5]), ([7, 0, 37], [1, 1, 1]), ([9, 33], [4, 4]), ([3, 70], [6, 1])])
+def test_matches_the_reference(cached, new):
+    cache, table, lens = pool(cached)
+    q, rows, positions, cu = step(cached, new)
+    o, lse = attend(cache, table, lens, q, rows, positions, cu)
+    want_o, want_lse = latent_attention_invariant_ref(q, cache, rows, table, lens, positions,
+                                                      request_of_token(cu, q.shape[0]), kv_rank=R, scale=0.3)
+    assert o.shape == (q.shape[0], H, R) and o.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(o, want_o, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(lse, want_lse, atol=TOL, rtol=TOL)
+
+
+def test_a_token_is_the_same_bits_in_a_prefill_a_verify_a_decode_and_beside_others():
+    """Request 0's prompt of 11 tokens prefilled at once; the same prompt as 7 cached rows and a verify of 4;
+    as 10 cached rows and a decode of 1, alone and beside two other requests: its last token's output and
+    LSE are the same bits every time (the tiles follow positions, not the launch)."""
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randn(11, R + DR, generator=g).to(DTYPE).to(DEVICE)  # request 0's latent rows
+    queries = torch.randn(11, H, R + DR, generator=g).to(DTYPE).to(DEVICE)
+
+    def run(cached_0, others=()):
+        cached = [cached_0, *(c for c, _ in others)]
+        cache, table, lens = pool(cached, seed=9)
+        for j in range(cached_0):  # request 0's cached rows are its prompt's
+            cache[int(table[0, j // S]), j % S] = prompt[j]
+        q = [queries[cached_0:]]
+        rows = [prompt[cached_0:]]
+        for c, n in others:
+            other_q, other_rows, _, _ = step([c], [n], seed=c)
+            q.append(other_q)
+            rows.append(other_rows)
+        new = [11 - cached_0, *(n for _, n in others)]
+        positions = torch.tensor([c + i for c, n in zip(cached, new) for i in range(n)], device=DEVICE)
+        cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        o, lse = attend(cache, table, lens, torch.cat(q), torch.cat(rows), positions, cu)
+        last = 11 - cached_0 - 1  # request 0's last token's row
+        return o[last], lse[last]
+
+    runs = [run(0), run(7), run(10), run(10, others=[(5, 2), (40, 1)]), run(7, others=[(33, 4)])]
+    for o, lse in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+def test_values_match_the_reference_and_a_row_ignores_the_rows_beside_it():
+    g = torch.Generator().manual_seed(3)
+    o_lat = torch.randn(37, H, R, generator=g).to(DEVICE)
+    w_uv = (torch.randn(H, 24, R, generator=g) * R ** -0.5).to(DTYPE).to(DEVICE)
+    got = latent_values(o_lat, w_uv)
+    assert got.shape == (37, H, 24) and got.dtype == DTYPE
+    torch.testing.assert_close(got.float(), latent_values_ref(o_lat, w_uv).float(), atol=TOL, rtol=TOL)
+    for rows in (slice(5, 6), slice(30, 37), slice(0, 17)):
+        assert torch.equal(latent_values(o_lat[rows], w_uv), got[rows])
+
+
+def test_bad_arguments_name_themselves():
+    cache, table, lens = pool([3])
+    q, rows, positions, cu = step([3], [2])
+    req = request_of_token(cu, 2)
+    with pytest.raises(ValueError, match="new: expected shape"):
+        latent_attention_invariant(q, cache, rows[:1], table, lens, positions, req, kv_rank=R, scale=1.0)
+    with pytest.raises(ValueError, match="kv_rank: expected an int"):
+        latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R + DR + 1, scale=1.0)
+    with pytest.raises(ValueError, match="block_table: expected dtype torch.int32"):
+        latent_attention_invariant(q, cache, rows, table.long(), lens, positions, req, kv_rank=R, scale=1.0)
+    with pytest.raises(ValueError, match="w_uv: expected shape"):
+        latent_values(torch.zeros(2, H, R, device=DEVICE), torch.zeros(H, 8, R + 1, device=DEVICE))
