@@ -28,11 +28,11 @@ TOKEN_TILE = 16
 
 @triton.jit
 def _latent_attention_kernel(
-    Q, CACHE, NEW, BLOCK_TABLE, CACHE_LENS, POSITIONS, REQUESTS, OUT, LSE,
-    H, R, DQ, S, scale,
-    sq_t, sq_h, sc_p, sc_s, sn_t, sbt_b, so_t, so_h, sl_t,
+    Q, CACHE, NEW, BLOCK_TABLE, CACHE_LENS, POSITIONS, REQUESTS, INDICES, OUT, LSE,
+    H, R, DQ, S, scale, PICKS,
+    sq_t, sq_h, sc_p, sc_s, sn_t, sbt_b, si_t, so_t, so_h, sl_t,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, SPARSE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -44,10 +44,17 @@ def _latent_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for i in range(0, (pos + BLOCK_N) // BLOCK_N):  # the tiles that hold positions 0 .. pos
-        j = i * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)  # [BLOCK_N] key positions
-        valid = j <= pos
-        cached = j < cached_len
+    # dense: the tiles that hold positions 0 .. pos; sparse: the tiles of the token's picks, ascending
+    tiles = (PICKS + BLOCK_N - 1) // BLOCK_N if SPARSE else (pos + BLOCK_N) // BLOCK_N
+    for i in range(0, tiles):
+        n = i * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        if SPARSE:
+            j = tl.load(INDICES + t * si_t + n, mask=n < PICKS, other=-1).to(tl.int64)  # [BLOCK_N] key positions
+            valid = (j >= 0) & (j <= pos)
+        else:
+            j = n
+            valid = j <= pos
+        cached = valid & (j < cached_len)
         fresh = valid & (j >= cached_len)
         page = tl.load(BLOCK_TABLE + b * sbt_b + j // S, mask=cached, other=0).to(tl.int64)
         c_row = page * sc_p + (j % S) * sc_s  # the key's row in the pool
@@ -64,20 +71,23 @@ def _latent_attention_kernel(
             s += tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # no key yet (a sparse token's picks may begin with pads): nothing to rescale, and no exp(-inf + inf)
+        seen = m_new > float("-inf")
+        alpha = tl.where(seen, tl.exp(m_i - m_new), 1.0)
+        p = tl.exp(s - tl.where(seen, m_new, 0.0)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_c = tl.load(CACHE + c_row[:, None] + r[None, :], mask=cached[:, None] & (r[None, :] < R), other=0.0)
         v_n = tl.load(NEW + n_row[:, None] + r[None, :], mask=fresh[:, None] & (r[None, :] < R), other=0.0)
         v = tl.where(cached[:, None], v_c, v_n)  # [BLOCK_N, BLOCK_R]: a row's latent c_kv is its value
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    o = acc / l_i[:, None]
+    some = l_i > 0.0  # a sparse token whose picks are all pads attends nothing: 0 and an lse of -inf
+    o = acc / tl.where(some, l_i, 1.0)[:, None]
     tl.store(OUT + t * so_t + h[:, None] * so_h + r[None, :], o, mask=h_ok[:, None] & (r[None, :] < R))
-    tl.store(LSE + t * sl_t + h, m_i + tl.log(l_i), mask=h_ok)
+    tl.store(LSE + t * sl_t + h, tl.where(some, m_i + tl.log(l_i), float("-inf")), mask=h_ok)
 
 
-def _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank):
+def _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank, indices):
     def shape(name, t, dims, want):
         if not isinstance(t, torch.Tensor) or t.dim() != len(want) or any(
                 w is not None and w != n for w, n in zip(want, t.shape)):
@@ -94,6 +104,11 @@ def _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank)
     shape("cache_lens", cache_lens, "B", (B,))
     shape("positions", positions, "T", (T,))
     shape("requests", requests, "T", (T,))
+    if indices is not None:
+        shape("indices", indices, "T, picks", (T, None))
+        if indices.dtype not in (torch.int32, torch.int64) or indices.device != q.device:
+            raise ValueError(f"latent_attention_invariant: indices: expected an integer tensor on {q.device}, got "
+                             f"{indices.dtype} on {indices.device}")
     for name, t in (("cache", cache), ("new", new)):
         if t.dtype != q.dtype:
             raise ValueError(f"latent_attention_invariant: {name}: expected dtype {q.dtype} (q's), got {t.dtype}")
@@ -119,14 +134,20 @@ def _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank)
 def latent_attention_invariant(q: Float[Tensor, "T H Dq"], cache: Float[Tensor, "P S Dq"], new: Float[Tensor, "T Dq"],
                                block_table: Int[Tensor, "B pages"], cache_lens: Int[Tensor, " B"],
                                positions: Int[Tensor, " T"], requests: Int[Tensor, " T"], *, kv_rank: int,
-                               scale: float, block_h: int = 16, block_n: int = 32, block_d: int = 64,
+                               scale: float, indices: Int[Tensor, "T picks"] | None = None, block_h: int = 16,
+                               block_n: int = 32, block_d: int = 64,
                                num_warps: int = 4) -> tuple[Float[Tensor, "T H R"], Float[Tensor, "T H"]]:
     """Module docstring. ``requests [T]``: each token's request (its row of ``block_table`` and
     ``cache_lens``); ``positions [T]``: its position, ``cache_lens[request]`` and up, a request's tokens
-    consecutive rows of ``new`` in position order. Every token sees at least itself. The tiles are fixed by the
-    dims alone; a caller that wants a token's bits to follow nothing else passes the same ones every step."""
+    consecutive rows of ``new`` in position order. The tiles are fixed by the dims alone; a caller that wants a
+    token's bits to follow nothing else passes the same ones every step.
+
+    ``indices [T, picks]`` (a sparse layer's selection): each token attends only the positions its row names,
+    which must be ascending with every -1 (none) after them; its key tiles are then ``block_n`` picks each, in
+    that order. A token with no pick gets 0 and an LSE of -inf. None: every position up to the token's own
+    (each token sees at least itself)."""
     require_triton()
-    _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank)
+    _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank, indices)
     T, H, Dq = q.shape
     if not scale > 0:
         raise ValueError(f"latent_attention_invariant: scale: expected > 0, got {scale!r}")
@@ -134,32 +155,45 @@ def latent_attention_invariant(q: Float[Tensor, "T H Dq"], cache: Float[Tensor, 
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0:
         return o, lse
+    sparse = indices is not None
+    idx = indices.contiguous() if sparse else positions  # (unread when dense)
     _latent_attention_kernel[(T, triton.cdiv(H, block_h))](
-        q, cache, new, block_table, cache_lens, positions, requests, o, lse,
-        H, kv_rank, Dq, cache.shape[1], float(scale),
+        q, cache, new, block_table, cache_lens, positions, requests, idx, o, lse,
+        H, kv_rank, Dq, cache.shape[1], float(scale), idx.shape[1] if sparse else 0,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), new.stride(0), block_table.stride(0),
-        o.stride(0), o.stride(1), lse.stride(0),
+        idx.stride(0) if sparse else 0, o.stride(0), o.stride(1), lse.stride(0),
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, D_STEPS=triton.cdiv(Dq, block_d),
-        BLOCK_R=max(16, next_pow2(kv_rank)), num_warps=num_warps)
+        BLOCK_R=max(16, next_pow2(kv_rank)), SPARSE=sparse, num_warps=num_warps)
     return o, lse
 
 
 def latent_attention_invariant_ref(q, cache, new, block_table, cache_lens, positions, requests, *, kv_rank: int,
-                                   scale: float) -> tuple[Tensor, Tensor]:
+                                   scale: float, indices=None) -> tuple[Tensor, Tensor]:
     """`latent_attention_invariant` in fp32 torch, a token at a time: its keys gathered by position."""
     T, H, _ = q.shape
     S = cache.shape[1]
     o = torch.zeros((T, H, kv_rank), dtype=torch.float32, device=q.device)
-    lse = torch.zeros((T, H), dtype=torch.float32, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     for t in range(T):
         b, pos = int(requests[t]), int(positions[t])
         c = int(cache_lens[b])
-        rows = [cache[int(block_table[b, j // S]), j % S] if j < c else new[t + j - pos] for j in range(pos + 1)]
-        k = torch.stack(rows).float()  # [pos + 1, Dq]
-        s = q[t].float() @ k.T * scale  # [H, pos + 1]
+        seen = range(pos + 1) if indices is None else [int(j) for j in indices[t] if 0 <= int(j) <= pos]
+        if not seen:
+            continue
+        rows = [cache[int(block_table[b, j // S]), j % S] if j < c else new[t + j - pos] for j in seen]
+        k = torch.stack(rows).float()  # [keys, Dq]
+        s = q[t].float() @ k.T * scale  # [H, keys]
         lse[t] = torch.logsumexp(s, -1)
         o[t] = torch.softmax(s, -1) @ k[:, :kv_rank]
     return o, lse
+
+
+def ascending_picks(picks: Int[Tensor, "T K"]) -> Int[Tensor, "T K"]:
+    """A selection's positions (-1: none, anywhere in a row) ascending, every -1 after them: the order
+    `latent_attention_invariant` walks a sparse token's keys in. A row's result follows its own values only."""
+    big = torch.iinfo(picks.dtype).max
+    ordered = torch.where(picks < 0, big, picks).sort(dim=1).values
+    return torch.where(ordered == big, -1, ordered)
 
 
 def request_of_token(cu_seqlens: Int[Tensor, " B1"], tokens: int) -> Int[Tensor, " T"]:

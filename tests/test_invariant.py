@@ -328,9 +328,8 @@ def test_an_mla_layer_verifies_decodes_and_decodes_alone_the_same_bits(sparse, b
         specs = [fa.LayerSpec(0, mla_config(**LAYER_DIMS), torch.float32)]
     cached, ids = [37, 21], [0, 1]
     rows_of = {r: _layer_rows(specs, K + 1, seed=10 + r) for r in ids}
-    if backend == "triton" and sparse:
-        pytest.skip("the invariant Triton path serves dense MLA layers")
-    attn = fa.ModelAttention(specs, prefer=_lifted("mla", "triton") if backend == "triton" else (backend,))
+    kind = "sparse_mla" if sparse else "mla"
+    attn = fa.ModelAttention(specs, prefer=_lifted(kind, "triton") if backend == "triton" else (backend,))
 
     def fresh():
         return filled_state(specs, cached, page_size=4, extra=K + 2)

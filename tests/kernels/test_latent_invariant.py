@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from fnattn.kernels.latent_invariant import (  # noqa: E402
+    ascending_picks,
     latent_attention_invariant,
     latent_attention_invariant_ref,
     latent_values,
@@ -98,6 +99,52 @@ def test_a_token_is_the_same_bits_in_a_prefill_a_verify_a_decode_and_beside_othe
     runs = [run(0), run(7), run(10), run(10, others=[(5, 2), (40, 1)]), run(7, others=[(33, 4)])]
     for o, lse in runs[1:]:
         assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+def picks_of(positions, k, seed):
+    """``k`` picks per token among the positions it sees (fewer where it sees fewer: -1), in random order."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for pos in positions.tolist():
+        seen = torch.randperm(pos + 1, generator=g)[:k]
+        rows.append(torch.cat([seen, torch.full((k - len(seen),), -1)])[torch.randperm(k, generator=g)])
+    return torch.stack(rows).to(DEVICE)
+
+
+@pytest.mark.parametrize("cached, new, k", [([0], [5], 4), ([7, 0, 37], [1, 1, 1], 8), ([9, 33], [4, 4], 40)])
+def test_sparse_picks_match_the_reference(cached, new, k):
+    cache, table, lens = pool(cached)
+    q, rows, positions, cu = step(cached, new)
+    picks = ascending_picks(picks_of(positions, k, seed=2))
+    req = request_of_token(cu, q.shape[0])
+    o, lse = latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=0.3,
+                                        indices=picks)
+    want_o, want_lse = latent_attention_invariant_ref(q, cache, rows, table, lens, positions, req, kv_rank=R,
+                                                      scale=0.3, indices=picks)
+    torch.testing.assert_close(o, want_o, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(lse, want_lse, atol=TOL, rtol=TOL)
+
+
+def test_a_sparse_token_is_the_same_bits_whatever_its_launch_holds_and_none_picked_is_empty():
+    cache, table, lens = pool([37, 21])
+    q, rows, positions, cu = step([37, 21], [4, 4])
+    picks = ascending_picks(picks_of(positions, 16, seed=6))
+    req = request_of_token(cu, 8)
+    o, lse = latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=0.3,
+                                        indices=picks)
+    # token 2 of request 0 alone in a launch of its own (request 0's first three rows come with it: its keys)
+    o1, lse1 = latent_attention_invariant(q[:3], cache, rows[:3], table, lens, positions[:3], req[:3], kv_rank=R,
+                                          scale=0.3, indices=picks[:3])
+    assert torch.equal(o1[2], o[2]) and torch.equal(lse1[2], lse[2])
+    none = torch.full_like(picks, -1)
+    o0, lse0 = latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=0.3,
+                                          indices=none)
+    assert torch.equal(o0, torch.zeros_like(o0)) and bool(torch.isneginf(lse0).all())
+
+
+def test_ascending_picks_keeps_each_row_s_set_with_the_pads_last():
+    picks = torch.tensor([[5, -1, 2, 9], [-1, -1, 0, 3]])
+    assert ascending_picks(picks).tolist() == [[2, 5, 9, -1], [0, 3, -1, -1]]
 
 
 def test_values_match_the_reference_and_a_row_ignores_the_rows_beside_it():

@@ -5,6 +5,6 @@ from .config import IndexerConfig, SparseAttentionOutput, SparseMLAConfig, Spars
 
 register_kind("sparse_mla", config=SparseMLAConfig, inputs=SparseMLAInputs)
 
-from . import flashmla, reference, sdpa  # noqa: E402,F401 - registers the backends
+from . import flashmla, reference, sdpa, triton  # noqa: E402,F401 - registers the backends
 
 __all__ = ["IndexerConfig", "SparseAttentionOutput", "SparseMLAConfig", "SparseMLAInputs", "SparseQueryMetadata"]
