@@ -85,6 +85,7 @@ def merge_states(o1, lse1, o2, lse2):
 
 KEY_TILE = 16  # keys of positions [c * KEY_TILE, (c + 1) * KEY_TILE) form tile c
 QUERY_ROWS = 8  # queries are reduced in blocks of this many rows, padded
+HEAD_ALIGN = 8  # heads padded to a multiple of this: a block's [QUERY_ROWS, heads] is whole 64-float blocks
 
 
 def attention_fixed_order(q, k, v, q_pos, k_pos, *, scale, softcap=0.0, sliding_window=0, sinks=None,
@@ -99,44 +100,55 @@ def attention_fixed_order(q, k, v, q_pos, k_pos, *, scale, softcap=0.0, sliding_
     many tokens, in a verify of a few or alone in a decode step, and whichever keys past its own position
     are present (masked keys weigh exactly 0; wholly masked tiles merge as no-ops). Torch's reductions
     choose their order by the shapes they see (one product of a step's size reduces a row differently as
-    the step grows), which is why nothing here is sized by the step.
+    the step grows), which is why nothing here is sized by the step. Its CPU loops also round exp and log
+    differently in a vector body and in the scalar tail after it, so the heads are padded (zeros, cut off
+    at the end) to a multiple of `HEAD_ALIGN`: every per-block tensor is then whole vector blocks, and a
+    query's ``lse`` does not follow the slot of the block it sits in. ``sinks`` join per block, for the same
+    reason.
     """
     n, Hq, D = q.shape
     Dv, group = v.shape[-1], Hq // k.shape[1]
+    Hp = -(-Hq // HEAD_ALIGN) * HEAD_ALIGN
     dev = q.device
     tiles = int(k_pos.max()) // key_tile + 1 if k_pos.numel() else 0
-    kt = torch.zeros(tiles * key_tile, Hq, D, device=dev)
-    vt = torch.zeros(tiles * key_tile, Hq, Dv, device=dev)
+    kt = torch.zeros(tiles * key_tile, Hp, D, device=dev)
+    vt = torch.zeros(tiles * key_tile, Hp, Dv, device=dev)
     present = torch.zeros(tiles * key_tile, dtype=torch.bool, device=dev)
     rows = k_pos.long()
-    kt[rows] = k.float().repeat_interleave(group, dim=1)
-    vt[rows] = v.float().repeat_interleave(group, dim=1)
+    kt[rows, :Hq] = k.float().repeat_interleave(group, dim=1)
+    vt[rows, :Hq] = v.float().repeat_interleave(group, dim=1)
     present[rows] = True
-    kt = kt.view(tiles, key_tile, Hq, D).transpose(1, 2).contiguous()  # [tiles, Hq, tile, D]
-    vt = vt.view(tiles, key_tile, Hq, Dv).transpose(1, 2).contiguous()  # [tiles, Hq, tile, Dv]
+    kt = kt.view(tiles, key_tile, Hp, D).transpose(1, 2).contiguous()  # [tiles, Hp, tile, D]
+    vt = vt.view(tiles, key_tile, Hp, Dv).transpose(1, 2).contiguous()  # [tiles, Hp, tile, Dv]
+    sinks_p = None
+    if sinks is not None:
+        sinks_p = torch.zeros(Hp, device=dev)
+        sinks_p[:Hq] = sinks.float()
     present = present.view(tiles, key_tile)
     tile_pos = torch.arange(tiles * key_tile, device=dev).view(tiles, key_tile)
     outs, lses = [], []
     for r0 in range(0, n, query_rows):
         m = min(query_rows, n - r0)
-        qb = torch.zeros(query_rows, Hq, D, device=dev)
-        qb[:m] = q[r0:r0 + m].float()
+        qb = torch.zeros(query_rows, Hp, D, device=dev)
+        qb[:m, :Hq] = q[r0:r0 + m].float()
         pb = torch.full((query_rows,), -1, dtype=q_pos.dtype, device=dev)  # a pad row sees no key
         pb[:m] = q_pos[r0:r0 + m]
-        o = torch.zeros(query_rows, Hq, Dv, device=dev)
-        lse = torch.full((query_rows, Hq), float("-inf"), device=dev)
+        o = torch.zeros(query_rows, Hp, Dv, device=dev)
+        lse = torch.full((query_rows, Hp), float("-inf"), device=dev)
         for c in range(tiles):
-            s = (qb[:, :, None, :] * kt[c][None]).sum(-1) * scale  # [rows, Hq, tile]
+            s = (qb[:, :, None, :] * kt[c][None]).sum(-1) * scale  # [rows, Hp, tile]
             if softcap > 0:
                 s = softcap * torch.tanh(s / softcap)
             visible = visible_keys(pb, tile_pos[c], sliding_window=sliding_window) & present[c][None]
             p, tile_lse = masked_softmax(s, visible[:, None, :])
             o, lse = merge_states(o, lse, (p[..., None] * vt[c][None]).sum(-2), tile_lse)
-        outs.append(o[:m])
-        lses.append(lse[:m])
+        if sinks_p is not None:
+            o = apply_sinks(o, lse, sinks_p)
+        outs.append(o[:m, :Hq])
+        lses.append(lse[:m, :Hq])
     o = torch.cat(outs) if outs else torch.zeros(0, Hq, Dv, device=dev)
     lse = torch.cat(lses) if lses else torch.zeros(0, Hq, device=dev)
-    return (o, lse) if sinks is None else (apply_sinks(o, lse, sinks), lse)
+    return o, lse
 
 
 def latent_attention_fixed_order(q_nope, q_pe, latent, w_uk, w_uv, q_pos, k_pos, *, scale, key_tile=KEY_TILE,

@@ -22,11 +22,15 @@ by position, no split); GDN / KDA's Triton kernels (one program per request and 
 in the same order in decode and verify) and, in the mode, their prefill through decode's launches over
 every prompt token; dense MLA through its invariant Triton backend (`fnattn.kinds.mla.triton`: the absorbed
 query and ``W_UV`` in fixed token tiles, `latent_invariant.latent_attention_invariant` with key tiles fixed by
-position; capturable); sparse MLA and DeepSeek-V4 through their reference paths, which FlashMLA leaves to them
-(slow: uncaptured, a loop over requests). The models' projections
+position; capturable), sparse MLA through the same launches over each token's picks in ascending position
+(`fnattn.kinds.sparse_mla.triton`, capturable), DeepSeek-V4 through its reference path, which FlashMLA leaves
+to it (slow: uncaptured, a loop over requests). The models' projections
 (`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`) and the
 fixed-tile GEMM on CUDA (`fnattn.kernels.invariant_linear`); RMSNorm's statistics sum each row through the
-same GEMM (`models.norm_rope.row_mean_squares`) and `models.fused` runs its torch bodies.
+same GEMM (`models.norm_rope.row_mean_squares`) and `models.fused` runs its torch bodies. On the CPU torch's
+elementwise loops round exp, log, sin and cos differently in their vector body and their scalar tail, so the
+fixed-order attention pads its heads to whole vector blocks and the models' activations, gates and rope tables
+run on rows padded the same way (`pointwise`).
 
 Importing it imports neither torch nor triton.
 """
@@ -40,8 +44,8 @@ _INVARIANT = declare(
     off="each path reduces in the order its shapes suggest (one softmax over a step's new keys merged with "
         "one over the cached keys, matmuls sized by the step)",
     why="off: the fixed order costs a loop over query blocks and key tiles on the CPU, a fixed-tile GEMM in place of "
-        "cuBLAS on CUDA, MLA a Triton path in place of FlashMLA there, and sparse MLA and DeepSeek-V4 their "
-        "reference paths (FlashMLA does not honour it); "
+        "cuBLAS on CUDA, MLA and sparse MLA a Triton path in place of FlashMLA there, and DeepSeek-V4 its "
+        "reference path (FlashMLA does not honour it); "
         "on where bitwise agreement is the point (speculative greedy == plain greedy, tests of batch invariance)")
 
 
@@ -73,6 +77,13 @@ def row_aligned(fn, *rows):
     pad = -width % ROW_ALIGN
     out = fn(*(F.pad(r, (0, pad)) for r in rows))
     return tuple(o[..., :width] for o in out) if isinstance(out, tuple) else out[..., :width]
+
+
+def pointwise(fn, *rows):
+    """``fn(*rows)``, an elementwise function of rows (an activation, a gate, rope's cos / sin): in the
+    invariant mode through `row_aligned`, so a row's exp / log / sin rounds as it would in a step of any size;
+    outside it, as is."""
+    return row_aligned(fn, *rows) if invariant_on() else fn(*rows)
 
 
 def linear_rows(x, w, bias=None):

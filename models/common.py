@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from fnattn.kernels.invariant import invariant_on, pointwise
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from fnattn import checks, switches
 from fnattn.checks import fail
-from fnattn.kernels.invariant import invariant_on
 from fnattn.lanes import in_static_step
 
 from .fused import linear
@@ -104,7 +104,7 @@ def logit_rows(batch, hidden: Float[Tensor, "T D"]) -> Float[Tensor, "Tl D"]:
 
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """``down(silu(gate(x)) * up(x))`` with [out, in] weights (`fused.linear`: decode sizes on one kernel each)."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    return linear(pointwise(F.silu, linear(x, gate)) * linear(x, up), down)
 
 
 @dataclass(frozen=True, eq=False)
@@ -292,7 +292,7 @@ def experts(
         g, u = row_linear(xs, gate_up[e]).chunk(2, dim=-1)
         if limit is not None:
             g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-        return row_linear(F.silu(g) * u, down[e])
+        return row_linear(pointwise(F.silu, g) * u, down[e])
 
     def combine(y, w):
         return y * w.to(y.dtype)

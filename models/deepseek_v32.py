@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from fnattn.kernels.invariant import pointwise
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -419,7 +420,7 @@ def load_layer(cfg: DeepseekConfig, weights, i: int) -> Layer:
 
 def moe(block: MoE, cfg: MoEConfig, x: Float[Tensor, "T D"]) -> Float[Tensor, "T D"]:
     """Routed experts plus the always-on shared experts."""
-    scores = row_linear(x.float(), block.router.float()).sigmoid()  # [T, E], fp32 as the HF router
+    scores = pointwise(torch.sigmoid, row_linear(x.float(), block.router.float()))  # [T, E], fp32 as the HF router
     ids, w = grouped_topk(scores, block.bias.float(), cfg.num_experts_per_tok, n_group=cfg.n_group,
                           topk_group=cfg.topk_group, normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
     # fp32 weights, cast after, as HF does

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fnattn.kernels.invariant import pointwise
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -369,8 +370,8 @@ def hyper(hc: HC, streams: Float[Tensor, "T N D"], cfg: DeepseekV4Config):
     pre_w, post_w, comb_w = mix.split([N, N, N * N], dim=-1)
     pre_b, post_b, comb_b = hc.base.split([N, N, N * N])
     pre_s, post_s, comb_s = hc.scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + cfg.hc_eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    pre = pointwise(torch.sigmoid, pre_w * pre_s + pre_b) + cfg.hc_eps
+    post = 2 * pointwise(torch.sigmoid, post_w * post_s + post_b)
     comb = torch.softmax(comb_w.view(T, N, N) * comb_s + comb_b.view(N, N), dim=-1) + cfg.hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
     for _ in range(cfg.hc_sinkhorn_iters - 1):  # Sinkhorn-Knopp: rows and columns sum to 1
@@ -387,7 +388,7 @@ def merge(post: Tensor, comb: Tensor, out: Float[Tensor, "T D"], streams: Float[
 
 
 def moe(block: MoE, cfg: DeepseekV4Config, x: Float[Tensor, "T D"], tokens: Tensor) -> Float[Tensor, "T D"]:
-    scores = SCORING[cfg.scoring_func](row_linear(x, block.router))  # [T, E]
+    scores = pointwise(SCORING[cfg.scoring_func], row_linear(x, block.router))  # [T, E]
     if block.tid2eid is None:
         ids, w = grouped_topk(scores, block.bias, cfg.num_experts_per_tok, n_group=1, topk_group=1,
                               normalize=True, scaling=cfg.routed_scaling_factor)
@@ -398,7 +399,8 @@ def moe(block: MoE, cfg: DeepseekV4Config, x: Float[Tensor, "T D"], tokens: Tens
     routed = experts(x, ids, w, block.experts.gate_up, block.experts.down, limit=cfg.swiglu_limit)
     g, u, d = block.shared
     lim = cfg.swiglu_limit
-    shared = row_linear(F.silu(row_linear(x, g).clamp(max=lim)) * row_linear(x, u).clamp(min=-lim, max=lim), d)
+    gate = pointwise(F.silu, row_linear(x, g).clamp(max=lim))
+    shared = row_linear(gate * row_linear(x, u).clamp(min=-lim, max=lim), d)
     return routed + shared
 
 
@@ -426,7 +428,7 @@ def collapse(head_hc: tuple[Tensor, Tensor, Tensor], norm: Tensor, streams: Floa
     """The hyper head (learned ``pre`` weights over the streams), then the final norm."""
     fn, base, scale = head_hc
     flat = unweighted_norm(streams.flatten(1).float(), cfg.rms_norm_eps)
-    pre = torch.sigmoid(row_linear(flat, fn) * scale + base) + cfg.hc_eps  # [T, N]
+    pre = pointwise(torch.sigmoid, row_linear(flat, fn) * scale + base) + cfg.hc_eps  # [T, N]
     return rms_norm_fp32w((pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype), norm, cfg.rms_norm_eps)
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
+from fnattn.kernels.invariant import pointwise
 from fnattn.kinds.dsv4 import DSV4Config, DSV4Inputs
 from fnattn.kinds.dsv4.math import rms_norm_fp32w, rope_tail
 
@@ -102,7 +103,8 @@ def unweighted_norm(x: Tensor, eps: float) -> Tensor:
 def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Half-size ``(cos, sin)`` ``[T, Dr / 2]`` at ``positions``, in ``dtype`` (as transformers casts them)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    cos, sin = pointwise(lambda f: (f.cos(), f.sin()), freqs)
+    return cos.to(dtype), sin.to(dtype)
 
 
 def attention_inputs(w: AttnWeights, c: DSV4Config, h: Float[Tensor, "T hidden"], positions: Tensor,

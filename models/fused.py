@@ -42,7 +42,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from fnattn.kernels._checks import shares_storage
-from fnattn.kernels.invariant import invariant_on, row_aligned
+from fnattn.kernels.invariant import invariant_on, pointwise, row_aligned
 from jaxtyping import Float
 from torch import Tensor
 
@@ -288,7 +288,7 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
 
         return flashinfer.activation.silu_and_mul(gate_up)
     g, u = gate_up.chunk(2, dim=-1)
-    return F.silu(g) * u
+    return pointwise(F.silu, g) * u
 
 
 def rope_table(cos: Tensor, sin: Tensor) -> Tensor:
@@ -352,7 +352,7 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
         return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
-    return (rms_norm(x, weight, eps) * F.silu(gate.float())).to(x.dtype)
+    return (rms_norm(x, weight, eps) * pointwise(F.silu, gate.float())).to(x.dtype)
 
 
 def sigmoid_gate(x: Float[Tensor, "T H D"], gate: Float[Tensor, "T H D"]) -> Float[Tensor, "T H D"]:
@@ -362,7 +362,7 @@ def sigmoid_gate(x: Float[Tensor, "T H D"], gate: Float[Tensor, "T H D"]) -> Flo
         from fnattn.kernels.output_gate import sigmoid_gate as kernel
 
         return kernel(x, gate)
-    return x * torch.sigmoid(gate)
+    return x * pointwise(torch.sigmoid, gate)
 
 
 _SKINNY_ROWS = 16  # measured: at 32 rows cuBLAS's GEMM tiles beat the kernel (skinny_linear itself takes 64)

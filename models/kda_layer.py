@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from fnattn.kernels.invariant import pointwise
 from jaxtyping import Float
 from torch import Tensor
 
@@ -229,7 +230,7 @@ def kda_forget_gate(w: KDAWeights, x: Float[Tensor, "T Dmodel"]) -> Float[Tensor
     T = x.shape[0]
     y = row_linear(row_linear(x, w.f_a_proj), w.f_b_proj).float() + w.dt_bias.float()
     y = y.reshape(T, w.num_heads, w.head_k_dim)
-    softplus = torch.where(y > 20.0, y, torch.log(1.0 + torch.exp(y)))
+    softplus = pointwise(lambda y: torch.where(y > 20.0, y, torch.log(1.0 + torch.exp(y))), y)
     return -w.A_log.float().exp()[:, None] * softplus
 
 
@@ -242,7 +243,7 @@ def rmsnorm_sigmoid_gate(
     whole norm runs on fp32 copies (`common.rms_norm` of fp32 in, fp32 out).
     """
     h = rms_norm(x.float(), weight.float(), eps)
-    return (h * torch.sigmoid(gate.float())).to(x.dtype)
+    return (h * pointwise(torch.sigmoid, gate.float())).to(x.dtype)
 
 
 def kda_project(
@@ -261,7 +262,7 @@ def kda_project(
     conv_input = torch.cat([row_linear(x, w.q_proj), row_linear(x, w.k_proj), row_linear(x, w.v_proj)], dim=-1)
     gate = row_linear(row_linear(x, w.g_a_proj), w.g_b_proj).reshape(T, w.num_heads, w.head_v_dim)
     g = kda_forget_gate(w, x)
-    beta = torch.sigmoid(row_linear(x, w.b_proj))
+    beta = pointwise(torch.sigmoid, row_linear(x, w.b_proj))
     return conv_input, gate, g, beta
 
 

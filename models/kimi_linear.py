@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from fnattn.kernels.invariant import pointwise
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -390,7 +391,7 @@ def route(
     h: Float[Tensor, "T D"], moe: MoEParams, cfg: KimiLinearConfig
 ) -> tuple[Int[Tensor, "T k"], Float[Tensor, "T k"]]:
     """transformers' KimiLinearTopkRouter: sigmoid scores in fp32, biased grouped top-k."""
-    scores = row_linear(h.float(), moe.router.float()).sigmoid()  # [T, E]
+    scores = pointwise(torch.sigmoid, row_linear(h.float(), moe.router.float()))  # [T, E]
     return grouped_topk(scores, moe.bias.float(), cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
                         normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
-from fnattn.kernels.invariant import invariant_on, linear_rows
+from fnattn.kernels.invariant import invariant_on, linear_rows, pointwise
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -107,7 +107,7 @@ def rope_cos_sin(
     expect_shape("inv_freq", inv_freq, (None,))
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, Dr / 2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [T, Dr]
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = pointwise(lambda a: (a.cos(), a.sin()), angles)
     if attention_scaling != 1.0:  # a product by one is exact: two launches a step saved
         cos, sin = cos * attention_scaling, sin * attention_scaling
     return cos.to(dtype), sin.to(dtype)

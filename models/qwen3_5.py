@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from fnattn.kernels.invariant import pointwise
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -445,7 +446,7 @@ def moe(h: Float[Tensor, "T D"], m: MoE, cfg: QwenConfig) -> Float[Tensor, "T D"
     out = moe_sum(h, ids, weights, len(m.experts), lambda e, xs: m.experts[e](xs), lambda y, w: y * w,
                   stacked=m.experts)
     if m.shared is not None:
-        out = out + torch.sigmoid(row_linear(h, m.shared_gate)) * m.shared(h)
+        out = out + pointwise(torch.sigmoid, row_linear(h, m.shared_gate)) * m.shared(h)
     return out
 
 

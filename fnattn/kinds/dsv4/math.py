@@ -12,13 +12,15 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ...kernels.attention_naive import attention_fixed_order
+from ...kernels.invariant import pointwise
 
 
 def rope_cos_sin(positions: Tensor, inv_freq: Float[Tensor, " R2"], dtype: torch.dtype
                  ) -> tuple[Float[Tensor, "n R2"], Float[Tensor, "n R2"]]:
     """Half-size ``(cos, sin)`` (one entry per rotated pair) at ``positions``, rounded to ``dtype``."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    cos, sin = pointwise(lambda f: (f.cos(), f.sin()), freqs)
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rope_tail(x: Float[Tensor, "n *H D"], cos: Float[Tensor, "n R2"], sin: Float[Tensor, "n R2"]
