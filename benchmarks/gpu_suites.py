@@ -170,8 +170,8 @@ SUITES: dict[str, Suite] = {
     )),
     "invariance": Suite("whether a token's result depends on its phase, batch or graph, with the invariant mode off "
                         "and on, every family (fnattn bench invariance; in the mode a ModelAttention chooses only "
-                        "backends that honour it: the Triton full-attention, MLA, sparse MLA and GDN / KDA "
-                        "kernels, DeepSeek-V4's reference path); every family's verify == decode and batch invariance on "
+                        "backends that honour it: the Triton full-attention, MLA, sparse MLA, DeepSeek-V4 and "
+                        "GDN / KDA kernels); every family's verify == decode and batch invariance on "
                         "CUDA; the invariant kernels against their references", (
         tests(90, "invariant_linear_gpu.json", "tests/kernels/test_invariant_linear.py "
               "tests/kernels/test_paged_attention_invariant.py tests/kernels/test_latent_invariant.py"),

@@ -493,8 +493,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--invariant", action="store_true",
                    help="compute each token in an order that depends only on its own context (fnattn.switches "
                         "'invariant'): the same ids whatever the batch, and MTP's ids equal plain greedy's; on "
-                        "CUDA the kernels that do not honour it step aside (DeepSeek-V4 then runs its reference "
-                        "path: slower)")
+                        "CUDA the kernels that do not honour it step aside for Triton paths that do")
 
 
 def main(argv=None) -> int:

@@ -23,8 +23,9 @@ in the same order in decode and verify) and, in the mode, their prefill through 
 every prompt token; dense MLA through its invariant Triton backend (`fnattn.kinds.mla.triton`: the absorbed
 query and ``W_UV`` in fixed token tiles, `latent_invariant.latent_attention_invariant` with key tiles fixed by
 position; capturable), sparse MLA through the same launches over each token's picks in ascending position
-(`fnattn.kinds.sparse_mla.triton`, capturable), DeepSeek-V4 through its reference path, which FlashMLA leaves
-to it (slow: uncaptured, a loop over requests). The models' projections
+(`fnattn.kinds.sparse_mla.triton`, capturable), DeepSeek-V4 through the same launches over each token's window
+and its compressed entries, merged with the sink in that order (`fnattn.kinds.dsv4.triton`, capturable; its
+compressors pool and norm in fixed orders in the mode). The models' projections
 (`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`) and the
 fixed-tile GEMM on CUDA (`fnattn.kernels.invariant_linear`); RMSNorm's statistics sum each row through the
 same GEMM (`models.norm_rope.row_mean_squares`) and `models.fused` runs its torch bodies. On the CPU torch's
@@ -44,8 +45,8 @@ _INVARIANT = declare(
     off="each path reduces in the order its shapes suggest (one softmax over a step's new keys merged with "
         "one over the cached keys, matmuls sized by the step)",
     why="off: the fixed order costs a loop over query blocks and key tiles on the CPU, a fixed-tile GEMM in place of "
-        "cuBLAS on CUDA, MLA and sparse MLA a Triton path in place of FlashMLA there, and DeepSeek-V4 its "
-        "reference path (FlashMLA does not honour it); "
+        "cuBLAS on CUDA, and a Triton path in place of FlashMLA for MLA, sparse MLA and DeepSeek-V4 there "
+        "(FlashMLA does not honour it); "
         "on where bitwise agreement is the point (speculative greedy == plain greedy, tests of batch invariance)")
 
 

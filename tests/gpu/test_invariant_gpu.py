@@ -1,7 +1,7 @@
 """The invariant mode on CUDA for every family: in bf16, a verify's logits are the decode steps' logits bit for bit,
 and a request's decode logits do not change beside another request. In the mode a ModelAttention chooses only
 backends that honour it (full attention's Triton kernels in their invariant launch, GDN / KDA's, MLA's and
-sparse MLA's Triton kernels, DeepSeek-V4's reference path), the projections take the fixed-tile GEMM and the
+sparse MLA's and DeepSeek-V4's Triton kernels), the projections take the fixed-tile GEMM and the
 fused model kernels give way."""
 
 from __future__ import annotations

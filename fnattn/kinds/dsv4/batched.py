@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ...kernels.indexer import finite_topk
+from ...kernels.invariant import invariant_on, pointwise
 from .math import rms_norm_fp32w, rope_cos_sin, rope_tail
 
 
@@ -63,8 +64,29 @@ def _pool(kv: Tensor, gate: Tensor, m: int, ov: int) -> Tensor:
     else:
         w_kv = torch.cat((kv[:, :m, :D], kv[:, m:, D:]), dim=1)  # [R, 2m, D]
         w_gate = torch.cat((gate[:, :m, :D], gate[:, m:, D:]), dim=1)
+    if invariant_on():
+        return _pool_fixed(w_kv, w_gate)
     weights = w_gate.softmax(dim=1, dtype=torch.float32).to(w_kv.dtype)
     return (w_kv * weights).sum(dim=1)
+
+
+def _pool_fixed(w_kv: Tensor, w_gate: Tensor) -> Tensor:
+    """`_pool`'s softmax over each window and weighted sum, one window row at a time (elementwise operations
+    only, fp32 sums): a window's entry is the same bits however many windows the step pools, where torch's
+    reductions over the window axis lay out by that number on CUDA."""
+    n = w_gate.shape[1]
+    gate = w_gate.float()
+    top = gate[:, 0]
+    for i in range(1, n):
+        top = torch.maximum(top, gate[:, i])
+    e = [pointwise(torch.exp, gate[:, i] - top) for i in range(n)]
+    den = e[0]
+    for i in range(1, n):
+        den = den + e[i]
+    out = (w_kv[:, 0] * (e[0] / den).to(w_kv.dtype)).float()
+    for i in range(1, n):
+        out = out + (w_kv[:, i] * (e[i] / den).to(w_kv.dtype)).float()
+    return out.to(w_kv.dtype)
 
 
 def _closing_tokens(pos: Tensor, m: int, B: int) -> tuple[Tensor, Tensor]:
@@ -200,8 +222,6 @@ def top_k(views, batch, req: Tensor, pos: Tensor, index_q: Tensor, index_w: Tens
     On CUDA the scores come from the paged Triton indexer (`paged_scores`: no ``[T, E, Di]`` gather of the keys)
     and, outside the invariant mode, the selection from sgl_kernel's DeepSeek-V4 top-k, its picks sorted by entry;
     elsewhere the torch form (`gathered_scores`) and the selection that breaks ties to the earlier entry."""
-    from ...kernels.invariant import invariant_on
-
     args = (views, batch, req, pos, index_q, index_w, entry_rows, ix, m)
     if paged_reasons(views, batch, index_q, m):
         return ordered(gathered_scores(*args), ix.topk)

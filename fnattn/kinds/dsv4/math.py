@@ -12,7 +12,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ...kernels.attention_naive import attention_fixed_order
-from ...kernels.invariant import pointwise
+from ...kernels.invariant import invariant_on, pointwise
 
 
 def rope_cos_sin(positions: Tensor, inv_freq: Float[Tensor, " R2"], dtype: torch.dtype
@@ -43,8 +43,21 @@ def rope_tail(x: Float[Tensor, "n *H D"], cos: Float[Tensor, "n R2"], sin: Float
 def rms_norm_fp32w(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' DeepseekV4RMSNorm: fp32 statistics and an fp32 weight, one rounding at the end."""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * torch.rsqrt(mean_squares(h) + eps)
     return (weight.float() * h).to(x.dtype)
+
+
+def mean_squares(h: Float[Tensor, "*B C"]) -> Float[Tensor, "*B 1"]:
+    """Each row's mean square, fp32. In the invariant mode on CUDA through the fixed-tile GEMM (a product with
+    a ones column): torch's CUDA mean lays its threads out by the number of rows, and a compressed entry is
+    pooled with one row a closing token, however many close in the step."""
+    if not (invariant_on() and h.is_cuda):
+        return h.pow(2).mean(-1, keepdim=True)
+    from ...kernels.invariant_linear import invariant_linear
+
+    C = h.shape[-1]
+    ones = torch.ones(1, C, dtype=torch.float32, device=h.device)
+    return (invariant_linear(h.pow(2).reshape(-1, C), ones) / C).reshape(*h.shape[:-1], 1)
 
 
 def pool_windows(kv: Float[Tensor, "L CD"], gate: Float[Tensor, "L CD"], *, ratio: int, overlap: int,
