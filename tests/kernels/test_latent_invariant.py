@@ -6,6 +6,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -70,35 +72,53 @@ def test_matches_the_reference(cached, new):
     torch.testing.assert_close(lse, want_lse, atol=TOL, rtol=TOL)
 
 
+def _last_token(prompt, queries, cached_0, others=()):
+    """Request 0's prompt (``prompt [P, R + DR]`` rows, ``queries [P, H, R + DR]``) with its first ``cached_0``
+    rows in the pool and the rest new, beside ``others`` [(cached, new)]: its last token's ``(o, lse)``."""
+    P = prompt.shape[0]
+    cached = [cached_0, *(c for c, _ in others)]
+    cache, table, lens = pool(cached, seed=9)
+    for j in range(cached_0):  # request 0's cached rows are its prompt's
+        cache[int(table[0, j // S]), j % S] = prompt[j]
+    q, rows = [queries[cached_0:]], [prompt[cached_0:]]
+    for c, n in others:
+        other_q, other_rows, _, _ = step([c], [n], seed=c)
+        q.append(other_q)
+        rows.append(other_rows)
+    new = [P - cached_0, *(n for _, n in others)]
+    positions = torch.tensor([c + i for c, n in zip(cached, new) for i in range(n)], device=DEVICE)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    o, lse = attend(cache, table, lens, torch.cat(q), torch.cat(rows), positions, cu)
+    return o[P - cached_0 - 1], lse[P - cached_0 - 1]
+
+
+def _prompt(P, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(P, R + DR, generator=g).to(DTYPE).to(DEVICE),
+            torch.randn(P, H, R + DR, generator=g).to(DTYPE).to(DEVICE))
+
+
 def test_a_token_is_the_same_bits_in_a_prefill_a_verify_a_decode_and_beside_others():
     """Request 0's prompt of 11 tokens prefilled at once; the same prompt as 7 cached rows and a verify of 4;
     as 10 cached rows and a decode of 1, alone and beside two other requests: its last token's output and
     LSE are the same bits every time (the tiles follow positions, not the launch)."""
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randn(11, R + DR, generator=g).to(DTYPE).to(DEVICE)  # request 0's latent rows
-    queries = torch.randn(11, H, R + DR, generator=g).to(DTYPE).to(DEVICE)
-
-    def run(cached_0, others=()):
-        cached = [cached_0, *(c for c, _ in others)]
-        cache, table, lens = pool(cached, seed=9)
-        for j in range(cached_0):  # request 0's cached rows are its prompt's
-            cache[int(table[0, j // S]), j % S] = prompt[j]
-        q = [queries[cached_0:]]
-        rows = [prompt[cached_0:]]
-        for c, n in others:
-            other_q, other_rows, _, _ = step([c], [n], seed=c)
-            q.append(other_q)
-            rows.append(other_rows)
-        new = [11 - cached_0, *(n for _, n in others)]
-        positions = torch.tensor([c + i for c, n in zip(cached, new) for i in range(n)], device=DEVICE)
-        cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-        o, lse = attend(cache, table, lens, torch.cat(q), torch.cat(rows), positions, cu)
-        last = 11 - cached_0 - 1  # request 0's last token's row
-        return o[last], lse[last]
-
-    runs = [run(0), run(7), run(10), run(10, others=[(5, 2), (40, 1)]), run(7, others=[(33, 4)])]
+    prompt, queries = _prompt(11)
+    runs = [_last_token(prompt, queries, c, others) for c, others in
+            [(0, ()), (7, ()), (10, ()), (10, [(5, 2), (40, 1)]), (7, [(33, 4)])]]
     for o, lse in runs[1:]:
         assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+@settings(max_examples=10, deadline=None)
+@given(P=st.integers(1, 40), split=st.floats(0, 1), others=st.lists(st.tuples(st.integers(0, 50),
+                                                                            st.integers(1, 5)), max_size=3))
+def test_a_token_s_bits_follow_nothing_but_its_context(P, split, others):
+    """Whatever part of its prompt is cached and whatever requests share the launch, a token is the bits of
+    its prompt's prefill alone."""
+    prompt, queries = _prompt(P, seed=P)
+    o, lse = _last_token(prompt, queries, int(split * (P - 1)), others)
+    want_o, want_lse = _last_token(prompt, queries, 0)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
 
 
 def picks_of(positions, k, seed):
