@@ -68,8 +68,8 @@ def test_case_records_cublas_table_and_the_best_of_the_sweep(act):
     calls = []
 
     def timer(call, copies, **options):
-        for i in range(copies):
-            call(i)  # every call runs (the interpreted kernel on CPU)
+        for i in (0, copies - 1):  # the first and the last weight copy run (the interpreted kernel on CPU)
+            call(i)
         calls.append(copies)
         if len(calls) == 5:
             raise RuntimeError("out of resource: shared memory")  # one sweep config the device refuses

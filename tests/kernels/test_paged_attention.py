@@ -237,8 +237,8 @@ def test_prefill_split_k_several_m_tiles(dtype, num_splits):
 
 def test_decode_many_splits_mostly_empty():
     """More splits than key blocks: the empty splits weigh nothing in the merge."""
-    run_decode([0, 5, 40], 8, 2, 64, 16, num_splits=64, sinks=randn(8, seed=7))
-    o, lse = run_decode([0, 5, 40], 8, 2, 64, 16, new=False, num_splits=64, sliding_window=1)
+    run_decode([0, 5, 40], 8, 2, 64, 16, num_splits=12, sinks=randn(8, seed=7))
+    o, lse = run_decode([0, 5, 40], 8, 2, 64, 16, new=False, num_splits=12, sliding_window=1)
     assert torch.isinf(lse).all() and (o == 0).all()
 
 
