@@ -36,7 +36,8 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_tiny.json", "bench_invariance_qwen3_5_0.8b.json"}
+NEW = {"tp_gpu.json", "bench_invariance_tiny.json", "bench_invariance_qwen3_5_0.8b.json",
+       "bench_invariance_deepseek_v32_2-layer.json", "bench_invariance_kimi_linear_4-layer.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -184,6 +185,14 @@ SUITES: dict[str, Suite] = {
         Part(150, "python benchmarks/invariant_linear_cost.py --out {out}/invariant_linear_cost.json"),
         bench(400, "invariance --family qwen3_5 --shape 0.8b --new-tokens 64 --batch 1 8 32 128 --steps 8",
               "bench_invariance_qwen3_5_0.8b.json"),
+    )),
+    "invariance-cost-latent": Suite("the invariant mode's cost where MLA layers take its Triton path in place of "
+                                    "FlashMLA / FlashInfer: DeepSeek-V3.2 (sparse MLA) and Kimi Linear (MLA beside "
+                                    "KDA) at their released layer shapes, captured, mode on over off", (
+        bench(280, "invariance --family deepseek_v32 --shape 2-layer --new-tokens 32 --batch 1 8 32 --steps 8",
+              "bench_invariance_deepseek_v32_2-layer.json"),
+        bench(280, "invariance --family kimi_linear --shape 4-layer --new-tokens 32 --batch 1 8 32 --steps 8",
+              "bench_invariance_kimi_linear_4-layer.json"),
     )),
     "prefill-graph": Suite("prefill captured in pieces: replay == the capture-free step, every family (fla's and "
                            "Kimi's KDA kernels compile ~100 s each on a fresh machine)", (
