@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ...kernels.indexer import finite_topk
-from ...kernels.invariant import invariant_on, pointwise
+from ...kernels.invariant import invariant_on
 from .math import rms_norm_fp32w, rope_cos_sin, rope_tail
 
 
@@ -64,29 +64,31 @@ def _pool(kv: Tensor, gate: Tensor, m: int, ov: int) -> Tensor:
     else:
         w_kv = torch.cat((kv[:, :m, :D], kv[:, m:, D:]), dim=1)  # [R, 2m, D]
         w_gate = torch.cat((gate[:, :m, :D], gate[:, m:, D:]), dim=1)
-    if invariant_on():
-        return _pool_fixed(w_kv, w_gate)
+    if invariant_on() and w_kv.is_cuda:
+        return pool_fixed_order(w_kv, w_gate)
+    # On the CPU torch's softmax and sum over the window axis walk each (window, dim) element in the same order
+    # however many windows there are: the invariant mode keeps them.
     weights = w_gate.softmax(dim=1, dtype=torch.float32).to(w_kv.dtype)
     return (w_kv * weights).sum(dim=1)
 
 
-def _pool_fixed(w_kv: Tensor, w_gate: Tensor) -> Tensor:
-    """`_pool`'s softmax over each window and weighted sum, one window row at a time (elementwise operations
-    only, fp32 sums): a window's entry is the same bits however many windows the step pools, where torch's
-    reductions over the window axis lay out by that number on CUDA."""
-    n = w_gate.shape[1]
+def pool_fixed_order(w_kv: Tensor, w_gate: Tensor) -> Tensor:
+    """`_pool`'s softmax over each window and weighted sum with their sums over the window axis through the
+    fixed-tile GEMM (`fnattn.kernels.invariant_linear`, a product with a ones column): a window's entry is the same
+    bits however many windows the step pools, where torch's CUDA reductions lay out by that number. The max is
+    exact in any order. ``w_kv``, ``w_gate`` ``[R, n, D]`` -> ``[R, D]`` in ``w_kv.dtype``."""
+    from ...kernels.invariant_linear import invariant_linear
+
+    R, n, D = w_kv.shape
+    ones = torch.ones(1, n, dtype=torch.float32, device=w_kv.device)
+
+    def window_sums(x):  # [R, n, D] -> [R, D], each summed over n from the first row on
+        return invariant_linear(x.float().transpose(1, 2).contiguous().view(R * D, n), ones).view(R, D)
+
     gate = w_gate.float()
-    top = gate[:, 0]
-    for i in range(1, n):
-        top = torch.maximum(top, gate[:, i])
-    e = [pointwise(torch.exp, gate[:, i] - top) for i in range(n)]
-    den = e[0]
-    for i in range(1, n):
-        den = den + e[i]
-    out = (w_kv[:, 0] * (e[0] / den).to(w_kv.dtype)).float()
-    for i in range(1, n):
-        out = out + (w_kv[:, i] * (e[i] / den).to(w_kv.dtype)).float()
-    return out.to(w_kv.dtype)
+    e = torch.exp(gate - gate.amax(dim=1, keepdim=True))  # [R, n, D]
+    weights = (e / window_sums(e)[:, None, :]).to(w_kv.dtype)
+    return window_sums(w_kv * weights).to(w_kv.dtype)
 
 
 def _closing_tokens(pos: Tensor, m: int, B: int) -> tuple[Tensor, Tensor]:

@@ -118,3 +118,18 @@ def test_a_token_is_the_same_bits_in_a_verify_and_in_decode_steps_together_or_al
                 if c.indexer is not None:
                     assert torch.equal(verified.topk_indices[b * (K + 1) + i], out_t.topk_indices[b]), (i, b)
             assert torch.equal(out_a.o[0], out_t.o[0]), i
+
+
+def test_the_cuda_pooling_of_the_mode_is_the_pooling_and_a_window_ignores_the_others():
+    """`batched.pool_fixed_order` (what the mode pools with on CUDA, interpreted here) against torch's softmax
+    and sum, and each window's entry the same bits whether 1 or 7 windows are pooled."""
+    from fnattn.kinds.dsv4.batched import pool_fixed_order
+
+    g = torch.Generator().manual_seed(3)
+    kv, gate = torch.randn(7, 8, 24, generator=g), torch.randn(7, 8, 24, generator=g)
+    gate[:, :3] = float("-inf")  # positions before 0 weigh nothing
+    got = pool_fixed_order(kv, gate)
+    want = (kv * gate.softmax(dim=1)).sum(dim=1)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for r in range(7):
+        assert torch.equal(pool_fixed_order(kv[r:r + 1], gate[r:r + 1])[0], got[r])
