@@ -29,13 +29,15 @@ TOKEN_TILE = 16
 @triton.jit
 def _latent_attention_kernel(
     Q, CACHE, NEW, BLOCK_TABLE, CACHE_LENS, POSITIONS, REQUESTS, INDICES, OUT, LSE,
-    H, R, DQ, S, scale, PICKS,
+    H, R, DQ, S, scale, PICKS, HEAD_BLOCKS,
     sq_t, sq_h, sc_p, sc_s, sn_t, sbt_b, si_t, so_t, so_h, sl_t,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr,
     BLOCK_R: tl.constexpr, SPARSE: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # A token's head blocks are consecutive programs, so they run together and read its keys through L2 once.
+    pid = tl.program_id(0)
+    t = (pid // HEAD_BLOCKS).to(tl.int64)
+    h = (pid % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
     b = tl.load(REQUESTS + t).to(tl.int64)
     cached_len = tl.load(CACHE_LENS + b).to(tl.int64)
@@ -157,9 +159,10 @@ def latent_attention_invariant(q: Float[Tensor, "T H Dq"], cache: Float[Tensor, 
         return o, lse
     sparse = indices is not None
     idx = indices.contiguous() if sparse else positions  # (unread when dense)
-    _latent_attention_kernel[(T, triton.cdiv(H, block_h))](
+    head_blocks = triton.cdiv(H, block_h)
+    _latent_attention_kernel[(T * head_blocks,)](
         q, cache, new, block_table, cache_lens, positions, requests, idx, o, lse,
-        H, kv_rank, Dq, cache.shape[1], float(scale), idx.shape[1] if sparse else 0,
+        H, kv_rank, Dq, cache.shape[1], float(scale), idx.shape[1] if sparse else 0, head_blocks,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), new.stride(0), block_table.stride(0),
         idx.stride(0) if sparse else 0, o.stride(0), o.stride(1), lse.stride(0),
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, D_STEPS=triton.cdiv(Dq, block_d),
