@@ -71,11 +71,14 @@ def row_aligned(fn, *rows):
     tail after it, and the two round transcendental functions (exp, softplus, sigmoid) differently: an
     element's bits depend on where it falls, so on how many tokens share the step. With each row padded to
     whole blocks, every row runs the vector body whatever the number of rows. For per-row ops whose rows are
-    narrower than a block (GDN's per-head gates)."""
+    narrower than a block (GDN's per-head gates). On CUDA every element runs the same code whatever its place, and
+    rows already whole blocks need nothing: both go to ``fn`` as they are (no copy)."""
     import torch.nn.functional as F
 
     width = rows[0].shape[-1]
     pad = -width % ROW_ALIGN
+    if pad == 0 or all(r.is_cuda for r in rows):
+        return fn(*rows)
     out = fn(*(F.pad(r, (0, pad)) for r in rows))
     return tuple(o[..., :width] for o in out) if isinstance(out, tuple) else out[..., :width]
 
