@@ -57,7 +57,7 @@ others = st.lists(st.lists(st.integers(0, 150), min_size=1, max_size=19), min_si
 
 
 @settings(max_examples=6, deadline=None)
-@given(name=st.sampled_from(["qwen3_5", "deepseek_v32", "kimi_linear"]), neighbours=others)
+@given(name=st.sampled_from(["qwen3_5", "deepseek_v32", "kimi_linear", "deepseek_v4", "glm5"]), neighbours=others)
 def test_a_requests_logits_do_not_depend_on_its_neighbours(name, neighbours):
     m = model(name)
     with fnattn.switches.set(invariant=True):
@@ -67,7 +67,8 @@ def test_a_requests_logits_do_not_depend_on_its_neighbours(name, neighbours):
 
 
 @settings(max_examples=4, deadline=None)
-@given(name=st.sampled_from(["qwen3_5", "llama"]), neighbours=others, bucket=st.sampled_from([4, 8]))
+@given(name=st.sampled_from(["qwen3_5", "llama", "deepseek_v32", "kimi_linear", "deepseek_v4"]), neighbours=others,
+       bucket=st.sampled_from([4, 8]))
 def test_a_padded_bucket_decodes_the_eager_steps_bits(name, neighbours, bucket):
     m = model(name)
     prompts = {0: MINE, **{i + 1: p for i, p in enumerate(neighbours)}}
