@@ -9,9 +9,12 @@ added to the fp32 sum and the result rounded once. Only the grid grows with M. S
 its own values and ``w`` alone: the batch-invariant matmul of the invariant mode (`fnattn.kernels.invariant`),
 used for the models' projections on CUDA while the mode is on (`models.norm_rope.row_linear`).
 
-The tile is fixed (`TILE`): no table by row count, no split-K. At decode sizes that costs against the tuned
-GEMV (`fnattn.kernels.skinny_linear`), which splits K for a few rows; ``fnattn bench invariance`` reports the
-mode's cost on the whole step.
+The tile is fixed (`TILE`): no table by row count. K is summed in chunks of `CHUNK_K`, each chunk a fresh
+fp32 sum added to the running total in chunk order, so the same sums can be spread over programs: where the
+rows and columns alone fill less than half the GPU (a decode step's few rows), every chunk is a program of its
+own and a second launch adds the chunks in the same order (split-K whose split points are fixed by K, not by
+the row count). The two forms are the same additions: a row's bits do not depend on which one ran.
+``fnattn bench invariance`` reports the mode's cost on the whole step.
 """
 
 from __future__ import annotations
@@ -20,38 +23,76 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ._triton import check_rows, interpreted, require_triton, tl, triton
+from ._triton import check_rows, interpreted, num_sms, require_triton, tl, triton
 
 # One tile for every call: the property rests on it not changing with M (16 rows: the smallest dot tile).
 TILE = {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+CHUNK_K = 256  # K summed in chunks of this many: each a fresh fp32 sum, added to the total in order
 
 
 @triton.jit
-def _invariant_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
-                             HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm, cm = rows < M, cols < N
+def _chunk_sum(x_ptr, w_ptr, rows, cols, rm, cm, K, k_lo, s_xm, s_wn, PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """The fp32 sum over K positions ``k_lo .. k_lo + CHUNK - 1`` (those below K), from zero, in BLOCK_K steps."""
     kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # always from 0 up, in the same steps: the order of every row's sum
+    part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + CHUNK, BLOCK_K):
         km = (k0 + kk) < K
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * s_xm + (k0 + kk)[None, :], mask=rm[:, None] & km[None, :],
                     other=0.0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * s_wn + (k0 + kk)[None, :], mask=cm[:, None] & km[None, :],
                     other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        part = tl.dot(x, tl.trans(w), part, input_precision=PRECISION)
+    return part
+
+
+@triton.jit
+def _invariant_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+                             HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+    """SPLIT: program (i, j, c) writes chunk c's sum of its tile to ``y_ptr`` (fp32 ``[chunks, M, N]``) for
+    `_add_chunks_kernel`; else the tile's chunks summed in order, the bias added, rounded once."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, cm = rows < M, cols < N
+    if SPLIT:
+        c = tl.program_id(2)
+        part = _chunk_sum(x_ptr, w_ptr, rows, cols, rm, cm, K, c * CHUNK, s_xm, s_wn, PRECISION, BLOCK_M, BLOCK_N,
+                          BLOCK_K, CHUNK)
+        out = y_ptr + c.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(out, part, mask=rm[:, None] & cm[None, :])
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k_lo in range(0, K, CHUNK):  # always from 0 up, in the same steps: the order of every row's sum
+            acc = acc + _chunk_sum(x_ptr, w_ptr, rows, cols, rm, cm, K, k_lo, s_xm, s_wn, PRECISION, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, CHUNK)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * s_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _add_chunks_kernel(part_ptr, b_ptr, y_ptr, M, N, CHUNKS, s_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``y = sum over chunks, in order, from zero (+ bias)``: the unsplit kernel's additions, element by element."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        acc = acc + tl.load(part_ptr + c * M * N + idx, mask=ok, other=0.0)
+    col = idx % N
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * s_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=rm[:, None] & cm[None, :])
+        acc += tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + (idx // N) * s_ym + col, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def invariant_linear(x: Float[Tensor, "*B K"], w: Float[Tensor, "N K"],
-                     bias: Float[Tensor, " N"] | None = None) -> Float[Tensor, "*B N"]:
+                     bias: Float[Tensor, " N"] | None = None, *, split: bool | None = None) -> Float[Tensor, "*B N"]:
     """``F.linear(x, w, bias)`` over ``x [..., K]`` and ``w [N, K]`` (the same dtype, bf16 / fp16 / fp32), each row
-    computed alone in a fixed order (module docstring); fp32 inputs get an fp32 dot, not TF32's."""
+    computed alone in a fixed order (module docstring); fp32 inputs get an fp32 dot, not TF32's. ``split``: K's
+    chunks as programs of their own (True), in each tile's program (False), or the former where the tiles alone
+    fill less than half the GPU (None); the bits are the same."""
     require_triton()
     owner = "invariant_linear"
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
@@ -67,14 +108,29 @@ def invariant_linear(x: Float[Tensor, "*B K"], w: Float[Tensor, "N K"],
     if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype or bias.device != x.device):
         raise ValueError(f"{owner}: bias: expected [{N}] {x.dtype} on {x.device}, got {tuple(bias.shape)} "
                          f"{bias.dtype} on {bias.device}")
+    if split is not None and not isinstance(split, bool):
+        raise ValueError(f"{owner}: split: expected None or a bool, got {split!r}")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M and N:
-        t = TILE
-        grid = (triton.cdiv(M, t["block_m"]), triton.cdiv(N, t["block_n"]))
-        _invariant_linear_kernel[grid](
-            rows, w, bias if bias is not None else y, y, M, N, K, rows.stride(0), w.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
-            **({} if interpreted(_invariant_linear_kernel) else {"num_warps": t["num_warps"],
-                                                                  "num_stages": t["num_stages"]}))
+    if not (M and N):
+        return y.view(*x.shape[:-1], N)
+    t = TILE
+    tiles = (triton.cdiv(M, t["block_m"]), triton.cdiv(N, t["block_n"]))
+    chunks = max(1, triton.cdiv(K, CHUNK_K))
+    if split is None:
+        split = chunks > 1 and 2 * tiles[0] * tiles[1] <= num_sms(x.device.index if x.is_cuda else None)
+    tuning = {} if interpreted(_invariant_linear_kernel) else {"num_warps": t["num_warps"],
+                                                              "num_stages": t["num_stages"]}
+    common = dict(HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                  BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], CHUNK=CHUNK_K, **tuning)
+    b = bias if bias is not None else y
+    if not split:
+        _invariant_linear_kernel[tiles](rows, w, b, y, M, N, K, rows.stride(0), w.stride(0), y.stride(0),
+                                        SPLIT=False, **common)
+        return y.view(*x.shape[:-1], N)
+    parts = torch.empty(chunks, M, N, dtype=torch.float32, device=x.device)
+    _invariant_linear_kernel[(*tiles, chunks)](rows, w, b, parts, M, N, K, rows.stride(0), w.stride(0), N,
+                                               SPLIT=True, **common)
+    block = 1024
+    _add_chunks_kernel[(triton.cdiv(M * N, block),)](parts, b, y, M, N, chunks, y.stride(0),
+                                                     HAS_BIAS=bias is not None, BLOCK=block)
     return y.view(*x.shape[:-1], N)

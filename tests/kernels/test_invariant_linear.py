@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from fnattn.kernels.invariant_linear import TILE, invariant_linear  # noqa: E402
+from fnattn.kernels.invariant_linear import CHUNK_K, TILE, invariant_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter's bf16 dot is wrong: bf16 only where a GPU runs it
@@ -25,14 +25,17 @@ def randn(*shape, dtype, seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_row_is_the_same_bits_whatever_shares_the_call(dtype, bias):
-    N, K = 70, 150  # neither a multiple of the tile: masked columns and a partial last K step
+    """... and whether K's chunks ran as programs of their own (split) or in the tile's program."""
+    N, K = 70, CHUNK_K * 2 + 150  # neither a multiple of the tile: masked columns, a partial last chunk and step
     rows = 2 * TILE["block_m"] + 3  # more than one program of rows, the last one partial
     x, w = randn(rows, K, dtype=dtype, seed=1), randn(N, K, dtype=dtype, seed=2) / K ** 0.5
     b = randn(N, dtype=dtype, seed=3) if bias else None
-    every = invariant_linear(x, w, b)
-    for m in (1, 2, 5, TILE["block_m"], TILE["block_m"] + 1, rows):
-        part = invariant_linear(x[:m], w, b)
-        assert torch.equal(part, every[:m]), m
+    every = invariant_linear(x, w, b, split=False)
+    assert torch.equal(invariant_linear(x, w, b, split=True), every)
+    for m, split in ((1, True), (2, False), (5, True), (TILE["block_m"], None), (TILE["block_m"] + 1, True),
+                     (rows, None)):
+        part = invariant_linear(x[:m], w, b, split=split)
+        assert torch.equal(part, every[:m]), (m, split)
     for i in (0, 7, rows - 1):  # alone, as a decode step computes it
         assert torch.equal(invariant_linear(x[i:i + 1], w, b)[0], every[i])
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
@@ -52,6 +55,8 @@ def test_leading_dims_and_refusals():
     with pytest.raises(ValueError, match="bias: expected \\[24\\]"):
         invariant_linear(x, w, torch.zeros(23, device=DEVICE))
     assert invariant_linear(x[:0], w).shape == (0, 3, 24)
+    with pytest.raises(ValueError, match="split: expected None or a bool"):
+        invariant_linear(x, w, split="yes")
 
 
 def test_row_mean_squares_is_the_mean_and_ignores_the_rows_beside():
