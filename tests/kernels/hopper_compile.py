@@ -184,20 +184,41 @@ def merge_new_token_cases():
 
 
 def invariant_linear_cases():
-    from fnattn.kernels.invariant_linear import TILE, _invariant_linear_kernel
+    from fnattn.kernels.invariant_linear import CHUNK_K, TILE, _add_chunks_kernel, _invariant_linear_kernel
 
-    tile = dict(BLOCK_M=TILE["block_m"], BLOCK_N=TILE["block_n"], BLOCK_K=TILE["block_k"])
+    tile = dict(BLOCK_M=TILE["block_m"], BLOCK_N=TILE["block_n"], BLOCK_K=TILE["block_k"], CHUNK=CHUNK_K)
     for name, dtype, change in (("invariant GEMM bf16", "bf16", dict(HAS_BIAS=False, PRECISION="tf32")),
                                 ("invariant GEMM bf16 with bias", "bf16", dict(HAS_BIAS=True, PRECISION="tf32")),
                                 ("invariant GEMM fp32 (ieee dot)", "fp32", dict(HAS_BIAS=True, PRECISION="ieee"))):
-        ptr = {p: f"*{dtype}" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
-        yield name, lambda c={**tile, **change}, p=ptr: compile_for_hopper(_invariant_linear_kernel, c, p)
+        for split in (False, True):
+            ptr = {p: f"*{dtype}" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+            if split:
+                ptr["y_ptr"] = "*fp32"  # the chunks' sums
+            yield f"{name}{', K chunks split' if split else ''}", lambda c={**tile, **change, "SPLIT": split}, \
+                p=ptr: compile_for_hopper(_invariant_linear_kernel, c, p)
+    yield "invariant GEMM, chunks added in order", lambda: compile_for_hopper(
+        _add_chunks_kernel, dict(HAS_BIAS=True, BLOCK=1024), {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16"})
+
+
+def latent_invariant_cases():
+    from fnattn.kernels.latent_invariant import _latent_attention_kernel
+
+    ptr = {p: "*bf16" for p in ("Q", "CACHE", "NEW")}
+    ptr.update(BLOCK_TABLE="*i32", CACHE_LENS="*i32", POSITIONS="*i64", REQUESTS="*i64", INDICES="*i64",
+               OUT="*fp32", LSE="*fp32")
+    base = dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=64, BLOCK_R=512)
+    for name, change in {"invariant latent attention, MLA (576 / 512)": dict(D_STEPS=9, SPARSE=False),
+                         "invariant latent attention, sparse MLA picks": dict(D_STEPS=9, SPARSE=True),
+                         "invariant latent attention, DeepSeek-V4 K=V 512": dict(D_STEPS=8, SPARSE=True)}.items():
+        yield name, lambda c={**base, **change}: compile_for_hopper(_latent_attention_kernel, c, ptr,
+                                                                    floats=("scale",))
 
 
 def main() -> int:
     failed = 0
     for name, build in [*skinny_cases(), *gdn_decode_cases(), *paged_decode_cases(), *conv_cases(),
-                        *indexer_cases(), *absorb_cases(), *merge_new_token_cases(), *invariant_linear_cases()]:
+                        *indexer_cases(), *absorb_cases(), *merge_new_token_cases(), *invariant_linear_cases(),
+                        *latent_invariant_cases()]:
         try:
             build()
             print(f"ok {name}")
