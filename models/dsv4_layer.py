@@ -22,7 +22,7 @@ from torch import Tensor
 
 from fnattn.kernels.invariant import pointwise
 from fnattn.kinds.dsv4 import DSV4Config, DSV4Inputs
-from fnattn.kinds.dsv4.math import rms_norm_fp32w, rope_tail
+from fnattn.kinds.dsv4.math import mean_squares, rms_norm_fp32w, rope_tail
 
 from .mla_layer import pad_heads
 from .norm_rope import row_linear
@@ -96,8 +96,9 @@ class AttnWeights:
 
 
 def unweighted_norm(x: Tensor, eps: float) -> Tensor:
-    """The per-head q norm without a weight; the fp32 factor is rounded to ``x.dtype`` before the product."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    """The per-head q norm without a weight; the fp32 factor is rounded to ``x.dtype`` before the product. Its
+    statistics are `mean_squares`' (in the invariant mode on CUDA each row summed alone in one order)."""
+    return x * torch.rsqrt(mean_squares(x.float()) + eps).to(x.dtype)
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
