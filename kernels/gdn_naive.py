@@ -17,15 +17,18 @@ Decay: g [T, H] (GDN, scalar per head) or [T, H, K] (KDA, per key channel), log 
 import torch
 import torch.nn.functional as F
 
+from .invariant import pointwise
+
 
 def activate(x, activation):
     """None / "identity": x; "silu" / "swish": F.silu; "sigmoid": torch.sigmoid."""
     if activation in (None, "identity"):
         return x
+    # `pointwise`: in the invariant mode a row's bits do not follow how many rows share the call
     if activation in ("silu", "swish"):
-        return F.silu(x)
+        return pointwise(F.silu, x)
     if activation == "sigmoid":
-        return torch.sigmoid(x)
+        return pointwise(torch.sigmoid, x)
     raise ValueError(f"activation: expected None, 'identity', 'silu', 'swish' or 'sigmoid', got {activation!r}")
 
 
@@ -55,7 +58,7 @@ def causal_conv1d_seq(x, weight, bias, window, activation):
 
 def _decay_of(g):
     """exp(g) shaped to broadcast over a state [H, K, V]: [T, H, 1, 1] or [T, H, K, 1]."""
-    decay = g.float().exp()
+    decay = pointwise(torch.exp, g.float())
     return decay[..., None] if g.dim() == 3 else decay[..., None, None]
 
 

@@ -35,7 +35,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ...deltas import Writes, writes
-from ...kernels.invariant import invariant_on
+from ...kernels.invariant import invariant_on, pointwise
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
@@ -78,7 +78,7 @@ def conv_step(x: Float[Tensor, "B C"], weight: Float[Tensor, "C W"], bias: Float
     y = (u * weight.float()[None]).sum(-1)
     if bias is not None:
         y = y + bias.float()
-    return torch.nn.functional.silu(y).to(x.dtype), u[:, :, 1:].to(x.dtype)
+    return pointwise(torch.nn.functional.silu, y).to(x.dtype), u[:, :, 1:].to(x.dtype)
 
 
 def delta_step(q: Float[Tensor, "B H K"], k: Float[Tensor, "B H K"], v: Float[Tensor, "B H V"],
@@ -89,7 +89,7 @@ def delta_step(q: Float[Tensor, "B H K"], k: Float[Tensor, "B H K"], v: Float[Te
     beta [B, H], states [B, H, K, V] -> (o [B, H, V], new states), fp32."""
     from ...kernels.gdn_naive import delta_token
 
-    decay = g.float().exp()
+    decay = pointwise(torch.exp, g.float())
     decay = decay[..., None] if g.dim() == 3 else decay[..., None, None]
     return delta_token(q.float() * scale, k.float(), v.float(), beta.float(), decay, states.float())
 
