@@ -19,11 +19,13 @@ Same values as the reference to rounding; the states are copies of the same raw 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 from ...kernels.indexer import finite_topk
-from ...kernels.invariant import invariant_on
+from ...kernels.invariant import invariant_on, pointwise
 from .math import rms_norm_fp32w, rope_cos_sin, rope_tail
 
 
@@ -234,3 +236,52 @@ def top_k(views, batch, req: Tensor, pos: Tensor, index_q: Tensor, index_w: Tens
         if picked is not None:
             return picked
     return ordered(scores, ix.topk)
+
+
+def compressed_entries(spec, views, inputs, phase: str, req: Tensor, pos: Tensor
+                       ) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """The step's compressors (and CSA's indexer) for ``req`` / ``pos`` ``[T]``, every token at once:
+    ``-> (entry rows [T, D] (zeros but at closing tokens), the entries each token attends [T, E] (-1: none;
+    HCA: every closed window it sees, CSA: the indexer's top-k), the indexer's picks or None, the writes by
+    name)``."""
+    c, batch, m = spec.config, inputs.meta.batch, spec.config.compress_ratio
+    # the compressor states after every token (native verify), after each request's last one (prefill,
+    # decode), or none (replay verify: the replay writes them)
+    if phase != "verify":
+        rings = (torch.arange(batch.num_requests, device=pos.device), last_positions(batch))
+    else:
+        rings = None if batch.recovery == "replay" else (req, pos)
+    comp, comp_states = compressor(spec, views, batch, req, pos, kv_in=inputs.comp_kv, gate_in=inputs.comp_gate,
+                                   norm=inputs.comp_norm, inv_freq=inputs.comp_inv_freq, state="comp_state",
+                                   rings=rings)
+    values = {"comp": comp, **({"comp_state": comp_states} if rings is not None else {})}
+    picks = None
+    if c.indexer is not None:
+        index_k, index_states = compressor(spec, views, batch, req, pos, kv_in=inputs.index_kv,
+                                           gate_in=inputs.index_gate, norm=inputs.index_norm,
+                                           inv_freq=inputs.comp_inv_freq, state="index_state", rings=rings)
+        ent = picks = top_k(views, batch, req, pos, inputs.index_q, inputs.index_w, index_k, c.indexer, m)
+        values.update(index_k=index_k, **({"index_state": index_states} if rings is not None else {}))
+    else:  # HCA: every entry the token sees
+        j = torch.arange(max_entries(batch, m), device=pos.device)[None, :]
+        ent = torch.where(j < ((pos + 1) // m)[:, None], j, torch.full_like(j, -1))
+    return comp, ent, picks, values
+
+
+def merge_with_sink(os: Sequence[Tensor], lses: Sequence[Tensor], sinks: Tensor | None) -> Tensor:
+    """``sum_i e^lse_i o_i / (sum_i e^lse_i + e^sink)`` over the parts in their order, fp32: each token's heads
+    alone (the exponentials through `pointwise`, whose rows are padded on the CPU in the invariant mode)."""
+    lse = torch.stack(lses)  # [P, T, H]
+    top = lse.max(dim=0).values
+    if sinks is not None:
+        top = torch.maximum(top, sinks.float()[None, :])
+    w = pointwise(torch.exp, lse - top[None])  # [P, T, H]
+    den = w[0]
+    for wi in w[1:]:
+        den = den + wi
+    if sinks is not None:
+        den = den + pointwise(torch.exp, sinks.float()[None, :] - top)
+    num = w[0][..., None] * os[0]
+    for wi, oi in zip(w[1:], os[1:]):
+        num = num + wi[..., None] * oi
+    return num / den[..., None]

@@ -37,7 +37,7 @@ from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
-from .batched import compressor, last_positions, max_entries, token_requests, top_k
+from .batched import compressed_entries, merge_with_sink, token_requests
 from .config import DSV4Inputs, DSV4Output
 
 LN2 = math.log(2.0)
@@ -94,25 +94,8 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str):
     step_rows, step_idx = [inputs.kv], [fresh_w]
     values, picks = {"kv": inputs.kv}, None
     if m:
-        # the compressor states after every token (native verify), after each request's last one (prefill,
-        # decode), or none (replay verify: the replay writes them)
-        if phase != "verify":
-            rings = (torch.arange(batch.num_requests, device=device), last_positions(batch))
-        else:
-            rings = None if batch.recovery == "replay" else (req, pos)
-        comp, comp_states = compressor(spec, views, batch, req, pos, kv_in=inputs.comp_kv, gate_in=inputs.comp_gate,
-                                       norm=inputs.comp_norm, inv_freq=inputs.comp_inv_freq, state="comp_state",
-                                       rings=rings)
-        values.update(comp=comp, **({"comp_state": comp_states} if rings is not None else {}))
-        if c.indexer is not None:
-            index_k, index_states = compressor(spec, views, batch, req, pos, kv_in=inputs.index_kv,
-                                               gate_in=inputs.index_gate, norm=inputs.index_norm,
-                                               inv_freq=inputs.comp_inv_freq, state="index_state", rings=rings)
-            ent = picks = top_k(views, batch, req, pos, inputs.index_q, inputs.index_w, index_k, c.indexer, m)
-            values.update(index_k=index_k, **({"index_state": index_states} if rings is not None else {}))
-        else:  # HCA: every entry the token sees
-            j = torch.arange(max_entries(batch, m), device=device)[None, :]
-            ent = torch.where(j < ((pos + 1) // m)[:, None], j, torch.full_like(j, -1))
+        comp, ent, picks, compressed = compressed_entries(spec, views, inputs, phase, req, pos)
+        values.update(compressed)
         first_new = (c0 // m)[:, None]  # entries closed before the step: in the comp pool
         parts.append((views.comp, _rows(batch, ent * m + m - 1, req, (ent >= 0) & (ent < first_new))))
         # the step's own entries: the closing tokens' rows of the step's entry rows, after the T window rows
@@ -126,25 +109,11 @@ def sparse_step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str):
             o, lse = kernel(inputs.q, kv.reshape(-1, kv.shape[-1]), idx, c.scale)  # [T, 64 | 128, 512]
             os.append(o)
             lses.append(lse)
-    o = _merge_with_sink(os, lses, inputs.sinks)
+    o = merge_with_sink(os, lses, inputs.sinks)
     out = DSV4Output(o=o.to(spec.dtype), topk_indices=picks)
     if phase == "verify" and m:
         out = replace(out, replay=replace(inputs, meta=None))
     return out, writes(**values)
-
-
-def _merge_with_sink(os, lses, sinks):
-    """``sum_i e^lse_i o_i / (sum_i e^lse_i + e^sink)`` over the parts, fp32."""
-    lse = torch.stack(lses)  # [P, T, H]
-    top = lse.max(dim=0).values
-    if sinks is not None:
-        top = torch.maximum(top, sinks.float()[None, :])
-    w = torch.exp(lse - top[None])  # [P, T, H]
-    den = w.sum(dim=0)
-    if sinks is not None:
-        den = den + torch.exp(sinks.float()[None, :] - top)
-    num = sum(wi[..., None] * oi for wi, oi in zip(w, os))
-    return num / den[..., None]
 
 
 @register("dsv4", "prefill", "flashmla", supports=supports)

@@ -23,12 +23,12 @@ from dataclasses import replace
 import torch
 
 from ...deltas import Writes, writes
-from ...kernels.invariant import invariant_on, pointwise
+from ...kernels.invariant import invariant_on
 from ...registry import register
 from ...spec import LayerSpec
 from ...state import Views
 from ..availability import needs_cuda, needs_dtype, package_missing
-from .batched import compressor, last_positions, max_entries, token_requests, top_k
+from .batched import compressed_entries, merge_with_sink, token_requests
 from .config import DSV4Inputs, DSV4Output
 
 NAME = "triton"
@@ -40,25 +40,6 @@ def supports(spec, device) -> list[str]:
     if not invariant_on():
         reasons.append("serves the invariant mode, which is off (FlashMLA is faster outside it)")
     return reasons
-
-
-def merge_with_sink(os: list, lses: list, sinks) -> torch.Tensor:
-    """``sum_i e^lse_i o_i / (sum_i e^lse_i + e^sink)`` over the parts in their order, fp32: each token's heads
-    alone (the exponentials through `pointwise`, whose rows are padded on the CPU in the mode)."""
-    lse = torch.stack(lses)  # [P, T, H]
-    top = lse.max(dim=0).values
-    if sinks is not None:
-        top = torch.maximum(top, sinks.float()[None, :])
-    w = pointwise(torch.exp, lse - top[None])  # [P, T, H]
-    den = w[0]
-    for wi in w[1:]:
-        den = den + wi
-    if sinks is not None:
-        den = den + pointwise(torch.exp, sinks.float()[None, :] - top)
-    num = w[0][..., None] * os[0]
-    for wi, oi in zip(w[1:], os[1:]):
-        num = num + wi[..., None] * oi
-    return num / den[..., None]
 
 
 def _step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str) -> tuple[DSV4Output, Writes]:
@@ -75,34 +56,13 @@ def _step(spec: LayerSpec, views: Views, inputs: DSV4Inputs, phase: str) -> tupl
                                           indices=ascending_picks(positions))
 
     window = pos[:, None] - torch.arange(W, device=device)[None, :]  # [T, W]: t, t - 1, ..., t - W + 1
-    os, lses = [], []
-    o, lse = attend(views.kv, inputs.kv, torch.where(window >= 0, window, torch.full_like(window, -1)))
-    os.append(o)
-    lses.append(lse)
+    parts = [attend(views.kv, inputs.kv, torch.where(window >= 0, window, torch.full_like(window, -1)))]
     values, picks = {"kv": inputs.kv}, None
     if m:
-        # the compressor states after every token (native verify), after each request's last one (prefill,
-        # decode), or none (replay verify: the replay writes them)
-        if phase != "verify":
-            rings = (torch.arange(batch.num_requests, device=device), last_positions(batch))
-        else:
-            rings = None if batch.recovery == "replay" else (req, pos)
-        comp, comp_states = compressor(spec, views, batch, req, pos, kv_in=inputs.comp_kv, gate_in=inputs.comp_gate,
-                                       norm=inputs.comp_norm, inv_freq=inputs.comp_inv_freq, state="comp_state",
-                                       rings=rings)
-        values.update(comp=comp, **({"comp_state": comp_states} if rings is not None else {}))
-        if c.indexer is not None:
-            index_k, index_states = compressor(spec, views, batch, req, pos, kv_in=inputs.index_kv,
-                                               gate_in=inputs.index_gate, norm=inputs.index_norm,
-                                               inv_freq=inputs.comp_inv_freq, state="index_state", rings=rings)
-            ent = picks = top_k(views, batch, req, pos, inputs.index_q, inputs.index_w, index_k, c.indexer, m)
-            values.update(index_k=index_k, **({"index_state": index_states} if rings is not None else {}))
-        else:  # HCA: every entry the token sees
-            j = torch.arange(max_entries(batch, m), device=device)[None, :]
-            ent = torch.where(j < ((pos + 1) // m)[:, None], j, torch.full_like(j, -1))
-        o, lse = attend(views.comp, comp, torch.where(ent >= 0, ent * m + m - 1, torch.full_like(ent, -1)))
-        os.append(o)
-        lses.append(lse)
+        comp, ent, picks, compressed = compressed_entries(spec, views, inputs, phase, req, pos)
+        values.update(compressed)
+        parts.append(attend(views.comp, comp, torch.where(ent >= 0, ent * m + m - 1, torch.full_like(ent, -1))))
+    os, lses = zip(*parts)  # (o [T, H, D], lse [T, H]) of each part
     out = DSV4Output(o=merge_with_sink(os, lses, inputs.sinks).to(spec.dtype), topk_indices=picks)
     if phase == "verify" and m:
         out = replace(out, replay=replace(inputs, meta=None))
