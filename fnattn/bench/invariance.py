@@ -27,7 +27,7 @@ import torch
 import fnattn as fa
 import fnattn.switches
 
-from ..driver import generate
+from ..driver import generate, run_step
 from ..speculative import Speculator
 
 PROMPTS = {0: [5, 17, 9, 3, 11, 2, 7, 30, 4], 1: [8, 1, 4, 22], 2: [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]}
@@ -103,16 +103,18 @@ def _decode(model, attn, device, prompts, steps: int, runner=None):
     st, last = _prefill(model, attn, _state(model.specs, device, tokens=steps), prompts)
     out, ids = [], last.argmax(-1)
     for _ in range(steps):
-        st = st.reserve({r: 1 for r in prompts})
-        if runner is None:
-            with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
-                logits, d = model.step(model.params, s, ids)
-            st = st.apply(d)
-        else:
-            st, logits = runner.decode(st, list(prompts), ids)
+        st, logits = _decode_step(model, attn, st.reserve({r: 1 for r in prompts}), list(prompts), ids, runner)
         out.append(logits.clone())
         ids = logits.argmax(-1)
     return last, torch.stack(out)
+
+
+def _decode_step(model, attn, st, ids_of: list[int], tokens, runner=None):
+    """One decode step of requests ``ids_of`` (room reserved), eager or through ``runner``: ``-> (state,
+    logits)``."""
+    if runner is None:
+        return run_step(model.step, model.params, attn, st, fa.Batch.decode(st, ids_of), tokens)
+    return runner.decode(st, ids_of, tokens)
 
 
 def batch_invariant(model, device, steps: int) -> bool:
@@ -160,12 +162,7 @@ def decode_step_us(model, device, batch: int, steps: int) -> tuple[float, str]:
         st = st.reserve({r: 1 for r in prompts})
         _sync(device)
         t0 = time.perf_counter()
-        if runner is None:
-            with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
-                logits, d = model.step(model.params, s, ids)
-            st = st.apply(d)
-        else:
-            st, logits = runner.decode(st, list(prompts), ids)
+        st, logits = _decode_step(model, attn, st, list(prompts), ids, runner)
         _sync(device)
         times.append(time.perf_counter() - t0)
         ids = logits.argmax(-1)
