@@ -194,6 +194,10 @@ def latent_attention_invariant_ref(q, cache, new, block_table, cache_lens, posit
 def ascending_picks(picks: Int[Tensor, "T K"]) -> Int[Tensor, "T K"]:
     """A selection's positions (-1: none, anywhere in a row) ascending, every -1 after them: the order
     `latent_attention_invariant` walks a sparse token's keys in. A row's result follows its own values only."""
+    if not isinstance(picks, torch.Tensor) or picks.dim() != 2 or picks.dtype not in (torch.int32, torch.int64):
+        got = (f"{picks.dtype} of shape {tuple(picks.shape)}" if isinstance(picks, torch.Tensor)
+               else type(picks).__name__)
+        raise ValueError(f"ascending_picks: picks: expected a [T, K] int32 or int64 tensor, got {got}")
     big = torch.iinfo(picks.dtype).max
     ordered = torch.where(picks < 0, big, picks).sort(dim=1).values
     return torch.where(ordered == big, -1, ordered)

@@ -165,6 +165,8 @@ def test_a_sparse_token_is_the_same_bits_whatever_its_launch_holds_and_none_pick
 def test_ascending_picks_keeps_each_row_s_set_with_the_pads_last():
     picks = torch.tensor([[5, -1, 2, 9], [-1, -1, 0, 3]])
     assert ascending_picks(picks).tolist() == [[2, 5, 9, -1], [0, 3, -1, -1]]
+    with pytest.raises(ValueError, match="ascending_picks: picks: expected a \\[T, K\\] int32 or int64 tensor"):
+        ascending_picks(picks.float())
 
 
 def test_values_match_the_reference_and_a_row_ignores_the_rows_beside_it():

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from ...kernels.indexer import finite_topk
@@ -74,7 +75,7 @@ def _pool(kv: Tensor, gate: Tensor, m: int, ov: int) -> Tensor:
     return (w_kv * weights).sum(dim=1)
 
 
-def pool_fixed_order(w_kv: Tensor, w_gate: Tensor) -> Tensor:
+def pool_fixed_order(w_kv: Float[Tensor, "R n D"], w_gate: Float[Tensor, "R n D"]) -> Float[Tensor, "R D"]:
     """`_pool`'s softmax over each window and weighted sum with their sums over the window axis through the
     fixed-tile GEMM (`fnattn.kernels.invariant_linear`, a product with a ones column): a window's entry is the same
     bits however many windows the step pools, where torch's CUDA reductions lay out by that number. The max is
@@ -238,8 +239,9 @@ def top_k(views, batch, req: Tensor, pos: Tensor, index_q: Tensor, index_w: Tens
     return ordered(scores, ix.topk)
 
 
-def compressed_entries(spec, views, inputs, phase: str, req: Tensor, pos: Tensor
-                       ) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+def compressed_entries(spec, views, inputs, phase: str, req: Int[Tensor, " T"], pos: Int[Tensor, " T"]
+                       ) -> tuple[Float[Tensor, "T D"], Int[Tensor, "T E"], Int[Tensor, "T E"] | None,
+                                  dict[str, Tensor]]:
     """The step's compressors (and CSA's indexer) for ``req`` / ``pos`` ``[T]``, every token at once:
     ``-> (entry rows [T, D] (zeros but at closing tokens), the entries each token attends [T, E] (-1: none;
     HCA: every closed window it sees, CSA: the indexer's top-k), the indexer's picks or None, the writes by
@@ -268,7 +270,8 @@ def compressed_entries(spec, views, inputs, phase: str, req: Tensor, pos: Tensor
     return comp, ent, picks, values
 
 
-def merge_with_sink(os: Sequence[Tensor], lses: Sequence[Tensor], sinks: Tensor | None) -> Tensor:
+def merge_with_sink(os: Sequence[Float[Tensor, "T H D"]], lses: Sequence[Float[Tensor, "T H"]],
+                    sinks: Float[Tensor, " H"] | None) -> Float[Tensor, "T H D"]:
     """``sum_i e^lse_i o_i / (sum_i e^lse_i + e^sink)`` over the parts in their order, fp32: each token's heads
     alone (the exponentials through `pointwise`, whose rows are padded on the CPU in the invariant mode)."""
     lse = torch.stack(lses)  # [P, T, H]
