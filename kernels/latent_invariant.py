@@ -8,8 +8,13 @@ log. A program owns one token and a block of heads and walks the token's positio
 ``block_n`` keys, ``[i * block_n, (i + 1) * block_n)``: position ``j`` is read from the pool below the request's
 cache length and from the step's rows at and above it, so the same key tile holds the same rows whether they
 were cached in an earlier step or come with this one. A score is summed over ``R + Dr`` in steps of
-``block_d``, in order; the tiles merge in position order. Nothing in a launch depends on how many tokens or
+``block_d``, in order; the tiles merge in position order within a split of ``split_keys`` positions, each split
+from a fresh online softmax, and the splits merge in order. Nothing in a launch depends on how many tokens or
 requests the step has, or on the phase: the property the invariant mode (`kernels.invariant`) asks for.
+
+A step of few tokens would leave most of the GPU idle (one token of 128 heads: 8 programs), so there each split
+runs as a program of its own and a second launch merges the splits with the same arithmetic (explicit fmas, so
+no compiler contraction tells the two apart): where the splits run changes no bit, only the time.
 
 `latent_values`: ``o_lat [T, H, R]`` through ``W_UV`` (``[H, Dv, R]``) per head, ``-> [T, H, Dv]``, in tiles of
 16 tokens whatever ``T``; with `latent_absorb.absorb_query` at ``block_t=16`` for ``W_UK`` the whole latent
@@ -20,35 +25,30 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import next_pow2, num_sms, require_triton, tl, triton
 
 #: Tokens one weight product takes: fixed, so a token's row goes through the same products whatever ``T`` is.
 TOKEN_TILE = 16
+#: Keys (picks) a split of a token's walk holds: each split a fresh online softmax, the splits merged in order.
+#: A split's partial sums (``H x R`` fp32: 256 KB at 128 heads of 512) cost about a fifth of its keys' bytes
+#: (1024 rows of 576 bf16) when a split runs as a program of its own; fewer keys a split would cost more than
+#: the programs gain.
+SPLIT_KEYS = 1024
+#: The most partial sums one splitting launch may write (bytes); more, and the splits stay in one program.
+PARTIAL_BYTES = 64 << 20
 
 
 @triton.jit
-def _latent_attention_kernel(
-    Q, CACHE, NEW, BLOCK_TABLE, CACHE_LENS, POSITIONS, REQUESTS, INDICES, OUT, LSE,
-    H, R, DQ, S, scale, PICKS, HEAD_BLOCKS,
-    sq_t, sq_h, sc_p, sc_s, sn_t, sbt_b, si_t, so_t, so_h, sl_t,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr,
-    BLOCK_R: tl.constexpr, SPARSE: tl.constexpr,
-):
-    # A token's head blocks are consecutive programs, so they run together and read its keys through L2 once.
-    pid = tl.program_id(0)
-    t = (pid // HEAD_BLOCKS).to(tl.int64)
-    h = (pid % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < H
-    b = tl.load(REQUESTS + t).to(tl.int64)
-    cached_len = tl.load(CACHE_LENS + b).to(tl.int64)
-    pos = tl.load(POSITIONS + t).to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
+def _split_state(Q, CACHE, NEW, BLOCK_TABLE, INDICES, t, b, h, h_ok, r, cached_len, pos, R, DQ, S, scale, PICKS,
+                 first_tile, last_tile, sq_t, sq_h, sc_p, sc_s, sn_t, sbt_b, si_t,
+                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr,
+                 BLOCK_R: tl.constexpr, SPARSE: tl.constexpr):
+    """One split of a token's keys, its tiles ``first_tile .. last_tile``, from a fresh online softmax:
+    ``-> (m [BLOCK_H], l [BLOCK_H], acc [BLOCK_H, BLOCK_R])``, the sums not yet divided."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    # dense: the tiles that hold positions 0 .. pos; sparse: the tiles of the token's picks, ascending
-    tiles = (PICKS + BLOCK_N - 1) // BLOCK_N if SPARSE else (pos + BLOCK_N) // BLOCK_N
-    for i in range(0, tiles):
+    for i in range(first_tile, last_tile):
         n = i * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         if SPARSE:
             j = tl.load(INDICES + t * si_t + n, mask=n < PICKS, other=-1).to(tl.int64)  # [BLOCK_N] key positions
@@ -83,10 +83,108 @@ def _latent_attention_kernel(
         v = tl.where(cached[:, None], v_c, v_n)  # [BLOCK_N, BLOCK_R]: a row's latent c_kv is its value
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    some = l_i > 0.0  # a sparse token whose picks are all pads attends nothing: 0 and an lse of -inf
-    o = acc / tl.where(some, l_i, 1.0)[:, None]
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge_state(m, den, acc, m_s, den_s, acc_s):
+    """The running ``(m, den, acc)`` and the next split's, in that order. Each sum of two products is an explicit
+    fma: where a compiler contracts ``x * a + y * b`` is its choice, and the one-program walk and the merge
+    launch must not round it differently. From ``(-inf, 0, 0)`` the first split comes through exactly, and a
+    split that saw no key (``-inf, 0, 0``) changes nothing."""
+    m_new = tl.maximum(m, m_s)
+    seen = m_new > float("-inf")
+    a = tl.where(seen, tl.exp(m - m_new), 1.0)
+    b = tl.where(seen, tl.exp(m_s - m_new), 1.0)
+    return m_new, tl.fma(den_s, b, den * a), tl.fma(acc_s, b[:, None], acc * a[:, None])
+
+
+@triton.jit
+def _store_result(OUT, LSE, t, h, h_ok, r, R, m, den, acc, so_t, so_h, sl_t):
+    some = den > 0.0  # a sparse token whose picks are all pads attends nothing: 0 and an lse of -inf
+    o = acc / tl.where(some, den, 1.0)[:, None]
     tl.store(OUT + t * so_t + h[:, None] * so_h + r[None, :], o, mask=h_ok[:, None] & (r[None, :] < R))
-    tl.store(LSE + t * sl_t + h, tl.where(some, m_i + tl.log(l_i), float("-inf")), mask=h_ok)
+    tl.store(LSE + t * sl_t + h, tl.where(some, m + tl.log(den), float("-inf")), mask=h_ok)
+
+
+@triton.jit
+def _latent_attention_kernel(
+    Q, CACHE, NEW, BLOCK_TABLE, CACHE_LENS, POSITIONS, REQUESTS, INDICES, OUT, LSE, M_PART, L_PART, ACC_PART,
+    H, R, DQ, S, scale, PICKS, HEAD_BLOCKS,
+    sq_t, sq_h, sc_p, sc_s, sn_t, sbt_b, si_t, so_t, so_h, sl_t, smp_t, smp_s, sap_t, sap_s, sap_h,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr,
+    BLOCK_R: tl.constexpr, SPARSE: tl.constexpr, SPLIT_TILES: tl.constexpr, PARTIAL: tl.constexpr,
+):
+    # A token's head blocks are consecutive programs, so they run together and read its keys through L2 once.
+    pid = tl.program_id(0)
+    t = (pid // HEAD_BLOCKS).to(tl.int64)
+    h = (pid % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    b = tl.load(REQUESTS + t).to(tl.int64)
+    cached_len = tl.load(CACHE_LENS + b).to(tl.int64)
+    pos = tl.load(POSITIONS + t).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    # dense: the tiles that hold positions 0 .. pos; sparse: the tiles of the token's picks, ascending
+    tiles = (PICKS + BLOCK_N - 1) // BLOCK_N if SPARSE else (pos + BLOCK_N) // BLOCK_N
+    if PARTIAL:  # this program: one split, left unmerged for `_merge_splits_kernel`
+        split = tl.program_id(1)
+        if split * SPLIT_TILES < tiles:
+            m_s, den_s, acc_s = _split_state(
+                Q, CACHE, NEW, BLOCK_TABLE, INDICES, t, b, h, h_ok, r, cached_len, pos, R, DQ, S, scale, PICKS,
+                split * SPLIT_TILES, tl.minimum(tiles, (split + 1) * SPLIT_TILES),
+                sq_t, sq_h, sc_p, sc_s, sn_t, sbt_b, si_t, BLOCK_H, BLOCK_N, BLOCK_D, D_STEPS, BLOCK_R, SPARSE)
+            tl.store(M_PART + t * smp_t + split * smp_s + h, m_s, mask=h_ok)
+            tl.store(L_PART + t * smp_t + split * smp_s + h, den_s, mask=h_ok)
+            tl.store(ACC_PART + t * sap_t + split * sap_s + h[:, None] * sap_h + r[None, :], acc_s,
+                     mask=h_ok[:, None] & (r[None, :] < R))
+    else:  # every split of the token in this program, merged as they come
+        # the running sums wait in OUT between splits (fp32, so exactly): two [BLOCK_H, BLOCK_R] accumulators at
+        # once would spill registers
+        splits = tl.cdiv(tiles, SPLIT_TILES)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_H], dtype=tl.float32)
+        out = OUT + t * so_t + h[:, None] * so_h + r[None, :]
+        out_ok = h_ok[:, None] & (r[None, :] < R)
+        for split in range(0, splits):
+            m_s, den_s, acc_s = _split_state(
+                Q, CACHE, NEW, BLOCK_TABLE, INDICES, t, b, h, h_ok, r, cached_len, pos, R, DQ, S, scale, PICKS,
+                split * SPLIT_TILES, tl.minimum(tiles, (split + 1) * SPLIT_TILES),
+                sq_t, sq_h, sc_p, sc_s, sn_t, sbt_b, si_t, BLOCK_H, BLOCK_N, BLOCK_D, D_STEPS, BLOCK_R, SPARSE)
+            tl.debug_barrier()  # the last split's running sums, stored by other threads of this program
+            later = tl.full([1, 1], split, tl.int32) > 0  # (a tensor: the interpreter masks with no bool)
+            acc = tl.load(out, mask=out_ok & later, other=0.0)
+            m, den, acc = _merge_state(m, den, acc, m_s, den_s, acc_s)
+            tl.store(out, acc, mask=out_ok)
+        tl.debug_barrier()
+        acc = tl.load(out, mask=out_ok & (tl.full([1, 1], splits, tl.int32) > 0), other=0.0)
+        _store_result(OUT, LSE, t, h, h_ok, r, R, m, den, acc, so_t, so_h, sl_t)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    M_PART, L_PART, ACC_PART, POSITIONS, OUT, LSE, H, R, PICKS, HEAD_BLOCKS,
+    smp_t, smp_s, sap_t, sap_s, sap_h, so_t, so_h, sl_t,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPARSE: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,
+):
+    # The splitting launch's partials, a token's in split order: the one-program walk's merges, the same bits.
+    pid = tl.program_id(0)
+    t = (pid // HEAD_BLOCKS).to(tl.int64)
+    h = (pid % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    pos = tl.load(POSITIONS + t).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    tiles = (PICKS + BLOCK_N - 1) // BLOCK_N if SPARSE else (pos + BLOCK_N) // BLOCK_N
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for split in range(0, tl.cdiv(tiles, SPLIT_TILES)):
+        m_s = tl.load(M_PART + t * smp_t + split * smp_s + h, mask=h_ok, other=float("-inf"))
+        den_s = tl.load(L_PART + t * smp_t + split * smp_s + h, mask=h_ok, other=0.0)
+        acc_s = tl.load(ACC_PART + t * sap_t + split * sap_s + h[:, None] * sap_h + r[None, :],
+                        mask=h_ok[:, None] & (r[None, :] < R), other=0.0)
+        m, den, acc = _merge_state(m, den, acc, m_s, den_s, acc_s)
+    _store_result(OUT, LSE, t, h, h_ok, r, R, m, den, acc, so_t, so_h, sl_t)
 
 
 def _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank, indices):
@@ -137,8 +235,9 @@ def latent_attention_invariant(q: Float[Tensor, "T H Dq"], cache: Float[Tensor, 
                                block_table: Int[Tensor, "B pages"], cache_lens: Int[Tensor, " B"],
                                positions: Int[Tensor, " T"], requests: Int[Tensor, " T"], *, kv_rank: int,
                                scale: float, indices: Int[Tensor, "T picks"] | None = None, block_h: int = 16,
-                               block_n: int = 32, block_d: int = 64,
-                               num_warps: int = 4) -> tuple[Float[Tensor, "T H R"], Float[Tensor, "T H"]]:
+                               block_n: int = 32, block_d: int = 64, split_keys: int = SPLIT_KEYS,
+                               split: bool | None = None,
+                               num_warps: int = 8) -> tuple[Float[Tensor, "T H R"], Float[Tensor, "T H"]]:
     """Module docstring. ``requests [T]``: each token's request (its row of ``block_table`` and
     ``cache_lens``); ``positions [T]``: its position, ``cache_lens[request]`` and up, a request's tokens
     consecutive rows of ``new`` in position order. The tiles are fixed by the dims alone; a caller that wants a
@@ -147,26 +246,57 @@ def latent_attention_invariant(q: Float[Tensor, "T H Dq"], cache: Float[Tensor, 
     ``indices [T, picks]`` (a sparse layer's selection): each token attends only the positions its row names,
     which must be ascending with every -1 (none) after them; its key tiles are then ``block_n`` picks each, in
     that order. A token with no pick gets 0 and an LSE of -inf. None: every position up to the token's own
-    (each token sees at least itself)."""
+    (each token sees at least itself).
+
+    ``split_keys`` (a multiple of ``block_n``): a token's keys (picks) reduce in splits of this many, merged in
+    order. ``split``: run each split as a program of its own and merge them in a second launch (the same bits as
+    one program walking them all); None: only where the grid would fill less than half the GPU and a token's
+    splits could be more than one, with its partial sums under ``PARTIAL_BYTES``."""
     require_triton()
     _check(q, cache, new, block_table, cache_lens, positions, requests, kv_rank, indices)
     T, H, Dq = q.shape
     if not scale > 0:
         raise ValueError(f"latent_attention_invariant: scale: expected > 0, got {scale!r}")
+    if isinstance(split_keys, bool) or not isinstance(split_keys, int) or split_keys < block_n or \
+            split_keys % block_n:
+        raise ValueError(f"latent_attention_invariant: split_keys: expected a positive multiple of block_n "
+                         f"({block_n}), got {split_keys!r}")
+    if split is not None and not isinstance(split, bool):
+        raise ValueError(f"latent_attention_invariant: split: expected None or a bool, got {split!r}")
     o = torch.empty((T, H, kv_rank), dtype=torch.float32, device=q.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0:
         return o, lse
     sparse = indices is not None
     idx = indices.contiguous() if sparse else positions  # (unread when dense)
+    picks = idx.shape[1] if sparse else 0
     head_blocks = triton.cdiv(H, block_h)
-    _latent_attention_kernel[(T * head_blocks,)](
-        q, cache, new, block_table, cache_lens, positions, requests, idx, o, lse,
-        H, kv_rank, Dq, cache.shape[1], float(scale), idx.shape[1] if sparse else 0, head_blocks,
+    # a dense token's keys end at its position: below its request's cached rows plus the step's, so below this
+    max_keys = picks if sparse else block_table.shape[1] * cache.shape[1] + T
+    max_splits = triton.cdiv(max(max_keys, 1), split_keys)
+    if split is None:
+        split = (max_splits > 1 and 2 * T * head_blocks <= num_sms(q.device.index if q.is_cuda else None)
+                 and T * max_splits * H * kv_rank * 4 <= PARTIAL_BYTES)
+    if split:
+        m_part = torch.empty((T, max_splits, H), dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty((T, max_splits, H, kv_rank), dtype=torch.float32, device=q.device)
+    else:
+        m_part = l_part = acc_part = lse  # (unread)
+    part_strides = (m_part.stride(0), m_part.stride(1), acc_part.stride(0), acc_part.stride(1),
+                    acc_part.stride(2)) if split else (0,) * 5
+    tiles = dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=max(16, next_pow2(kv_rank)), SPARSE=sparse,
+                 SPLIT_TILES=split_keys // block_n)
+    _latent_attention_kernel[(T * head_blocks, max_splits if split else 1)](
+        q, cache, new, block_table, cache_lens, positions, requests, idx, o, lse, m_part, l_part, acc_part,
+        H, kv_rank, Dq, cache.shape[1], float(scale), picks, head_blocks,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), new.stride(0), block_table.stride(0),
-        idx.stride(0) if sparse else 0, o.stride(0), o.stride(1), lse.stride(0),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, D_STEPS=triton.cdiv(Dq, block_d),
-        BLOCK_R=max(16, next_pow2(kv_rank)), SPARSE=sparse, num_warps=num_warps)
+        idx.stride(0) if sparse else 0, o.stride(0), o.stride(1), lse.stride(0), *part_strides,
+        BLOCK_D=block_d, D_STEPS=triton.cdiv(Dq, block_d), PARTIAL=split, num_warps=num_warps, **tiles)
+    if split:
+        _merge_splits_kernel[(T * head_blocks,)](
+            m_part, l_part, acc_part, positions, o, lse, H, kv_rank, picks, head_blocks, *part_strides,
+            o.stride(0), o.stride(1), lse.stride(0), num_warps=num_warps, **tiles)
     return o, lse
 
 

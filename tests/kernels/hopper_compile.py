@@ -201,17 +201,21 @@ def invariant_linear_cases():
 
 
 def latent_invariant_cases():
-    from fnattn.kernels.latent_invariant import _latent_attention_kernel
+    from fnattn.kernels.latent_invariant import _latent_attention_kernel, _merge_splits_kernel
 
     ptr = {p: "*bf16" for p in ("Q", "CACHE", "NEW")}
     ptr.update(BLOCK_TABLE="*i32", CACHE_LENS="*i32", POSITIONS="*i64", REQUESTS="*i64", INDICES="*i64",
-               OUT="*fp32", LSE="*fp32")
-    base = dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=64, BLOCK_R=512)
+               OUT="*fp32", LSE="*fp32", M_PART="*fp32", L_PART="*fp32", ACC_PART="*fp32")
+    base = dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=64, BLOCK_R=512, SPLIT_TILES=32)
     for name, change in {"invariant latent attention, MLA (576 / 512)": dict(D_STEPS=9, SPARSE=False),
                          "invariant latent attention, sparse MLA picks": dict(D_STEPS=9, SPARSE=True),
                          "invariant latent attention, DeepSeek-V4 K=V 512": dict(D_STEPS=8, SPARSE=True)}.items():
-        yield name, lambda c={**base, **change}: compile_for_hopper(_latent_attention_kernel, c, ptr,
-                                                                    floats=("scale",))
+        for partial in (False, True):
+            yield f"{name}{', a split a program' if partial else ''}", \
+                lambda c={**base, **change, "PARTIAL": partial}: compile_for_hopper(_latent_attention_kernel, c, ptr,
+                                                                                     floats=("scale",))
+    yield "invariant latent attention, splits merged in order", lambda: compile_for_hopper(
+        _merge_splits_kernel, dict(BLOCK_H=16, BLOCK_N=32, BLOCK_R=512, SPARSE=False, SPLIT_TILES=32), ptr)
 
 
 def main() -> int:

@@ -72,7 +72,7 @@ def test_matches_the_reference(cached, new):
     torch.testing.assert_close(lse, want_lse, atol=TOL, rtol=TOL)
 
 
-def _last_token(prompt, queries, cached_0, others=()):
+def _last_token(prompt, queries, cached_0, others=(), **tiles):
     """Request 0's prompt (``prompt [P, R + DR]`` rows, ``queries [P, H, R + DR]``) with its first ``cached_0``
     rows in the pool and the rest new, beside ``others`` [(cached, new)]: its last token's ``(o, lse)``."""
     P = prompt.shape[0]
@@ -88,7 +88,7 @@ def _last_token(prompt, queries, cached_0, others=()):
     new = [P - cached_0, *(n for _, n in others)]
     positions = torch.tensor([c + i for c, n in zip(cached, new) for i in range(n)], device=DEVICE)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    o, lse = attend(cache, table, lens, torch.cat(q), torch.cat(rows), positions, cu)
+    o, lse = attend(cache, table, lens, torch.cat(q), torch.cat(rows), positions, cu, **tiles)
     return o[P - cached_0 - 1], lse[P - cached_0 - 1]
 
 
@@ -118,6 +118,22 @@ def test_a_token_s_bits_follow_nothing_but_its_context(P, split, others):
     prompt, queries = _prompt(P, seed=P)
     o, lse = _last_token(prompt, queries, int(split * (P - 1)), others)
     want_o, want_lse = _last_token(prompt, queries, 0)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+
+
+#: Keys in splits of 16 (tiles of 8): the contexts here span several splits.
+SPLITS = dict(block_n=8, split_keys=16)
+
+
+@settings(max_examples=8, deadline=None)
+@given(P=st.integers(1, 60), split=st.floats(0, 1), launch=st.sampled_from([None, False, True]),
+       others=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 5)), max_size=3))
+def test_a_token_s_bits_follow_nothing_but_its_context_across_splits(P, split, launch, others):
+    """Keys in several splits, the splits in one program or each in its own and merged by a second launch,
+    whatever shares the step: the bits of the prompt's prefill alone, its splits walked in one program."""
+    prompt, queries = _prompt(P, seed=P)
+    o, lse = _last_token(prompt, queries, int(split * (P - 1)), others, split=launch, **SPLITS)
+    want_o, want_lse = _last_token(prompt, queries, 0, split=False, **SPLITS)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
 
 
@@ -162,6 +178,28 @@ def test_a_sparse_token_is_the_same_bits_whatever_its_launch_holds_and_none_pick
     assert torch.equal(o0, torch.zeros_like(o0)) and bool(torch.isneginf(lse0).all())
 
 
+@pytest.mark.parametrize("cached, new", [([40], [3]), ([7, 0, 37], [1, 1, 1]), ([3, 70], [6, 1])])
+def test_splits_match_the_reference_and_where_they_run_changes_no_bit(cached, new):
+    """Dense and sparse, keys in several splits: the reference's result, and the same bits whether one program
+    walks a token's splits or each runs alone; a sparse row widened with pads (a wider pick table) too."""
+    cache, table, lens = pool(cached)
+    q, rows, positions, cu = step(cached, new)
+    req = request_of_token(cu, q.shape[0])
+    picks = ascending_picks(picks_of(positions, 40, seed=4))
+    wide = torch.cat([picks, torch.full((picks.shape[0], 24), -1, dtype=picks.dtype, device=DEVICE)], 1)
+    for indices in (None, picks, wide):
+        want_o, want_lse = latent_attention_invariant_ref(q, cache, rows, table, lens, positions, req, kv_rank=R,
+                                                          scale=0.3, indices=indices)
+        runs = [latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=0.3,
+                                           indices=indices, split=launch, **SPLITS) for launch in (False, True)]
+        torch.testing.assert_close(runs[0][0], want_o, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(runs[0][1], want_lse, atol=TOL, rtol=TOL)
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+        if indices is wide:
+            assert torch.equal(runs[0][0], narrow[0]) and torch.equal(runs[0][1], narrow[1])
+        narrow = runs[0]
+
+
 def test_ascending_picks_keeps_each_row_s_set_with_the_pads_last():
     picks = torch.tensor([[5, -1, 2, 9], [-1, -1, 0, 3]])
     assert ascending_picks(picks).tolist() == [[2, 5, 9, -1], [0, 3, -1, -1]]
@@ -190,5 +228,9 @@ def test_bad_arguments_name_themselves():
         latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R + DR + 1, scale=1.0)
     with pytest.raises(ValueError, match="block_table: expected dtype torch.int32"):
         latent_attention_invariant(q, cache, rows, table.long(), lens, positions, req, kv_rank=R, scale=1.0)
+    with pytest.raises(ValueError, match="split_keys: expected a positive multiple of block_n \\(32\\), got 48"):
+        latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=1.0, split_keys=48)
+    with pytest.raises(ValueError, match="split: expected None or a bool, got 1"):
+        latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=1.0, split=1)
     with pytest.raises(ValueError, match="w_uv: expected shape"):
         latent_values(torch.zeros(2, H, R, device=DEVICE), torch.zeros(H, 8, R + 1, device=DEVICE))
