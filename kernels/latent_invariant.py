@@ -13,8 +13,8 @@ from a fresh online softmax, and the splits merge in order. Nothing in a launch 
 requests the step has, or on the phase: the property the invariant mode (`kernels.invariant`) asks for.
 
 A step of few tokens would leave most of the GPU idle (one token of 128 heads: 8 programs), so there each split
-runs as a program of its own and a second launch merges the splits with the same arithmetic (explicit fmas, so
-no compiler contraction tells the two apart): where the splits run changes no bit, only the time.
+runs as a program of its own and a second launch merges the splits with the same arithmetic
+(`attention_tiles.ordered_merge`): where the splits run changes no bit, only the time.
 
 `latent_values`: ``o_lat [T, H, R]`` through ``W_UV`` (``[H, Dv, R]``) per head, ``-> [T, H, Dv]``, in tiles of
 16 tokens whatever ``T``; with `latent_absorb.absorb_query` at ``block_t=16`` for ``W_UK`` the whole latent
@@ -26,6 +26,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ._triton import next_pow2, num_sms, require_triton, tl, triton
+from .attention_tiles import ordered_merge
 
 #: Tokens one weight product takes: fixed, so a token's row goes through the same products whatever ``T`` is.
 TOKEN_TILE = 16
@@ -87,19 +88,6 @@ def _split_state(Q, CACHE, NEW, BLOCK_TABLE, INDICES, t, b, h, h_ok, r, cached_l
 
 
 @triton.jit
-def _merge_state(m, den, acc, m_s, den_s, acc_s):
-    """The running ``(m, den, acc)`` and the next split's, in that order. Each sum of two products is an explicit
-    fma: where a compiler contracts ``x * a + y * b`` is its choice, and the one-program walk and the merge
-    launch must not round it differently. From ``(-inf, 0, 0)`` the first split comes through exactly, and a
-    split that saw no key (``-inf, 0, 0``) changes nothing."""
-    m_new = tl.maximum(m, m_s)
-    seen = m_new > float("-inf")
-    a = tl.where(seen, tl.exp(m - m_new), 1.0)
-    b = tl.where(seen, tl.exp(m_s - m_new), 1.0)
-    return m_new, tl.fma(den_s, b, den * a), tl.fma(acc_s, b[:, None], acc * a[:, None])
-
-
-@triton.jit
 def _store_result(OUT, LSE, t, h, h_ok, r, R, m, den, acc, so_t, so_h, sl_t):
     some = den > 0.0  # a sparse token whose picks are all pads attends nothing: 0 and an lse of -inf
     o = acc / tl.where(some, den, 1.0)[:, None]
@@ -153,7 +141,7 @@ def _latent_attention_kernel(
             tl.debug_barrier()  # the last split's running sums, stored by other threads of this program
             later = tl.full([1, 1], split, tl.int32) > 0  # (a tensor: the interpreter masks with no bool)
             acc = tl.load(out, mask=out_ok & later, other=0.0)
-            m, den, acc = _merge_state(m, den, acc, m_s, den_s, acc_s)
+            m, den, acc = ordered_merge(m, den, acc, m_s, den_s, acc_s, False)
             tl.store(out, acc, mask=out_ok)
         tl.debug_barrier()
         acc = tl.load(out, mask=out_ok & (tl.full([1, 1], splits, tl.int32) > 0), other=0.0)
@@ -183,7 +171,7 @@ def _merge_splits_kernel(
         den_s = tl.load(L_PART + t * smp_t + split * smp_s + h, mask=h_ok, other=0.0)
         acc_s = tl.load(ACC_PART + t * sap_t + split * sap_s + h[:, None] * sap_h + r[None, :],
                         mask=h_ok[:, None] & (r[None, :] < R), other=0.0)
-        m, den, acc = _merge_state(m, den, acc, m_s, den_s, acc_s)
+        m, den, acc = ordered_merge(m, den, acc, m_s, den_s, acc_s, False)
     _store_result(OUT, LSE, t, h, h_ok, r, R, m, den, acc, so_t, so_h, sl_t)
 
 

@@ -16,6 +16,8 @@ Long contexts with few programs are split over the key range (split-K); a
 small second kernel merges the partial results by LSE and applies the sinks
 (the last split of each tile merging them in the same launch, through arrival
 counters, made the Qwen3.5-0.8B decode step 1.02x slower on the H200).
+The invariant mode's launch splits at fixed positions instead (`INVARIANT_SPLIT_KEYS`) and merges a token's
+splits in order, in its program or in a second launch, with the same bits either way.
 
 Nothing here writes into its arguments (see `scatter.py` for the writes).
 """
@@ -27,15 +29,20 @@ from ._switch import declare_tiles
 from ._tiles import overridden
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
 from .attention_naive import attention
+from .attention_tiles import LN2, LOG2E, attend_tile, cached_kv, fresh_kv, invariant_keys, normalized, ordered_merge
 from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_splits  # noqa: F401
 from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
 
-_LOG2E = tl.constexpr(1.4426950408889634)
-_LN2 = tl.constexpr(0.6931471805599453)
 _MAX_SPLITS = 64
 # A split of fewer keys costs a program more than it saves; 64 keys keep batch-1 decode of a few-head
 # model (two KV heads at 512 tokens: 4 programs at 256 keys a split) from running on a handful of SMs.
 _MIN_SPLIT_TOKENS = 64
+# The invariant launch walks a token's keys in splits of this many positions, each a fresh online softmax,
+# merged in order (`attention_tiles.ordered_merge`); with few programs the splits run as programs of their own
+# and a second launch merges them, the same bits. A split's partial sums (a group's heads x Dv in fp32: 8 KB at
+# 8 heads of 256) are small beside its keys (256 KB at two of 256 dims), so the splits can be short.
+INVARIANT_SPLIT_KEYS = 256
+INVARIANT_PARTIAL_BYTES = 64 << 20  # the most partial sums a splitting invariant launch may write
 
 
 # ----------------------------------------------------------------------------
@@ -44,107 +51,9 @@ _MIN_SPLIT_TOKENS = 64
 
 
 @triton.jit
-def _tanh(x):
-    # Portable across triton versions and the interpreter; exp overflow gives
-    # the exact +-1 limits.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _scores(q, k, sm_scale, softcap, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    # q [BM, D_PAD], k [BN, D_PAD] -> scores [BM, BN] in log2 units
-    if IEEE:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    s = qk * sm_scale
-    if SOFTCAP:
-        s = softcap * _tanh(s / softcap)
-    return s * _LOG2E
-
-
-@triton.jit
-def _online_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
-    # A row can be fully masked in a tile (window, padding rows); keep exp2
-    # away from (-inf) - (-inf).
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, mask, kvh, d, dv, d_ok, dv_ok,
-               skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE: tl.constexpr):
-    # keys [BN, D_PAD] and values [BN, DV_PAD] of request b's cached positions j, through its block table;
-    # rows outside ``mask`` load zeros
-    page = tl.load(BLOCK_TABLE + b * sbt_b + j // PAGE, mask=mask, other=0).to(tl.int64)
-    off = j % PAGE
-    k = tl.load(K_CACHE + page[:, None] * skc_p + off[:, None] * skc_s + kvh * skc_h + d[None, :],
-                mask=mask[:, None] & d_ok[None, :], other=0.0)
-    v = tl.load(V_CACHE + page[:, None] * svc_p + off[:, None] * svc_s + kvh * svc_h + dv[None, :],
-                mask=mask[:, None] & dv_ok[None, :], other=0.0)
-    return k, v
-
-
-@triton.jit
-def _fresh_kv(K_NEW, V_NEW, rows, mask, kvh, d, dv, d_ok, dv_ok, skn_t, skn_h, svn_t, svn_h):
-    # keys and values of the step's own token rows; rows outside ``mask`` load zeros
-    k = tl.load(K_NEW + rows[:, None] * skn_t + kvh * skn_h + d[None, :], mask=mask[:, None] & d_ok[None, :],
-                other=0.0)
-    v = tl.load(V_NEW + rows[:, None] * svn_t + kvh * svn_h + dv[None, :], mask=mask[:, None] & dv_ok[None, :],
-                other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, j, visible, pos, m_i, l_i, acc, sm_scale, softcap, window,
-                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
-    # one key tile into the online softmax: the scores, masked to the keys each row sees (and its window)
-    s = _scores(q, k, sm_scale, softcap, SOFTCAP, IEEE)
-    if WINDOW:
-        visible = visible & (pos[:, None] - j[None, :] < window)
-    s = tl.where(visible, s, float("-inf"))
-    return _online_update(s, v, m_i, l_i, acc, IEEE)
-
-
-@triton.jit
-def _invariant_keys(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
-                    K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
-                    skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
-                    m_i, l_i, acc, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                    WINDOW: tl.constexpr, IEEE: tl.constexpr):
-    # The invariant mode's walk over one token's keys: tiles [i * BLOCK_N, (i + 1) * BLOCK_N) whatever the step's
-    # other tokens, each key read from the cache or from the step's own rows by where it lives, and only the keys
-    # the token sees are loaded (the rest enter the dot as zeros), so a token's sums are the same operations on the
-    # same values in a decode, a verify and a prefill, beside any other requests.
-    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        j = start + n_off  # [BN]
-        seen = (j >= lo) & (j < hi)
-        cached = seen & (j < ctx)
-        fresh = seen & (j >= ctx)
-        k, v = _cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, cached, kvh, d, dv, d_ok, dv_ok,
-                          skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)
-        k_new, v_new = _fresh_kv(K_NEW, V_NEW, tl.where(fresh, tok0 + j - ctx, 0).to(tl.int64), fresh, kvh,
-                                 d, dv, d_ok, dv_ok, skn_t, skn_h, svn_t, svn_h)
-        k += k_new
-        v += v_new
-        m_i, l_i, acc = _attend_tile(q, k, v, j, seen[None, :] & (j[None, :] <= pos[:, None]), pos, m_i, l_i, acc,
-                                     sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _paged_attn_kernel(
     Q, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, CACHE_LENS, CU_SEQLENS, SINKS,
-    OUT, LSE, O_PART, LSE_PART,
+    OUT, LSE, O_PART, LSE_PART, L_PART,
     sm_scale, softcap, window, num_splits,
     sq_t, sq_h, skn_t, skn_h, svn_t, svn_h,
     skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
@@ -154,7 +63,7 @@ def _paged_attn_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr, HAS_NEW: tl.constexpr, HAS_SINK: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr, INVARIANT: tl.constexpr = False,
+    IEEE: tl.constexpr, PDL: tl.constexpr, INVARIANT: tl.constexpr = False, SPLIT_KEYS: tl.constexpr = 256,
 ):
     if PDL:  # inputs are read only after the launch before this one has finished
         gdc_wait()
@@ -213,53 +122,97 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
 
-    if INVARIANT:  # one token a program, no split: key tiles from a multiple of BLOCK_N, each key from where it lives
-        m_i, l_i, acc = _invariant_keys(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
-                                        K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
-                                        skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
-                                        m_i, l_i, acc, PAGE, BLOCK_N, SOFTCAP, WINDOW, IEEE)
+    if INVARIANT:  # one token a program, its keys in splits of SPLIT_KEYS positions merged in order
+        if SPLIT:  # this program: split `split` alone, its sums left for `_merge_ordered_splits_kernel`
+            m_i, l_i, acc = invariant_keys(q, pos, ctx, tl.maximum(lo, split * SPLIT_KEYS),
+                                           tl.minimum(hi, (split + 1) * SPLIT_KEYS), b, tok0, kvh, d, dv, d_ok,
+                                           dv_ok, n_off, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale,
+                                           softcap, window, skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h,
+                                           svc_p, svc_s, svc_h, sbt_b, m_i, l_i, acc, PAGE, BLOCK_N, SOFTCAP,
+                                           WINDOW, IEEE)
+            part = t_row * slp_t + head * slp_h + split
+            tl.store(O_PART + t_row[:, None] * sop_t + head[:, None] * sop_h + split * sop_s + dv[None, :], acc,
+                     mask=row_ok[:, None] & dv_ok[None, :])
+            tl.store(LSE_PART + part, m_i, mask=row_ok)
+            tl.store(L_PART + part, l_i, mask=row_ok)
+            return
+        for s in range(lo // SPLIT_KEYS, tl.cdiv(hi, SPLIT_KEYS)):
+            m_s, l_s, acc_s = invariant_keys(q, pos, ctx, tl.maximum(lo, s * SPLIT_KEYS),
+                                             tl.minimum(hi, (s + 1) * SPLIT_KEYS), b, tok0, kvh, d, dv, d_ok,
+                                             dv_ok, n_off, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale,
+                                             softcap, window, skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h,
+                                             svc_p, svc_s, svc_h, sbt_b, tl.full([BLOCK_M], float("-inf"),
+                                                                                  tl.float32),
+                                             tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M, DV_PAD], tl.float32),
+                                             PAGE, BLOCK_N, SOFTCAP, WINDOW, IEEE)
+            m_i, l_i, acc = ordered_merge(m_i, l_i, acc, m_s, l_s, acc_s, True)
     else:
         c_hi = tl.minimum(s_hi, ctx)
         for start in range(s_lo, c_hi, BLOCK_N):
             j = start + n_off  # [BN]
             j_ok = j < c_hi
-            k, v = _cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, j_ok, kvh, d, dv, d_ok, dv_ok,
+            k, v = cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, j_ok, kvh, d, dv, d_ok, dv_ok,
                               skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)  # [BN, D_PAD], [BN, DV_PAD]
-            m_i, l_i, acc = _attend_tile(q, k, v, j, j_ok[None, :], pos, m_i, l_i, acc, sm_scale, softcap, window,
+            m_i, l_i, acc = attend_tile(q, k, v, j, j_ok[None, :], pos, m_i, l_i, acc, sm_scale, softcap, window,
                                          SOFTCAP, WINDOW, IEEE)
         if HAS_NEW:
             for start in range(tl.maximum(s_lo, ctx), s_hi, BLOCK_N):
                 j = start + n_off  # [BN]
                 j_ok = j < s_hi
-                k, v = _fresh_kv(K_NEW, V_NEW, (tok0 + j - ctx).to(tl.int64), j_ok, kvh, d, dv, d_ok, dv_ok,
+                k, v = fresh_kv(K_NEW, V_NEW, (tok0 + j - ctx).to(tl.int64), j_ok, kvh, d, dv, d_ok, dv_ok,
                                  skn_t, skn_h, svn_t, svn_h)
-                m_i, l_i, acc = _attend_tile(q, k, v, j, j_ok[None, :] & (j[None, :] <= pos[:, None]), pos, m_i,
+                m_i, l_i, acc = attend_tile(q, k, v, j, j_ok[None, :] & (j[None, :] <= pos[:, None]), pos, m_i,
                                              l_i, acc, sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
 
-    attended = l_i > 0
-    l_safe = tl.where(attended, l_i, 1.0)
-    lse = tl.where(attended, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
-    if SPLIT:
-        o = acc / l_safe[:, None]
+    if SPLIT and not INVARIANT:
+        attended = l_i > 0
+        l_safe = tl.where(attended, l_i, 1.0)
         tl.store(
             O_PART + t_row[:, None] * sop_t + head[:, None] * sop_h + split * sop_s + dv[None, :],
-            o, mask=row_ok[:, None] & dv_ok[None, :],
+            acc / l_safe[:, None], mask=row_ok[:, None] & dv_ok[None, :],
         )
-        tl.store(LSE_PART + t_row * slp_t + head * slp_h + split, lse, mask=row_ok)
+        tl.store(LSE_PART + t_row * slp_t + head * slp_h + split,
+                 tl.where(attended, (m_i + tl.log2(l_safe)) * LN2, float("-inf")), mask=row_ok)
     else:
-        denom = l_safe
+        sink = tl.zeros([BLOCK_M], tl.float32)
         if HAS_SINK:
-            # The sink joins the denominator only; with nothing attended
-            # (acc == 0) the output stays 0.
-            sink = tl.load(SINKS + head, mask=row_ok, other=0.0) * _LOG2E
-            m_safe = tl.where(attended, m_i, 0.0)
-            denom = l_i + tl.exp2(sink - m_safe)
-        o = acc / denom[:, None]
+            sink = tl.load(SINKS + head, mask=row_ok, other=0.0) * LOG2E
+        o, lse = normalized(m_i, l_i, acc, sink, HAS_SINK)
         tl.store(
             OUT + t_row[:, None] * so_t + head[:, None] * so_h + dv[None, :],
             o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :],
         )
         tl.store(LSE + t_row * sl_t + head * sl_h, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_ordered_splits_kernel(
+    O_PART, LSE_PART, L_PART, SINKS, OUT, LSE, Hq, num_splits,
+    sop_t, sop_h, sop_s, slp_t, slp_h, so_t, so_h, sl_t, sl_h,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    # The invariant launch's splits of one token, every one in order (a split that saw no key changes nothing):
+    # the merges the one-program walk makes, then its division.
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = head < Hq
+    dv = tl.arange(0, DV_PAD)
+    ok = h_ok[:, None] & (dv[None, :] < DV)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV_PAD], tl.float32)
+    for s in range(0, num_splits):
+        part = t * slp_t + head * slp_h + s
+        m_s = tl.load(LSE_PART + part, mask=h_ok, other=float("-inf"))
+        l_s = tl.load(L_PART + part, mask=h_ok, other=0.0)
+        acc_s = tl.load(O_PART + t * sop_t + head[:, None] * sop_h + s * sop_s + dv[None, :], mask=ok, other=0.0)
+        m_i, l_i, acc = ordered_merge(m_i, l_i, acc, m_s, l_s, acc_s, True)
+    sink = tl.zeros([BLOCK_H], tl.float32)
+    if HAS_SINK:
+        sink = tl.load(SINKS + head, mask=h_ok, other=0.0) * LOG2E
+    o, lse = normalized(m_i, l_i, acc, sink, HAS_SINK)
+    tl.store(OUT + t * so_t + head[:, None] * so_h + dv[None, :], o.to(OUT.dtype.element_ty), mask=ok)
+    tl.store(LSE + t * sl_t + head * sl_h, lse, mask=h_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -391,21 +344,33 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     Dv = v_cache.shape[3]
     G = Hq // Hkv
     g_pad, d_pad, dv_pad = next_pow2(G), max(16, next_pow2(D)), max(16, next_pow2(Dv))
-    if invariant:  # one token's group a tile (padded to the smallest dot), the tile from the dims alone, no split
+    sms = num_sms(q.device.index if q.device.type == "cuda" else None)
+    if invariant:  # one token's group a tile (padded to the smallest dot), the tile from the dims alone
         g_pad = max(16, g_pad)
         block_m, block_n, num_warps, num_stages = _default_config(d_pad, dv_pad, g_pad, 1, q.dtype)
-        num_splits = 1
+        if INVARIANT_SPLIT_KEYS % block_n:
+            raise ValueError(f"INVARIANT_SPLIT_KEYS: expected a multiple of the key tile ({block_n}), got "
+                             f"{INVARIANT_SPLIT_KEYS}")
     else:
         block_m, block_n, num_warps, num_stages = _config(d_pad, dv_pad, g_pad, q_len, q.dtype)
     m_tiles = triton.cdiv(q_len, block_m // g_pad)
     programs = m_tiles * B * Hkv
-    if not invariant and programs >= num_sms(q.device.index if q.device.type == "cuda" else None):
-        block_m, block_n, num_warps, num_stages = _config(d_pad, dv_pad, g_pad, q_len, q.dtype, wide=True)
-    if num_splits is None:
-        max_keys = block_table.shape[1] * S + q_len
-        num_splits = pick_num_splits(programs, max_keys, q.device)
-    if not 1 <= num_splits <= 256:
-        raise ValueError(f"num_splits: expected 1..256, got {num_splits}")
+    max_keys = block_table.shape[1] * S + q_len  # a token's position is below its cached rows and the step's
+    if invariant:  # the splits follow positions; the argument only says whether they run as programs
+        max_splits = triton.cdiv(max_keys, INVARIANT_SPLIT_KEYS)
+        if num_splits is None:
+            apart = (max_splits > 1 and 2 * programs <= sms
+                     and T * Hq * max_splits * Dv * 4 <= INVARIANT_PARTIAL_BYTES)
+        else:
+            apart = num_splits > 1
+        num_splits = max_splits if apart else 1
+    else:
+        if programs >= sms:
+            block_m, block_n, num_warps, num_stages = _config(d_pad, dv_pad, g_pad, q_len, q.dtype, wide=True)
+        if num_splits is None:
+            num_splits = pick_num_splits(programs, max_keys, q.device)
+        if not 1 <= num_splits <= 256:
+            raise ValueError(f"num_splits: expected 1..256, got {num_splits}")
 
     o = torch.empty(T, Hq, Dv, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
     lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)  # [T, Hq]
@@ -415,6 +380,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
         lse_part = torch.empty(T, Hq, num_splits, dtype=torch.float32, device=q.device)
     else:
         o_part, lse_part = o, lse  # unused
+    l_part = torch.empty_like(lse_part) if split and invariant else lse_part  # (unread outside that launch)
     has_new = k_new is not None
     if not has_new:
         k_new, v_new = k_cache[0], v_cache[0]  # unused; any [*, Hkv, D] view
@@ -425,7 +391,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     pdl = pdl_launch(q.device)
     _paged_attn_kernel[grid](
         q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu, sinks_f,
-        o, lse, o_part, lse_part,
+        o, lse, o_part, lse_part, l_part,
         float(scale), float(softcap), int(window), num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1),
@@ -438,10 +404,17 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
         PAGE=S, BLOCK_M=block_m, BLOCK_N=block_n,
         DECODE=decode, HAS_NEW=has_new, HAS_SINK=sinks is not None,
         SOFTCAP=softcap > 0, WINDOW=window > 0, SPLIT=split,
-        IEEE=q.dtype == torch.float32, INVARIANT=invariant,
+        IEEE=q.dtype == torch.float32, INVARIANT=invariant, SPLIT_KEYS=INVARIANT_SPLIT_KEYS,
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl,
     )
-    if split:
+    if split and invariant:
+        block_h = 16
+        _merge_ordered_splits_kernel[(T, triton.cdiv(Hq, block_h))](
+            o_part, lse_part, l_part, sinks_f, o, lse, Hq, num_splits,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+            o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+            DV=Dv, DV_PAD=dv_pad, BLOCK_H=block_h, HAS_SINK=sinks is not None, num_warps=4)
+    elif split:
         merge_splits(o_part, lse_part, o, lse, sinks=sinks_f if sinks is not None else None)
     return o, lse
 
@@ -460,8 +433,10 @@ def paged_decode(q, k_cache, v_cache, block_table, cache_lens, *, k_new=None, v_
     num_splits: split-K factor; None picks one from B*Hkv and the block table
     capacity (no device sync, so it is safe under CUDA graph capture).
     invariant: the invariant mode's launch (`fnattn.kernels.invariant`): each token alone in its programs, its
-    keys in tiles fixed by position, no split; the same launch `paged_prefill(..., invariant=True)` makes, so a
-    token's output is the same bits in a decode, a verify and a prefill step (needs k_new).
+    keys in tiles and splits fixed by position; the same launch `paged_prefill(..., invariant=True)` makes, so
+    a token's output is the same bits in a decode, a verify and a prefill step (needs k_new). There
+    num_splits only says whether the splits run as programs (> 1) or in one (1); None: as programs where the
+    grid is small. Either gives the same bits.
     Returns o [B, Hq, Dv] (q's dtype) and lse [B, Hq] fp32 (without the sink).
     """
     require_triton()
@@ -481,7 +456,7 @@ def paged_decode(q, k_cache, v_cache, block_table, cache_lens, *, k_new=None, v_
             raise ValueError("k_new / v_new: the invariant launch needs the step's own token")
         cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)  # one new token each, as a varlen step
         return _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu, sinks,
-                       scale, softcap, sliding_window, None, 1, B, decode=False, invariant=True)
+                       scale, softcap, sliding_window, num_splits, 1, B, decode=False, invariant=True)
     return _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, None, sinks,
                    scale, softcap, sliding_window, num_splits, 1, B, decode=True)
 
@@ -498,7 +473,7 @@ def paged_prefill(q, k_new, v_new, cu_seqlens, k_cache, v_cache, block_table, ca
     fine); None reads it from cu_seqlens (a device sync: pass it under CUDA
     graph capture).
     num_splits: split-K factor (useful for verify at small batch); None picks.
-    invariant: the invariant mode's launch (`paged_decode`'s argument of that name; num_splits is ignored).
+    invariant: the invariant mode's launch (`paged_decode`'s argument of that name, num_splits as there).
     Returns o [T, Hq, Dv] (q's dtype) and lse [T, Hq] fp32 (without the sink).
     """
     require_triton()

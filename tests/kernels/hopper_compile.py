@@ -77,14 +77,14 @@ def gdn_decode_cases():
 
 
 def paged_decode_cases():
-    from fnattn.kernels.paged_attention import _paged_attn_kernel
+    from fnattn.kernels.paged_attention import _merge_ordered_splits_kernel, _paged_attn_kernel
 
     ptr = {p: "*bf16" for p in ("Q", "K_NEW", "V_NEW", "K_CACHE", "V_CACHE", "OUT")}
     ptr.update(BLOCK_TABLE="*i32", CACHE_LENS="*i32", CU_SEQLENS="*i32", SINKS="*fp32", LSE="*fp32",
-               O_PART="*fp32", LSE_PART="*fp32")
+               O_PART="*fp32", LSE_PART="*fp32", L_PART="*fp32")
     base = dict(HKV=2, G=4, G_PAD=4, D=256, D_PAD=256, DV=256, DV_PAD=256, PAGE=16, BLOCK_M=16, BLOCK_N=32,
                 DECODE=True, HAS_NEW=True, HAS_SINK=False, SOFTCAP=False, WINDOW=False, SPLIT=True, IEEE=False,
-                PDL=True, INVARIANT=False)
+                PDL=True, INVARIANT=False, SPLIT_KEYS=256)
     variants = {
         "paged decode d256 split": {},
         "paged decode d128 split, sinks": dict(D=128, D_PAD=128, DV=128, DV_PAD=128, BLOCK_N=64, HAS_SINK=True),
@@ -93,10 +93,13 @@ def paged_decode_cases():
         "paged attention invariant d128, sinks, softcap": dict(D=128, D_PAD=128, DV=128, DV_PAD=128, BLOCK_N=64,
                                                                G_PAD=16, DECODE=False, SPLIT=False, HAS_SINK=True,
                                                                SOFTCAP=True, INVARIANT=True),
+        "paged attention invariant d256, a split a program": dict(G_PAD=16, DECODE=False, INVARIANT=True),
     }
     for name, change in variants.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(_paged_attn_kernel, c, ptr,
                                                                      floats=("sm_scale", "softcap"))
+    yield "paged attention invariant, splits merged in order, sinks", lambda: compile_for_hopper(
+        _merge_ordered_splits_kernel, dict(DV=256, DV_PAD=256, BLOCK_H=16, HAS_SINK=True), ptr)
 
 
 def conv_cases():

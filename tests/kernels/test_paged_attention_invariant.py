@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from fnattn.kernels import paged_attention  # noqa: E402
 from fnattn.kernels.paged_attention import paged_decode, paged_prefill, paged_prefill_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,8 +78,10 @@ CASES = [(f, h, d) for f in FEATURES for h in HEADS for d in DTYPES] if DEVICE =
     ("softcap+sinks", "mha", "fp32"), ("softcap+sinks", "gqa4", "fp16")]
 
 
-@pytest.mark.parametrize("features, heads, dtype", CASES, ids=["-".join(c) for c in CASES])
-def test_a_token_is_the_same_bits_in_every_phase_and_batch(features, heads, dtype):
+def check_every_phase_and_batch(features, heads, dtype, launches=(None,)):
+    """Verify, prefill, decode alone and decode beside the others: the same bits for every token, and the
+    reference to rounding. ``launches``: the ``num_splits`` each invariant call takes in turn (1: a token's
+    splits in one program; 2: as programs of their own; None: chosen by the grid)."""
     heads, dtype = HEADS[heads], DTYPES[dtype]
     Hq, Hkv = heads
     seq = Sequences(Hq, Hkv, dtype)
@@ -87,9 +90,10 @@ def test_a_token_is_the_same_bits_in_every_phase_and_batch(features, heads, dtyp
         kw["sliding_window"] = 6
     if features == "softcap+sinks":
         kw.update(softcap=20.0, sinks=randn(Hq, dtype=torch.float32, seed=5))
+    turn = iter(launches * 1000)
     ids = list(range(len(CACHED)))
-    verify_o, verify_lse = seq.step(ids, CACHED, NEW, **kw)
-    prefill_o, prefill_lse = seq.step(ids, [0] * len(ids), seq.total, **kw)
+    verify_o, verify_lse = seq.step(ids, CACHED, NEW, num_splits=next(turn), **kw)
+    prefill_o, prefill_lse = seq.step(ids, [0] * len(ids), seq.total, num_splits=next(turn), **kw)
     ref_o, ref_lse = seq.step(ids, CACHED, NEW, invariant=None, **kw)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(verify_o.float(), ref_o.float(), **tol)
@@ -98,15 +102,41 @@ def test_a_token_is_the_same_bits_in_every_phase_and_batch(features, heads, dtyp
     for b in ids:
         for i in range(NEW[b]):
             p = CACHED[b] + i
-            alone = seq.step([b], [p], [1], as_decode=True, **kw)
+            alone = seq.step([b], [p], [1], as_decode=True, num_splits=next(turn), **kw)
             others = [r for r in ids if r != b]  # the same token decoded beside every other request's next one
             together = seq.step([*others[:1], b, *others[1:]], [CACHED[others[0]], p, *[CACHED[r] for r in others[1:]]],
-                                [1] * len(ids), as_decode=True, **kw)
+                                [1] * len(ids), as_decode=True, num_splits=next(turn), **kw)
             in_prefill = sum(seq.total[:b]) + p
             for o, lse, r in ((alone[0], alone[1], 0), (together[0], together[1], 1),
                               (prefill_o, prefill_lse, in_prefill)):
                 assert torch.equal(o[r], verify_o[row]) and torch.equal(lse[r], verify_lse[row]), (b, i, r)
             row += 1
+
+
+@pytest.mark.parametrize("features, heads, dtype", CASES, ids=["-".join(c) for c in CASES])
+def test_a_token_is_the_same_bits_in_every_phase_and_batch(features, heads, dtype):
+    check_every_phase_and_batch(features, heads, dtype)
+
+
+SPLIT_CASES = [("softcap+sinks", "gqa4", "fp32"), ("window", "mha", "fp16")]
+
+
+@pytest.mark.parametrize("features, heads, dtype", SPLIT_CASES, ids=["-".join(c) for c in SPLIT_CASES])
+def test_keys_in_several_splits_are_the_same_bits_wherever_the_splits_run(features, heads, dtype, monkeypatch):
+    """Splits of one key tile (32 keys in fp32, 64 in fp16): the contexts here span up to three. Each call
+    takes the next launch form in turn, so a token's verify, prefill and decodes mix them."""
+    monkeypatch.setattr(paged_attention, "INVARIANT_SPLIT_KEYS", 32 if dtype == "fp32" else 64)
+    check_every_phase_and_batch(features, heads, dtype, launches=(2, 1, None))
+
+
+def test_the_split_arithmetic_is_not_the_unsplit_one(monkeypatch):
+    """The splits change a long context's rounding (so the test above compares launches that do split)."""
+    seq = Sequences(2, 2, torch.float32)
+    whole = seq.step([3], [70], [2], scale=D ** -0.5)
+    monkeypatch.setattr(paged_attention, "INVARIANT_SPLIT_KEYS", 32)
+    apart = seq.step([3], [70], [2], scale=D ** -0.5, num_splits=2)
+    torch.testing.assert_close(apart[0], whole[0], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(apart[0], whole[0])
 
 
 def test_the_invariant_decode_needs_the_steps_own_token():
