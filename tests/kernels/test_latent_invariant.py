@@ -187,7 +187,8 @@ def test_splits_match_the_reference_and_where_they_run_changes_no_bit(cached, ne
     req = request_of_token(cu, q.shape[0])
     picks = ascending_picks(picks_of(positions, 40, seed=4))
     wide = torch.cat([picks, torch.full((picks.shape[0], 24), -1, dtype=picks.dtype, device=DEVICE)], 1)
-    for indices in (None, picks, wide):
+    results = {}
+    for name, indices in (("dense", None), ("picks", picks), ("wide", wide)):
         want_o, want_lse = latent_attention_invariant_ref(q, cache, rows, table, lens, positions, req, kv_rank=R,
                                                           scale=0.3, indices=indices)
         runs = [latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=0.3,
@@ -195,9 +196,8 @@ def test_splits_match_the_reference_and_where_they_run_changes_no_bit(cached, ne
         torch.testing.assert_close(runs[0][0], want_o, atol=TOL, rtol=TOL)
         torch.testing.assert_close(runs[0][1], want_lse, atol=TOL, rtol=TOL)
         assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-        if indices is wide:
-            assert torch.equal(runs[0][0], narrow[0]) and torch.equal(runs[0][1], narrow[1])
-        narrow = runs[0]
+        results[name] = runs[0]
+    assert torch.equal(results["wide"][0], results["picks"][0]) and torch.equal(results["wide"][1], results["picks"][1])
 
 
 def test_ascending_picks_keeps_each_row_s_set_with_the_pads_last():
