@@ -72,9 +72,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 HEADS = {"mha": (2, 2), "gqa4": (8, 2)}
 FEATURES = ("plain", "window", "softcap+sinks")
 # Every combination on CUDA; interpreted, a covering set in which each pair of (dtype, heads, features) values
-# meets at least once (half the cases: the interpreter takes ~15 s a case).
+# meets at least once, with SPLIT_CASES below (the interpreter takes ~15 s a case).
 CASES = [(f, h, d) for f in FEATURES for h in HEADS for d in DTYPES] if DEVICE == "cuda" else [
-    ("plain", "mha", "fp32"), ("plain", "gqa4", "fp16"), ("window", "mha", "fp16"), ("window", "gqa4", "fp32"),
+    ("plain", "mha", "fp32"), ("plain", "gqa4", "fp16"), ("window", "gqa4", "fp32"),
     ("softcap+sinks", "mha", "fp32"), ("softcap+sinks", "gqa4", "fp16")]
 
 
