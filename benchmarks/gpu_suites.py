@@ -37,7 +37,8 @@ TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
 NEW = {"tp_gpu.json", "bench_invariance_tiny.json", "bench_invariance_qwen3_5_0.8b.json",
-       "bench_invariance_deepseek_v32_2-layer.json", "bench_invariance_kimi_linear_4-layer.json"}
+       "bench_invariance_deepseek_v32_2-layer.json", "bench_invariance_kimi_linear_4-layer.json",
+       "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -193,6 +194,14 @@ SUITES: dict[str, Suite] = {
               "bench_invariance_deepseek_v32_2-layer.json"),
         bench(280, "invariance --family kimi_linear --shape 4-layer --new-tokens 32 --batch 1 8 32 --steps 8",
               "bench_invariance_kimi_linear_4-layer.json"),
+    )),
+    "invariance-cost-long": Suite("the invariant mode's cost at a 4096-token context, where its attention splits at "
+                                  "fixed positions (256 keys full attention, 1024 latent) run as programs of their "
+                                  "own at small batch: Qwen3.5-0.8B and DeepSeek-V3.2, captured, mode on over off", (
+        bench(290, "invariance --family qwen3_5 --shape 0.8b --new-tokens 16 --batch 1 8 --steps 8 --prompt 4096",
+              "bench_invariance_qwen3_5_0.8b_p4096.json"),
+        bench(270, "invariance --family deepseek_v32 --shape 2-layer --new-tokens 16 --batch 1 8 --steps 8 "
+              "--prompt 4096", "bench_invariance_deepseek_v32_2-layer_p4096.json"),
     )),
     "prefill-graph": Suite("prefill captured in pieces: replay == the capture-free step, every family (fla's and "
                            "Kimi's KDA kernels compile ~100 s each on a fresh machine)", (

@@ -17,12 +17,13 @@ def fnattn(*args, cwd=None):
 def test_bench_invariance_records_every_figure_with_the_mode_off_and_on(tmp_path):
     out = tmp_path / "inv.json"
     r = fnattn("bench", "invariance", "--family", "qwen3_5", "--batch", "1", "2", "--new-tokens", "4", "--steps",
-               "2", "--out", str(out))
+               "2", "--prompt", "40", "--out", str(out))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("fnattn bench invariance --family qwen3_5")
     off, on, total = doc["records"]
     assert (off["invariant"], on["invariant"]) == (False, True)
+    assert off["prompt"] == on["prompt"] == 40  # the timed decode step's context
     assert on["verify_equals_decode"] and on["speculative_equals_greedy"] and on["batch_invariant"]
     assert on["oracle_acceptance"] == 1.0 and on["graph_equals_eager"] is None  # no graphs on a CPU
     assert off["verify_equals_decode"] is False  # bf16 Qwen3.5 without the mode: verify rounds otherwise
@@ -35,6 +36,8 @@ def test_bench_invariance_records_every_figure_with_the_mode_off_and_on(tmp_path
     (["--family", "gpt9"], "--family must be 'all' or one of"),
     (["--batch", "0"], "--batch values must be >= 1"),
     (["--shape", "huge"], "--shape: must be one of"),
+    (["--prompt", "16", "512"], "--prompt: invariance times one context, got 2 values"),
+    (["--prompt", "0"], "--prompt values must be >= 1"),
 ])
 def test_bench_invariance_refuses_bad_options_in_one_line(args, message, capsys):
     from fnattn.cli import main

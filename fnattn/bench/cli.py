@@ -18,6 +18,7 @@ ABOUT = ("Time fnattn's standard cases next to their peers (FlashInfer, FlashMLA
          "transformers, the memory roofline) and write the records as JSON (and a PNG). Tile sweeps and A/B "
          "comparisons of fast-path switches are scripts in the repository's benchmarks/ folder.")
 DEFAULT_BATCH = [1, 8, 64]
+DEFAULT_PROMPT = [512]
 LINEAR_BATCH = [1, 8, 32]  # rows of a decode-sized projection (fnattn bench linear)
 
 
@@ -56,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny (CPU-sized), tiny-24 (its widths, 24 layers) or a real shape of the family: qwen3_5 "
                         "0.8b, deepseek_v32 2-layer, kimi_linear 4-layer (released layer shapes, fewer layers) "
                         "(default tiny; overhead: tiny on CPU, 0.8b on CUDA)")
-    m.add_argument("--prompt", type=int, nargs="+", default=[512], help="prompt / cached tokens per request")
+    m.add_argument("--prompt", type=int, nargs="+", default=DEFAULT_PROMPT,
+                   help="prompt / cached tokens per request (default 512; invariance: one value, the timed decode "
+                        "step's context, default 16)")
     m.add_argument("--steps", type=int, default=None,
                    help="decode steps timed per case (default 32; 64 for the CPU tiny end-to-end case)")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -297,7 +300,13 @@ def run_invariance(args) -> int:
     batches = [1, 8, 32, 128] if args.batch is DEFAULT_BATCH else args.batch
     tokens = args.new_tokens or (256 if device.startswith("cuda") else 32)
     shape = args.shape or "tiny"
-    for name, values in (("--batch", batches), ("--new-tokens", [tokens]), ("--steps", [args.steps or 1])):
+    prompts = [16] if args.prompt is DEFAULT_PROMPT else args.prompt
+    if len(prompts) != 1:
+        print(f"fnattn bench: --prompt: invariance times one context, got {len(prompts)} values {prompts}",
+              file=sys.stderr)
+        return 2
+    for name, values in (("--batch", batches), ("--new-tokens", [tokens]), ("--steps", [args.steps or 1]),
+                         ("--prompt", prompts)):
         if min(values) < 1:
             print(f"fnattn bench: {name} values must be >= 1, got {values}", file=sys.stderr)
             return 2
@@ -306,7 +315,8 @@ def run_invariance(args) -> int:
     try:
         for name in names:
             records += family_records(name, shape=shape, device=device, tokens=tokens, batches=batches,
-                                      steps=args.steps or 8, log=lambda line: print(line, file=sys.stderr))
+                                      steps=args.steps or 8, prompt=prompts[0],
+                                      log=lambda line: print(line, file=sys.stderr))
         records.append(summary(records))
         print(json.dumps(records[-1]))
     except ValueError as e:

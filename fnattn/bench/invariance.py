@@ -148,13 +148,14 @@ def _runner(model, attn, device, lanes: int):
     return runner if runner.capture else None
 
 
-def decode_step_us(model, device, batch: int, steps: int) -> tuple[float, str]:
-    """Median microseconds of a decode step of ``batch`` requests (prompts of 16 tokens) as a server runs it:
-    captured (``"graph"``) where the chosen backends can be, else eager (``"eager"``): ``-> (us, form)``."""
+def decode_step_us(model, device, batch: int, steps: int, prompt: int = 16) -> tuple[float, str]:
+    """Median microseconds of a decode step of ``batch`` requests (prompts of ``prompt`` tokens) as a server runs
+    it: captured (``"graph"``) where the chosen backends can be, else eager (``"eager"``): ``-> (us, form)``."""
     attn = fa.ModelAttention(model.specs, device=device)
     runner = _runner(model, attn, device, batch)
-    prompts = {r: [(7 * r + i) % model.config.vocab_size for i in range(16)] for r in range(batch)}
-    st = fa.State(model.specs, num_pages=batch * (-(-(16 + steps + 4) // 4)) + 4, page_size=4,
+    prompts = {r: [(7 * r + i) % model.config.vocab_size for i in range(prompt)] for r in range(batch)}
+    page = attn.page_size or 16
+    st = fa.State(model.specs, num_pages=batch * (-(-(prompt + steps + 4) // page)) + 4, page_size=page,
                   max_requests=batch + 1, device=device)
     st, last = _prefill(model, attn, st, prompts)
     ids, times = last.argmax(-1), []
@@ -175,7 +176,7 @@ def _sync(device) -> None:
 
 
 def family_records(name: str, *, shape: str, device: str, tokens: int, batches: list[int], steps: int,
-                   log=print) -> list[dict]:
+                   prompt: int = 16, log=print) -> list[dict]:
     from ..models.registry import family_named, random_model
     from .model import config_for
 
@@ -185,7 +186,7 @@ def family_records(name: str, *, shape: str, device: str, tokens: int, batches: 
     records, cost = [], {}
     for on in (False, True):
         with fnattn.switches.set(invariant=on):
-            rec = {"case": f"invariance {name}", "family": name, "shape": shape, "invariant": on}
+            rec = {"case": f"invariance {name}", "family": name, "shape": shape, "invariant": on, "prompt": prompt}
             rec["verify_equals_decode"] = verify_equals_decode(model, device)
             if draft is not None:
                 same, acc, prop = zip(*(speculative(fam, model, draft, device, k, tokens) for k in (1, 3)))
@@ -193,7 +194,7 @@ def family_records(name: str, *, shape: str, device: str, tokens: int, batches: 
                 rec["oracle_acceptance"] = sum(acc) / sum(prop)
             rec["batch_invariant"] = batch_invariant(model, device, steps=min(tokens, 16))
             rec["graph_equals_eager"] = graph_equals_eager(model, device, steps=min(tokens, 16))
-            timed = {b: decode_step_us(model, device, b, steps) for b in batches}
+            timed = {b: decode_step_us(model, device, b, steps, prompt) for b in batches}
             rec["decode_us"] = {b: us for b, (us, _) in timed.items()}
             rec["decode_form"] = {b: form for b, (_, form) in timed.items()}
             cost[on] = rec["decode_us"]
