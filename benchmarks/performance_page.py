@@ -62,6 +62,7 @@ TEXT = {
         "the compared cases a test recorded.",
         "parity_head": ["record", "suites", "selection", "commit", "passed", "failed", "skipped", "counted"],
         "tests": "tests",
+        "tests_cut": "tests (cut off at its time limit: the rest did not run)",
         "cases": "compared cases",
         "all": "all",
         "records": "## The records",
@@ -103,6 +104,7 @@ TEXT = {
         "*选择* 是该次运行的 `-k` / `-m` 表达式;*计数* 说明数字是 pytest 的测试数还是测试记录的对比用例数。",
         "parity_head": ["记录", "套件", "选择", "commit", "通过", "失败", "跳过", "计数"],
         "tests": "测试",
+        "tests_cut": "测试(到达时限被中断:其余未运行)",
         "cases": "对比用例",
         "all": "全部",
         "records": "## 记录",
@@ -346,7 +348,8 @@ def gpu_tests(records: list[dict], L: dict) -> list[str]:
         suites = ", ".join(dict.fromkeys(w.rsplit("/", 1)[-1] for w in command.split() if w.endswith(".py")
                                          and "gpu_pytest_record" not in w))
         rows.append([link(rec), suites, _selection(command, L), rec["commit"], doc.get("passed", "—"),
-                     doc.get("failed", "—"), doc.get("skipped", "—"), L["tests"] if "exit_code" in doc else L["cases"]])
+                     doc.get("failed", "—"), doc.get("skipped", "—"),
+                     L["cases"] if "exit_code" not in doc else L["tests_cut"] if doc.get("interrupted") else L["tests"]])
     return [L["parity"], "", L["parity_intro"], "", *table(L["parity_head"], rows), ""]
 
 
