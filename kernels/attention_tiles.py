@@ -47,7 +47,7 @@ def _online_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, mask, kvh, d, dv, d_ok, dv_ok,
-               skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE: tl.constexpr):
+              skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE: tl.constexpr):
     # keys [BN, D_PAD] and values [BN, DV_PAD] of request b's cached positions j, through its block table;
     # rows outside ``mask`` load zeros
     page = tl.load(BLOCK_TABLE + b * sbt_b + j // PAGE, mask=mask, other=0).to(tl.int64)
@@ -71,7 +71,7 @@ def fresh_kv(K_NEW, V_NEW, rows, mask, kvh, d, dv, d_ok, dv_ok, skn_t, skn_h, sv
 
 @triton.jit
 def attend_tile(q, k, v, j, visible, pos, m_i, l_i, acc, sm_scale, softcap, window,
-                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
     # one key tile into the online softmax: the scores, masked to the keys each row sees (and its window)
     s = _scores(q, k, sm_scale, softcap, SOFTCAP, IEEE)
     if WINDOW:
@@ -82,10 +82,10 @@ def attend_tile(q, k, v, j, visible, pos, m_i, l_i, acc, sm_scale, softcap, wind
 
 @triton.jit
 def invariant_keys(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
-                    K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
-                    skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
-                    m_i, l_i, acc, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                    WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                   K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
+                   skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
+                   m_i, l_i, acc, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                   WINDOW: tl.constexpr, IEEE: tl.constexpr):
     # The invariant mode's walk over one token's keys: tiles [i * BLOCK_N, (i + 1) * BLOCK_N) whatever the step's
     # other tokens, each key read from the cache or from the step's own rows by where it lives, and only the keys
     # the token sees are loaded (the rest enter the dot as zeros), so a token's sums are the same operations on the
@@ -96,13 +96,13 @@ def invariant_keys(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
         cached = seen & (j < ctx)
         fresh = seen & (j >= ctx)
         k, v = cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, cached, kvh, d, dv, d_ok, dv_ok,
-                          skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)
+                         skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)
         k_new, v_new = fresh_kv(K_NEW, V_NEW, tl.where(fresh, tok0 + j - ctx, 0).to(tl.int64), fresh, kvh,
-                                 d, dv, d_ok, dv_ok, skn_t, skn_h, svn_t, svn_h)
+                                d, dv, d_ok, dv_ok, skn_t, skn_h, svn_t, svn_h)
         k += k_new
         v += v_new
         m_i, l_i, acc = attend_tile(q, k, v, j, seen[None, :] & (j[None, :] <= pos[:, None]), pos, m_i, l_i, acc,
-                                     sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
+                                    sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
     return m_i, l_i, acc
 
 
@@ -125,12 +125,16 @@ def ordered_merge(m, den, acc, m_s, den_s, acc_s, LOG2: tl.constexpr):
 
 
 @triton.jit
-def normalized(m_i, l_i, acc, sink, HAS_SINK: tl.constexpr):
+def normalized(m_i, l_i, acc, sink, HAS_SINK: tl.constexpr, LOG2: tl.constexpr):
     """A walk's sums divided out: ``-> (o [rows, Dv] fp32, lse [rows])``, the LSE in natural log without the
-    sink (``sink``: log2 units, joins the denominator only; with nothing attended the output stays 0)."""
+    sink (``LOG2``: the maxima in log2 units; ``sink``: log2 units, joins the denominator only, ``LOG2`` walks
+    alone). With nothing attended the output stays 0 and the LSE is -inf."""
     attended = l_i > 0
     l_safe = tl.where(attended, l_i, 1.0)
-    lse = tl.where(attended, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    if LOG2:
+        lse = tl.where(attended, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    else:
+        lse = tl.where(attended, m_i + tl.log(l_safe), float("-inf"))
     denom = l_safe
     if HAS_SINK:
         m_safe = tl.where(attended, m_i, 0.0)

@@ -26,7 +26,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ._triton import next_pow2, num_sms, require_triton, tl, triton
-from .attention_tiles import ordered_merge
+from .attention_tiles import normalized, ordered_merge
 
 #: Tokens one weight product takes: fixed, so a token's row goes through the same products whatever ``T`` is.
 TOKEN_TILE = 16
@@ -89,10 +89,10 @@ def _split_state(Q, CACHE, NEW, BLOCK_TABLE, INDICES, t, b, h, h_ok, r, cached_l
 
 @triton.jit
 def _store_result(OUT, LSE, t, h, h_ok, r, R, m, den, acc, so_t, so_h, sl_t):
-    some = den > 0.0  # a sparse token whose picks are all pads attends nothing: 0 and an lse of -inf
-    o = acc / tl.where(some, den, 1.0)[:, None]
+    # a sparse token whose picks are all pads attends nothing: 0 and an lse of -inf
+    o, lse = normalized(m, den, acc, m, False, False)
     tl.store(OUT + t * so_t + h[:, None] * so_h + r[None, :], o, mask=h_ok[:, None] & (r[None, :] < R))
-    tl.store(LSE + t * sl_t + h, tl.where(some, m + tl.log(den), float("-inf")), mask=h_ok)
+    tl.store(LSE + t * sl_t + h, lse, mask=h_ok)
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from ._switch import declare_tiles
 from ._tiles import overridden
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
 from .attention_naive import attention
-from .attention_tiles import LN2, LOG2E, attend_tile, cached_kv, fresh_kv, invariant_keys, normalized, ordered_merge
+from .attention_tiles import LOG2E, attend_tile, cached_kv, fresh_kv, invariant_keys, normalized, ordered_merge
 from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_splits  # noqa: F401
 from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
 
@@ -152,32 +152,30 @@ def _paged_attn_kernel(
             j = start + n_off  # [BN]
             j_ok = j < c_hi
             k, v = cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, j_ok, kvh, d, dv, d_ok, dv_ok,
-                              skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)  # [BN, D_PAD], [BN, DV_PAD]
+                             skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)  # [BN, D_PAD], [BN, DV_PAD]
             m_i, l_i, acc = attend_tile(q, k, v, j, j_ok[None, :], pos, m_i, l_i, acc, sm_scale, softcap, window,
-                                         SOFTCAP, WINDOW, IEEE)
+                                        SOFTCAP, WINDOW, IEEE)
         if HAS_NEW:
             for start in range(tl.maximum(s_lo, ctx), s_hi, BLOCK_N):
                 j = start + n_off  # [BN]
                 j_ok = j < s_hi
                 k, v = fresh_kv(K_NEW, V_NEW, (tok0 + j - ctx).to(tl.int64), j_ok, kvh, d, dv, d_ok, dv_ok,
-                                 skn_t, skn_h, svn_t, svn_h)
+                                skn_t, skn_h, svn_t, svn_h)
                 m_i, l_i, acc = attend_tile(q, k, v, j, j_ok[None, :] & (j[None, :] <= pos[:, None]), pos, m_i,
-                                             l_i, acc, sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
+                                            l_i, acc, sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
 
-    if SPLIT and not INVARIANT:
-        attended = l_i > 0
-        l_safe = tl.where(attended, l_i, 1.0)
+    sink = tl.zeros([BLOCK_M], tl.float32)
+    if SPLIT and not INVARIANT:  # the sinks wait for the merge
+        o, lse = normalized(m_i, l_i, acc, sink, False, True)
         tl.store(
             O_PART + t_row[:, None] * sop_t + head[:, None] * sop_h + split * sop_s + dv[None, :],
-            acc / l_safe[:, None], mask=row_ok[:, None] & dv_ok[None, :],
+            o, mask=row_ok[:, None] & dv_ok[None, :],
         )
-        tl.store(LSE_PART + t_row * slp_t + head * slp_h + split,
-                 tl.where(attended, (m_i + tl.log2(l_safe)) * LN2, float("-inf")), mask=row_ok)
+        tl.store(LSE_PART + t_row * slp_t + head * slp_h + split, lse, mask=row_ok)
     else:
-        sink = tl.zeros([BLOCK_M], tl.float32)
         if HAS_SINK:
             sink = tl.load(SINKS + head, mask=row_ok, other=0.0) * LOG2E
-        o, lse = normalized(m_i, l_i, acc, sink, HAS_SINK)
+        o, lse = normalized(m_i, l_i, acc, sink, HAS_SINK, True)
         tl.store(
             OUT + t_row[:, None] * so_t + head[:, None] * so_h + dv[None, :],
             o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :],
@@ -210,7 +208,7 @@ def _merge_ordered_splits_kernel(
     sink = tl.zeros([BLOCK_H], tl.float32)
     if HAS_SINK:
         sink = tl.load(SINKS + head, mask=h_ok, other=0.0) * LOG2E
-    o, lse = normalized(m_i, l_i, acc, sink, HAS_SINK)
+    o, lse = normalized(m_i, l_i, acc, sink, HAS_SINK, True)
     tl.store(OUT + t * so_t + head[:, None] * so_h + dv[None, :], o.to(OUT.dtype.element_ty), mask=ok)
     tl.store(LSE + t * sl_t + head * sl_h, lse, mask=h_ok)
 
