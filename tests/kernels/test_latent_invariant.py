@@ -114,10 +114,10 @@ def test_a_token_is_the_same_bits_in_a_prefill_a_verify_a_decode_and_beside_othe
                                                                             st.integers(1, 5)), max_size=3))
 def test_a_token_s_bits_follow_nothing_but_its_context(P, split, others):
     """Whatever part of its prompt is cached and whatever requests share the launch, a token is the bits of
-    its prompt's prefill alone."""
+    its decode alone (the prompt's other tokens cached)."""
     prompt, queries = _prompt(P, seed=P)
     o, lse = _last_token(prompt, queries, int(split * (P - 1)), others)
-    want_o, want_lse = _last_token(prompt, queries, 0)
+    want_o, want_lse = _last_token(prompt, queries, P - 1)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
 
 
@@ -130,10 +130,10 @@ SPLITS = dict(block_n=8, split_keys=16)
        others=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 5)), max_size=3))
 def test_a_token_s_bits_follow_nothing_but_its_context_across_splits(P, split, launch, others):
     """Keys in several splits, the splits in one program or each in its own and merged by a second launch,
-    whatever shares the step: the bits of the prompt's prefill alone, its splits walked in one program."""
+    whatever shares the step: the bits of its decode alone, its splits walked in one program."""
     prompt, queries = _prompt(P, seed=P)
     o, lse = _last_token(prompt, queries, int(split * (P - 1)), others, split=launch, **SPLITS)
-    want_o, want_lse = _last_token(prompt, queries, 0, split=False, **SPLITS)
+    want_o, want_lse = _last_token(prompt, queries, P - 1, split=False, **SPLITS)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
 
 

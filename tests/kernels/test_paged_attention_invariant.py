@@ -1,5 +1,6 @@
 """paged_decode / paged_prefill with ``invariant=True``: a token's output is the same bits in a decode step, in a
-verify step (among its request's drafts), in a prefill of the whole sequence, alone or beside other requests; and
+verify step (among its request's drafts), in a prefill (a whole sequence, or a chunk of it), alone or beside other
+requests; and
 it is the reference attention to rounding. Pool rows no step may read are NaN, so a stray read shows."""
 
 import itertools
@@ -18,6 +19,9 @@ from fnattn.kernels.paged_attention import paged_decode, paged_prefill, paged_pr
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CACHED = [0, 5, 37, 70]  # past one 64-key tile, and past two of fp32's 32-key tiles
 NEW = [1, 3, 4, 2]  # a verify's 1 + drafts per request
+# The prefill: the short requests from their first token, the long ones as a chunk from before their cache's end
+# (fresh keys across a key tile's edge; a whole 72-token prefill would take most of an interpreted case's time).
+PREFILL_FROM = [0, 0, 30, 64]
 S, D = 4, 16
 
 
@@ -94,24 +98,27 @@ def check_every_phase_and_batch(features, heads, dtype, launches=(None,)):
     turn = itertools.cycle(launches)
     ids = list(range(len(CACHED)))
     verify_o, verify_lse = seq.step(ids, CACHED, NEW, num_splits=next(turn), **kw)
-    prefill_o, prefill_lse = seq.step(ids, [0] * len(ids), seq.total, num_splits=next(turn), **kw)
+    prefill_new = [t - h for t, h in zip(seq.total, PREFILL_FROM)]
+    prefill_o, prefill_lse = seq.step(ids, PREFILL_FROM, prefill_new, num_splits=next(turn), **kw)
     ref_o, ref_lse = seq.step(ids, CACHED, NEW, invariant=None, **kw)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(verify_o.float(), ref_o.float(), **tol)
     torch.testing.assert_close(verify_lse, ref_lse, **tol)
-    row = 0
-    for b in ids:
-        for i in range(NEW[b]):
-            p = CACHED[b] + i
-            alone = seq.step([b], [p], [1], as_decode=True, num_splits=next(turn), **kw)
-            others = [r for r in ids if r != b]  # the same token decoded beside every other request's next one
-            together = seq.step([*others[:1], b, *others[1:]], [CACHED[others[0]], p, *[CACHED[r] for r in others[1:]]],
-                                [1] * len(ids), as_decode=True, num_splits=next(turn), **kw)
-            in_prefill = sum(seq.total[:b]) + p
-            for o, lse, r in ((alone[0], alone[1], 0), (together[0], together[1], 1),
-                              (prefill_o, prefill_lse, in_prefill)):
-                assert torch.equal(o[r], verify_o[row]) and torch.equal(lse[r], verify_lse[row]), (b, i, r)
-            row += 1
+    first_row = [sum(NEW[:b]) for b in ids]  # a request's first new token's row in the verify
+    for b in ids:  # alone: each request's first and last new token (its first and last position in the verify)
+        for i in sorted({0, NEW[b] - 1}):
+            alone = seq.step([b], [CACHED[b] + i], [1], as_decode=True, num_splits=next(turn), **kw)
+            assert torch.equal(alone[0][0], verify_o[first_row[b] + i]), (b, i)
+            assert torch.equal(alone[1][0], verify_lse[first_row[b] + i]), (b, i)
+    for i in range(max(NEW)):  # together: every request decodes its i-th new token (its last, if it has fewer)
+        at = [min(i, n - 1) for n in NEW]
+        together = seq.step(ids, [c + j for c, j in zip(CACHED, at)], [1] * len(ids), as_decode=True,
+                            num_splits=next(turn), **kw)
+        for b, j in zip(ids, at):
+            in_prefill = sum(prefill_new[:b]) + CACHED[b] + j - PREFILL_FROM[b]
+            for o, lse, r in ((together[0], together[1], b), (prefill_o, prefill_lse, in_prefill)):
+                assert torch.equal(o[r], verify_o[first_row[b] + j]), (b, j, r)
+                assert torch.equal(lse[r], verify_lse[first_row[b] + j]), (b, j, r)
 
 
 # Interpreted, two of the cases above with splits in place of their plain run (fp32 with sinks, fp16 with a window).
