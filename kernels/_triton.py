@@ -125,13 +125,22 @@ def pdl_supported(device) -> bool:
 
     A kernel launched so may start while the launch before it is still finishing; it must call ``gdc_wait()``
     before it reads anything an earlier launch writes, or writes anything at all."""
+    if getattr(device, "type", None) != "cuda":
+        return False
+    if device.index is None:
+        import torch
+
+        return _pdl_on_cuda(torch.cuda.current_device())
+    return _pdl_on_cuda(device.index)
+
+
+@functools.cache  # asked before every decode-step launch: the answer for a device does not change
+def _pdl_on_cuda(device_index: int) -> bool:
     import os
 
-    import torch
-
-    if getattr(device, "type", None) != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return _capability(device_index) >= (9, 0)
 
 
 @functools.cache

@@ -480,13 +480,12 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
             y.zero_() if residual is None else y.copy_(residual)
         return False
     require_triton()
-    cfg = config or pick_config(M, N, K, x.dtype)
-    BLOCK_M = max(16, next_pow2(M)) if cfg.dot else next_pow2(M)  # a dot tile has at least 16 rows
-    k_tiles = triton_cdiv(K, cfg.block_k)
-    per_split = triton_cdiv(k_tiles, cfg.split_k)  # K tiles each piece streams; no piece left empty
-    split = triton_cdiv(k_tiles, per_split)
-    k_per_split = per_split * cfg.block_k
-    grid = (triton_cdiv(N, cfg.block_n), split)
+    cfg = config or pick_config(M, N, K, x.dtype, sms=num_sms(x.device.index if x.is_cuda else None))
+    pdl = pdl_launch(x.device)  # the first weight tile loads while the launch before finishes
+    plan = _plan(M, N, K, x.dtype, y.dtype, cfg, act, norm is not None and norm[2] != 0.0, norm is not None,
+                 gating is not None, swiglu, 0 if rms is None else rms[0].shape[1], add_squares is not None, pdl,
+                 interpreted(_skinny_gemv_kernel))
+    grid, split, k_per_split = plan.grid, plan.split, plan.k_per_split
     # Absent operands: x stands in for the pointers, which the constexpr flags keep the kernel from reading.
     r = x if residual is None else residual
     srm = 0 if residual is None else residual.stride(0)
@@ -495,20 +494,12 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
         eps = rms[1]
     # Counters: one per column tile, for the split-K arrivals.
     counters = tile_counters(x.device, grid[0]) if split > 1 and cfg.one_launch else None
+    common = plan.constexprs
     if split > 1 and counters is None:  # the reduce kernel has no gating, SwiGLU, row scale or squares epilogue
-        gating = None
         if swiglu or add_squares is not None or rms is not None:
             return False
+        gating, common = None, {**common, "GATING": False}
     gg, gb, gnd, gdtb, g_col, g_heads = (y, y, y, y, 0, 0) if gating is None else gating
-    pdl = pdl_launch(x.device)  # the first weight tile loads while the launch before finishes
-    common = dict(ACT_SILU_MUL=act == "silu_mul", NORM=norm is not None, NORM_OFFSET=offset != 0.0,
-                  USE_DOT=cfg.dot, FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
-                  LINES=max(1, cfg.block_k * x.element_size() // 128), GATING=gating is not None,
-                  LIBDEVICE=not interpreted(_skinny_gemv_kernel), SWIGLU=swiglu, EARLY=cfg.early,
-                  WIDEN=y.dtype != x.dtype, RMS_SCALE=rms is not None,
-                  BLOCK_P=1 if rms is None else next_pow2(rms[0].shape[1]), ADD_SQUARES=add_squares is not None)
     sq_in, parts = (y, 1) if rms is None else (rms[0], rms[0].shape[1])
     sq_out, u, uw, u_offset = (y, y, y, 0.0) if add_squares is None else add_squares
     c = y if counters is None else counters
@@ -530,6 +521,33 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
                                                                HAS_RESIDUAL=residual is not None, BLOCK=block,
                                                                WIDEN=y.dtype != x.dtype, num_warps=4)
     return gating is not None or swiglu or add_squares is not None or rms is not None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a GEMV launch derives from its shapes, config and folds alone: the same for every call alike."""
+
+    grid: tuple[int, int]  # (column tiles, K pieces)
+    split: int
+    k_per_split: int
+    constexprs: dict  # the kernel's compile-time arguments but HAS_RESIDUAL, SPLIT and ONE_LAUNCH
+
+
+@functools.lru_cache(maxsize=4096)  # an eager decode step launches ~100 GEMVs of a few dozen kinds
+def _plan(M: int, N: int, K: int, x_dtype, y_dtype, cfg: SkinnyConfig, act, norm_offset: bool, norm: bool,
+          gating: bool, swiglu: bool, rms_parts: int, add_squares: bool, pdl: bool, interpret: bool) -> _Plan:
+    BLOCK_M = max(16, next_pow2(M)) if cfg.dot else next_pow2(M)  # a dot tile has at least 16 rows
+    k_tiles = triton_cdiv(K, cfg.block_k)
+    per_split = triton_cdiv(k_tiles, cfg.split_k)  # K tiles each piece streams; no piece left empty
+    split = triton_cdiv(k_tiles, per_split)
+    constexprs = dict(ACT_SILU_MUL=act == "silu_mul", NORM=norm, NORM_OFFSET=norm_offset, USE_DOT=cfg.dot,
+                      FP32_DOT=x_dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
+                      LINES=max(1, cfg.block_k * x_dtype.itemsize // 128), GATING=gating,
+                      LIBDEVICE=not interpret, SWIGLU=swiglu, EARLY=cfg.early, WIDEN=y_dtype != x_dtype,
+                      RMS_SCALE=rms_parts > 0, BLOCK_P=next_pow2(max(rms_parts, 1)), ADD_SQUARES=add_squares)
+    return _Plan((triton_cdiv(N, cfg.block_n), split), split, per_split * cfg.block_k, constexprs)
 
 
 def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):
