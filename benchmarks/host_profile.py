@@ -10,14 +10,27 @@ that the device finishes in ~1.5 ms but the host needs ~20 ms for is launch-boun
 On CUDA it then runs one more step with torch's sync debug mode on and prints every place that made the host
 wait for the device (``.item()``, ``.tolist()``, a copy to the host): each one serializes the host's launches
 with the device's work, so a step with one per layer costs host time + device time, not the larger of them.
+
+``--stub-launches`` (a CPU without CUDA): the eager decode step through the CUDA paths (the Triton backends and
+the fused model kernels) with every Triton launch a no-op that counts itself, so what is left is the host work
+fnattn and torch do around the launches. It prints that step's time without the profiler (the best of a few
+rounds), its launches and the host time a launch, then the profile. On a GPU an eager step costs this plus
+Triton's own launch work (binding and specializing the arguments, the driver call) for each launch.
+
+    python benchmarks/host_profile.py --shape tiny-24 --stub-launches --only fnattn/
 """
 
 import argparse
 import collections
 import cProfile
+import os
 import pstats
+import sys
 import traceback
 import warnings
+
+if "--stub-launches" in sys.argv:  # the kernels' jit objects become the interpreter's where they are defined
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 from fnattn.models.registry import Model, _with_dtype, family_named, random_checkpoint
@@ -40,16 +53,24 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true", help="profile prefill steps of --prompt tokens instead")
     p.add_argument("--captured", action="store_true",
                    help="with --prefill: through a PrefillRunner (pieces replayed around eager attention, CUDA)")
+    p.add_argument("--stub-launches", action="store_true",
+                   help="CPU only: the CUDA paths' eager decode with every Triton launch a no-op (fnattn's host work "
+                        "around the launches, timed, counted and profiled)")
     p.add_argument("--mtp", type=int, default=0, metavar="K",
                    help="profile speculative steps with K MTP drafts instead (both runners captured on CUDA), then "
                         "each phase's wall time and each captured graph's replay time alone")
     a = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    launches = None
+    if a.stub_launches:
+        if dev.type == "cuda" or a.prefill or a.mtp:
+            p.error("--stub-launches: expected a machine without CUDA and a decode profile (no --prefill / --mtp)")
+        launches, dtype = stub_launches(), torch.bfloat16
     fam = family_named(a.family)
     cfg = _with_dtype(fam.adapt(config_for(a.family, a.shape)), dtype)
     model = Model(fam, cfg, fam.load(cfg, random_checkpoint(fam, cfg, dtype=dtype, device=dev)))
-    ma = ModelAttention(model.specs, device=dev)
+    ma = ModelAttention(model.specs, device=dev, prefer=["triton_fused", "triton"] if launches else None)
     page = ma.page_size or 16  # what the chosen backends need (FlashMLA's 64), else 16
     if a.mtp:
         spec = mtp_speculator(model, dev, a.batch, a.prompt, a.mtp, a.steps)
@@ -66,7 +87,8 @@ def main() -> None:
         steps(1)  # compile and warm up outside the profile
         what = f"prefill B{a.batch} P{a.prompt}"
     else:
-        st = [decode_state(model, dev, a.batch, a.prompt, page_size=page, room=3 * a.steps + 8)]
+        room = 3 * a.steps + 8 + (STUBBED_STEPS if launches else 0)
+        st = [decode_state(model, dev, a.batch, a.prompt, page_size=page, room=room)]
 
         def steps(n):
             times, st[0] = time_decode(model, ma, st[0], a.batch, n, warmup=0)
@@ -74,6 +96,8 @@ def main() -> None:
 
         steps(2)
         what = f"B{a.batch} ctx{a.prompt} decode"
+    if launches is not None:
+        print_stubbed_step(steps, launches)
     prof = cProfile.Profile()
     prof.enable()
     times = steps(a.steps)
@@ -87,6 +111,49 @@ def main() -> None:
         print_syncs(lambda: steps(1))
     if a.mtp:
         print_phases(spec, dev, steps)
+
+
+def stub_launches() -> list[int]:
+    """Every Triton kernel (the interpreter's objects) a no-op that counts its launches in the list returned;
+    the CUDA-only backends' device check and the fused model paths' allowed on this CPU. Outputs are left
+    unwritten: the step's logits mean nothing, its host work is the CUDA path's."""
+    import triton.runtime.interpreter as interpreter
+
+    import fnattn.kinds  # noqa: F401 - every built-in kind and its backends: each module's own name is patched
+    from fnattn.kinds import availability
+    from fnattn.models import fused
+
+    count = [0]
+
+    def launch(self, grid):
+        def run(*args, **kwargs):
+            count[0] += 1
+        return run
+
+    interpreter.InterpretedFunction.__getitem__ = launch
+    real = availability.needs_cuda
+    for module in [m for name, m in sys.modules.items() if name.startswith("fnattn.")]:
+        if getattr(module, "needs_cuda", None) is real:
+            module.needs_cuda = lambda device: []
+    fused._kernel = lambda package, *ts: package == "triton" and fused._ENABLED[-1] and \
+        all(t.dtype == ts[0].dtype for t in ts) and ts[0].dtype in (torch.bfloat16, torch.float16)
+    return count
+
+
+STUBBED_ROUNDS, STUBBED_PER_ROUND = 5, 4
+STUBBED_STEPS = 1 + STUBBED_ROUNDS * STUBBED_PER_ROUND  # a warm-up step, then the timed rounds
+
+
+def print_stubbed_step(steps, launches: list[int]) -> None:
+    """The stubbed step's best time over `STUBBED_ROUNDS` rounds of `STUBBED_PER_ROUND` steps (no profiler),
+    its launches and the host time a launch."""
+    steps(1)
+    launches[0], best = 0, float("inf")
+    for _ in range(STUBBED_ROUNDS):
+        best = min(best, *steps(STUBBED_PER_ROUND))
+    per_step = launches[0] / (STUBBED_STEPS - 1)
+    print(f"stubbed launches: eager step {best * 1e3:.2f} ms (best of {STUBBED_STEPS - 1}), {per_step:.0f} "
+          f"launches a step, {best * 1e6 / max(per_step, 1):.1f} us of host work a launch")
 
 
 def mtp_speculator(model, dev, batch: int, prompt: int, k: int, steps: int):

@@ -25,3 +25,28 @@ def test_a_tiny_profile_names_its_steps_and_the_hot_functions(mode, head, hot, m
     assert f"qwen3_5 {head} step" in out and "2 steps" in out
     assert "Ordered by: internal time" in out and "Ordered by: cumulative time" in out
     assert hot in out  # the driver's step (or the prefill runner's) is in the cumulative list
+
+
+def test_stubbed_launches_time_the_cuda_paths_host_work_on_this_cpu():
+    """--stub-launches runs in a process of its own (it stubs the interpreter's kernels for good): the tiny
+    model's eager decode through the Triton backends and fused paths, every launch counted, none run."""
+    import os
+    import re
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("--stub-launches is for a machine without CUDA")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "benchmarks/host_profile.py", "--shape", "tiny", "--prompt", "32",
+                           "--steps", "1", "--rows", "3", "--stub-launches"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r"stubbed launches: eager step ([\d.]+) ms .*?, (\d+) launches a step", done.stdout)
+    assert found and float(found[1]) > 0 and int(found[2]) > 0, done.stdout[:2000]
+    assert "skinny_linear" in done.stdout or "fused.py" in done.stdout  # the CUDA paths' wrappers ran
+    refused = subprocess.run([sys.executable, "benchmarks/host_profile.py", "--shape", "tiny", "--stub-launches",
+                              "--prefill"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--stub-launches: expected" in refused.stderr
