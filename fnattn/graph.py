@@ -320,7 +320,7 @@ class StepRunner:
             raise LaneError(f"lane 'tokens': expected a tensor on {device}, got {tokens.device}")
         vocab = self.manifest.dims["V"]
         if out is not None:
-            check_out(out, (live, vocab), torch.float32, device)
+            check_out(out, (live, self.manifest.dims["L"]), torch.float32, device)
         if (tokens.device.type == "cpu" or CHECKS_ENABLED) and tokens.numel() and not (
                 0 <= int(tokens.min()) and int(tokens.max()) < vocab):
             raise LaneError(f"lane 'tokens': expected ids in 0..{vocab - 1}, got {tokens.min()}..{tokens.max()}")

@@ -164,14 +164,18 @@ def _size(symbol: str, sizes: Mapping[str, int], where: str) -> int:
 
 def step_manifest(*, vocab: int, hidden: int | None = None, hidden_dtype: torch.dtype = torch.float32,
                   generated: tuple[Lane, ...] = (), dims: Mapping[str, int] | None = None,
-                  hidden_in: bool = False) -> Manifest:
-    """The lanes every model has (tokens, the batch's tensors, fp32 ``logits`` [T, V] and, with
+                  hidden_in: bool = False, logits: int | None = None) -> Manifest:
+    """The lanes every model has (tokens, the batch's tensors, fp32 ``logits`` [T, L] and, with
     ``hidden``, the final-norm ``hidden`` [T, D] a draft model reads) plus the model's ``generated`` lanes.
+    ``V`` is the vocabulary (the tokens' range); ``L`` the logits' columns: ``logits``, or ``V`` (a draft whose
+    head keeps fewer rows has fewer, `models.mtp.DraftModel.with_vocab`).
     ``hidden_in``: a draft model's step, which also reads a ``hidden_in`` [T, D] input (the target's hidden
     state of each token, or the draft's own from its last proposal); needs ``hidden``."""
+    if logits is not None and (isinstance(logits, bool) or not isinstance(logits, int) or not 1 <= logits <= vocab):
+        fail("step_manifest", "logits", f"None or an int in 1..{vocab} (the vocabulary)", logits)
     lanes = [Lane(n, s, d, "input") for n, s, d in STEP_LANES]
-    lanes.append(Lane("logits", ("T", "V"), torch.float32, "output"))
-    sizes = {"V": vocab, **(dims or {})}
+    lanes.append(Lane("logits", ("T", "L"), torch.float32, "output"))
+    sizes = {"V": vocab, "L": vocab if logits is None else logits, **(dims or {})}
     if hidden_in and hidden is None:
         fail("step_manifest", "hidden", "the hidden size when hidden_in is set (a draft step returns its hidden)",
              hidden)

@@ -208,12 +208,16 @@ class Speculator:
     keeps this many tokens a step (1 .. k + 1), decided on the device, so the one-read path keeps its order (the
     catch-up launched before the read); what benchmarks time at either end of acceptance. ``trace``: keep every logits
     tensor computed in ``self.trace`` (for comparisons).
+    ``draft_ids``: the token id of each column of the draft's logits, for a draft whose head keeps only those rows
+    (`models.mtp.DraftModel.with_vocab`: ``draft_ids=draft.vocab_ids``); the draft proposes the id of the column
+    it picks, and when sampling its distribution over the vocabulary is zero elsewhere. None: the columns are the
+    vocabulary.
     """
 
     def __init__(self, *, target_step, target_params, target_attn, target_state, draft_step, draft_params,
                  draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None,
                  target_runner=None, accept_hook=None, draft_runner=None, trace: bool = False, sampler=None,
-                 force_accept: int | None = None):
+                 force_accept: int | None = None, draft_ids: torch.Tensor | None = None):
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Speculator", "num_draft", "an int >= 1", num_draft)
         if recovery not in ("native", "replay"):
@@ -233,6 +237,14 @@ class Speculator:
             fail("Speculator", "force_accept", "None with an accept_hook (both force the counts)", force_accept)
         if not isinstance(trace, bool):
             fail("Speculator", "trace", "a bool", trace)
+        if draft_ids is not None and (not isinstance(draft_ids, torch.Tensor) or draft_ids.dim() != 1
+                                      or draft_ids.numel() < 1 or draft_ids.dtype != torch.int64
+                                      or draft_ids.device != target_state.device):
+            fail("Speculator", "draft_ids", f"None or a non-empty 1-D int64 tensor on {target_state.device}",
+                 (tuple(draft_ids.shape), draft_ids.dtype, str(draft_ids.device))
+                 if isinstance(draft_ids, torch.Tensor) else type(draft_ids).__name__)
+        if draft_ids is not None and (int(draft_ids.min()) < 0 or draft_ids.unique().numel() != draft_ids.numel()):
+            fail("Speculator", "draft_ids", "distinct token ids >= 0", draft_ids.tolist()[:16])
         from .generation import Sampler
 
         if sampler is not None and not isinstance(sampler, Sampler):
@@ -247,6 +259,7 @@ class Speculator:
         self.generator = sampler.generator(target_state.device) if sampling else None
         self.k, self.recovery, self.propose_hook, self.accept_hook = num_draft, recovery, propose_hook, accept_hook
         self.force_accept = force_accept
+        self.draft_ids, self._vocab = draft_ids, None  # the vocabulary: the target's logits' width, seen at start
         self.runner, self.draft_runner = target_runner, draft_runner
         self.target = (target_step, target_params, target_attn)
         self.draft = (draft_step, draft_params, draft_attn)
@@ -272,6 +285,20 @@ class Speculator:
             return logits.argmax(-1), None
         probs = self.sampler.warp(logits).softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(1), probs
+
+    def _choose_draft(self, logits: torch.Tensor):
+        """`_choose` over the draft's logits [m, L]: ``-> (token ids [m], the distributions drawn from over the
+        vocabulary [m, V] or None)``, each column the id ``draft_ids`` gives it."""
+        if self.draft_ids is None:
+            return self._choose(logits)
+        if logits.shape[-1] != self.draft_ids.numel():
+            fail("Speculator", "draft_ids", f"one id per column of the draft's logits ({logits.shape[-1]})",
+                 self.draft_ids.numel())
+        columns, probs = self._choose(logits)
+        tokens = self.draft_ids.index_select(0, columns)
+        if probs is not None:
+            probs = probs.new_zeros(probs.shape[0], self._vocab).index_copy_(1, self.draft_ids, probs)
+        return tokens, probs
 
     def _run_target(self, batch, tokens):
         step, params, attn = self.target
@@ -300,7 +327,7 @@ class Speculator:
             for _ in range(self.k - 1):
                 self.dstate = self.dstate.reserve({r: 1 for r in ids})
                 logits, hid = self._propose(ids, tok, hid)
-                tok, q = self._choose(logits)
+                tok, q = self._choose_draft(logits)
                 drafts.append(tok)
                 if probs is not None:
                     probs.append(q)
@@ -329,7 +356,7 @@ class Speculator:
     def _keep_proposals(self, ids, logits, hidden) -> None:
         """Each request's next proposal from its last kept row (``logits`` [n, V], ``hidden`` [n, D] in ``ids``
         order): on the device, 0-d views of one choice over every row."""
-        choices, probs = self._choose(logits)
+        choices, probs = self._choose_draft(logits)
         for b, r in enumerate(ids):
             self.proposal[r] = (choices[b], hidden[b], None if probs is None else probs[b])
 
@@ -345,6 +372,12 @@ class Speculator:
         batch = Batch.prefill(self.tstate, counts)
         tokens = [t for r in batch.request_ids for t in prompts[r]]
         logits, hidden, deltas, _ = self._run_target(batch, self._tokens(tokens))
+        if self.draft_ids is not None and int(self.draft_ids.max()) >= logits.shape[-1]:
+            for r in counts:  # nothing of the prefill applied: the requests leave as they came
+                self.tstate, self.dstate = self.tstate.release(r), self.dstate.release(r)
+            fail("Speculator", "draft_ids", f"token ids below {logits.shape[-1]} (the target's vocabulary)",
+                 int(self.draft_ids.max()))
+        self._vocab = logits.shape[-1]
         self.tstate = self.tstate.apply(deltas)
         cu, shifted = batch.host_cu_seqlens, []
         chosen, _ = self._choose(logits.index_select(0, self._tokens([end - 1 for end in cu[1:]])))

@@ -93,7 +93,8 @@ def draft(cfg: ds.DeepseekConfig, target_params: ds.Params, weights: Mapping | N
                          layer=ds.load_layer(full, w, N), norm=w[p + "shared_head.norm.weight"],
                          head=w[p + "shared_head.head.weight"])
     generated = tuple(lane for lane in ds.generated_lanes(full) if lane.name == f"indexer_topk_{N}")
-    return DraftModel(specs=(full.specs[N],), params=params, step=step, generated_lanes=generated)
+    return DraftModel(specs=(full.specs[N],), params=params, step=step, generated_lanes=generated,
+                      head="head")
 
 
 @checked

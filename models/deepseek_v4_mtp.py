@@ -87,7 +87,7 @@ def draft(cfg: v4.DeepseekV4Config, target_params: v4.Params, weights: Mapping |
     # a CSA draft layer builds its indexer's top-k inside the step, as the target's do
     generated = (v4.topk_lane(cfg, cfg.num_layers),) if c.indexer is not None else ()
     return DraftModel(specs=(LayerSpec(cfg.num_layers, c, cfg.dtype),), params=params, step=step,
-                      generated_lanes=generated)
+                      generated_lanes=generated, head="head")
 
 
 @checked

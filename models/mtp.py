@@ -20,10 +20,12 @@ when imported (`models.registry` imports the draft modules after the families).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fnattn import LayerSpec
@@ -37,9 +39,11 @@ from .registry import random_weights
 class DraftModel:
     specs: tuple[LayerSpec, ...]  # the draft's own attention layers; they live in their own fnattn State
     params: Any
-    # (params, session, tokens [T] int64, hidden [T, D]) -> (logits [T, vocab] fp32, hidden_out [T, D], StepDeltas)
+    # (params, session, tokens [T] int64, hidden [T, D]) -> (logits [T, L] fp32, hidden_out [T, D], StepDeltas)
     step: Callable
     generated_lanes: tuple = ()  # what its step builds on the device (`fnattn.lanes.Lane`s), as a family's
+    head: str = "lm_head"  # the field of ``params`` holding the output head [V, D] (or [L, D], below)
+    vocab_ids: Tensor | None = None  # [L] int64: the token id of each logits column (`with_vocab`); None: all V
 
     def manifest(self, cfg):
         """The lanes of the draft's captured proposal step (`fnattn.graph.StepRunner.propose`) for the target
@@ -47,7 +51,35 @@ class DraftModel:
         from fnattn.lanes import step_manifest
 
         return step_manifest(vocab=cfg.vocab_size, hidden=cfg.hidden_size, hidden_dtype=cfg.dtype,
-                             generated=self.generated_lanes, hidden_in=True)
+                             generated=self.generated_lanes, hidden_in=True,
+                             logits=None if self.vocab_ids is None else len(self.vocab_ids))
+
+    def with_vocab(self, ids) -> DraftModel:
+        """This draft with an output head of ``ids``' rows only: a draft vocabulary (the frequent tokens of a
+        corpus, as SGLang's speculative token map and FR-Spec keep). Its logits have one column per id, in
+        ``ids``' order, and `fnattn.speculative.Speculator` (``draft_ids=draft.vocab_ids``) proposes the id of
+        the column it picks. The head's rows are most of a one-layer draft's bytes a proposal (Qwen3.5-0.8B:
+        248k x 1024, 508 MB in bf16); the draft reads ``len(ids) / V`` of them. Decoding stays lossless: a token
+        outside ``ids`` is never proposed, and what is emitted is still the target's choice.
+        ``ids``: a 1-D integer tensor of distinct token ids in ``0 .. V - 1``, at least one."""
+        from fnattn.checks import fail
+
+        W = getattr(self.params, self.head)  # [V, D]
+        if self.vocab_ids is not None:
+            fail("DraftModel.with_vocab", "self", "a draft with its whole head (vocab_ids None)",
+                 f"one keeping {len(self.vocab_ids)} ids")
+        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.numel() < 1 or ids.is_floating_point() \
+                or ids.dtype == torch.bool:
+            fail("DraftModel.with_vocab", "ids", "a non-empty 1-D integer tensor of token ids",
+                 tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__)
+        ids = ids.to(device=W.device, dtype=torch.int64)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= W.shape[0]:
+            fail("DraftModel.with_vocab", "ids", f"token ids in 0..{W.shape[0] - 1} (the head's rows)", f"{lo}..{hi}")
+        if ids.unique().numel() != ids.numel():
+            fail("DraftModel.with_vocab", "ids", "distinct token ids", f"{ids.numel() - ids.unique().numel()} repeated")
+        head = W.index_select(0, ids)  # [L, D], a copy: the target keeps its own head
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, **{self.head: head}), vocab_ids=ids)
 
 
 class DraftHook:
