@@ -12,33 +12,39 @@ from fnattn.speculative import Speculator
 def test_bench_generate_records_every_figure(tmp_path, capsys):
     out = tmp_path / "gen.json"
     rc = main(["bench", "generate", "--family", "qwen3_5", "--batch", "1", "2", "--prompt", "12", "--long-prompt",
-               "40", "--steps", "3", "--mix", "3", "5", "20", "4", "--out", str(out)])
+               "40", "--steps", "3", "--mix", "3", "5", "20", "4", "--draft-vocab", "40", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("fnattn bench generate --family qwen3_5")
     cases = [r["case"] for r in doc["records"]]
-    assert cases == ["ttft eager", "prefill long eager", "decode", "decode", "decode eager", "mtp", "mtp", "mtp", "mtp",
+    assert cases == ["ttft eager", "prefill long eager", "decode", "decode", "decode eager",
+                     *["mtp", "mtp draft vocab"] * 4,
                      "serving mix", "serving mix continuous", "serving mix mixed", "generate summary"]
-    mtp = [r for r in doc["records"] if r["case"] == "mtp"]
-    assert [(r["batch"], r["accept"], r["tokens_per_step"]) for r in mtp] == [
-        (1, "all", 4.0), (1, "none", 1.0), (2, "all", 4.0), (2, "none", 1.0)]
+    assert "--draft-vocab 40" in doc["command"]
+    for case, vocab in (("mtp", None), ("mtp draft vocab", 40)):
+        mtp = [r for r in doc["records"] if r["case"] == case]
+        assert [(r["batch"], r["accept"], r["tokens_per_step"], r["draft_vocab"]) for r in mtp] == [
+            (1, "all", 4.0, vocab), (1, "none", 1.0, vocab), (2, "all", 4.0, vocab), (2, "none", 1.0, vocab)]
     mix = doc["records"][-4]
     assert [r["mixed"] for r in doc["records"][-3:-1]] == [False, True] and doc["records"][-2]["running"] == 2
     assert doc["records"][-3]["mixed_steps"] == 0 and doc["records"][-2]["mixed_steps"] > 0
     assert mix["requests"] == 3 and mix["new_tokens"] == 12 and mix["tok_s"] > 0 and mix["busy_s"] > 0
     summary = doc["records"][-1]
     for name in ("ttft_ms", "prefill_long_tok_s", "eager_decode_ms", "mtp_oracle_speedup", "mtp_wrong_step_ratio",
-                 "serving_tok_s", "serving_busy_share",
-                 "serving_continuous_tok_s", "serving_mixed_tok_s"):
+                 "mtp_oracle_speedup_draft_vocab", "mtp_wrong_step_ratio_draft_vocab", "serving_tok_s",
+                 "serving_busy_share", "serving_continuous_tok_s", "serving_mixed_tok_s"):
         assert summary[name] > 0, name
     assert "prefill_8192_tok_s" not in summary  # the long prompt was 40 tokens
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
 
 
-def test_bench_generate_refuses_bad_options_in_one_line(capsys):
-    assert main(["bench", "generate", "--mix", "3", "20", "5", "4", "--out", "/dev/null"]) == 2
+@pytest.mark.parametrize("args, says", [(["--mix", "3", "20", "5", "4"], "--mix LO must be <= HI"),
+                                        (["--draft-vocab", "0"], "--draft-vocab values must be >= 1"),
+                                        (["--draft-vocab", "1000"], "--draft-vocab must be at most the vocabulary")])
+def test_bench_generate_refuses_bad_options_in_one_line(args, says, capsys):
+    assert main(["bench", "generate", *args, "--out", "/dev/null"]) == 2
     err = capsys.readouterr().err
-    assert "--mix LO must be <= HI" in err and len(err.strip().splitlines()) == 1
+    assert says in err and len(err.strip().splitlines()) == 1
 
 
 def tiny():

@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prompt", type=int, default=None, help="the long prefill's tokens (default 8192 on "
                                                                    "CUDA, 256 on a CPU)")
     g.add_argument("--draft", type=int, default=3, help="MTP drafts per step (default 3)")
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="also time the MTP cases with the draft's head keeping the first N token ids' rows "
+                        "(DraftModel.with_vocab; default: not)")
     g.add_argument("--mix", type=int, nargs=4, default=None, metavar=("REQUESTS", "LO", "HI", "NEW"),
                    help="serving mix: REQUESTS prompts of LO..HI tokens, NEW tokens each (default 64 128 4096 256 "
                         "on CUDA, 4 16 64 8 on a CPU)")
@@ -254,7 +257,8 @@ def run_generate(args) -> int:
     mix = args.mix or ([64, 128, 4096, 256] if cuda else [4, 16, 64, 8])
     steps = args.steps or (32 if cuda else 6)
     for name, values in (("--batch", batches), ("--prompt", args.prompt), ("--long-prompt", [long_prompt]),
-                         ("--draft", [args.draft]), ("--mix", mix), ("--steps", [steps])):
+                         ("--draft", [args.draft]), ("--mix", mix), ("--steps", [steps]),
+                         ("--draft-vocab", [1 if args.draft_vocab is None else args.draft_vocab])):
         if min(values) < 1:
             print(f"fnattn bench: {name} values must be >= 1, got {values}", file=sys.stderr)
             return 2
@@ -262,17 +266,25 @@ def run_generate(args) -> int:
         print(f"fnattn bench: --mix LO must be <= HI, got {mix[1]} > {mix[2]}", file=sys.stderr)
         return 2
     shape = args.shape or ("0.8b" if cuda else "tiny")
+    if args.draft_vocab is not None:
+        vocab = _vocab_size(args.family, shape)
+        if vocab is not None and args.draft_vocab > vocab:
+            print(f"fnattn bench: --draft-vocab must be at most the vocabulary ({vocab}), got {args.draft_vocab}",
+                  file=sys.stderr)
+            return 2
     # the command that reproduces this run, from the parsed options (so also when called as a function)
     command = (f"fnattn bench generate --family {args.family} --shape {shape} --device {device} --batch "
                f"{' '.join(map(str, batches))} --prompt {args.prompt[0]} --long-prompt {long_prompt} --steps {steps} "
-               f"--draft {args.draft} --mix {' '.join(map(str, mix))}{' --eager' if args.eager else ''} "
+               f"--draft {args.draft}{f' --draft-vocab {args.draft_vocab}' if args.draft_vocab else ''} "
+               f"--mix {' '.join(map(str, mix))}{' --eager' if args.eager else ''} "
                f"--out {shlex.quote(args.out)}")
     records = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a time limit still writes what finished
     try:
         run_generate_bench(family=args.family, shape=shape, device=device, batches=batches, prompt=args.prompt[0],
                            long_prompt=long_prompt, steps=steps, k=args.draft, mix=tuple(mix), graph=not args.eager,
-                           reps=5, log=lambda line: print(line, file=sys.stderr), records=records)
+                           reps=5, log=lambda line: print(line, file=sys.stderr), records=records,
+                           draft_vocab=args.draft_vocab)
         print(json.dumps(records[-1]))
     except ValueError as e:
         if not records:  # a user mistake (family, shape): one line
@@ -283,6 +295,17 @@ def run_generate(args) -> int:
         if records:
             write_json(records, args.out, command=command)
     return 0
+
+
+def _vocab_size(family: str, shape: str) -> int | None:
+    """The vocabulary of ``family`` at ``shape``, or None where the names are wrong (the bench says so later)."""
+    from ..models.registry import family_named
+    from .model import config_for
+
+    try:
+        return family_named(family).adapt(config_for(family, shape)).vocab_size
+    except (ValueError, KeyError, AttributeError):
+        return None
 
 
 def run_invariance(args) -> int:

@@ -136,12 +136,16 @@ def plain_decode(model, ma, device, batch: int, prompt: int, steps: int, *, grap
             "graph": runner is not None, "emitted": emitted, "prompts": prompts}
 
 
-def speculator(model, device, prompts: dict, k: int, steps: int, *, accept_all: bool, graph: bool) -> Speculator:
+def speculator(model, device, prompts: dict, k: int, steps: int, *, accept_all: bool, graph: bool,
+               draft_vocab: int | None = None) -> Speculator:
     """A `Speculator` with ``k`` MTP drafts for ``prompts`` (room for ``steps`` steps), every draft kept
     (``accept_all``) or none, by force (its ``force_accept``, decided on the device); with both runners captured
-    on CUDA (``graph``)."""
+    on CUDA (``graph``). ``draft_vocab``: the draft's head keeps the first this many token ids' rows
+    (`DraftModel.with_vocab`; a BPE vocabulary's low ids are roughly its frequent ones), None: all of them."""
     fam = model.family
     draft = fam.draft(model.config, model.params, None, seed=1)
+    if draft_vocab is not None:
+        draft = draft.with_vocab(torch.arange(draft_vocab, device=model.params.embed.device))
     batch, prompt = len(prompts), len(next(iter(prompts.values())))
     room = prompt + (k + 1) * (steps + 2) + 8
     attn, d_attn = ModelAttention(model.specs, device=device), ModelAttention(draft.specs, device=device)
@@ -158,16 +162,18 @@ def speculator(model, device, prompts: dict, k: int, steps: int, *, accept_all: 
                       draft_params=draft.params, draft_attn=d_attn,
                       draft_state=_state(draft, device, batch, room + k), num_draft=k,
                       target_runner=runner, draft_runner=draft_runner,
-                      force_accept=k + 1 if accept_all else 1)
+                      force_accept=k + 1 if accept_all else 1, draft_ids=draft.vocab_ids)
 
 
-def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: bool, graph: bool) -> dict:
+def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: bool, graph: bool,
+                draft_vocab: int | None = None) -> dict:
     """MTP with ``k`` drafts over ``plain``'s prompts, every draft kept (``accept_all``) or none, by force
     (`Speculator`'s ``force_accept``): the machinery's speed at either end, whatever the drafts say. With
-    both runners the step is `Speculator._step_on_device`'s: drafts on the device, one host read."""
+    both runners the step is `Speculator._step_on_device`'s: drafts on the device, one host read.
+    ``draft_vocab``: the draft's head keeps that many token ids (`speculator`)."""
     prompts = plain["prompts"]
     batch = len(prompts)
-    spec = speculator(model, device, prompts, k, steps, accept_all=accept_all, graph=graph)
+    spec = speculator(model, device, prompts, k, steps, accept_all=accept_all, graph=graph, draft_vocab=draft_vocab)
     emitted = {r: [] for r in prompts}
     for r, t in spec.start(prompts).items():
         emitted[r].append(t)
@@ -183,7 +189,7 @@ def speculative(model, device, plain: dict, k: int, steps: int, *, accept_all: b
             made += len(toks)
     ms = statistics.median(times[2:] or times) * 1e3
     per_step = made / steps / batch
-    return {"batch": batch, "k": k, "accept": "all" if accept_all else "none", "ms": ms,
+    return {"batch": batch, "k": k, "accept": "all" if accept_all else "none", "draft_vocab": draft_vocab, "ms": ms,
             "tokens_per_step": per_step, "tok_s": batch * per_step / ms * 1e3, "graph": spec.runner is not None,
             "draft_graph": spec.draft_runner is not None,
             "busy_ms": _busy_ms(spec.step, device)}
@@ -228,9 +234,10 @@ def serving_mix(model, ma, device, requests: int, lo: int, hi: int, new: int, *,
 
 def run_generate_bench(*, family: str, shape: str, device: str, batches: list[int], prompt: int, long_prompt: int,
                        steps: int, k: int, mix: tuple[int, int, int, int], graph: bool, reps: int,
-                       log=print, records: list[dict] | None = None) -> list[dict]:
+                       log=print, records: list[dict] | None = None, draft_vocab: int | None = None) -> list[dict]:
     """Every figure of the module docstring as records; the last one is the summary that names them.
-    ``records``: a list each record is appended to as soon as it is measured (a run cut short keeps them)."""
+    ``records``: a list each record is appended to as soon as it is measured (a run cut short keeps them).
+    ``draft_vocab``: the MTP cases again with the draft's head keeping that many token ids (`speculator`)."""
     from .model import build_model
 
     dev = torch.device(device)
@@ -263,6 +270,9 @@ def run_generate_bench(*, family: str, shape: str, device: str, batches: list[in
             for accept_all in (True, False):
                 spec[(b, accept_all)] = add("mtp", speculative(model, dev, plain[b], k, steps, accept_all=accept_all,
                                                                graph=graph))
+                if draft_vocab is not None:
+                    spec[(b, accept_all, "vocab")] = add("mtp draft vocab", speculative(
+                        model, dev, plain[b], k, steps, accept_all=accept_all, graph=graph, draft_vocab=draft_vocab))
     requests, lo, hi, new = mix
     served = add("serving mix", serving_mix(model, ma, dev, requests, lo, hi, new, graph=graph))
     # continuous batching: a quarter running at once, the rest admitted as they finish, in prefill steps of
@@ -286,5 +296,9 @@ def run_generate_bench(*, family: str, shape: str, device: str, batches: list[in
         summary["mtp_oracle_speedup"] = spec[(b1, True)]["tok_s"] / plain[b1]["tok_s"]
         summary["mtp_oracle_speedup_by_batch"] = {b: spec[(b, True)]["tok_s"] / plain[b]["tok_s"] for b in batches}
         summary["mtp_wrong_step_ratio"] = spec[(b1, False)]["ms"] / plain[b1]["ms"]
+        if draft_vocab is not None:  # the same with the draft's smaller head (its proposals are fewer tokens)
+            summary["draft_vocab"] = draft_vocab
+            summary["mtp_oracle_speedup_draft_vocab"] = spec[(b1, True, "vocab")]["tok_s"] / plain[b1]["tok_s"]
+            summary["mtp_wrong_step_ratio_draft_vocab"] = spec[(b1, False, "vocab")]["ms"] / plain[b1]["ms"]
     records.append(summary)
     return records
