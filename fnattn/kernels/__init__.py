@@ -91,4 +91,8 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    # Kept: backends import their kernels from here inside each call, and this hook runs only for names the
+    # module does not hold yet (no export shares its name with a module, so no submodule import replaces it).
+    globals()[name] = value
+    return value
