@@ -25,6 +25,7 @@ The modules live in the repository's top-level kernels/ folder; an install copie
 """
 
 import importlib
+import sys
 
 from ..checkout import checkout_folder
 
@@ -89,10 +90,10 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
-    if name not in _EXPORTS:
+    module = _EXPORTS.get(name)
+    if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    # Kept: backends import their kernels from here inside each call, and this hook runs only for names the
-    # module does not hold yet (no export shares its name with a module, so no submodule import replaces it).
-    globals()[name] = value
-    return value
+    # Backends import their kernels from here inside each call: the loaded module straight from sys.modules.
+    # The name is not kept here, so a kernel replaced in its own module (a test's spy) is what callers get.
+    loaded = sys.modules.get(f"{__name__}.{module}")
+    return getattr(loaded if loaded is not None else importlib.import_module(f".{module}", __name__), name)
