@@ -260,6 +260,8 @@ class Speculator:
         self.k, self.recovery, self.propose_hook, self.accept_hook = num_draft, recovery, propose_hook, accept_hook
         self.force_accept = force_accept
         self.draft_ids, self._vocab = draft_ids, None  # the vocabulary: the target's logits' width, seen at start
+        if draft_runner is not None:
+            self._check_draft_columns(None, draft_runner.manifest.dims["L"], draft_runner.manifest.dims["V"])
         self.runner, self.draft_runner = target_runner, draft_runner
         self.target = (target_step, target_params, target_attn)
         self.draft = (draft_step, draft_params, draft_attn)
@@ -289,16 +291,26 @@ class Speculator:
     def _choose_draft(self, logits: torch.Tensor):
         """`_choose` over the draft's logits [m, L]: ``-> (token ids [m], the distributions drawn from over the
         vocabulary [m, V] or None)``, each column the id ``draft_ids`` gives it."""
+        self._check_draft_columns(logits)
         if self.draft_ids is None:
             return self._choose(logits)
-        if logits.shape[-1] != self.draft_ids.numel():
-            fail("Speculator", "draft_ids", f"one id per column of the draft's logits ({logits.shape[-1]})",
-                 self.draft_ids.numel())
         columns, probs = self._choose(logits)
         tokens = self.draft_ids.index_select(0, columns)
         if probs is not None:
             probs = probs.new_zeros(probs.shape[0], self._vocab).index_copy_(1, self.draft_ids, probs)
         return tokens, probs
+
+    def _check_draft_columns(self, logits: torch.Tensor | None, columns: int | None = None,
+                             vocab: int | None = None) -> None:
+        """The draft's logits have a column per id of ``draft_ids``, or without it one per token id."""
+        columns = logits.shape[-1] if columns is None else columns
+        vocab = self._vocab if vocab is None else vocab
+        if self.draft_ids is not None and columns != self.draft_ids.numel():
+            fail("Speculator", "draft_ids", f"one id per column of the draft's logits ({columns})",
+                 self.draft_ids.numel())
+        if self.draft_ids is None and vocab is not None and columns != vocab:
+            fail("Speculator", "draft_ids", f"the token id of each of the draft's {columns} logits columns (the "
+                 f"vocabulary has {vocab}: a draft with a smaller head, DraftModel.with_vocab)", None)
 
     def _run_target(self, batch, tokens):
         step, params, attn = self.target
@@ -311,6 +323,7 @@ class Speculator:
         step, params, attn = self.draft
         with attn.session(self.dstate, batch) as s:
             logits, hout, deltas = step(params, s, tokens, hidden)
+        self._check_draft_columns(logits)  # before its deltas apply
         self._trace(logits)
         self.dstate = self.dstate.apply(deltas)
         return logits, hout
@@ -372,9 +385,8 @@ class Speculator:
         batch = Batch.prefill(self.tstate, counts)
         tokens = [t for r in batch.request_ids for t in prompts[r]]
         logits, hidden, deltas, _ = self._run_target(batch, self._tokens(tokens))
-        if self.draft_ids is not None and int(self.draft_ids.max()) >= logits.shape[-1]:
-            for r in counts:  # nothing of the prefill applied: the requests leave as they came
-                self.tstate, self.dstate = self.tstate.release(r), self.dstate.release(r)
+        if self._vocab is None and self.draft_ids is not None and int(self.draft_ids.max()) >= logits.shape[-1]:
+            self._leave(counts)
             fail("Speculator", "draft_ids", f"token ids below {logits.shape[-1]} (the target's vocabulary)",
                  int(self.draft_ids.max()))
         self._vocab = logits.shape[-1]
@@ -385,8 +397,19 @@ class Speculator:
         for r in batch.request_ids:
             shifted += list(prompts[r][1:]) + [first[r]]
         self.last.update(first)
-        self._catch_up(counts, shifted, hidden)
+        try:
+            self._catch_up(counts, shifted, hidden)
+        except ValueError:  # the draft refused its part (its logits and draft_ids disagree): none of it stays
+            self._leave(counts)
+            raise
         return first
+
+    def _leave(self, requests) -> None:
+        """Requests that `start` admitted leave both states again, as if never started."""
+        for r in requests:
+            self.tstate, self.dstate = self.tstate.release(r), self.dstate.release(r)
+            self.last.pop(r, None)
+            self.proposal.pop(r, None)
 
     def step(self) -> dict[int, list[int]]:
         """One speculative step for every active request; ``-> {rid: emitted tokens}``."""

@@ -151,10 +151,31 @@ def test_draft_ids_past_the_vocabulary_are_refused_at_the_first_prefill_which_ap
         assert st.free_pages == st.num_pages and st.free_slots == st.max_requests and not st.requests
 
 
-def test_the_draft_logits_must_have_a_column_per_id(qwen):
-    model, draft = qwen  # a whole head with four ids
+def _clean(spec):
+    for st in (spec.tstate, spec.dstate):
+        assert st.free_pages == st.num_pages and st.free_slots == st.max_requests and not st.requests
+    assert not spec.last and not spec.proposal
+
+
+def test_the_draft_logits_must_have_a_column_per_id_and_a_refused_start_leaves_nothing(qwen):
+    model, draft = qwen
+    whole_with_four = _eager(model, draft, draft_ids=torch.arange(4))
     with pytest.raises(ValueError, match=r"`draft_ids` must be one id per column of the draft's logits \(\d+\)"):
-        _eager(model, draft, draft_ids=torch.arange(4)).start(PROMPTS)
+        whole_with_four.start(PROMPTS)
+    _clean(whole_with_four)
+    small = draft.with_vocab(torch.arange(8))
+    without_ids = _eager(model, small)  # a smaller head, but its columns taken for token ids
+    with pytest.raises(ValueError, match="`draft_ids` must be the token id of each of the draft's 8 logits columns"):
+        without_ids.start(PROMPTS)
+    _clean(without_ids)
+    d_attn = fa.ModelAttention(small.specs)
+    runner = StepRunner(small.step, small.params, d_attn, small.manifest(model.config), max_context=96,
+                        buckets=(2,))
+    with pytest.raises(ValueError, match="`draft_ids` must be the token id of each of the draft's 8 logits columns"):
+        Speculator(target_step=model.family.step_hidden, target_params=model.params,
+                   target_attn=fa.ModelAttention(model.specs), target_state=_state(model.specs),
+                   draft_step=small.step, draft_params=small.params, draft_attn=d_attn,
+                   draft_state=_state(small.specs), num_draft=3, draft_runner=runner)
 
 
 def test_step_manifest_logits_columns():
