@@ -120,8 +120,6 @@ def stub_launches() -> list[int]:
     import triton.runtime.interpreter as interpreter
 
     import fnattn.kinds  # noqa: F401 - every built-in kind and its backends: each module's own name is patched
-    import fnattn.switches
-    from fnattn.kernels.invariant import invariant_on
     from fnattn.kinds import availability
     from fnattn.models import fused
 
@@ -137,11 +135,8 @@ def stub_launches() -> list[int]:
     for module in [m for name, m in sys.modules.items() if name.startswith("fnattn.")]:
         if getattr(module, "needs_cuda", None) is real:
             module.needs_cuda = lambda device: []
-    def kernel_on_cpu(package, *ts):  # `fused._kernel`'s rule without its CUDA check: Triton's kernels only
-        return package == "triton" and fnattn.switches.value("fused") and not invariant_on() and \
-            all(t.dtype == ts[0].dtype for t in ts) and ts[0].dtype in (torch.bfloat16, torch.float16)
-
-    fused._kernel = kernel_on_cpu
+    # `fused._kernel` without its CUDA check, for Triton's kernels only (the interpreter's objects, stubbed above)
+    fused._kernel = lambda package, *ts: package == "triton" and fused._kernel_rule(package, *ts)
     return count
 
 

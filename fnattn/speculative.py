@@ -290,8 +290,8 @@ class Speculator:
 
     def _choose_draft(self, logits: torch.Tensor):
         """`_choose` over the draft's logits [m, L]: ``-> (token ids [m], the distributions drawn from over the
-        vocabulary [m, V] or None)``, each column the id ``draft_ids`` gives it."""
-        self._check_draft_columns(logits)
+        vocabulary [m, V] or None)``, each column the id ``draft_ids`` gives it (the columns checked where the
+        logits came from: `_run_draft`, or a draft runner's manifest at construction)."""
         if self.draft_ids is None:
             return self._choose(logits)
         columns, probs = self._choose(logits)

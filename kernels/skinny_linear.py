@@ -485,7 +485,8 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
     plan = _plan(M, N, K, x.dtype, y.dtype, cfg, act, norm is not None and norm[2] != 0.0, norm is not None,
                  gating is not None, swiglu, 0 if rms is None else rms[0].shape[1], add_squares is not None, pdl,
                  interpreted(_skinny_gemv_kernel))
-    grid, split, k_per_split = plan.grid, plan.split, plan.k_per_split
+    grid, k_per_split = plan.grid, plan.k_per_split
+    split = grid[1]
     # Absent operands: x stands in for the pointers, which the constexpr flags keep the kernel from reading.
     r = x if residual is None else residual
     srm = 0 if residual is None else residual.stride(0)
@@ -528,7 +529,6 @@ class _Plan:
     """What a GEMV launch derives from its shapes, config and folds alone: the same for every call alike."""
 
     grid: tuple[int, int]  # (column tiles, K pieces)
-    split: int
     k_per_split: int
     constexprs: dict  # the kernel's compile-time arguments but HAS_RESIDUAL, SPLIT and ONE_LAUNCH
 
@@ -547,7 +547,7 @@ def _plan(M: int, N: int, K: int, x_dtype, y_dtype, cfg: SkinnyConfig, act, norm
                       LINES=max(1, cfg.block_k * x_dtype.itemsize // 128), GATING=gating,
                       LIBDEVICE=not interpret, SWIGLU=swiglu, EARLY=cfg.early, WIDEN=y_dtype != x_dtype,
                       RMS_SCALE=rms_parts > 0, BLOCK_P=next_pow2(max(rms_parts, 1)), ADD_SQUARES=add_squares)
-    return _Plan((triton_cdiv(N, cfg.block_n), split), split, per_split * cfg.block_k, constexprs)
+    return _Plan((triton_cdiv(N, cfg.block_n), split), per_split * cfg.block_k, constexprs)
 
 
 def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):

@@ -224,12 +224,17 @@ def _installed(name: str) -> bool:
 
 
 def _kernel(package: str, *tensors: Tensor) -> bool:
-    """Whether the kernel path applies: enabled, CUDA, half precision, one dtype, package installed, and the
-    invariant mode off (the torch bodies' norms and projections honour it; the fused kernels are not checked to)."""
+    """Whether the kernel path applies: CUDA (``is_cuda``: no device object a call) and `_kernel_rule`."""
+    return tensors[0].is_cuda and _kernel_rule(package, *tensors)
+
+
+def _kernel_rule(package: str, *tensors: Tensor) -> bool:
+    """`_kernel` but its device: enabled, half precision, one dtype, package installed, and the invariant mode
+    off (the torch bodies' norms and projections honour it; the fused kernels are not checked to)."""
     if not _ENABLED[-1] or invariant_on():
         return False
     t0 = tensors[0]
-    if not t0.is_cuda or t0.dtype not in (torch.bfloat16, torch.float16):  # (is_cuda: no device object a call)
+    if t0.dtype not in (torch.bfloat16, torch.float16):
         return False
     return all(t.dtype == t0.dtype for t in tensors) and _installed(package)
 

@@ -29,8 +29,8 @@ def qwen():
     return model, model.family.draft(model.config, model.params, None, seed=1)
 
 
-def _speculate(model, draft, *, runners=False, steps=STEPS, **kw):
-    """``-> (emitted tokens a step, every proposal the draft made, the speculator)`` (k = 3, two requests)."""
+def _speculator(model, draft, *, runners=False, **kw):
+    """A k = 3 speculator, eager or through both runners (a bucket of 2); ``kw`` to `Speculator`."""
     t_attn, d_attn = fa.ModelAttention(model.specs), fa.ModelAttention(draft.specs)
     runner = d_runner = None
     if runners:
@@ -38,10 +38,15 @@ def _speculate(model, draft, *, runners=False, steps=STEPS, **kw):
                             max_context=96, buckets=(2,))
         d_runner = StepRunner(draft.step, draft.params, d_attn, draft.manifest(model.config), max_context=96,
                               buckets=(2,), host_reads="error")
-    spec = Speculator(target_step=model.family.step_hidden, target_params=model.params, target_attn=t_attn,
+    return Speculator(target_step=model.family.step_hidden, target_params=model.params, target_attn=t_attn,
                       target_state=_state(model.specs), draft_step=draft.step, draft_params=draft.params,
                       draft_attn=d_attn, draft_state=_state(draft.specs), num_draft=3, target_runner=runner,
-                      draft_runner=d_runner, draft_ids=draft.vocab_ids, **kw)
+                      draft_runner=d_runner, **kw)
+
+
+def _speculate(model, draft, *, runners=False, steps=STEPS, **kw):
+    """``-> (emitted tokens a step, every proposal the draft made, the speculator)`` (two requests)."""
+    spec = _speculator(model, draft, runners=runners, draft_ids=draft.vocab_ids, **kw)
     first = spec.start(PROMPTS)
     proposals = []
     real = spec._draft_chain
@@ -127,24 +132,17 @@ def test_with_vocab_refuses_ids_that_name_no_distinct_rows(qwen, ids, match):
         draft.with_vocab(torch.tensor([1, 2])).with_vocab(torch.tensor([1]))
 
 
-def _eager(model, draft, **kw):
-    return Speculator(target_step=model.family.step_hidden, target_params=model.params,
-                      target_attn=fa.ModelAttention(model.specs), target_state=_state(model.specs),
-                      draft_step=draft.step, draft_params=draft.params, draft_attn=fa.ModelAttention(draft.specs),
-                      draft_state=_state(draft.specs), num_draft=3, **kw)
-
-
 @pytest.mark.parametrize("bad, match", [(torch.tensor([1, 2], dtype=torch.int32), "int64"), ([1, 2], "int64"),
                                         (torch.tensor([2, 2]), "distinct"), (torch.tensor([-3, 2]), ">= 0")])
 def test_the_speculator_refuses_draft_ids_it_cannot_use(qwen, bad, match):
     model, draft = qwen
     with pytest.raises(ValueError, match=f"Speculator: `draft_ids`.*{match}"):
-        _eager(model, draft, draft_ids=bad)
+        _speculator(model, draft, draft_ids=bad)
 
 
 def test_draft_ids_past_the_vocabulary_are_refused_at_the_first_prefill_which_applies_nothing(qwen):
     model, draft = qwen
-    spec = _eager(model, draft, draft_ids=torch.tensor([1, model.config.vocab_size]))
+    spec = _speculator(model, draft, draft_ids=torch.tensor([1, model.config.vocab_size]))
     with pytest.raises(ValueError, match=f"`draft_ids` must be token ids below {model.config.vocab_size}"):
         spec.start(PROMPTS)
     for st in (spec.tstate, spec.dstate):
@@ -159,23 +157,17 @@ def _clean(spec):
 
 def test_the_draft_logits_must_have_a_column_per_id_and_a_refused_start_leaves_nothing(qwen):
     model, draft = qwen
-    whole_with_four = _eager(model, draft, draft_ids=torch.arange(4))
+    whole_with_four = _speculator(model, draft, draft_ids=torch.arange(4))
     with pytest.raises(ValueError, match=r"`draft_ids` must be one id per column of the draft's logits \(\d+\)"):
         whole_with_four.start(PROMPTS)
     _clean(whole_with_four)
     small = draft.with_vocab(torch.arange(8))
-    without_ids = _eager(model, small)  # a smaller head, but its columns taken for token ids
+    without_ids = _speculator(model, small)  # a smaller head, but its columns taken for token ids
     with pytest.raises(ValueError, match="`draft_ids` must be the token id of each of the draft's 8 logits columns"):
         without_ids.start(PROMPTS)
     _clean(without_ids)
-    d_attn = fa.ModelAttention(small.specs)
-    runner = StepRunner(small.step, small.params, d_attn, small.manifest(model.config), max_context=96,
-                        buckets=(2,))
     with pytest.raises(ValueError, match="`draft_ids` must be the token id of each of the draft's 8 logits columns"):
-        Speculator(target_step=model.family.step_hidden, target_params=model.params,
-                   target_attn=fa.ModelAttention(model.specs), target_state=_state(model.specs),
-                   draft_step=small.step, draft_params=small.params, draft_attn=d_attn,
-                   draft_state=_state(small.specs), num_draft=3, draft_runner=runner)
+        _speculator(model, small, runners=True)  # a draft runner's columns, at construction
 
 
 def test_step_manifest_logits_columns():
