@@ -217,7 +217,7 @@ class Speculator:
     def __init__(self, *, target_step, target_params, target_attn, target_state, draft_step, draft_params,
                  draft_attn, draft_state, num_draft: int, recovery: str = "native", propose_hook=None,
                  target_runner=None, accept_hook=None, draft_runner=None, trace: bool = False, sampler=None,
-                 force_accept: int | None = None, draft_ids: torch.Tensor | None = None):
+                 force_accept: int | None = None, draft_ids: Int[torch.Tensor, " L"] | None = None):
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("Speculator", "num_draft", "an int >= 1", num_draft)
         if recovery not in ("native", "replay"):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from fnattn import LayerSpec
@@ -54,7 +55,7 @@ class DraftModel:
                              generated=self.generated_lanes, hidden_in=True,
                              logits=None if self.vocab_ids is None else len(self.vocab_ids))
 
-    def with_vocab(self, ids) -> DraftModel:
+    def with_vocab(self, ids: Int[Tensor, " L"]) -> DraftModel:
         """This draft with an output head of ``ids``' rows only: a draft vocabulary (the frequent tokens of a
         corpus, as SGLang's speculative token map and FR-Spec keep). Its logits have one column per id, in
         ``ids``' order, and `fnattn.speculative.Speculator` (``draft_ids=draft.vocab_ids``) proposes the id of
