@@ -31,10 +31,10 @@ def _runner(step, params, ma, manifest, args, *, max_context: int):
     from .graph import StepRunner
 
     runner = StepRunner(step, params, ma, manifest, max_context=max_context)
-    if not runner.capture:
+    if runner.in_pieces:  # a kind registered without capturable=True: its layers run between the graphs
         why = runner.uncapturable("decode")
-        print(f"fnattn: CUDA graphs off ({why[0]}{'; ...' if len(why) > 1 else ''})", file=sys.stderr)
-        return None
+        print(f"fnattn: decode captured in pieces around {len(why)} eager layer(s) ({why[0]}"
+              f"{'; ...' if len(why) > 1 else ''})", file=sys.stderr)
     return runner
 
 

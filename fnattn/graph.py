@@ -12,6 +12,10 @@ checks the batch against the State and every replay lane against the manifest (p
 device, the layout of lanes carved from one buffer) before it copies any into the graph's buffers, then
 replays, then moves the cursors on the host. Capture and replay take their batch from the same builder.
 
+A model with decode backends that are not capturable (`StepRunner.uncapturable`: a notebook's new kind) has
+its decode buckets captured in pieces around those layers (`fnattn.pieces`): each runs eagerly between two
+graphs over the live batch, and the last graph holds the apply.
+
 Without capture (the CPU, a notebook, ``capture=False``) the same validation and the same static buffers
 surround the eager step and its full `State.apply`; with ``host_reads="error"`` the step also runs under
 `fnattn.lanes.no_host_reads` (and on CUDA under ``torch.cuda.set_sync_debug_mode("error")``).
@@ -49,6 +53,7 @@ from .lanes import (
     no_host_reads,
     static_shapes,
 )
+from .pieces import CapturingSession, Pieces, ending, replay
 from .session import check_of_state
 from .staging import Staging
 
@@ -61,7 +66,10 @@ class _Entry:
     recovery: str
     inputs: dict[str, Tensor]  # lane -> static buffer the step reads
     staging: Staging  # the batch lanes of `inputs` are its device views: the runner builds batches into them
-    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured whole
+    # captured in pieces around the layers whose backends cannot be: a graph per piece, len(islands) + 1
+    graphs: list = field(default_factory=list)
+    islands: list = field(default_factory=list)  # `fnattn.pieces.Island` per layer run between two pieces
     lineage: int | None = None  # the State storage the graph was captured on: its replays write there
     outputs: dict[str, Tensor] = field(default_factory=dict)  # captured output lanes
     generated: dict[str, Tensor] = field(default_factory=dict)
@@ -73,11 +81,15 @@ class _Entry:
     prepared_used: int = 0  # decode steps that took the prepared batch
     invariant: bool = False  # captured while the invariant mode was on (its launches honour it)
 
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None or bool(self.graphs)
+
 
 def _check_lineage(state, entry: _Entry, where: str) -> None:
     """A captured graph replays into the pools of the State it was captured on, whatever handle the step is
     given: another State's step would read and write that first State's storage."""
-    if entry.graph is not None and state.lineage != entry.lineage:
+    if entry.captured and state.lineage != entry.lineage:
         fail(where, "state", f"a handle of the State this runner's graphs were captured on (lineage "
              f"{entry.lineage}; another State needs a StepRunner of its own)", f"lineage {state.lineage}")
 
@@ -88,7 +100,10 @@ class StepRunner:
     ``step(params, session, tokens)`` returns ``(logits, deltas)``, or ``(logits, hidden, deltas)`` when the
     manifest has a ``hidden`` output lane. ``buckets``: the lane counts steps are padded to.
     ``max_context``: the longest cache a request may reach (fixes the block table's width; default the
-    whole pool). ``capture``: None captures on CUDA when every decode/verify backend is capturable.
+    whole pool). ``capture``: None captures on CUDA. Decode steps whose model has backends that are not
+    capturable (`uncapturable`: a notebook's new kind, say) are captured in pieces around those layers, which
+    run eagerly between the graphs (`fnattn.pieces`); verify steps are captured where every verify backend is
+    capturable, and otherwise run the checked eager step.
     ``prepare``: whether `decode` builds the next decode batch of the same requests right after it launches
     a replay, while the device runs it (`_prepare_next`); None: where steps are captured.
     """
@@ -113,13 +128,11 @@ class StepRunner:
         self.hidden = any(lane.name == "hidden" for lane in manifest.role("output"))
         self.hidden_in = any(lane.name == "hidden_in" for lane in manifest.role("input"))  # a draft's step
         on_cuda = model_attention.device.type == "cuda"
-        refused = self.uncapturable("decode")
         if capture and not on_cuda:
             fail("StepRunner", "capture", "False or None on a CPU model (CUDA graphs need a CUDA device)", capture)
-        if capture and refused:
-            fail("StepRunner", "capture", "False or None: some decode backends cannot be captured "
-                 f"({'; '.join(refused)})", capture)
-        self.capture = on_cuda and not refused if capture is None else capture
+        self.capture = on_cuda if capture is None else capture
+        # Decode captured in pieces: the layers of `uncapturable` decode backends run between the graphs.
+        self.in_pieces = self.capture and bool(self.uncapturable("decode"))
         # Verify is captured where its backends allow it too; otherwise it runs the checked eager step.
         self.capture_verify = self.capture and not self.uncapturable("verify")
         self.prepare = self.capture if prepare is None else prepare
@@ -249,7 +262,7 @@ class StepRunner:
                         hidden: Tensor | None = None):
         """A decode step run and committed (the apply, or past a replay the cursor moves): ``-> (state, outputs)``."""
         outputs, deltas, _ = self._run(state, entry, batch, tokens, out, built_here=built_here, hidden=hidden)
-        if entry.graph is None:
+        if not entry.captured:
             return state.apply(deltas), outputs
         return advance_past(state, batch, batch.cursor_after(batch.host_new_lens)), outputs
 
@@ -349,10 +362,15 @@ class StepRunner:
         entry.inputs["tokens"][:live].copy_(tokens)
         if hidden is not None:  # a draft's step (`propose`): checked there, pad lanes keep earlier rows
             entry.inputs["hidden_in"][:live].copy_(hidden)
-        if entry.graph is not None:
+        if entry.captured:
             if not entry.invariant and invariant_on():
                 refuse_replay_in_the_mode("StepRunner", self.attn)
-            entry.graph.replay()
+            if entry.graph is not None:
+                entry.graph.replay()
+            else:  # the captured layers' plans are in their pieces: the session plans the islands' alone
+                static = self._static_batch(entry, batch)
+                with static_shapes(), self.attn.session(state, static, defer_capturable=True) as s:
+                    replay(entry.graphs, entry.islands, s, "StepRunner")
             entry.replays += 1
             outputs, deltas, replay_outputs = entry.outputs, None, entry.replay_outputs
         else:
@@ -361,7 +379,7 @@ class StepRunner:
         if out is not None:
             out.copy_(outputs["logits"][:live])
             outputs = {**outputs, "logits": out}
-        elif entry.graph is not None:  # the graph's buffers are overwritten by the next replay: hand out copies
+        elif entry.captured:  # the graph's buffers are overwritten by the next replay: hand out copies
             outputs = {name: t[:live].clone() for name, t in outputs.items()}
         else:
             outputs = {name: t[:live] for name, t in outputs.items()}
@@ -372,13 +390,19 @@ class StepRunner:
             return batch  # built into the staging: its seal still says whether a later batch overwrote it
         return replace(batch, **{name: entry.inputs[name] for name in BATCH_LANES})
 
-    def _eager(self, state, entry: _Entry, batch: Batch, *, guard: bool = False):
+    def _eager(self, state, entry: _Entry, batch: Batch, *, guard: bool = False, pieces: Pieces | None = None):
         """The step over a batch in the static buffers: ``-> (outputs, deltas, replay outputs)``; the
-        generated lanes it recorded go to ``entry.generated``."""
+        generated lanes it recorded go to ``entry.generated``. ``pieces``: captured in pieces, the first begun
+        once the session has planned the islands' layers (a plan may copy from the host), each island kept in
+        ``entry.islands``; the last piece is left open for the apply."""
         reads = _host_reads_fail(state.device) if guard else contextlib.nullcontext()
-        with static_shapes(), reads, self.attn.session(state, batch) as s:
+        with static_shapes(), reads, self.attn.session(state, batch, defer_capturable=pieces is not None) as s:
             extra = (entry.inputs["hidden_in"],) if self.hidden_in else ()
-            result = self.step(self.params, s, entry.inputs["tokens"], *extra)
+            run = s
+            if pieces is not None:
+                pieces.begin()
+                run = CapturingSession(s, pieces, entry.islands, hold=True)
+            result = self.step(self.params, run, entry.inputs["tokens"], *extra)
         n_out = 2 if self.hidden else 1
         if not isinstance(result, tuple) or len(result) != n_out + 1 or not isinstance(result[-1], StepDeltas):
             fail("StepRunner", "step", f"a step returning ({'logits, hidden' if self.hidden else 'logits'}, deltas)",
@@ -454,13 +478,23 @@ class StepRunner:
         torch.cuda.current_stream(state.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
         batch = self._pad_batch(state, entry)
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs, deltas, replay_outputs = self._eager(state, entry, batch)
-            self._write(state, deltas)
+        if entry.bucket.phase == "decode" and self.in_pieces:
+            pieces = Pieces(self._pool)
+            stream.wait_stream(torch.cuda.current_stream(state.device))
+            with torch.cuda.stream(stream), ending(pieces):
+                outputs, deltas, replay_outputs = self._eager(state, entry, batch, pieces=pieces)
+                self._write(state, deltas)  # inside the last piece: the step commits once, in a graph
+            torch.cuda.current_stream(state.device).wait_stream(stream)
+            entry.graphs = pieces.graphs
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs, deltas, replay_outputs = self._eager(state, entry, batch)
+                self._write(state, deltas)
+            entry.graph = graph
         state = advance_past(state, batch, deltas.cursor)
-        entry.graph, entry.outputs, entry.replay_outputs = graph, outputs, replay_outputs
+        entry.outputs, entry.replay_outputs = outputs, replay_outputs
         entry.lineage, entry.invariant = state.lineage, invariant_on()
         return state
 
@@ -538,7 +572,7 @@ class Verified:
             from .speculative import replay_writes
 
             replay = replay_writes(runner.attn, state, batch, self._replay_outputs, accepted)
-        if entry.graph is None:
+        if not entry.captured:
             self._done = True
             return state.apply(self._deltas.accept(runner._static_batch(entry, batch), accepted, replay=replay))
         self._done = True

@@ -26,11 +26,9 @@ chunks of it (`fnattn.driver.prefill` with ``runner=``).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-import optree
 import torch
 from jaxtyping import Int
 from torch import Tensor
@@ -41,6 +39,7 @@ from .deltas import StepDeltas
 from .graph import advance_past, refuse_replay_in_the_mode
 from .kernels.invariant import invariant_on
 from .lanes import LaneError, block_columns, bucket_sizes, check_max_context, static_shapes
+from .pieces import CapturingSession, Pieces, ending, replay
 from .staging import Staging
 
 DEFAULT_LANES = (1, 2, 4, 8)
@@ -50,16 +49,6 @@ DEFAULT_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 def tokens_up_to(top: int) -> tuple[int, ...]:
     """Token buckets for steps of at most ``top`` tokens: the default ones below it, then ``top``."""
     return tuple(t for t in DEFAULT_TOKENS if t < top) + (top,)
-
-
-@dataclass
-class _Island:
-    """One attention layer between two captured pieces: its inputs (the previous piece's tensors) and the
-    tensors its outputs and writes are copied into, which the next piece reads."""
-
-    layer: int
-    inputs: object
-    statics: list  # the (outputs, writes) leaves: a tensor to copy into, or what the capture saw (None, ...)
 
 
 @dataclass
@@ -76,49 +65,6 @@ class _Entry:
     lineage: int | None = None
     replays: int = 0
     invariant: bool = False  # captured while the invariant mode was on (its launches honour it)
-
-
-class _Pieces:
-    """Begins and ends the capture of consecutive pieces of one step on one pool."""
-
-    def __init__(self, pool):
-        self.pool, self.graphs, self.graph = pool, [], None
-
-    def begin(self) -> None:
-        self.graph = torch.cuda.CUDAGraph()
-        self.graph.capture_begin(pool=self.pool)
-
-    def end(self) -> None:
-        self.graph.capture_end()
-        self.graphs.append(self.graph)
-        self.graph = None
-
-
-class _CapturingSession:
-    """The session a step sees while its pieces are captured: `forward` ends the current piece, runs the
-    layer's backend outside the graph, keeps what came back as static tensors and begins the next piece.
-    Everything else is the real session's."""
-
-    def __init__(self, session, pieces: _Pieces, islands: list, hold: bool):
-        self._session, self._pieces, self._islands, self._hold = session, pieces, islands, hold
-
-    def __getattr__(self, name):
-        return getattr(self._session, name)
-
-    def forward(self, layer: int, inputs):
-        if self._hold and self._session.holds_in_graph(layer):  # shaped by the bucket: captured in the piece
-            return self._session.forward(layer, inputs)
-        self._pieces.end()
-        result = self._session.forward(layer, inputs)
-        leaves, spec = optree.tree_flatten(result, namespace="fnattn", none_is_leaf=True)
-        owned = {id(t) for t in optree.tree_leaves(inputs, namespace="fnattn") if isinstance(t, Tensor)}
-        # A backend that hands an input back (a key row to write, say) needs no copy: the next piece reads
-        # the very tensor the previous one wrote.
-        statics = [leaf.clone() if isinstance(leaf, Tensor) and id(leaf) not in owned else leaf
-                   for leaf in leaves]
-        self._islands.append(_Island(layer, inputs, statics))
-        self._pieces.begin()
-        return optree.tree_unflatten(spec, statics)
 
 
 class PrefillRunner:
@@ -227,11 +173,7 @@ class PrefillRunner:
         if not entry.invariant and invariant_on():
             refuse_replay_in_the_mode("PrefillRunner", self.attn)
         with self.attn.session(state, batch, defer_capturable=True) as s:  # plans for the eager layers only
-            entry.graphs[0].replay()
-            for island, graph in zip(entry.islands, entry.graphs[1:]):
-                result = s.forward(island.layer, island.inputs)
-                _copy_back(island, result)
-                graph.replay()
+            replay(entry.graphs, entry.islands, s, "PrefillRunner")
         entry.replays += 1
         return _advance(state, batch), entry.logits[:len(every)].clone()
 
@@ -271,11 +213,11 @@ class PrefillRunner:
                 state.write(deltas)
                 state = _advance(state, batch)
             batch = self._pad_batch(state, entry)
-            pieces = _Pieces(self._pool)
+            pieces = Pieces(self._pool)
             # The session opens (plans, lease) before the first piece begins: a plan copies from the host.
-            with static_shapes(), self.attn.session(state, batch, defer_capturable=True) as s, _ending(pieces):
+            with static_shapes(), self.attn.session(state, batch, defer_capturable=True) as s, ending(pieces):
                 pieces.begin()
-                capturing = _CapturingSession(s, pieces, entry.islands, hold=not entry.mixed)
+                capturing = CapturingSession(s, pieces, entry.islands, hold=not entry.mixed)
                 logits, deltas = self.step(self.params, capturing, entry.token_ids)
                 if not isinstance(deltas, StepDeltas):
                     fail("PrefillRunner", "step", "a step returning (logits, deltas)", type(deltas).__name__)
@@ -284,36 +226,6 @@ class PrefillRunner:
         entry.graphs, entry.logits, entry.lineage = pieces.graphs, logits, state.lineage
         entry.invariant = invariant_on()
         return _advance(state, batch)
-
-
-@contextlib.contextmanager
-def _ending(pieces: _Pieces):
-    """Ends the piece being captured, also when the step raises (a capture left open breaks the stream)."""
-    try:
-        yield
-    finally:
-        if pieces.graph is not None:
-            pieces.end()
-
-
-def _copy_back(island: _Island, result) -> None:
-    """What a replay's backend returned, into the tensors the next piece reads; a backend whose return
-    differs from the captured one in kind or shape is refused by name."""
-    leaves = optree.tree_leaves(result, namespace="fnattn", none_is_leaf=True)
-    if len(leaves) != len(island.statics):
-        fail("PrefillRunner", f"layer {island.layer}'s backend", f"{len(island.statics)} output and write tensors "
-             "(what it returned when captured)", len(leaves))
-    for static, leaf in zip(island.statics, leaves):
-        if leaf is static:
-            continue
-        if not isinstance(static, Tensor) or not isinstance(leaf, Tensor) or leaf.shape != static.shape:
-            fail("PrefillRunner", f"layer {island.layer}'s backend", "what it returned when captured "
-                 f"({_about(static)})", _about(leaf))
-        static.copy_(leaf)
-
-
-def _about(x) -> str:
-    return f"tensor {tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
 
 
 def _advance(state, batch: Batch):

@@ -56,8 +56,8 @@ class AttentionSession:
         #: name -> tensor a model built inside the step and declared as a generated lane (`record`)
         self.generated: dict[str, torch.Tensor] = {}
         self._parts = None  # a mixed step: (phase, its batch, its dispatch, its metas) for decode, then prefill
-        # A prefill graph captured in pieces (`fnattn.prefill_graph`) holds the layers of capturable backends:
-        # their groups plan at their first layer, inside the piece being captured, not on entry.
+        # A step captured in pieces (`fnattn.pieces`) holds the layers of capturable backends: their groups
+        # plan at their first layer, inside the piece being captured, not on entry.
         self._defer = defer_capturable
         self._deferred: dict = {}  # group -> its specs, planned at its first layer's forward
 
@@ -188,11 +188,11 @@ class AttentionSession:
         return out, writes
 
     def holds_in_graph(self, layer: int, phase: str | None = None) -> bool:
-        """Whether a prefill graph captured in pieces holds ``layer`` (its prefill backend is capturable: in a
-        bucket its launches are shaped by the bucket) rather than running it eagerly between pieces. Never in
-        a mixed step, whose parts are built per step."""
+        """Whether a step captured in pieces (`fnattn.pieces`) holds ``layer`` (its backend for the phase is
+        capturable: in a bucket its launches are shaped by the bucket) rather than running it eagerly between
+        pieces. Never in a mixed step, whose parts are built per step."""
         phase = phase or self.batch.phase
-        if phase != "prefill" or self.batch.decode_lanes:
+        if self.batch.decode_lanes:
             return False
         backend = self.model_attention.backend(layer, phase)
         return backend.capturable
