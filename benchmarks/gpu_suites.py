@@ -36,7 +36,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_tiny.json", "bench_invariance_qwen3_5_0.8b.json",
+NEW = {"tp_gpu.json", "decode_pieces_gpu.json", "bench_invariance_tiny.json", "bench_invariance_qwen3_5_0.8b.json",
        "bench_invariance_deepseek_v32_2-layer.json", "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
@@ -181,8 +181,10 @@ SUITES: dict[str, Suite] = {
     )),
     "invariance-bench": Suite("fnattn bench invariance over every family's tiny model: speculative greedy against plain "
                               "greedy, oracle acceptance, batch invariance, graph against eager, with the mode off "
-                              "and on", (
+                              "and on; then decode captured in pieces around a kind that cannot be captured, against the capture-"
+                              "free step", (
         bench(420, "invariance --family all --new-tokens 32 --batch 1 8 --steps 4", "bench_invariance_tiny.json"),
+        tests(120, "decode_pieces_gpu.json", "tests/gpu/test_decode_pieces_gpu.py"),
     )),
     "invariance-cost": Suite("the invariant mode's cost: its fixed-tile GEMM against cuBLAS and the default GEMV, then "
                              "the Qwen3.5-0.8B shape's properties and its decode step, captured, mode on over off at "

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 from fnattn.models.registry import FAMILIES, _load_builtin, family_named, random_checkpoint
-from helpers import registry_scope, same_bits
+from helpers import same_bits
 
 import fnattn as fa
 from fnattn import kernels
@@ -118,35 +118,6 @@ def test_graph_replay_equals_the_capture_free_step_bitwise(name, record):
         e.bucket.lanes for e in graph_runner._entries.values()), "replays": replays, "bitwise": equal,
         "finite": finite, "ok": equal and finite and replays == 32})
     assert equal and finite and replays == 32
-
-
-@pytest.mark.parametrize("name", ["qwen3_5", "llama", "kimi_linear"])
-def test_decode_in_pieces_around_an_uncapturable_kind_equals_the_capture_free_step(name, record):
-    """A kind whose decode backend is registered without ``capturable=True`` (a notebook's, here a copy of the
-    chosen backend of the last layer's kind) no longer turns the runner's decode eager: each of its layers runs
-    between captured pieces, and the logits are the capture-free runner's bit for bit (32 steps, requests
-    joining and leaving, NaN-filled storage)."""
-    fam, cfg, _, _ = build(name)
-    chosen = fa.ModelAttention(cfg.specs, device="cuda").backend(cfg.specs[-1].index, "decode")
-    with registry_scope():
-        def notebook_copy(spec, views, inputs):  # defined outside fnattn: a user's backend, ranked first
-            return chosen.source(spec, views, inputs)
-
-        fa.register(chosen.kind, "decode", "notebook_copy", plan=chosen.plan, supports=chosen.supports,
-                    page_size=chosen.page_size)(notebook_copy)
-        runner, pieces, rows_ok = decode_run(name, True)
-        _, eager, _ = decode_run(name, False)
-    islands = {e.bucket.lanes: len(e.islands) for e in runner.entries()}
-    layers = sum(spec.kind == chosen.kind for spec in cfg.specs)
-    equal = len(pieces) == len(eager) and all(torch.equal(a, b) for a, b in zip(pieces, eager))
-    shaped = runner.in_pieces and all(e.graph is None and len(e.graphs) == len(e.islands) + 1 == layers + 1
-                                      for e in runner.entries())
-    replays = sum(e.replays for e in runner.entries())
-    finite = all(torch.isfinite(a).all() for a in pieces) and rows_ok
-    record({"case": f"decode in pieces around {chosen.kind!r} ({layers} layers), {name}", "steps": 32,
-            "islands": islands, "replays": replays, "bitwise": equal, "finite": finite,
-            "ok": equal and shaped and finite and replays == 32})
-    assert equal and shaped and finite and replays == 32
 
 
 def mtp_run(recovery, capture):
