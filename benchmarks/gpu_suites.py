@@ -36,7 +36,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "decode_pieces_gpu.json", "bench_invariance_tiny.json", "bench_invariance_qwen3_5_0.8b.json",
+NEW = {"tp_gpu.json", "decode_pieces_gpu.json", "bench_model_qwen3_5_0.8b_pieces.json", "bench_invariance_tiny.json", "bench_invariance_qwen3_5_0.8b.json",
        "bench_invariance_deepseek_v32_2-layer.json", "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
@@ -164,11 +164,14 @@ SUITES: dict[str, Suite] = {
               "bench_model_kimi_linear_4-layer.json"),
     )),
     "profile": Suite("where the Qwen3.5-0.8B decode step's time goes: kernels per step (eager and replayed), each "
-                     "layer's kernel time against its bytes, then eager host time (printed, in session.log)", (
+                     "layer's kernel time against its bytes, then eager host time (printed, in session.log); then decode "
+                     "in pieces around a notebook's full-attention kind, eager and replayed", (
         bench(330, "model --family qwen3_5 --shape 0.8b --batch 1 8 32 --prompt 512 --steps 16 --no-transformers "
               "--profile 4", "bench_model_qwen3_5_0.8b_profile.json"),
         Part(120, "python benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --prompt 512 --steps 8 "
              "--rows 25"),
+        bench(110, "model --family qwen3_5 --shape 0.8b --batch 1 8 --prompt 512 --steps 32 --no-transformers "
+              "--prefill-tokens 0 --uncapturable full", "bench_model_qwen3_5_0.8b_pieces.json"),
     )),
     "invariance": Suite("whether a token's result depends on its phase or batch on CUDA, with the invariant mode off "
                         "and on, every family (in the mode a ModelAttention chooses only backends that honour it: "

@@ -164,3 +164,21 @@ def test_a_cpu_runner_captures_nothing_in_pieces_or_whole(model):
     assert runner.uncapturable("decode") == [f"layer 3 decode: {attn.backend(3, 'decode').name!r} is not capturable"]
     with pytest.raises(ValueError, match="capture"):
         StepRunner(m.step, m.params, attn, m.manifest(), capture=True)
+
+
+def test_bench_model_uncapturable_registers_a_notebooks_copy_of_the_kinds_decode_backend():
+    """`fnattn bench model --uncapturable KIND`: KIND's layers decode through a user's copy of the chosen backend,
+    not declared capturable (so a CUDA runner replays pieces around them); the other kinds keep theirs."""
+    from fnattn.bench.model import notebook_kind
+    from fnattn.models.registry import random_model
+
+    m = random_model("qwen3_5", seed=0)
+    with registry_scope():
+        before = fa.ModelAttention(m.specs)
+        attn = notebook_kind(m, before, "full")
+        copy = attn.backend(3, "decode")
+        assert copy.name == "notebook_copy" and not copy.builtin and not copy.capturable
+        assert copy.plan is before.backend(3, "decode").plan
+        assert all(attn.backend(i, "decode").name == before.backend(i, "decode").name for i in range(3))
+        with pytest.raises(ValueError, match=r"--uncapturable: expected a kind of this model's layers.*'mla'"):
+            notebook_kind(m, before, "mla")

@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--prefer", nargs="+", default=None, metavar="BACKEND",
                    help="backend names in order of preference for every layer (default: fnattn's own ranking), "
                         "e.g. --prefer triton_fused triton fla reference")
+    m.add_argument("--uncapturable", default=None, metavar="KIND",
+                   help="model: KIND's decode backend registered again as a notebook's, without capturable=True: "
+                        "the graph case then replays pieces around KIND's layers (docs/graphs.md, 'Decode in "
+                        "pieces'), e.g. --uncapturable full")
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, under torchrun --nproc-per-node N "
                                                      "(default 1; rank 0 writes the results)")
     m.add_argument("--new-tokens", type=int, default=None,
@@ -132,7 +136,7 @@ def run_model(args) -> int:
                         device=args.device, page_size=args.page_size, prefill_tokens=args.prefill_tokens,
                         hf_tokens=args.hf_tokens, transformers=not args.no_transformers, graph=not args.eager,
                         records=records, log=lambda line: lead and print(line, file=sys.stderr), tp=group,
-                        prefer=args.prefer, profile=args.profile)
+                        prefer=args.prefer, profile=args.profile, uncapturable=args.uncapturable)
     except ValueError as e:
         if not records:  # a user mistake (family, shape): one line
             print(f"fnattn bench: {e}", file=sys.stderr)

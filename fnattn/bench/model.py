@@ -323,6 +323,28 @@ def _graph_runner(model, ma, batch: int, max_context: int):
     return runner, None
 
 
+def notebook_kind(model, ma, kind: str, prefer=None):
+    """``ma`` over ``kind``'s decode backend registered again as a notebook registers a new kind's: a user's
+    backend (ranked first), not declared capturable, so `StepRunner` captures decode in pieces around its
+    layers. The copy runs the same function, plan and page size."""
+    from ..model_attention import ModelAttention
+    from ..registry import register
+
+    layers = [spec.index for spec in model.specs if spec.kind == kind]
+    if not layers:
+        raise ValueError(f"--uncapturable: expected a kind of this model's layers "
+                         f"({sorted({spec.kind for spec in model.specs})}), got {kind!r}")
+    chosen = ma.backend(layers[0], "decode")
+
+    def notebook_copy(spec, views, inputs):
+        return chosen.source(spec, views, inputs)
+
+    notebook_copy.__module__ = "__main__"  # where a notebook cell defines it: a user's backend
+    register(kind, "decode", "notebook_copy", plan=chosen.plan, supports=chosen.supports, page_size=chosen.page_size,
+             replace=True)(notebook_copy)
+    return ModelAttention(model.specs, device=ma.device, prefer=None if prefer is None else ["notebook_copy", *prefer])
+
+
 def build_model(family: str, shape: str, device, *, tp=None, prefer=None, keep_weights: bool = False):
     """``-> (model, ModelAttention, weights or None)``: ``--family`` at ``--shape`` with random weights, bf16
     on CUDA and fp32 on CPU (refused before anything is allocated when it cannot fit); ``tp``: this rank's
@@ -348,7 +370,7 @@ def build_model(family: str, shape: str, device, *, tp=None, prefer=None, keep_w
 def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, device: str | None = None,
                     page_size: int | None = None, prefill_tokens: int = 16384, hf_tokens: int = 65536,
                     transformers: bool = True, graph: bool = True, records: list | None = None,
-                    log=print, tp=None, prefer=None, profile: int = 0) -> list[dict]:
+                    log=print, tp=None, prefer=None, profile: int = 0, uncapturable: str | None = None) -> list[dict]:
     """Every measurement of one model (module docstring); appends to ``records`` as it goes.
 
     ``prefer``: backend names in order of preference (`ModelAttention`'s ``prefer``; None: its default).
@@ -359,7 +381,11 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
     (`fnattn.bench.profile`: kernels on CUDA, leaf torch ops on a CPU), as records of backend "... profile".
 
     ``tp``: a `fnattn.tp.TPGroup` of several ranks: this rank's share of the model (`fnattn.models.tp`),
-    timed like a whole one; the transformers peer (a whole model) is skipped."""
+    timed like a whole one; the transformers peer (a whole model) is skipped.
+
+    ``uncapturable``: a kind of the model whose chosen decode backend is registered again as a notebook's,
+    without ``capturable=True`` (`notebook_kind`): the eager and graph cases run that copy, the graph case in
+    pieces around the kind's layers."""
     records = [] if records is None else records
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = config_for(family, shape)
@@ -367,6 +393,8 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
     transformers = transformers and not sharded
     # the checkpoint outlives the load only for the transformers peer, which loads the same tensors by name
     model, ma, weights = build_model(family, shape, dev, tp=tp, prefer=prefer, keep_weights=transformers)
+    if uncapturable is not None:
+        ma = notebook_kind(model, ma, uncapturable, prefer)
     page_size = page_size or ma.page_size or 16
     cfg, dtype = model.config, model.config.dtype
     wbytes = weight_bytes(model.params)
@@ -434,8 +462,9 @@ def run_model_bench(*, family: str, shape: str, batches, prompts, steps: int, de
                 else:
                     times, st = time_decode(model, ma, st, b, steps, runner=runner)
                     # host time of the lane checks before each replay (target: <= 30 us a step)
+                    pieces = {"eager_layers": len(runner.uncapturable("decode"))} if runner.in_pieces else {}
                     records.append(_record(case, "fnattn graph", "decode", statistics.median(times), b,
-                                           validation_us=runner.last_validation_s * 1e6))
+                                           validation_us=runner.last_validation_s * 1e6, **pieces))
                     if profile:
                         st = _profile_decode(records, case, "fnattn graph", model, ma, st, b, profile, log,
                                              runner=runner)
