@@ -26,6 +26,7 @@ def test_bench_invariance_records_every_figure_with_the_mode_off_and_on(tmp_path
     assert off["prompt"] == on["prompt"] == 40  # the timed decode step's context
     assert on["verify_equals_decode"] and on["speculative_equals_greedy"] and on["batch_invariant"]
     assert on["oracle_acceptance"] == 1.0 and on["graph_equals_eager"] is None  # no graphs on a CPU
+    assert on["batch_invariant_sizes"] == [2, 3]
     assert off["verify_equals_decode"] is False  # bf16 Qwen3.5 without the mode: verify rounds otherwise
     assert set(on["invariant_cost_by_batch"]) == {"1", "2"} and on["invariant_cost"] > 0
     assert total == {**summary([off, on]), "families": ["qwen3_5"]} | {"invariant_cost": total["invariant_cost"]}
@@ -52,3 +53,27 @@ def test_invariant_is_an_option_of_demo_and_generate():
         assert "--invariant" in fnattn(command, "--help").stdout
     r = fnattn("demo", "--model", "qwen3_5", "--tokens", "3", "--invariant", "--mtp", "2")
     assert r.returncode == 0 and "generated token ids" in r.stdout, r.stderr
+
+
+def test_speculative_figures_hold_when_requests_accept_at_different_rates(monkeypatch):
+    """A request that accepts every draft runs ahead of one that accepts none: it leaves once it has its tokens,
+    so its oracle never runs past the plain ids (the 0.8B shape with the mode off once failed so)."""
+    import torch
+
+    import fnattn.bench.invariance as inv
+    from fnattn.bench.model import config_for
+    from fnattn.models.registry import family_named, random_model
+
+    fam = family_named("qwen3_5")
+    model = random_model("qwen3_5", seed=0, dtype=torch.float32, device="cpu", config=config_for("qwen3_5", "tiny"))
+    draft = fam.draft(model.config, model.params, None, seed=1)
+    real, vocab = inv.generate, model.config.vocab_size
+
+    def plain_of_request_1_wrong(*args, **kw):
+        state, plain = real(*args, **kw)
+        return state, {**plain, 1: plain[1][:1] + [(t + 1) % vocab for t in plain[1][1:]]}
+
+    monkeypatch.setattr(inv, "generate", plain_of_request_1_wrong)
+    same, accepted, proposed = inv.speculative(fam, model, draft, "cpu", k=3, tokens=6)
+    assert not same  # request 1's oracle was wrong
+    assert 0 < accepted < proposed

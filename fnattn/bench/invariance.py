@@ -7,7 +7,8 @@ For each family (tiny random weights in bf16 unless ``--shape`` names another), 
 * ``speculative_equals_greedy`` and ``oracle_acceptance`` (families with an MTP draft): speculative decoding
   with k = 1 and k = 3 whose drafts are the tokens plain greedy decoding emitted: the ids it emits against
   plain greedy's, and the drafts accepted over those proposed;
-* ``batch_invariant``: a request's logits decoded alone against beside two others of other lengths;
+* ``batch_invariant``: a request's logits decoded alone against beside others of mixed lengths, in batches of 3
+  and of each ``--batch`` size above 1 (``batch_invariant_sizes``);
 * ``graph_equals_eager``: greedy ids and logits of captured steps (`fnattn.graph.StepRunner`) against eager
   ones (CUDA only; None on a CPU and where the chosen backends cannot be captured);
 * ``invariant_cost``: the decode step's time with the mode on over off, per batch, and its worst batch; each
@@ -33,10 +34,16 @@ from ..speculative import Speculator
 PROMPTS = {0: [5, 17, 9, 3, 11, 2, 7, 30, 4], 1: [8, 1, 4, 22], 2: [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]}
 
 
-def _state(specs, device, ring=2, tokens=64):
-    pages = len(PROMPTS) * (-(-(max(map(len, PROMPTS.values())) + tokens + 8) // 4)) + 4
-    return fa.State(specs, num_pages=pages, page_size=4, max_requests=len(PROMPTS) + 1, recurrent_ring=ring,
+def _state(specs, device, ring=2, tokens=64, prompts=PROMPTS):
+    pages = len(prompts) * (-(-(max(map(len, prompts.values())) + tokens + 8) // 4)) + 4
+    return fa.State(specs, num_pages=pages, page_size=4, max_requests=len(prompts) + 1, recurrent_ring=ring,
                     device=device)
+
+
+def _batch_of(size: int, vocab: int) -> dict[int, list[int]]:
+    """Request 0's prompt and ``size - 1`` others of mixed lengths (3 to 15 tokens)."""
+    others = {r: [(11 * r + 3 * i) % (vocab - 1) + 1 for i in range(3 + (5 * r) % 13)] for r in range(1, size)}
+    return {0: PROMPTS[0], **others}
 
 
 def _prefill(model, attn, st, prompts):
@@ -89,10 +96,14 @@ def speculative(fam, model, draft, device, k: int, tokens: int) -> tuple[bool, i
     for r, t in spec.start(prompts).items():
         emitted[r].append(t)
     accepted = proposed = 0
-    while min(len(e) for e in emitted.values()) < tokens:
+    live = set(prompts)
+    while live:
         for r, got in spec.step().items():
             emitted[r] += got
             accepted, proposed = accepted + len(got) - 1, proposed + k
+            if len(emitted[r]) >= tokens:  # leaves, so its oracle never runs past the plain ids
+                spec.release(r)
+                live.discard(r)
     same = all(emitted[r][:tokens] == plain[r][:tokens] for r in prompts)
     return same, accepted, proposed
 
@@ -100,7 +111,7 @@ def speculative(fam, model, draft, device, k: int, tokens: int) -> tuple[bool, i
 def _decode(model, attn, device, prompts, steps: int, runner=None):
     """Prefill ``prompts``, then ``steps`` greedy decode steps of them all, eager or through ``runner``:
     ``-> (the prefill's last logits [B, V], every step's logits [steps, B, V])``."""
-    st, last = _prefill(model, attn, _state(model.specs, device, tokens=steps), prompts)
+    st, last = _prefill(model, attn, _state(model.specs, device, tokens=steps, prompts=prompts), prompts)
     out, ids = [], last.argmax(-1)
     for _ in range(steps):
         st, logits = _decode_step(model, attn, st.reserve({r: 1 for r in prompts}), list(prompts), ids, runner)
@@ -117,14 +128,16 @@ def _decode_step(model, attn, st, ids_of: list[int], tokens, runner=None):
     return runner.decode(st, ids_of, tokens)
 
 
-def batch_invariant(model, device, steps: int) -> bool:
-    """Request 0's logits (its prefill's last token's, then each decode step's) alone and beside the others."""
+def batch_invariant(model, device, steps: int, sizes=(3,)) -> bool:
+    """Request 0's logits (its prefill's last token's, then each decode step's) alone and beside ``size - 1``
+    others of mixed lengths, for every size."""
 
     def request_0(prompts):
         last, logits = _decode(model, fa.ModelAttention(model.specs, device=device), device, prompts, steps)
         return torch.cat([last[:1], logits[:, 0]])
 
-    return bool(torch.equal(request_0({0: PROMPTS[0]}), request_0(PROMPTS)))
+    alone = request_0({0: PROMPTS[0]})
+    return all(torch.equal(alone, request_0(_batch_of(n, model.config.vocab_size))) for n in sizes)
 
 
 def graph_equals_eager(model, device, steps: int) -> bool | None:
@@ -192,7 +205,8 @@ def family_records(name: str, *, shape: str, device: str, tokens: int, batches: 
                 same, acc, prop = zip(*(speculative(fam, model, draft, device, k, tokens) for k in (1, 3)))
                 rec["speculative_equals_greedy"] = all(same)
                 rec["oracle_acceptance"] = sum(acc) / sum(prop)
-            rec["batch_invariant"] = batch_invariant(model, device, steps=min(tokens, 16))
+            rec["batch_invariant_sizes"] = sizes = sorted({3, *(b for b in batches if b > 1)})
+            rec["batch_invariant"] = batch_invariant(model, device, steps=min(tokens, 16), sizes=sizes)
             rec["graph_equals_eager"] = graph_equals_eager(model, device, steps=min(tokens, 16))
             timed = {b: decode_step_us(model, device, b, steps, prompt) for b in batches}
             rec["decode_us"] = {b: us for b, (us, _) in timed.items()}
