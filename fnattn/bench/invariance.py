@@ -12,8 +12,9 @@ For each family (tiny random weights in bf16 unless ``--shape`` names another), 
 * ``graph_equals_eager``: greedy ids and logits of captured steps (`fnattn.graph.StepRunner`) against eager
   ones (CUDA only; None on a CPU and where the chosen backends cannot be captured);
 * ``invariant_cost``: the decode step's time with the mode on over off, per batch, and its worst batch; each
-  step as a server runs it (``decode_form``: ``"graph"``, captured, where the chosen backends can be, else
-  ``"eager"``), so on CUDA the cost of a mode whose backends cannot be captured includes the host's launches.
+  step as a server runs it (``decode_form``: ``"graph"``, captured whole, where the chosen backends can be;
+  ``"pieces"``, captured around the layers whose decode backend cannot be; else ``"eager"``), so on CUDA the cost
+  of a mode whose backends cannot be captured includes the host's launches.
 
 Each record is one (family, mode); a summary record names the figures over every family.
 """
@@ -163,7 +164,8 @@ def _runner(model, attn, device, lanes: int):
 
 def decode_step_us(model, device, batch: int, steps: int, prompt: int = 16) -> tuple[float, str]:
     """Median microseconds of a decode step of ``batch`` requests (prompts of ``prompt`` tokens) as a server runs
-    it: captured (``"graph"``) where the chosen backends can be, else eager (``"eager"``): ``-> (us, form)``."""
+    it: captured whole (``"graph"``) where the chosen backends can be, in pieces around the layers whose
+    decode backend cannot be (``"pieces"``), else eager (``"eager"``): ``-> (us, form)``."""
     attn = fa.ModelAttention(model.specs, device=device)
     runner = _runner(model, attn, device, batch)
     prompts = {r: [(7 * r + i) % model.config.vocab_size for i in range(prompt)] for r in range(batch)}
@@ -180,7 +182,8 @@ def decode_step_us(model, device, batch: int, steps: int, prompt: int = 16) -> t
         _sync(device)
         times.append(time.perf_counter() - t0)
         ids = logits.argmax(-1)
-    return statistics.median(times[1:]) * 1e6, "eager" if runner is None else "graph"
+    form = "eager" if runner is None else "pieces" if runner.in_pieces else "graph"
+    return statistics.median(times[1:]) * 1e6, form
 
 
 def _sync(device) -> None:
