@@ -36,7 +36,8 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_qwen3_5_0.8b.json",
+NEW = {"tp_gpu.json", "bench_invariance_qwen3_5_0.8b.json", "bench_invariance_qwen3_5_256.json",
+       "bench_invariance_deepseek_v32_256.json", "bench_invariance_deepseek_v4_256.json",
        "bench_invariance_deepseek_v32_2-layer.json", "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
@@ -177,23 +178,33 @@ SUITES: dict[str, Suite] = {
                         "and on, every family (in the mode a ModelAttention chooses only backends that honour it: "
                         "the Triton full-attention, MLA, sparse MLA, DeepSeek-V4 and GDN / KDA kernels); the "
                         "invariant kernels against their references and across their launch forms (20 family "
-                        "cases took 206 s on a fresh H100, KDA's compile 85 s of it)", (
+                        "cases took 206 s on a fresh H100, KDA's compile 85 s of it); the invariant GEMM's cost against "
+                        "cuBLAS and the default GEMV", (
         tests(120, "invariant_linear_gpu.json", "tests/kernels/test_invariant_linear.py "
               "tests/kernels/test_paged_attention_invariant.py tests/kernels/test_latent_invariant.py"),
         tests(300, "invariant_gpu.json", "tests/gpu/test_invariant_gpu.py"),
+        Part(150, "python benchmarks/invariant_linear_cost.py --out {out}/invariant_linear_cost.json"),
     )),
     "invariance-bench": Suite("fnattn bench invariance over every family's tiny model: speculative greedy against plain "
                               "greedy, oracle acceptance, batch invariance, graph against eager, with the mode off "
                               "and on; then decode captured in pieces around a kind that cannot be captured, against the capture-"
                               "free step", (
         bench(420, "invariance --family all --new-tokens 32 --batch 1 8 --steps 4", "bench_invariance_tiny.json"),
-        tests(120, "decode_pieces_gpu.json", "tests/gpu/test_decode_pieces_gpu.py"),
+        tests(150, "decode_pieces_gpu.json", "tests/gpu/test_decode_pieces_gpu.py"),  # 117 s with a fresh compile
     )),
-    "invariance-cost": Suite("the invariant mode's cost: its fixed-tile GEMM against cuBLAS and the default GEMV, then "
-                             "the Qwen3.5-0.8B shape's properties and its decode step, captured, mode on over off at "
-                             "batch 1 / 8 / 32 / 128", (
-        Part(150, "python benchmarks/invariant_linear_cost.py --out {out}/invariant_linear_cost.json"),
-        bench(400, "invariance --family qwen3_5 --shape 0.8b --new-tokens 64 --batch 1 8 32 128 --steps 8",
+    "invariance-mtp": Suite("speculative greedy against plain greedy over 256 tokens, oracle acceptance and batch "
+                            "invariance for each family with an MTP draft (tiny models), with the mode off and on", (
+        bench(180, "invariance --family qwen3_5 --new-tokens 256 --batch 1 8 32 --steps 4",
+              "bench_invariance_qwen3_5_256.json"),
+        bench(190, "invariance --family deepseek_v32 --new-tokens 256 --batch 1 8 32 --steps 4",
+              "bench_invariance_deepseek_v32_256.json"),
+        bench(190, "invariance --family deepseek_v4 --new-tokens 256 --batch 1 8 32 --steps 4",
+              "bench_invariance_deepseek_v4_256.json"),
+    )),
+    "invariance-cost": Suite("the invariant mode's cost on the Qwen3.5-0.8B shape: its properties and its decode step, "
+                             "captured, mode on over off at batch 1 / 8 / 32 / 128 (the mode-off half once took 219 s "
+                             "on a fresh H100)", (
+        bench(560, "invariance --family qwen3_5 --shape 0.8b --new-tokens 64 --batch 1 8 32 128 --steps 8",
               "bench_invariance_qwen3_5_0.8b.json"),
     )),
     "invariance-cost-latent": Suite("the invariant mode's cost where MLA layers take its Triton path in place of "
