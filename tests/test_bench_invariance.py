@@ -77,3 +77,15 @@ def test_speculative_figures_hold_when_requests_accept_at_different_rates(monkey
     same, accepted, proposed = inv.speculative(fam, model, draft, "cpu", k=3, tokens=6)
     assert not same  # request 1's oracle was wrong
     assert 0 < accepted < proposed
+
+
+def test_bench_invariance_cost_only_times_the_step_and_leaves_the_properties_out(tmp_path):
+    out = tmp_path / "cost.json"
+    r = fnattn("bench", "invariance", "--family", "llama", "--batch", "1", "2", "--steps", "2", "--cost-only",
+               "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    off, on, total = json.loads(out.read_text())["records"]
+    for rec in (off, on):
+        assert set(rec["decode_us"]) == {"1", "2"} and "verify_equals_decode" not in rec
+    assert on["invariant_cost"] == max(on["invariant_cost_by_batch"].values()) > 0
+    assert total["batch_invariant"] is None and total["invariant_cost"] == on["invariant_cost"]

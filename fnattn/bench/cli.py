@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--new-tokens", type=int, default=None,
                    help="invariance: tokens each request decodes in the greedy and speculative comparisons "
                         "(default 32 on a CPU, 256 on CUDA)")
+    m.add_argument("--cost-only", action="store_true",
+                   help="invariance: time the decode step with the mode off and on (invariant_cost) and skip the "
+                        "properties")
     g = p.add_argument_group("generate", "fnattn bench generate: time to first token, decode, MTP and a serving "
                                           "mix (fnattn/bench/generate.py; also --family, --shape, --batch, "
                                           "--prompt, --steps, --device, --eager)")
@@ -342,7 +345,7 @@ def run_invariance(args) -> int:
     try:
         for name in names:
             records += family_records(name, shape=shape, device=device, tokens=tokens, batches=batches,
-                                      steps=args.steps or 8, prompt=prompts[0],
+                                      steps=args.steps or 8, prompt=prompts[0], cost_only=args.cost_only,
                                       log=lambda line: print(line, file=sys.stderr))
         records.append(summary(records))
         print(json.dumps(records[-1]))

@@ -192,7 +192,9 @@ def _sync(device) -> None:
 
 
 def family_records(name: str, *, shape: str, device: str, tokens: int, batches: list[int], steps: int,
-                   prompt: int = 16, log=print) -> list[dict]:
+                   prompt: int = 16, cost_only: bool = False, log=print) -> list[dict]:
+    """Each mode's record (off, then on: ``invariant_cost`` on the latter); ``cost_only``: the decode step's times
+    alone, the properties left out of the records."""
     from ..models.registry import family_named, random_model
     from .model import config_for
 
@@ -203,14 +205,8 @@ def family_records(name: str, *, shape: str, device: str, tokens: int, batches: 
     for on in (False, True):
         with fnattn.switches.set(invariant=on):
             rec = {"case": f"invariance {name}", "family": name, "shape": shape, "invariant": on, "prompt": prompt}
-            rec["verify_equals_decode"] = verify_equals_decode(model, device)
-            if draft is not None:
-                same, acc, prop = zip(*(speculative(fam, model, draft, device, k, tokens) for k in (1, 3)))
-                rec["speculative_equals_greedy"] = all(same)
-                rec["oracle_acceptance"] = sum(acc) / sum(prop)
-            rec["batch_invariant_sizes"] = sizes = sorted({3, *(b for b in batches if b > 1)})
-            rec["batch_invariant"] = batch_invariant(model, device, steps=min(tokens, 16), sizes=sizes)
-            rec["graph_equals_eager"] = graph_equals_eager(model, device, steps=min(tokens, 16))
+            if not cost_only:
+                rec.update(_properties(fam, model, draft, device, tokens, batches))
             timed = {b: decode_step_us(model, device, b, steps, prompt) for b in batches}
             rec["decode_us"] = {b: us for b, (us, _) in timed.items()}
             rec["decode_form"] = {b: form for b, (_, form) in timed.items()}
@@ -221,6 +217,18 @@ def family_records(name: str, *, shape: str, device: str, tokens: int, batches: 
     records[-1]["invariant_cost_by_batch"] = ratios
     records[-1]["invariant_cost"] = max(ratios.values())
     return records
+
+
+def _properties(fam, model, draft, device, tokens: int, batches: list[int]) -> dict:
+    rec = {"verify_equals_decode": verify_equals_decode(model, device)}
+    if draft is not None:
+        same, acc, prop = zip(*(speculative(fam, model, draft, device, k, tokens) for k in (1, 3)))
+        rec["speculative_equals_greedy"] = all(same)
+        rec["oracle_acceptance"] = sum(acc) / sum(prop)
+    rec["batch_invariant_sizes"] = sizes = sorted({3, *(b for b in batches if b > 1)})
+    rec["batch_invariant"] = batch_invariant(model, device, steps=min(tokens, 16), sizes=sizes)
+    rec["graph_equals_eager"] = graph_equals_eager(model, device, steps=min(tokens, 16))
+    return rec
 
 
 def summary(records: list[dict]) -> dict:
