@@ -36,7 +36,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_qwen3_5_0.8b.json", "bench_invariance_qwen3_5_256.json",
+NEW = {"tp_gpu.json", "bench_invariance_qwen3_5_256.json",
        "bench_invariance_deepseek_v32_256.json", "bench_invariance_deepseek_v4_256.json",
        "bench_invariance_deepseek_v32_2-layer.json", "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
@@ -201,9 +201,14 @@ SUITES: dict[str, Suite] = {
         bench(190, "invariance --family deepseek_v4 --new-tokens 256 --batch 1 8 32 --steps 4",
               "bench_invariance_deepseek_v4_256.json"),
     )),
-    "invariance-cost": Suite("the invariant mode's cost on the Qwen3.5-0.8B shape: its properties and its decode step, "
-                             "captured, mode on over off at batch 1 / 8 / 32 / 128 (the mode-off half once took 219 s "
-                             "on a fresh H100)", (
+    "invariance-cost": Suite("the invariant mode's cost on the Qwen3.5-0.8B shape: its decode step, captured, mode on "
+                             "over off at batch 1 / 8 / 32 / 128 (187 s on a fresh H100)", (
+        bench(330, "invariance --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --steps 8 --cost-only",
+              "bench_invariance_qwen3_5_0.8b_cost.json"),
+    )),
+    "invariance-0.8b": Suite("the invariance properties at the Qwen3.5-0.8B shape, mode off and on: speculative greedy "
+                             "against plain greedy, oracle acceptance, batch invariance at 3 / 8 / 32 / 128 requests, "
+                             "graph against eager (the mode-off half once took 219 s on a fresh H100)", (
         bench(560, "invariance --family qwen3_5 --shape 0.8b --new-tokens 64 --batch 1 8 32 128 --steps 8",
               "bench_invariance_qwen3_5_0.8b.json"),
     )),
