@@ -71,3 +71,55 @@ def test_verify_equals_decode_and_a_request_ignores_its_batch(name, on, record):
             "verify_equals_decode": verify_equal, "batch_invariant": batch_equal,
             "max_verify_diff": float((verified.float() - alone.float()).abs().max()), "ok": ok})
     assert ok, (verify_equal, batch_equal)
+
+
+def real_width_model():
+    """Qwen3.5 at the 0.8B shape's widths (head dims 256 and 128, hidden 1024, its vocabulary), four layers:
+    tiny widths take other tiles and launch forms than a real model's."""
+    from fnattn.bench.model import config_for
+    from fnattn.models.registry import random_model
+
+    cfg = config_for("qwen3_5", "0.8b")
+    cfg.update(num_hidden_layers=4, layer_types=cfg["layer_types"][:4])
+    return random_model("qwen3_5", seed=0, dtype=torch.bfloat16, device=DEV, config=cfg)
+
+
+def greedy_logits(model, prompts, steps=8):
+    """Request 0's logits over its prefill's last token and ``steps`` greedy decode steps beside ``prompts``, in
+    pages of 4 tokens (so requests cross pages at different steps)."""
+    attn = fa.ModelAttention(model.specs, device=DEV)
+    st = fa.State(model.specs, num_pages=len(prompts) * 12 + 4, page_size=4, max_requests=len(prompts) + 1,
+                  device=DEV, fill=float("nan"))
+    for r in prompts:
+        st = st.admit(r)
+    counts = {r: len(p) for r, p in prompts.items()}
+    st = st.reserve(counts)
+    with attn.session(st, fa.Batch.prefill(st, counts)) as s:
+        logits, d = model.step(model.params, s, torch.tensor([t for p in prompts.values() for t in p], device=DEV))
+    st = st.apply(d)
+    ends = torch.tensor(list(counts.values()), device=DEV).cumsum(0) - 1
+    rows, ids = [logits[ends[0]]], logits[ends].argmax(-1)
+    for _ in range(steps):
+        st = st.reserve({r: 1 for r in prompts})
+        with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
+            logits, d = model.step(model.params, s, ids)
+        st = st.apply(d)
+        rows.append(logits[0])
+        ids = logits.argmax(-1)
+    return attn, torch.stack(rows)
+
+
+@pytest.mark.parametrize("others", [2, 7])
+def test_at_real_widths_a_requests_logits_ignore_its_batch(others, record):
+    model = real_width_model()
+    mine = PROMPTS[0]
+    prompts = {0: mine, **{r: [(11 * r + 3 * i) % 1000 + 1 for i in range(3 + (5 * r) % 13)]
+                           for r in range(1, others + 1)}}
+    with fnattn.switches.set(invariant=True):
+        attn, alone = greedy_logits(model, {0: mine})
+        _, beside = greedy_logits(model, prompts)
+    same = [torch.equal(a, b) for a, b in zip(alone, beside)]
+    backends = sorted({attn.backend(i, "decode").name for i in range(len(model.specs))})
+    record({"case": f"invariant qwen3_5 0.8b widths beside {others}", "backends": backends,
+            "equal_by_step": same, "ok": all(same)})
+    assert all(same), same
