@@ -76,8 +76,9 @@ def test_verify_equals_decode_and_a_request_ignores_its_batch(name, on, record):
 def real_width_model():
     """Qwen3.5 at the 0.8B shape's widths (head dims 256 and 128, hidden 1024, its vocabulary), four layers:
     tiny widths take other tiles and launch forms than a real model's."""
-    from fnattn.bench.model import config_for
     from fnattn.models.registry import random_model
+
+    from fnattn.bench.model import config_for
 
     cfg = config_for("qwen3_5", "0.8b")
     cfg.update(num_hidden_layers=4, layer_types=cfg["layer_types"][:4])
