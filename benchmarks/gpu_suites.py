@@ -202,9 +202,14 @@ SUITES: dict[str, Suite] = {
               "bench_invariance_deepseek_v4_256.json"),
     )),
     "invariance-cost": Suite("the invariant mode's cost on the Qwen3.5-0.8B shape: its decode step, captured, mode on "
-                             "over off at batch 1 / 8 / 32 / 128 (187 s on a fresh H100)", (
+                             "over off at batch 1 / 8 / 32 / 128 (187 s on a fresh H100); then the first layer "
+                             "whose decode results depend on the batch at those widths (printed, in session.log)", (
         bench(330, "invariance --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --steps 8 --cost-only",
               "bench_invariance_qwen3_5_0.8b_cost.json"),
+        # where a request's decode results first depend on its batch at the real widths (printed, in session.log),
+        # beside 7 requests and beside 2
+        Part(90, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 7 --steps 8"),
+        Part(90, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 2 --steps 8"),
     )),
     "invariance-0.8b": Suite("the invariance properties at the Qwen3.5-0.8B shape, mode off and on: speculative greedy "
                              "against plain greedy, oracle acceptance, batch invariance at 3 / 8 / 32 / 128 requests, "
