@@ -207,9 +207,10 @@ SUITES: dict[str, Suite] = {
         bench(330, "invariance --family qwen3_5 --shape 0.8b --batch 1 8 32 128 --steps 8 --cost-only",
               "bench_invariance_qwen3_5_0.8b_cost.json"),
         # where a request's decode results first depend on its batch at the real widths (printed, in session.log),
-        # beside 7 requests and beside 2
-        Part(90, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 7 --steps 8"),
-        Part(90, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 2 --steps 8"),
+        # beside 7 requests and beside 2; beside none, a difference is a run that does not repeat its own bits
+        Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 7 --steps 8"),
+        Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 2 --steps 8"),
+        Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 0 --steps 8"),
     )),
     "invariance-0.8b": Suite("the invariance properties at the Qwen3.5-0.8B shape, mode off and on: speculative greedy "
                              "against plain greedy, oracle acceptance, batch invariance at 3 / 8 / 32 / 128 requests, "

@@ -12,6 +12,9 @@ the first (step, layer, field) whose bits differ between the two runs:
 * a layer's outputs equal and the next layer's inputs different: the model's own code between them
   (projections, norms, the MLP) does.
 
+``--others 0`` runs request 0 alone twice: a difference then is a step that does not repeat its own bits (a
+race), not a dependence on the batch.
+
 Prints one JSON line (``first_difference``: null where every row is the same bits).
 """
 
