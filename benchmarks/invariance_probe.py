@@ -1,7 +1,7 @@
 """Where a request's decode results first depend on its batch, layer by layer, in the invariant mode.
 
     python benchmarks/invariance_probe.py --family qwen3_5 --shape 0.8b --layers 4 --others 7 --steps 8
-    python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --prefer triton   # another decode backend
+    python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --prefer triton reference   # an order of yours
 
 Runs request 0 alone and beside ``--others`` requests of other prompt lengths (greedy, pages of 4 tokens, so
 the requests cross pages at different steps), with the mode on. At every decode step it keeps request 0's row
@@ -28,6 +28,7 @@ import torch
 
 import fnattn
 import fnattn as fa
+from fnattn.bench.invariance import PROMPTS, batch_of, prefill_prompts
 from fnattn.session import AttentionSession
 
 
@@ -51,33 +52,25 @@ def greedy_trace(model, attn, prompts: dict[int, list[int]], steps: int, device)
     """``[(step, layer, field, row)]`` of request 0 over ``steps`` greedy decode steps, in the order they ran."""
     trace: list[tuple] = []
     forward = AttentionSession.forward
-    step_of = {"now": -1}
+    step = -1  # the decode step running: `recording` reads it
 
     def recording(session, layer, inputs):
         out = forward(session, layer, inputs)
         if session.batch.phase == "decode":
             row = list(session.batch.request_ids).index(0)
             for name, t in rows_of(inputs, row, "inputs").items():
-                trace.append((step_of["now"], layer, name, t))
+                trace.append((step, layer, name, t))
             for name, t in rows_of(out[0], row, "outputs").items():
-                trace.append((step_of["now"], layer, name, t))
+                trace.append((step, layer, name, t))
         return out
 
     st = fa.State(model.specs, num_pages=len(prompts) * (steps // 4 + 8) + 4, page_size=4,
                   max_requests=len(prompts) + 1, device=device, fill=float("nan"))
-    for r in prompts:
-        st = st.admit(r)
-    counts = {r: len(p) for r, p in prompts.items()}
-    st = st.reserve(counts)
-    with attn.session(st, fa.Batch.prefill(st, counts)) as s:
-        logits, d = model.step(model.params, s, torch.tensor([t for p in prompts.values() for t in p], device=device))
-    st = st.apply(d)
-    ends = torch.tensor(list(counts.values()), device=device).cumsum(0) - 1
-    ids = logits[ends].argmax(-1)
+    st, last = prefill_prompts(model, attn, st, prompts)
+    ids = last.argmax(-1)
     AttentionSession.forward = recording
     try:
         for step in range(steps):
-            step_of["now"] = step
             st = st.reserve({r: 1 for r in prompts})
             batch = fa.Batch.decode(st, list(prompts))
             with attn.session(st, batch) as s:
@@ -109,14 +102,11 @@ def main() -> int:
     if cfg.get("layer_types"):
         cfg["layer_types"] = cfg["layer_types"][: args.layers]
     model = random_model(args.family, seed=0, dtype=torch.bfloat16, device=args.device, config=cfg)
-    mine = [5, 17, 9, 3, 11, 2, 7, 30, 4]
-    vocab = model.config.vocab_size
-    others = {r: [(11 * r + 3 * i) % (vocab - 1) + 1 for i in range(3 + (5 * r) % 13)]
-              for r in range(1, args.others + 1)}
     with fnattn.switches.set(invariant=True):
         attn = fa.ModelAttention(model.specs, device=args.device, prefer=args.prefer)
-        alone = greedy_trace(model, attn, {0: mine}, args.steps, args.device)
-        beside = greedy_trace(model, attn, {0: mine, **others}, args.steps, args.device)
+        alone = greedy_trace(model, attn, {0: PROMPTS[0]}, args.steps, args.device)
+        beside = greedy_trace(model, attn, batch_of(args.others + 1, model.config.vocab_size), args.steps,
+                              args.device)
     first = None
     for (step, layer, name, a), (_, _, name_b, b) in zip(alone, beside):
         if name != name_b or a.shape != b.shape or not torch.equal(a, b):

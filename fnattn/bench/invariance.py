@@ -41,13 +41,15 @@ def _state(specs, device, ring=2, tokens=64, prompts=PROMPTS):
                     device=device)
 
 
-def _batch_of(size: int, vocab: int) -> dict[int, list[int]]:
-    """Request 0's prompt and ``size - 1`` others of mixed lengths (3 to 15 tokens)."""
+def batch_of(size: int, vocab: int) -> dict[int, list[int]]:
+    """Request 0's prompt and ``size - 1`` others of mixed lengths (3 to 15 tokens): the batches a request is
+    compared beside (also `benchmarks/invariance_probe.py` and the GPU tests)."""
     others = {r: [(11 * r + 3 * i) % (vocab - 1) + 1 for i in range(3 + (5 * r) % 13)] for r in range(1, size)}
     return {0: PROMPTS[0], **others}
 
 
-def _prefill(model, attn, st, prompts):
+def prefill_prompts(model, attn, st, prompts: dict[int, list[int]]):
+    """Admit and prefill ``prompts`` in one step: ``-> (state, each request's last logits [B, V])``."""
     for r in prompts:
         st = st.admit(r)
     counts = {r: len(p) for r, p in prompts.items()}
@@ -62,7 +64,7 @@ def _prefill(model, attn, st, prompts):
 def verify_equals_decode(model, device, k: int = 3) -> bool:
     tokens = [3, 14, 15, 9][: k + 1]
     attn = fa.ModelAttention(model.specs, device=device)
-    st, _ = _prefill(model, attn, _state(model.specs, device), {0: PROMPTS[0]})
+    st, _ = prefill_prompts(model, attn, _state(model.specs, device), {0: PROMPTS[0]})
     decoded = []
     for t in tokens:
         st = st.reserve({0: 1})
@@ -70,7 +72,7 @@ def verify_equals_decode(model, device, k: int = 3) -> bool:
             logits, d = model.step(model.params, s, torch.tensor([t], device=device))
         st = st.apply(d)
         decoded.append(logits[0])
-    st, _ = _prefill(model, attn, _state(model.specs, device, ring=k + 2), {0: PROMPTS[0]})
+    st, _ = prefill_prompts(model, attn, _state(model.specs, device, ring=k + 2), {0: PROMPTS[0]})
     st = st.reserve({0: k + 1})
     with attn.session(st, fa.Batch.verify(st, [0], num_draft=k)) as s:
         verified, _ = model.step(model.params, s, torch.tensor(tokens, device=device))
@@ -112,7 +114,7 @@ def speculative(fam, model, draft, device, k: int, tokens: int) -> tuple[bool, i
 def _decode(model, attn, device, prompts, steps: int, runner=None):
     """Prefill ``prompts``, then ``steps`` greedy decode steps of them all, eager or through ``runner``:
     ``-> (the prefill's last logits [B, V], every step's logits [steps, B, V])``."""
-    st, last = _prefill(model, attn, _state(model.specs, device, tokens=steps, prompts=prompts), prompts)
+    st, last = prefill_prompts(model, attn, _state(model.specs, device, tokens=steps, prompts=prompts), prompts)
     out, ids = [], last.argmax(-1)
     for _ in range(steps):
         st, logits = _decode_step(model, attn, st.reserve({r: 1 for r in prompts}), list(prompts), ids, runner)
@@ -138,7 +140,7 @@ def batch_invariant(model, device, steps: int, sizes=(3,)) -> bool:
         return torch.cat([last[:1], logits[:, 0]])
 
     alone = request_0({0: PROMPTS[0]})
-    return all(torch.equal(alone, request_0(_batch_of(n, model.config.vocab_size))) for n in sizes)
+    return all(torch.equal(alone, request_0(batch_of(n, model.config.vocab_size))) for n in sizes)
 
 
 def graph_equals_eager(model, device, steps: int) -> bool | None:
@@ -172,7 +174,7 @@ def decode_step_us(model, device, batch: int, steps: int, prompt: int = 16) -> t
     page = attn.page_size or 16
     st = fa.State(model.specs, num_pages=batch * (-(-(prompt + steps + 4) // page)) + 4, page_size=page,
                   max_requests=batch + 1, device=device)
-    st, last = _prefill(model, attn, st, prompts)
+    st, last = prefill_prompts(model, attn, st, prompts)
     ids, times = last.argmax(-1), []
     for _ in range(steps + 1):  # the first captures (or warms up): left out of the median
         st = st.reserve({r: 1 for r in prompts})

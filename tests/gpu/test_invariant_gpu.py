@@ -12,6 +12,7 @@ from fnattn.models.registry import family_names
 
 import fnattn as fa
 import fnattn.switches
+from fnattn.bench.invariance import batch_of, prefill_prompts
 
 pytestmark = pytest.mark.gpu
 DEV, K = "cuda", 3
@@ -91,15 +92,8 @@ def greedy_logits(model, prompts, steps=8):
     attn = fa.ModelAttention(model.specs, device=DEV)
     st = fa.State(model.specs, num_pages=len(prompts) * 12 + 4, page_size=4, max_requests=len(prompts) + 1,
                   device=DEV, fill=float("nan"))
-    for r in prompts:
-        st = st.admit(r)
-    counts = {r: len(p) for r, p in prompts.items()}
-    st = st.reserve(counts)
-    with attn.session(st, fa.Batch.prefill(st, counts)) as s:
-        logits, d = model.step(model.params, s, torch.tensor([t for p in prompts.values() for t in p], device=DEV))
-    st = st.apply(d)
-    ends = torch.tensor(list(counts.values()), device=DEV).cumsum(0) - 1
-    rows, ids = [logits[ends[0]]], logits[ends].argmax(-1)
+    st, last = prefill_prompts(model, attn, st, prompts)
+    rows, ids = [last[0]], last.argmax(-1)
     for _ in range(steps):
         st = st.reserve({r: 1 for r in prompts})
         with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
@@ -113,11 +107,9 @@ def greedy_logits(model, prompts, steps=8):
 @pytest.mark.parametrize("others", [2, 7])
 def test_at_real_widths_a_requests_logits_ignore_its_batch(others, record):
     model = real_width_model()
-    mine = PROMPTS[0]
-    prompts = {0: mine, **{r: [(11 * r + 3 * i) % 1000 + 1 for i in range(3 + (5 * r) % 13)]
-                           for r in range(1, others + 1)}}
+    prompts = batch_of(others + 1, model.config.vocab_size)  # request 0's prompt and others of mixed lengths
     with fnattn.switches.set(invariant=True):
-        attn, alone = greedy_logits(model, {0: mine})
+        attn, alone = greedy_logits(model, {0: prompts[0]})
         _, beside = greedy_logits(model, prompts)
     same = [torch.equal(a, b) for a, b in zip(alone, beside)]
     backends = sorted({attn.backend(i, "decode").name for i in range(len(model.specs))})
