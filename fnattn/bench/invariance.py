@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+from jaxtyping import Float
 
 import fnattn as fa
 import fnattn.switches
@@ -48,7 +49,8 @@ def batch_of(size: int, vocab: int) -> dict[int, list[int]]:
     return {0: PROMPTS[0], **others}
 
 
-def prefill_prompts(model, attn, st, prompts: dict[int, list[int]]):
+def prefill_prompts(model, attn, st: fa.State,
+                    prompts: dict[int, list[int]]) -> tuple[fa.State, Float[torch.Tensor, "B V"]]:
     """Admit and prefill ``prompts`` in one step: ``-> (state, each request's last logits [B, V])``."""
     for r in prompts:
         st = st.admit(r)
