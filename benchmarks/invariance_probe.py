@@ -2,6 +2,7 @@
 
     python benchmarks/invariance_probe.py --family qwen3_5 --shape 0.8b --layers 4 --others 7 --steps 8
     python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --prefer triton reference   # an order of yours
+    python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --switch pdl=off              # a switch's other side
 
 Runs request 0 alone and beside ``--others`` requests of other prompt lengths (greedy, pages of 4 tokens, so
 the requests cross pages at different steps), with the mode on. At every decode step it keeps request 0's row
@@ -96,13 +97,21 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prefer", nargs="*", default=None, help="ModelAttention's prefer (default: its own order)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--switch", action="append", default=[], metavar="NAME=on|off",
+                   help="a fast-path switch set for both runs (repeatable), e.g. pdl=off")
     args = p.parse_args()
+    switches = {}
+    for item in args.switch:
+        name, _, value = item.partition("=")
+        if value not in ("on", "off"):
+            p.error(f"--switch: expected NAME=on|off, got {item!r}")
+        switches[name] = value == "on"
     cfg = config_for(args.family, args.shape)
     cfg["num_hidden_layers"] = args.layers
     if cfg.get("layer_types"):
         cfg["layer_types"] = cfg["layer_types"][: args.layers]
     model = random_model(args.family, seed=0, dtype=torch.bfloat16, device=args.device, config=cfg)
-    with fnattn.switches.set(invariant=True):
+    with fnattn.switches.set(invariant=True, **switches):
         attn = fa.ModelAttention(model.specs, device=args.device, prefer=args.prefer)
         alone = greedy_trace(model, attn, {0: PROMPTS[0]}, args.steps, args.device)
         beside = greedy_trace(model, attn, batch_of(args.others + 1, model.config.vocab_size), args.steps,
@@ -116,7 +125,7 @@ def main() -> int:
             break
     decode = sorted({attn.backend(i, "decode").name for i in range(len(model.specs))})
     print(json.dumps({"family": args.family, "shape": args.shape, "layers": args.layers, "others": args.others,
-                      "steps": args.steps, "device": args.device, "decode_backends": decode,
+                      "steps": args.steps, "device": args.device, "switches": switches, "decode_backends": decode,
                       "rows_compared": len(alone), "first_difference": first}))
     return 0
 
