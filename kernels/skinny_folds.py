@@ -27,7 +27,8 @@ from torch import Tensor
 from ._checks import check_finite_float, check_like, shares_storage
 from .gdn_gate import gdn_gating
 from .norm_act import silu_and_mul_ref
-from .skinny_linear import SkinnyConfig, _check, _check_operand, _launch, column_tiles, skinny_linear
+from .skinny_checks import _check, _check_operand
+from .skinny_linear import SkinnyConfig, _launch, column_tiles, skinny_linear
 
 
 def skinny_linear_swiglu(x: Float[Tensor, "M K"], w: Float[Tensor, "I2 K"], *, rms=None,

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_finite_float, check_like, shares_storage
 from ._counters import tile_counters
 from ._switch import declare_tiles
 from ._triton import (
@@ -65,11 +64,9 @@ from ._triton import (
     triton,
 )
 from .gdn_gate import gate_columns
+from .invariant import invariant_on
+from .skinny_checks import MAX_M, _check, _check_act_norm  # noqa: F401 - MAX_M: callers read it here
 from .skinny_epilogues import _add_residual, _skinny_gemv_splitk_reduce, _store_tile
-
-MAX_M = 64
-ACTS = (None, "silu_mul")
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -182,14 +179,14 @@ def triton_cdiv(a: int, b: int) -> int:
 
 @triton.jit
 def _skinny_gemv_kernel(
-    X, W, Y, P, C, R, NW, M, N, K, k_per_split, n_split, n_tiles, sxm, sym, srm, eps, offset,
+    X, W, Y, P, C, R, NW, M, N, K, k_per_split, k_per_piece, n_split, n_tiles, sxm, sym, srm, eps, offset,
     GG, GB, GND, GDTB, g_col, g_heads, SQ_IN, s_parts, SQ_OUT, U, UW, u_offset,
     ACT_SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr,
     SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EARLY: tl.constexpr, WIDEN: tl.constexpr, RMS_SCALE: tl.constexpr, BLOCK_P: tl.constexpr,
-    ADD_SQUARES: tl.constexpr,
+    ADD_SQUARES: tl.constexpr, PIECES: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
 
@@ -205,10 +202,13 @@ def _skinny_gemv_kernel(
     before the store (``SQ_IN [M, s_parts]``: fp32 sums of squares in pieces), so x streams into the dots as
     loaded. ``ADD_SQUARES`` (with ``HAS_RESIDUAL``): the product is rounded, then the residual added and the sum
     rounded (the unfused ops' bits); the tile's sums of squares of the rounded sum go to ``SQ_OUT[m, pid_n]``
-    (``[M, n_tiles]``) and the sum times ``u_offset + UW[n]``, rounded, to ``U [M, N]`` (contiguous)."""
+    (``[M, n_tiles]``) and the sum times ``u_offset + UW[n]``, rounded, to ``U [M, N]`` (contiguous).
+    Program axis 2 takes the rows ``BLOCK_M`` at a time (the invariant mode's grid: one row tile outside it).
+    ``PIECES``: K is summed in pieces of ``k_per_piece`` positions, each from zero, added in order: the split
+    launch's sums within one program (the same bits; EARLY is 1)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    m = tl.arange(0, BLOCK_M)  # [BM]
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_ok = m < M
     n_ok = n < N
@@ -252,14 +252,28 @@ def _skinny_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_first = _x_tile(x_rows, NW, k_first, m_ok, k_first < k_hi, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL,
                       NORM, NORM_OFFSET)
-    acc = _accumulate(acc, x_first, w_first, USE_DOT, FP32_DOT)
-    for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        k_ok = k < k_hi
-        xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM,
-                     NORM_OFFSET)
-        wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        acc = _accumulate(acc, xt, wt, USE_DOT, FP32_DOT)
+    if PIECES:
+        part = _accumulate(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_first, w_first, USE_DOT, FP32_DOT)
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+            if (k0 - k_lo) % k_per_piece == 0:  # a piece ends: its sum joins the total, the next starts from zero
+                acc = acc + part
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            k_ok = k < k_hi
+            xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM,
+                         NORM_OFFSET)
+            wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+            part = _accumulate(part, xt, wt, USE_DOT, FP32_DOT)
+        acc = acc + part
+    else:
+        acc = _accumulate(acc, x_first, w_first, USE_DOT, FP32_DOT)
+        for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            k_ok = k < k_hi
+            xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM,
+                         NORM_OFFSET)
+            wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+            acc = _accumulate(acc, xt, wt, USE_DOT, FP32_DOT)
     mask = m_ok[:, None] & n_ok[None, :]
     y_at = Y + m.to(tl.int64)[:, None] * sym + n[None, :]  # [BM, BN]
     if SPLIT:
@@ -267,7 +281,8 @@ def _skinny_gemv_kernel(
         tl.store(P + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
         if ONE_LAUNCH:
             tl.debug_barrier()  # every thread's partial is stored before the arrival is counted (released)
-            arrived = tl.atomic_add(C + pid_n, 1, sem="acq_rel")
+            counter = C + tl.program_id(2) * n_tiles + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == n_split - 1:  # the last piece: every partial is visible (acquired); from L2, not L1
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in range(0, n_split):
@@ -280,7 +295,7 @@ def _skinny_gemv_kernel(
                 if WIDEN:
                     total = total.to(W.dtype.element_ty).to(tl.float32)
                 _store_tile(Y, y_at, total, m, m_ok, mask, pid_n, N, sym, SWIGLU, BLOCK_M, BLOCK_N)
-                tl.atomic_xchg(C + pid_n, 0)  # zero again for the next launch
+                tl.atomic_xchg(counter, 0)  # zero again for the next launch
                 if GATING:
                     if (pid_n * BLOCK_N < g_col + 2 * g_heads) & (pid_n * BLOCK_N + BLOCK_N > g_col):
                         gate_columns(total.to(Y.dtype.element_ty), m, n, m_ok, GG, GB, GND, GDTB, g_col, g_heads,
@@ -338,102 +353,21 @@ def _accumulate(acc, xt, wt, USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
         return acc + tl.dot(xt, tl.trans(wt))
 
 
-def _check_act_norm(act, norm):
-    if act not in ACTS:
-        raise ValueError(f"act: expected None or 'silu_mul', got {act!r}")
-    if norm is None:
-        return None
-    if not isinstance(norm, (tuple, list)) or len(norm) != 3:
-        got = f"{type(norm).__name__} of {len(norm)}" if isinstance(norm, (tuple, list)) else type(norm).__name__
-        raise ValueError(f"norm: expected a (weight, eps, offset) triple, got {got}")
-    if act is not None:
-        raise ValueError(f"norm and act: expected at most one of them (the norm is of x's rows, act {act!r} "
-                         f"reads gate | up), got both")
-    weight, eps, offset = norm
-    for name, v in (("eps", eps), ("offset", offset)):
-        check_finite_float(f"norm {name}", v)
-    if eps < 0:
-        raise ValueError(f"norm eps: expected >= 0, got {eps!r}")
-    return weight, float(eps), float(offset)
-
-
-def _check(x, w, out, act, config, residual=None, norm=None, rms=None):
-    norm = _check_act_norm(act, norm)
-    if rms is not None and (act is not None or norm is not None):
-        raise ValueError(f"rms: expected no act or norm beside it (the row scale is of the product), got "
-                         f"act={act!r}, norm={'given' if norm is not None else None}")
-    if config is not None and not isinstance(config, SkinnyConfig):
-        raise ValueError(f"config: expected a SkinnyConfig or None, got {type(config).__name__}")
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected a 2-D tensor, got {shape}")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"x: expected dtype bfloat16, float16 or float32, got {x.dtype}")
-    if w.dtype != x.dtype:
-        raise ValueError(f"w: expected dtype {x.dtype} (x's), got {w.dtype}")
-    if w.device != x.device:
-        raise ValueError(f"w: expected device {x.device} (x's), got {w.device}")
-    M, N, K = x.shape[0], w.shape[0], w.shape[1]
-    if M > MAX_M:
-        raise ValueError(f"x: expected at most {MAX_M} rows, got {M}")
-    width = 2 * K if act == "silu_mul" else K
-    if x.shape[1] != width:
-        what = f"[M, 2 * {K}] (gate | up for w's K={K})" if act == "silu_mul" else f"[M, {K}] (w's K)"
-        raise ValueError(f"x: expected shape {what}, got {tuple(x.shape)}")
-    if x.stride(1) != 1 and x.shape[1] > 1:
-        raise ValueError(f"x: expected unit stride along its last dim, got strides {x.stride()}")
-    if not w.is_contiguous():
-        raise ValueError(f"w: expected a contiguous tensor, got strides {w.stride()} for shape {tuple(w.shape)}")
-    _check_operand("residual", residual, (M, N), x, row_strided=True)
-    if norm is not None:
-        _check_operand("norm weight", norm[0], (K,), x, row_strided=False)
-    if rms is not None:
-        if not isinstance(rms, (tuple, list)) or len(rms) != 2:
-            raise ValueError(f"rms: expected a (squares, eps) pair, got {type(rms).__name__}")
-        check_squares("rms squares", rms[0], M, x)
-        check_finite_float("rms eps", rms[1])
-        if rms[1] < 0:
-            raise ValueError(f"rms eps: expected >= 0, got {rms[1]!r}")
-    if out is not None:
-        if not isinstance(out, torch.Tensor) or out.shape != (M, N) or out.dtype not in (x.dtype, torch.float32):
-            got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
-            dtypes = str(x.dtype) if x.dtype == torch.float32 else f"{x.dtype} or torch.float32 (widened)"
-            raise ValueError(f"out: expected shape {(M, N)} dtype {dtypes}, got {got}")
-        if out.device != x.device:
-            raise ValueError(f"out: expected device {x.device} (x's), got {out.device}")
-        if out.stride(1) != 1 and N > 1:
-            raise ValueError(f"out: expected unit stride along its last dim, got strides {out.stride()}")
-        # Programs read x (and the residual) while others write out: a shared buffer would be read half-written.
-        for name, t in (("x", x), ("residual", residual)):
-            if t is not None and shares_storage(out, t):
-                raise ValueError(f"out: expected a buffer apart from {name}'s, got one sharing {name}'s storage")
-    return norm
-
-
-def check_squares(name, t, M, x):
-    """Sums of squares of x's rows in pieces: fp32 ``[M, P]`` (P >= 1, unit stride along P) on x's device."""
-    ok = isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == M and t.shape[1] >= 1
-    if not ok or t.dtype != torch.float32 or t.device != x.device or (t.shape[1] > 1 and t.stride(1) != 1):
-        got = (tuple(t.shape), t.dtype, str(t.device), t.stride()) if isinstance(t, torch.Tensor) \
-            else type(t).__name__
-        raise ValueError(f"{name}: expected a float32 [{M}, P] tensor (P >= 1, unit stride along P) on {x.device}, "
-                         f"got {got}")
-
-
 def column_tiles(M: int, N: int, K: int, dtype: torch.dtype, config: SkinnyConfig | None = None) -> int:
-    """How many column tiles the launch for ``[M, K] @ [N, K]^T`` has (`pick_config`'s or ``config``'s)."""
-    return triton_cdiv(N, (config or pick_config(M, N, K, dtype)).block_n)
+    """How many column tiles the launch for ``[M, K] @ [N, K]^T`` has (`launch_config`'s or ``config``'s)."""
+    return triton_cdiv(N, (config or launch_config(M, N, K, dtype)).block_n)
 
 
-def _check_operand(name, t, shape, x, *, row_strided):
-    """``residual`` ([M, N], rows may be strided) or the norm's ``weight`` ([K], contiguous): x's dtype, device."""
-    if t is None:
-        return
-    check_like(name, t, shape, x, "x")
-    if shape[-1] > 1 and t.stride(-1) != 1:
-        what = "unit stride along its last dim" if row_strided else "a contiguous tensor"
-        raise ValueError(f"{name}: expected {what}, got strides {t.stride()}")
+INVARIANT_ROWS = 16  # the invariant mode's row tile: every call's config is the table's at this many rows
+
+
+def launch_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None = None) -> SkinnyConfig:
+    """`pick_config`'s config for the call; in the invariant mode the table's at `INVARIANT_ROWS` rows whatever
+    M is (tiles and K pieces fixed by the weight's shape), products by ``tl.dot`` and a first load of one tile,
+    so a row's sums are the same additions in a call of any size."""
+    if not invariant_on():
+        return pick_config(M, N, K, dtype, sms=sms)
+    return dataclasses.replace(pick_config(INVARIANT_ROWS, N, K, dtype, sms=sms), dot=True, early=1)
 
 
 def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, rms=None, config=None):
@@ -480,12 +414,14 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
             y.zero_() if residual is None else y.copy_(residual)
         return False
     require_triton()
-    cfg = config or pick_config(M, N, K, x.dtype, sms=num_sms(x.device.index if x.is_cuda else None))
+    sms = num_sms(x.device.index if x.is_cuda else None)
+    mode = invariant_on()
+    cfg = config or launch_config(M, N, K, x.dtype, sms=sms)
     pdl = pdl_launch(x.device)  # the first weight tile loads while the launch before finishes
     plan = _plan(M, N, K, x.dtype, y.dtype, cfg, act, norm is not None and norm[2] != 0.0, norm is not None,
                  gating is not None, swiglu, 0 if rms is None else rms[0].shape[1], add_squares is not None, pdl,
-                 interpreted(_skinny_gemv_kernel))
-    grid, k_per_split = plan.grid, plan.k_per_split
+                 interpreted(_skinny_gemv_kernel), sms if mode else 0)
+    grid, k_per_split, k_per_piece = plan.grid, plan.k_per_split, plan.k_per_piece
     split = grid[1]
     # Absent operands: x stands in for the pointers, which the constexpr flags keep the kernel from reading.
     r = x if residual is None else residual
@@ -493,8 +429,8 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
     nw, eps, offset = (x, 0.0, 0.0) if norm is None else norm
     if rms is not None:
         eps = rms[1]
-    # Counters: one per column tile, for the split-K arrivals.
-    counters = tile_counters(x.device, grid[0]) if split > 1 and cfg.one_launch else None
+    # Counters: one per (row tile, column tile), for the split-K arrivals.
+    counters = tile_counters(x.device, grid[0] * grid[2]) if split > 1 and cfg.one_launch else None
     common = plan.constexprs
     if split > 1 and counters is None:  # the reduce kernel has no gating, SwiGLU, row scale or squares epilogue
         if swiglu or add_squares is not None or rms is not None:
@@ -505,14 +441,15 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
     sq_out, u, uw, u_offset = (y, y, y, 0.0) if add_squares is None else add_squares
     c = y if counters is None else counters
     if split == 1:
-        _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, M, N, K, k_per_split, 1, grid[0], x.stride(0),
+        _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, M, N, K, k_per_split, k_per_piece, 1, grid[0], x.stride(0),
                                   y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in, parts,
                                   sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=False,
                                   ONE_LAUNCH=False, **common)
         return gating is not None or swiglu or add_squares is not None or rms is not None
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     one_launch = counters is not None
-    _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, M, N, K, k_per_split, split, grid[0], x.stride(0),
+    _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, M, N, K, k_per_split, k_per_piece, split, grid[0],
+                              x.stride(0),
                               y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in, parts,
                               sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=True,
                               ONE_LAUNCH=one_launch, **common)
@@ -528,26 +465,41 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
 class _Plan:
     """What a GEMV launch derives from its shapes, config and folds alone: the same for every call alike."""
 
-    grid: tuple[int, int]  # (column tiles, K pieces)
-    k_per_split: int
+    grid: tuple[int, int, int]  # (column tiles, K pieces as programs, row tiles)
+    k_per_split: int  # K positions a program sums
+    k_per_piece: int  # K positions each of its fresh sums covers (PIECES)
     constexprs: dict  # the kernel's compile-time arguments but HAS_RESIDUAL, SPLIT and ONE_LAUNCH
 
 
 @functools.lru_cache(maxsize=4096)  # an eager decode step launches ~100 GEMVs of a few dozen kinds
 def _plan(M: int, N: int, K: int, x_dtype, y_dtype, cfg: SkinnyConfig, act, norm_offset: bool, norm: bool,
-          gating: bool, swiglu: bool, rms_parts: int, add_squares: bool, pdl: bool, interpret: bool) -> _Plan:
-    BLOCK_M = max(16, next_pow2(M)) if cfg.dot else next_pow2(M)  # a dot tile has at least 16 rows
+          gating: bool, swiglu: bool, rms_parts: int, add_squares: bool, pdl: bool, interpret: bool,
+          invariant_sms: int) -> _Plan:
+    """``invariant_sms``: the invariant mode's launch (the device's SM count; 0 outside the mode): rows in tiles
+    of `INVARIANT_ROWS` over grid axis 2, and where the tiles alone fill the device, each program sums K's
+    pieces itself (``PIECES``) rather than as programs of their own: the same additions."""
+    if invariant_sms:
+        BLOCK_M = INVARIANT_ROWS
+    else:
+        BLOCK_M = max(16, next_pow2(M)) if cfg.dot else next_pow2(M)  # a dot tile has at least 16 rows
+    row_tiles = triton_cdiv(M, BLOCK_M)
     k_tiles = triton_cdiv(K, cfg.block_k)
     per_split = triton_cdiv(k_tiles, cfg.split_k)  # K tiles each piece streams; no piece left empty
     split = triton_cdiv(k_tiles, per_split)
+    k_per_piece = per_split * cfg.block_k
+    col_tiles = triton_cdiv(N, cfg.block_n)
+    pieces = split > 1 and invariant_sms and row_tiles * col_tiles >= invariant_sms
+    if pieces:
+        split, per_split = 1, k_tiles
     constexprs = dict(ACT_SILU_MUL=act == "silu_mul", NORM=norm, NORM_OFFSET=norm_offset, USE_DOT=cfg.dot,
                       FP32_DOT=x_dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       PDL=pdl, launch_pdl=pdl, PREFETCH=pdl and cfg.prefetch,
                       LINES=max(1, cfg.block_k * x_dtype.itemsize // 128), GATING=gating,
                       LIBDEVICE=not interpret, SWIGLU=swiglu, EARLY=cfg.early, WIDEN=y_dtype != x_dtype,
-                      RMS_SCALE=rms_parts > 0, BLOCK_P=next_pow2(max(rms_parts, 1)), ADD_SQUARES=add_squares)
-    return _Plan((triton_cdiv(N, cfg.block_n), split), per_split * cfg.block_k, constexprs)
+                      RMS_SCALE=rms_parts > 0, BLOCK_P=next_pow2(max(rms_parts, 1)), ADD_SQUARES=add_squares,
+                      PIECES=bool(pieces))
+    return _Plan((col_tiles, split, row_tiles), per_split * cfg.block_k, k_per_piece, constexprs)
 
 
 def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):

@@ -223,15 +223,16 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _kernel(package: str, *tensors: Tensor) -> bool:
+def _kernel(package: str, *tensors: Tensor, honours_invariant: bool = False) -> bool:
     """Whether the kernel path applies: CUDA (``is_cuda``: no device object a call) and `_kernel_rule`."""
-    return tensors[0].is_cuda and _kernel_rule(package, *tensors)
+    return tensors[0].is_cuda and _kernel_rule(package, *tensors, honours_invariant=honours_invariant)
 
 
-def _kernel_rule(package: str, *tensors: Tensor) -> bool:
+def _kernel_rule(package: str, *tensors: Tensor, honours_invariant: bool = False) -> bool:
     """`_kernel` but its device: enabled, half precision, one dtype, package installed, and the invariant mode
-    off (the torch bodies' norms and projections honour it; the fused kernels are not checked to)."""
-    if not _ENABLED[-1] or invariant_on():
+    off unless the kernel honours it (``honours_invariant``: the GEMV, whose launch in the mode is fixed by the
+    weight's shape; the torch bodies' norms and projections honour it too)."""
+    if not _ENABLED[-1] or (invariant_on() and not honours_invariant):
         return False
     t0 = tensors[0]
     if t0.dtype not in (torch.bfloat16, torch.float16):
@@ -375,11 +376,14 @@ _SKINNY_ROWS = 16  # measured: at 32 rows cuBLAS's GEMM tiles beat the kernel (s
 
 def _skinny(x: Tensor, w: Tensor, width: int, residual: Tensor | None = None,
             norm: tuple[Tensor, float, float] | None = None) -> bool:
-    """Whether `skinny_linear` takes ``x [..., width] @ w.T``: the kernel applies, at most `_SKINNY_ROWS` rows,
-    unit stride within a row (also after flattening the leading dims), ``w`` contiguous; a ``residual`` of the output's
-    shape with unit inner stride and a contiguous norm weight of ``[width]``, both in x's dtype and device."""
-    if not (_kernel("triton", x, w) and x.dim() >= 2 and x.shape[-1] == width and x.stride(-1) == 1
-            and x.numel() <= _SKINNY_ROWS * max(width, 1) and w.dim() == 2 and w.is_contiguous()):
+    """Whether `skinny_linear` takes ``x [..., width] @ w.T``: the kernel applies, at most `_SKINNY_ROWS` rows
+    (any number in the invariant mode, whose launch does not change with them: the same path for a decode step,
+    a verify and a prefill), unit stride within a row (also after flattening the leading dims), ``w``
+    contiguous; a ``residual`` of the output's shape with unit inner stride and a contiguous norm weight of
+    ``[width]``, both in x's dtype and device."""
+    if not (_kernel("triton", x, w, honours_invariant=True) and x.dim() >= 2 and x.shape[-1] == width
+            and x.stride(-1) == 1 and (x.numel() <= _SKINNY_ROWS * max(width, 1) or invariant_on())
+            and w.dim() == 2 and w.is_contiguous()):
         return False
     if residual is not None and not (residual.shape == (*x.shape[:-1], w.shape[0]) and residual.dtype == x.dtype
                                      and residual.device == x.device and residual.stride(-1) == 1):

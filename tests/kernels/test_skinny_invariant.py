@@ -1,0 +1,109 @@
+"""skinny_linear in the invariant mode: a row's bits do not change with the rows beside it.
+
+In the mode the GEMV's launch is fixed by the weight's shape (the table's config at 16 rows), rows go in
+16-row tiles over a grid axis, and where the tiles alone fill the device each program sums K's pieces itself
+(``PIECES``) instead of as programs of their own: the same additions, so the same bits. The folds (residual,
+SwiGLU, GDN's gating, the split RMSNorm's squares and row scale) ride on the same sums."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from fnattn.kernels.invariant import invariant  # noqa: E402
+from fnattn.kernels.skinny_folds import (  # noqa: E402
+    skinny_linear_add_,
+    skinny_linear_gating,
+    skinny_linear_swiglu,
+)
+from fnattn.kernels.skinny_linear import (  # noqa: E402
+    INVARIANT_ROWS,
+    launch_config,
+    pick_config,
+    skinny_linear,
+    skinny_linear_ref,  # noqa: E402
+)
+from skinny_helpers import close, randn  # noqa: E402
+
+from fnattn.kernels import skinny_linear as module  # noqa: E402
+
+N, K = 70, 1024  # three 32-column tiles; K in 4 pieces of two 128-tiles (fp16) at 132 SMs
+ROWS = (1, 5, 17, 40)  # one row tile, and two / three of them (the grid's row axis)
+
+
+def _sms(monkeypatch, sms) -> list[bool]:
+    """The SM count the launch sees: 132 keeps K's pieces as programs at every row count here; a few make the
+    calls of more than one row tile sum them in one program (``PIECES``). ``-> [PIECES of each launch]``."""
+    monkeypatch.setattr(module, "num_sms", lambda index=None: sms)
+    seen, plan = [], module._plan
+
+    def recording(*args):
+        p = plan(*args)
+        seen.append(p.constexprs["PIECES"] and p.grid[1] == 1)
+        return p
+
+    monkeypatch.setattr(module, "_plan", recording)
+    return seen
+
+
+@pytest.mark.parametrize("sms", [132, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + [torch.bfloat16] * torch.cuda.is_available())
+def test_a_row_is_the_same_bits_in_a_call_of_any_size(monkeypatch, sms, dtype):
+    pieces = _sms(monkeypatch, sms)
+    x = randn(max(ROWS), K, dtype=dtype, seed=1)
+    w = randn(N, K, dtype=dtype, seed=2) / K ** 0.5
+    with invariant(True):
+        cfg = launch_config(1, N, K, dtype, sms=sms)
+        assert cfg == launch_config(max(ROWS), N, K, dtype, sms=sms)  # fixed by the weight's shape
+        assert cfg.split_k > 1  # K's pieces are in play
+        alone = torch.cat([skinny_linear(x[i:i + 1], w) for i in range(max(ROWS))])
+        for M in ROWS:
+            assert torch.equal(skinny_linear(x[:M], w), alone[:M]), M
+    assert any(pieces) == (sms < 132) and not all(pieces)
+    close(alone, skinny_linear_ref(x, w), dtype)
+
+
+def test_the_mode_takes_more_rows_than_the_table_and_the_table_is_its_own_outside():
+    x = randn(80, 64, dtype=torch.float16, seed=3)
+    w = randn(32, 64, dtype=torch.float16, seed=4)
+    with pytest.raises(ValueError, match="x: expected at most 64 rows .*got 80"):
+        skinny_linear(x, w)
+    with invariant(True):
+        close(skinny_linear(x, w), skinny_linear_ref(x, w), torch.float16)
+    assert launch_config(3, N, K, torch.float16, sms=132) == pick_config(3, N, K, torch.float16, sms=132)
+    with invariant(True):
+        assert launch_config(40, N, K, torch.float16, sms=132) == \
+            pick_config(INVARIANT_ROWS, N, K, torch.float16, sms=132)
+
+
+@pytest.mark.parametrize("sms", [132, 8])
+def test_the_folds_keep_a_row_to_itself(monkeypatch, sms):
+    """SwiGLU, the residual add with the next norm's squares, the row scale and GDN's gating: each row of
+    a 40-row call is the one-row call's bits."""
+    pieces = _sms(monkeypatch, sms)
+    dtype, M, H = torch.float16, 40, 8
+    x = randn(M, K, dtype=dtype, seed=5)
+    w = randn(2 * N, K, dtype=dtype, seed=6) / K ** 0.5
+    res = randn(M, 2 * N, dtype=dtype, seed=7)
+    weight = randn(2 * N, dtype=dtype, seed=8) * 0.1
+    nd, dtb = -randn(H, seed=9).abs(), randn(H, seed=10)
+    with invariant(True):
+        def each(f):
+            return [f(slice(i, i + 1)) for i in range(M)], f(slice(0, M))
+
+        ones, whole = each(lambda r: skinny_linear_swiglu(x[r], w))
+        assert torch.equal(torch.cat(ones), whole)
+        ones, whole = each(lambda r: skinny_linear_add_(x[r], w, res[r].clone(), weight, 1.0))
+        for j in range(3):  # the sum, the scaled rows and the squares in pieces
+            assert torch.equal(torch.cat([o[j] for o in ones]), whole[j]), j
+        squares = whole[2]
+        ones, whole = each(lambda r: skinny_linear(x[r], w, rms=(squares[r], 1e-6)))
+        assert torch.equal(torch.cat(ones), whole)
+        ones, whole = each(lambda r: skinny_linear_gating(x[r], w, 16, nd, dtb))
+        for j in range(3):
+            assert torch.equal(torch.cat([o[j] for o in ones]), whole[j]), j
+    assert any(pieces) == (sms < 132) and not all(pieces)
