@@ -230,8 +230,10 @@ def _kernel(package: str, *tensors: Tensor, honours_invariant: bool = False) -> 
 
 def _kernel_rule(package: str, *tensors: Tensor, honours_invariant: bool = False) -> bool:
     """`_kernel` but its device: enabled, half precision, one dtype, package installed, and the invariant mode
-    off unless the kernel honours it (``honours_invariant``: the GEMV, whose launch in the mode is fixed by the
-    weight's shape; the torch bodies' norms and projections honour it too)."""
+    off unless the kernel honours it (``honours_invariant``): fnattn's own kernels do, each launch shaped by the
+    row's width alone (a row per program for the norms, elementwise for gates and activations; the GEMV's
+    launch in the mode is fixed by the weight's shape), so a row's bits do not follow the number of rows;
+    FlashInfer's and fla's are not checked to. The torch bodies honour it too."""
     if not _ENABLED[-1] or (invariant_on() and not honours_invariant):
         return False
     t0 = tensors[0]
@@ -266,7 +268,8 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
     normalizes the fp32 sum before rounding it; the torch body normalizes the
     rounded sum).
     """
-    if _OWN_NORM_ACT[-1] and y.dim() == 2 and _kernel("triton", y, residual, weight) and _rows_alike(y, residual) \
+    if _OWN_NORM_ACT[-1] and y.dim() == 2 and _kernel("triton", y, residual, weight, honours_invariant=True) \
+            and _rows_alike(y, residual) \
             and weight.shape == y.shape[-1:] and not shares_storage(y, residual):
         from fnattn.kernels.norm_act import add_rms_norm_
 
@@ -282,8 +285,8 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     """``silu(g) * u`` for ``gate_up = [g | u]`` along the last dim (``[T, 2I] -> [T, I]``)."""
-    if _OWN_NORM_ACT[-1] and gate_up.dim() == 2 and gate_up.shape[-1] % 2 == 0 and _kernel("triton", gate_up) \
-            and _rows_alike(gate_up):
+    if _OWN_NORM_ACT[-1] and gate_up.dim() == 2 and gate_up.shape[-1] % 2 == 0 \
+            and _kernel("triton", gate_up, honours_invariant=True) and _rows_alike(gate_up):
         from fnattn.kernels.norm_act import silu_and_mul as kernel
 
         return kernel(gate_up)
@@ -308,7 +311,7 @@ def step_rope_table(cos: Float[Tensor, "T Dr"], sin: Float[Tensor, "T Dr"], x: F
                     ) -> Float[Tensor, "T Dr"] | None:
     """The step's `rope_table` where its attention layers will read it: on CUDA, unless `qk_one_launch`'s
     kernel, which reads ``cos`` / ``sin`` themselves, takes activations like ``x`` (then None: a launch saved)."""
-    if not cos.is_cuda or (_QK_ONE_LAUNCH[-1] and _kernel("triton", x)):
+    if not cos.is_cuda or (_QK_ONE_LAUNCH[-1] and _kernel("triton", x, honours_invariant=True)):
         return None
     return rope_table(cos, sin)
 
@@ -349,8 +352,8 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
     gate, as transformers' module does.
     """
     x = x.to(gate.dtype)
-    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, weight) and _rows_alike(x, gate) \
-            and weight.shape == x.shape[-1:]:
+    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, weight, honours_invariant=True) \
+            and _rows_alike(x, gate) and weight.shape == x.shape[-1:]:
         from fnattn.kernels.output_gate import gated_rms_norm_silu as kernel
 
         return kernel(x, gate, weight, eps)
@@ -364,7 +367,8 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
 def sigmoid_gate(x: Float[Tensor, "T H D"], gate: Float[Tensor, "T H D"]) -> Float[Tensor, "T H D"]:
     """``x * sigmoid(gate)`` (gated attention's output gate), ``gate`` any strides but the last: two torch
     launches, or under `output_gates` on CUDA one (`fnattn.kernels.output_gate.sigmoid_gate`)."""
-    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate) and _rows_alike(x, gate):
+    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, honours_invariant=True) \
+            and _rows_alike(x, gate):
         from fnattn.kernels.output_gate import sigmoid_gate as kernel
 
         return kernel(x, gate)
@@ -440,7 +444,7 @@ def gated_projection(o: Float[Tensor, "T H D"], gate: tuple, w: Float[Tensor, "N
 def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """GDN's log-decay ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)`` (``b.dtype``):
     one launch on CUDA instead of four; ``a``, ``b`` [T, H] may be column slices of one projection."""
-    if _kernel("triton", a, b):
+    if _kernel("triton", a, b, honours_invariant=True):
         from fnattn.kernels import gdn_gating as kernel
 
         return kernel(a, b, neg_decay, dt_bias)
@@ -519,7 +523,7 @@ def qk_norm_rope(q: Float[Tensor, "T Hq D"], k: Float[Tensor, "T Hkv D"], v: Flo
     Otherwise `rms_norm_offset` of each, `rope_` (``table``: FlashInfer's) and a copy of ``v`` where it is
     not contiguous. Under `qk_one_launch`, on CUDA, one launch for all of it (`fnattn.kernels.qk_norm_rope`).
     """
-    if _QK_ONE_LAUNCH[-1] and _kernel("triton", q, k, v, q_weight, k_weight):
+    if _QK_ONE_LAUNCH[-1] and _kernel("triton", q, k, v, q_weight, k_weight, honours_invariant=True):
         from fnattn.kernels.qk_norm_rope import qk_norm_rope as kernel
 
         return kernel(q, k, v, q_weight, k_weight, cos, sin, eps=eps, offset=1.0)

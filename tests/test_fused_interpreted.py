@@ -53,9 +53,15 @@ def _model_and_unfused_logits():
 
 
 def _allow_triton_on_cpu(monkeypatch):
-    """The Triton paths allowed on this CPU (the interpreter runs them); FlashInfer's and fla's are not."""
-    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton" and fused._ENABLED[-1]
-                        and ts[0].dtype in (torch.float16, torch.bfloat16) and all(t.dtype == ts[0].dtype for t in ts))
+    """The Triton paths allowed on this CPU (the interpreter runs them), as `fused._kernel_rule` allows them
+    on CUDA (in the invariant mode only those that honour it); FlashInfer's and fla's are not."""
+    from fnattn.kernels.invariant import invariant_on
+
+    def allowed(package, *ts, honours_invariant=False):
+        return package == "triton" and fused._ENABLED[-1] and (honours_invariant or not invariant_on()) \
+            and ts[0].dtype in (torch.float16, torch.bfloat16) and all(t.dtype == ts[0].dtype for t in ts)
+
+    monkeypatch.setattr(fused, "_kernel", allowed)
 
 
 def _count_calls(monkeypatch, module, name, calls, key):
@@ -146,3 +152,47 @@ def test_split_norm_in_the_unchained_decoder_layer(monkeypatch):
     got = _run(model, ma)
     assert calls == {"add": 2 * len(model.specs)}, calls  # each layer's post-attention norm, 2 decode steps
     _assert_close_logits(got, want)
+
+
+def _greedy(model, ma, prompts: dict[int, list[int]], steps: int) -> torch.Tensor:
+    """Request 0's logits over its prefill and ``steps`` greedy decode steps, beside the other ``prompts``."""
+    ids = sorted(prompts)
+    st = fa.State(model.specs, num_pages=32, page_size=4, max_requests=len(ids), device="cpu")
+    for r in ids:
+        st = st.admit(r)
+    with torch.no_grad():
+        st, last = prefill(model.step, model.params, ma, st, prompts)
+        out, tokens = [last[0]], torch.stack([last[r] for r in ids]).argmax(-1)
+        for _ in range(steps):
+            st = st.reserve({r: 1 for r in ids})
+            st, logits = run_step(model.step, model.params, ma, st, fa.Batch.decode(st, ids), tokens)
+            out.append(logits[0])
+            tokens = logits.argmax(-1)
+    return torch.stack(out).float()
+
+
+def test_the_invariant_mode_keeps_the_kernels_that_honour_it(monkeypatch):
+    """In the invariant mode `models.fused` keeps fnattn's own kernels (the GEMV at any row count, with its
+    epilogues; the norms, gates and activations, a row per program): request 0's logits are the same bits
+    alone and beside a request of another length, through a prefill of more than one 16-row tile and decode
+    steps; FlashInfer's and fla's kernels stay out."""
+    import importlib
+
+    from fnattn.kernels.invariant import invariant
+
+    model = random_model("qwen3_5", dtype=torch.float16, device="cpu", seed=2)
+    _allow_triton_on_cpu(monkeypatch)
+    calls: dict[str, int] = {}
+    for module_name, names in KERNELS.items():
+        module = importlib.import_module(f"fnattn.kernels.{module_name}")
+        for name in names:
+            _count_calls(monkeypatch, module, name, calls, key=lambda *a, name=name, **k: name)
+    prompt = [(7 * i) % 50 + 1 for i in range(18)]  # 18 rows: two row tiles of the mode's GEMV
+    with invariant(True):
+        ma = fa.ModelAttention(model.specs, device="cpu")
+        alone = _greedy(model, ma, {0: prompt}, 2)
+        beside = _greedy(model, ma, {0: prompt, 1: prompt[:5]}, 2)
+    assert torch.equal(alone, beside)
+    taken = {"skinny_linear", "skinny_linear_gating", "skinny_linear_swiglu", "skinny_linear_add_",
+             "qk_norm_rope", "gated_rms_norm_silu", "sigmoid_gate", "add_rms_norm_"}
+    assert taken <= set(calls), calls
