@@ -27,8 +27,11 @@ position; capturable), sparse MLA through the same launches over each token's pi
 and its compressed entries, merged with the sink in that order (`fnattn.kinds.dsv4.triton`, capturable; its
 compressors pool and norm in fixed orders in the mode). The models' projections
 (`models.norm_rope.row_linear`) take each row as its own product on the CPU (`linear_rows`) and the
-fixed-tile GEMM on CUDA (`fnattn.kernels.invariant_linear`); RMSNorm's statistics sum each row through the
-same GEMM (`models.norm_rope.row_mean_squares`) and `models.fused` runs its torch bodies. On the CPU torch's
+fixed-tile GEMM on CUDA (`fnattn.kernels.invariant_linear`), except those `models.fused` takes to the decode
+GEMV, whose launch in the mode is fixed by the weight's shape at every row count (`skinny_linear.launch_config`);
+RMSNorm's statistics sum each row through the fixed-tile GEMM (`models.norm_rope.row_mean_squares`), and
+`models.fused` keeps only fnattn's own kernels, each launch shaped by a row's width (FlashInfer's and fla's
+give way to torch bodies). On the CPU torch's
 elementwise loops round exp, log, sin and cos differently in their vector body and their scalar tail, so the
 fixed-order attention pads its heads to whole vector blocks and the models' activations, gates and rope tables
 run on rows padded the same way (`pointwise`).
