@@ -36,7 +36,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_qwen3_5_256.json",
+NEW = {"tp_gpu.json", "skinny_invariant_gpu.json", "bench_invariance_qwen3_5_256.json",
        "bench_invariance_deepseek_v32_256.json", "bench_invariance_deepseek_v4_256.json",
        "bench_invariance_deepseek_v32_2-layer.json", "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
@@ -182,6 +182,9 @@ SUITES: dict[str, Suite] = {
                         "cuBLAS and the default GEMV", (
         tests(120, "invariant_linear_gpu.json", "tests/kernels/test_invariant_linear.py "
               "tests/kernels/test_paged_attention_invariant.py tests/kernels/test_latent_invariant.py"),
+        # the GEMV compiled: its table's launches and, in the mode, a row's bits in a call of any size
+        tests(150, "skinny_invariant_gpu.json", "tests/kernels/test_skinny_linear.py tests/kernels/test_skinny_folds.py "
+              "tests/kernels/test_skinny_invariant.py"),
         tests(300, "invariant_gpu.json", "tests/gpu/test_invariant_gpu.py"),
         Part(150, "python benchmarks/invariant_linear_cost.py --out {out}/invariant_linear_cost.json"),
     )),
