@@ -182,11 +182,14 @@ SUITES: dict[str, Suite] = {
                         "cuBLAS and the default GEMV", (
         tests(120, "invariant_linear_gpu.json", "tests/kernels/test_invariant_linear.py "
               "tests/kernels/test_paged_attention_invariant.py tests/kernels/test_latent_invariant.py"),
-        # the GEMV compiled: its table's launches and, in the mode, a row's bits in a call of any size
-        tests(150, "skinny_invariant_gpu.json", "tests/kernels/test_skinny_linear.py tests/kernels/test_skinny_folds.py "
-              "tests/kernels/test_skinny_invariant.py"),
         tests(300, "invariant_gpu.json", "tests/gpu/test_invariant_gpu.py"),
         Part(150, "python benchmarks/invariant_linear_cost.py --out {out}/invariant_linear_cost.json"),
+    )),
+    "invariance-gemv": Suite("the decode GEMV compiled: its table's launches against their references and, in the "
+                             "invariant mode, a row's bits in a call of any size (16-row tiles, K's pieces as "
+                             "programs or within one)", (
+        tests(150, "skinny_invariant_gpu.json", "tests/kernels/test_skinny_linear.py tests/kernels/test_skinny_folds.py "
+              "tests/kernels/test_skinny_invariant.py"),
     )),
     "invariance-bench": Suite("fnattn bench invariance over every family's tiny model: speculative greedy against plain "
                               "greedy, oracle acceptance, batch invariance, graph against eager, with the mode off "
