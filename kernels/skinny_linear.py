@@ -358,16 +358,16 @@ def column_tiles(M: int, N: int, K: int, dtype: torch.dtype, config: SkinnyConfi
     return triton_cdiv(N, (config or launch_config(M, N, K, dtype)).block_n)
 
 
-INVARIANT_ROWS = 16  # the invariant mode's row tile: every call's config is the table's at this many rows
+INVARIANT_ROWS = 16  # the invariant mode's row tile (the smallest dot tile): every call's product shape
 
 
 def launch_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None = None) -> SkinnyConfig:
-    """`pick_config`'s config for the call; in the invariant mode the table's at `INVARIANT_ROWS` rows whatever
-    M is (tiles and K pieces fixed by the weight's shape), products by ``tl.dot`` and a first load of one tile,
-    so a row's sums are the same additions in a call of any size."""
+    """`pick_config`'s config for the call; in the invariant mode the table's at 16 rows whatever M is (tiles
+    and K pieces fixed by the weight's shape), products by ``tl.dot`` and a first load of one tile, so a row's
+    sums are the same additions in a call of any size."""
     if not invariant_on():
         return pick_config(M, N, K, dtype, sms=sms)
-    return dataclasses.replace(pick_config(INVARIANT_ROWS, N, K, dtype, sms=sms), dot=True, early=1)
+    return dataclasses.replace(pick_config(16, N, K, dtype, sms=sms), dot=True, early=1)
 
 
 def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, rms=None, config=None):

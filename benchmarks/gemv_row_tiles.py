@@ -1,0 +1,77 @@
+"""Whether the invariant mode's GEMV could take wider row tiles: the bits and the time of each row-tile width.
+
+    python benchmarks/gemv_row_tiles.py --rows 128 --shapes 3584x1024 1024x3584 6144x1024
+
+In the invariant mode `skinny_linear` takes rows in tiles of `INVARIANT_ROWS` (16): the smallest ``tl.dot``
+tile, so every row count meets the same product shape. At 128 rows that reads each weight eight times, where
+the mode-off step runs cuBLAS's large tiles. A wider tile is only open to the mode if a row's bits do not change
+with it (on Hopper a 64-row tile of four warps may take another MMA instruction than a 16-row one). For each
+width this prints whether a ``--rows`` call's output is the 16-row tile's bits, and its time (CUDA events,
+median of ``--iters``). One JSON line per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from fnattn.kernels.invariant import invariant
+
+from fnattn.kernels import skinny_linear as module
+
+
+def _time_us(fn, iters: int) -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--shapes", nargs="+", default=["3584x1024", "1024x3584", "6144x1024"], help="NxK of each weight")
+    p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    default = module.INVARIANT_ROWS
+    for shape in args.shapes:
+        N, K = (int(v) for v in shape.split("x"))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(args.rows, K, generator=g).to(device, dtype)
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+        rows = {}
+        base = None
+        try:
+            with invariant(True):
+                for width in args.widths:
+                    module.INVARIANT_ROWS = width
+                    module._plan.cache_clear()
+                    y = module.skinny_linear(x, w)
+                    base = y if base is None else base
+                    rows[width] = {"same_bits_as_first": torch.equal(y, base),
+                                   "us": _time_us(lambda x=x, w=w: module.skinny_linear(x, w), args.iters)}
+        finally:
+            module.INVARIANT_ROWS = default
+            module._plan.cache_clear()
+        off = _time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w), args.iters)
+        print(json.dumps({"N": N, "K": K, "rows": args.rows, "dtype": args.dtype, "device": device,
+                          "widths": rows, "mode_off_cublas_us": off}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
