@@ -6,8 +6,9 @@ In the invariant mode `skinny_linear` takes rows in tiles of `INVARIANT_ROWS` (1
 tile, so every row count meets the same product shape. At 128 rows that reads each weight eight times, where
 the mode-off step runs cuBLAS's large tiles. A wider tile is only open to the mode if a row's bits do not change
 with it (on Hopper a 64-row tile of four warps may take another MMA instruction than a 16-row one). For each
-width this prints whether a ``--rows`` call's output is the 16-row tile's bits, and its time (CUDA events,
-median of ``--iters``). One JSON line per shape.
+width this prints whether a ``--rows`` call's output is the first width's bits, and one call's time (``--iters``
+calls in a CUDA graph, replayed), beside cuBLAS's. The plain product only: the folds' row reductions (the
+split norm's squares, the row scale) are not compared here. One JSON line per shape.
 """
 
 from __future__ import annotations
@@ -22,19 +23,25 @@ from fnattn.kernels import skinny_linear as module
 
 
 def _time_us(fn, iters: int) -> float:
+    """One call's device time: ``iters`` calls captured in a CUDA graph, the graph replayed five times (an
+    eager loop would time the host: the GEMV's checks and plan cost more than its launch at these sizes)."""
     if not torch.cuda.is_available():
         return float("nan")
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (5 * iters)
 
 
 def main() -> int:
@@ -42,7 +49,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--shapes", nargs="+", default=["3584x1024", "1024x3584", "6144x1024"], help="NxK of each weight")
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
