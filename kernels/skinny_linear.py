@@ -1,4 +1,5 @@
-"""``y = x @ w.T`` for a few rows of ``x`` (decode-sized GEMMs, M <= 64), streaming ``w`` once (Triton).
+"""``y = x @ w.T`` for a few rows of ``x`` (decode-sized GEMMs, M <= 64; any M in the invariant mode), streaming ``w``
+once (Triton).
 
 At one to a few dozen rows a linear layer is a matrix-vector product: the time
 is the time to read ``w [N, K]`` once. Library GEMMs pick tiles made for large
@@ -24,6 +25,11 @@ GEMVs (one decode pair: 18.0 us folded against 14.1 us): the models do not use t
 scales each row of the product by an rms whose sums of squares another launch left, with no pass over x and x
 streamed into the dots as loaded: with `skinny_folds.skinny_linear_add_` before it, an RMSNorm split between two
 GEMVs, which the models do use (`models.fused.split_norm`).
+
+In the invariant mode (`fnattn.kernels.invariant`) it takes any number of rows: the launch is the one the table
+gives 16 rows whatever M is (`launch_config`), the rows go in 16-row tiles over grid axis 2, and where those tiles
+alone fill the device each program sums K's pieces itself (``PIECES``), in the order the split launch adds them.
+A row's sums are then the same additions in a call of any size: a decode step, a verify and a prefill agree.
 
 `fnattn.kernels.skinny_folds` takes the op after the product into the same launch (SwiGLU's
 activation, GDN's gating, a residual add and the next RMSNorm's row-local half) as an epilogue.

@@ -65,7 +65,7 @@ _EXPORTS = {
     "skinny_linear_gating": "skinny_folds",
     "skinny_linear_swiglu": "skinny_folds", "skinny_linear_swiglu_ref": "skinny_folds",
     "SkinnyConfig": "skinny_linear",
-    "pick_config": "skinny_linear",
+    "pick_config": "skinny_linear", "launch_config": "skinny_linear",
     "pdl": "_triton",
     "gated_rms_norm_silu": "output_gate", "gated_rms_norm_silu_ref": "output_gate",
     "sigmoid_gate": "output_gate", "sigmoid_gate_ref": "output_gate",
