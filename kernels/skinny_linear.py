@@ -192,7 +192,7 @@ def _skinny_gemv_kernel(
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, GATING: tl.constexpr, LIBDEVICE: tl.constexpr,
     SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EARLY: tl.constexpr, WIDEN: tl.constexpr, RMS_SCALE: tl.constexpr, BLOCK_P: tl.constexpr,
-    ADD_SQUARES: tl.constexpr, PIECES: tl.constexpr,
+    ADD_SQUARES: tl.constexpr, PIECES: tl.constexpr, ROWS_FIRST: tl.constexpr,
 ):
     """One ``[M, BLOCK_N]`` tile of ``x @ w.T`` over ``[k0, k0 + k_per_split)`` into ``Y [M, N]``.
 
@@ -209,12 +209,17 @@ def _skinny_gemv_kernel(
     loaded. ``ADD_SQUARES`` (with ``HAS_RESIDUAL``): the product is rounded, then the residual added and the sum
     rounded (the unfused ops' bits); the tile's sums of squares of the rounded sum go to ``SQ_OUT[m, pid_n]``
     (``[M, n_tiles]``) and the sum times ``u_offset + UW[n]``, rounded, to ``U [M, N]`` (contiguous).
-    Program axis 2 takes the rows ``BLOCK_M`` at a time (the invariant mode's grid: one row tile outside it).
+    The rows go ``BLOCK_M`` at a time over program axis 2 (the invariant mode's grid: one row tile outside it);
+    ``ROWS_FIRST``: over axis 0, the column tiles over axis 2, so the row tiles of one weight slab are launched
+    side by side and all but the first read it from L2.
     ``PIECES``: K is summed in pieces of ``k_per_piece`` positions, each from zero, added in order: the split
     launch's sums within one program (the same bits; EARLY is 1)."""
-    pid_n = tl.program_id(0)
+    if ROWS_FIRST:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(2)
+    else:
+        pid_m, pid_n = tl.program_id(2), tl.program_id(0)
     pid_k = tl.program_id(1)
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_ok = m < M
     n_ok = n < N
@@ -287,7 +292,7 @@ def _skinny_gemv_kernel(
         tl.store(P + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
         if ONE_LAUNCH:
             tl.debug_barrier()  # every thread's partial is stored before the arrival is counted (released)
-            counter = C + tl.program_id(2) * n_tiles + pid_n
+            counter = C + pid_m * n_tiles + pid_n
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == n_split - 1:  # the last piece: every partial is visible (acquired); from L2, not L1
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -365,6 +370,7 @@ def column_tiles(M: int, N: int, K: int, dtype: torch.dtype, config: SkinnyConfi
 
 
 INVARIANT_ROWS = 16  # the invariant mode's row tile (the smallest dot tile): every call's product shape
+_MAX_GRID_Z = 65535  # CUDA's bound on grid axes 1 and 2
 
 
 def launch_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None = None) -> SkinnyConfig:
@@ -436,7 +442,7 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
     if rms is not None:
         eps = rms[1]
     # Counters: one per (row tile, column tile), for the split-K arrivals.
-    counters = tile_counters(x.device, grid[0] * grid[2]) if split > 1 and cfg.one_launch else None
+    counters = tile_counters(x.device, plan.col_tiles * plan.row_tiles) if split > 1 and cfg.one_launch else None
     common = plan.constexprs
     if split > 1 and counters is None:  # the reduce kernel has no gating, SwiGLU, row scale or squares epilogue
         if swiglu or add_squares is not None or rms is not None:
@@ -447,17 +453,16 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
     sq_out, u, uw, u_offset = (y, y, y, 0.0) if add_squares is None else add_squares
     c = y if counters is None else counters
     if split == 1:
-        _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, M, N, K, k_per_split, k_per_piece, 1, grid[0], x.stride(0),
-                                  y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in, parts,
-                                  sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=False,
+        _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, M, N, K, k_per_split, k_per_piece, 1, plan.col_tiles,
+                                  x.stride(0), y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in,
+                                  parts, sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=False,
                                   ONE_LAUNCH=False, **common)
         return gating is not None or swiglu or add_squares is not None or rms is not None
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     one_launch = counters is not None
-    _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, M, N, K, k_per_split, k_per_piece, split, grid[0],
-                              x.stride(0),
-                              y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in, parts,
-                              sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=True,
+    _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, M, N, K, k_per_split, k_per_piece, split, plan.col_tiles,
+                              x.stride(0), y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in,
+                              parts, sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=True,
                               ONE_LAUNCH=one_launch, **common)
     if not one_launch:
         block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
@@ -471,7 +476,9 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
 class _Plan:
     """What a GEMV launch derives from its shapes, config and folds alone: the same for every call alike."""
 
-    grid: tuple[int, int, int]  # (column tiles, K pieces as programs, row tiles)
+    grid: tuple[int, int, int]  # (column tiles, K pieces as programs, row tiles); ROWS_FIRST: rows, pieces, columns
+    col_tiles: int
+    row_tiles: int
     k_per_split: int  # K positions a program sums
     k_per_piece: int  # K positions each of its fresh sums covers (PIECES)
     constexprs: dict  # the kernel's compile-time arguments but HAS_RESIDUAL, SPLIT and ONE_LAUNCH
@@ -497,6 +504,7 @@ def _plan(M: int, N: int, K: int, x_dtype, y_dtype, cfg: SkinnyConfig, act, norm
     pieces = split > 1 and invariant_sms and row_tiles * col_tiles >= invariant_sms
     if pieces:
         split, per_split = 1, k_tiles
+    rows_first = row_tiles > 1 and col_tiles <= _MAX_GRID_Z
     constexprs = dict(ACT_SILU_MUL=act == "silu_mul", NORM=norm, NORM_OFFSET=norm_offset, USE_DOT=cfg.dot,
                       FP32_DOT=x_dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -504,8 +512,9 @@ def _plan(M: int, N: int, K: int, x_dtype, y_dtype, cfg: SkinnyConfig, act, norm
                       LINES=max(1, cfg.block_k * x_dtype.itemsize // 128), GATING=gating,
                       LIBDEVICE=not interpret, SWIGLU=swiglu, EARLY=cfg.early, WIDEN=y_dtype != x_dtype,
                       RMS_SCALE=rms_parts > 0, BLOCK_P=next_pow2(max(rms_parts, 1)), ADD_SQUARES=add_squares,
-                      PIECES=bool(pieces))
-    return _Plan((col_tiles, split, row_tiles), per_split * cfg.block_k, k_per_piece, constexprs)
+                      PIECES=bool(pieces), ROWS_FIRST=rows_first)
+    grid = (row_tiles, split, col_tiles) if rows_first else (col_tiles, split, row_tiles)
+    return _Plan(grid, col_tiles, row_tiles, per_split * cfg.block_k, k_per_piece, constexprs)
 
 
 def rms_norm_ref(x, weight, eps: float, offset: float = 0.0):

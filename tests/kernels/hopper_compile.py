@@ -38,7 +38,7 @@ def skinny_cases():
     base = dict(ACT_SILU_MUL=False, HAS_RESIDUAL=False, NORM=False, NORM_OFFSET=False, USE_DOT=True, FP32_DOT=False,
                 SPLIT=False, ONE_LAUNCH=False, PDL=True, PREFETCH=False, LINES=2, GATING=False, LIBDEVICE=True,
                 SWIGLU=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, EARLY=1, WIDEN=False, RMS_SCALE=False, BLOCK_P=1,
-                ADD_SQUARES=False, PIECES=False)
+                ADD_SQUARES=False, PIECES=False, ROWS_FIRST=False)
     variants = {
         "gemv": {},
         "gemv swiglu": dict(SWIGLU=True),
@@ -58,6 +58,7 @@ def skinny_cases():
         "gemv K pieces in one program (invariant mode), add + squares": dict(PIECES=True, HAS_RESIDUAL=True,
                                                                               ADD_SQUARES=True),
         "gemv K pieces in one program (invariant mode), swiglu": dict(PIECES=True, SWIGLU=True),
+        "gemv row tiles first (invariant mode), split one launch": dict(ROWS_FIRST=True, SPLIT=True, ONE_LAUNCH=True),
     }
     for name, change in variants.items():
         yield name, lambda c={**base, **change}: compile_for_hopper(

@@ -43,6 +43,9 @@ def _sms(monkeypatch, sms) -> list[bool]:
     def recording(*args):
         p = plan(*args)
         seen.append(p.constexprs["PIECES"] and p.grid[1] == 1)
+        # more than one row tile: the row tiles of a weight slab side by side on axis 0
+        assert p.constexprs["ROWS_FIRST"] == (p.row_tiles > 1)
+        assert p.grid == ((p.row_tiles, p.grid[1], p.col_tiles) if p.row_tiles > 1 else (p.col_tiles, p.grid[1], 1))
         return p
 
     monkeypatch.setattr(module, "_plan", recording)
