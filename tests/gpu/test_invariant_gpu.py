@@ -1,8 +1,10 @@
 """The invariant mode on CUDA for every family: in bf16, a verify's logits are the decode steps' logits bit for bit,
 and a request's decode logits do not change beside another request. In the mode a ModelAttention chooses only
 backends that honour it (full attention's Triton kernels in their invariant launch, GDN / KDA's, MLA's and
-sparse MLA's and DeepSeek-V4's Triton kernels), the projections take the fixed-tile GEMM and the
-fused model kernels give way."""
+sparse MLA's and DeepSeek-V4's Triton kernels), the projections `models.fused` takes run the decode GEMV in the
+mode's launch (fixed by the weight's shape, rows in 16-row tiles) and the others the fixed-tile GEMM, fnattn's own
+row-local kernels stay and FlashInfer's and fla's give way. At the Qwen3.5-0.8B widths a request's logits are
+also checked beside 2 and 7 requests of other lengths."""
 
 from __future__ import annotations
 
