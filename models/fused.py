@@ -22,6 +22,11 @@ activation into the gate / up projection's epilogue instead (`gate_up_silu`, `sw
 the output projection (`gated_projection`): applied in that GEMV as it loaded x, every program repeated the
 norm before its first weight load, and the Qwen3.5-0.8B step on the H200 took 1.02x as long.
 
+In the invariant mode (`fnattn.kernels.invariant`) only fnattn's own kernels stay (`_kernel_rule`'s
+``honours_invariant``): each launch is shaped by a row's width, so a row's bits do not follow the number of rows,
+and `linear` takes any number of rows to the GEMV, whose launch the mode fixes by the weight's shape. FlashInfer's
+and fla's kernels give way to the torch bodies there.
+
 Where fp32 stays in a bf16 model, the math needs it: RMSNorm statistics (inside
 the kernels), the rope angles (one fp32 table per step, shared by every layer),
 GDN's log-decay ``g = -exp(A_log) * softplus(a + dt_bias)``, which the
