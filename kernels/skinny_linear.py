@@ -501,7 +501,8 @@ def _plan(M: int, N: int, K: int, x_dtype, y_dtype, cfg: SkinnyConfig, act, norm
     split = triton_cdiv(k_tiles, per_split)
     k_per_piece = per_split * cfg.block_k
     col_tiles = triton_cdiv(N, cfg.block_n)
-    pieces = split > 1 and invariant_sms and row_tiles * col_tiles >= invariant_sms
+    # (a config's first load of several tiles could cross a piece: such a call keeps the pieces as programs)
+    pieces = split > 1 and invariant_sms and row_tiles * col_tiles >= invariant_sms and cfg.early == 1
     if pieces:
         split, per_split = 1, k_tiles
     rows_first = row_tiles > 1 and col_tiles <= _MAX_GRID_Z

@@ -109,3 +109,18 @@ def test_the_folds_keep_a_row_to_itself(monkeypatch, sms):
         for j in range(3):
             assert torch.equal(torch.cat([o[j] for o in ones]), whole[j]), j
     assert any(pieces) == (sms < 132) and not all(pieces)
+
+
+def test_a_config_of_its_own_keeps_its_bits_in_the_mode(monkeypatch):
+    """A caller's config (a first load of two tiles, two K pieces) at 40 rows, the tiles filling the device: the
+    pieces stay programs of their own, and each row is the one-row call's bits."""
+    from fnattn.kernels.skinny_linear import SkinnyConfig
+
+    pieces = _sms(monkeypatch, 4)
+    cfg = SkinnyConfig(block_n=32, block_k=32, split_k=2, early=2)
+    x, w = randn(40, 256, dtype=torch.float16, seed=11), randn(N, 256, dtype=torch.float16, seed=12) / 16
+    with invariant(True):
+        whole = skinny_linear(x, w, config=cfg)
+        assert torch.equal(torch.cat([skinny_linear(x[i:i + 1], w, config=cfg) for i in range(40)]), whole)
+    assert not any(pieces)
+    close(whole, skinny_linear_ref(x, w), torch.float16)
