@@ -269,22 +269,14 @@ def _skinny_gemv_kernel(
             if (k0 - k_lo) % k_per_piece == 0:  # a piece ends: its sum joins the total, the next starts from zero
                 acc = acc + part
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-            k_ok = k < k_hi
-            xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM,
-                         NORM_OFFSET)
-            wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-            part = _accumulate(part, xt, wt, USE_DOT, FP32_DOT)
+            part = _k_tile(part, x_rows, w_rows, NW, k0, k_hi, m_ok, n_ok, K, rstd, offset, W.dtype.element_ty,
+                           ACT_SILU_MUL, NORM, NORM_OFFSET, USE_DOT, FP32_DOT, BLOCK_K)
         acc = acc + part
     else:
         acc = _accumulate(acc, x_first, w_first, USE_DOT, FP32_DOT)
         for k0 in range(k_lo + EARLY * BLOCK_K, k_hi, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-            k_ok = k < k_hi
-            xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, W.dtype.element_ty, ACT_SILU_MUL, NORM,
-                         NORM_OFFSET)
-            wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-            acc = _accumulate(acc, xt, wt, USE_DOT, FP32_DOT)
+            acc = _k_tile(acc, x_rows, w_rows, NW, k0, k_hi, m_ok, n_ok, K, rstd, offset, W.dtype.element_ty,
+                          ACT_SILU_MUL, NORM, NORM_OFFSET, USE_DOT, FP32_DOT, BLOCK_K)
     mask = m_ok[:, None] & n_ok[None, :]
     y_at = Y + m.to(tl.int64)[:, None] * sym + n[None, :]  # [BM, BN]
     if SPLIT:
@@ -352,6 +344,18 @@ def _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, dtype: tl.constexpr, ACT
         else:
             xt = (h.to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
     return xt
+
+
+@triton.jit
+def _k_tile(acc, x_rows, w_rows, NW, k0, k_hi, m_ok, n_ok, K, rstd, offset, dtype: tl.constexpr,
+            ACT_SILU_MUL: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, USE_DOT: tl.constexpr,
+            FP32_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc`` plus the products of the K tile at ``k0`` (x's operand as `_x_tile` makes it, w's as stored)."""
+    k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+    k_ok = k < k_hi
+    xt = _x_tile(x_rows, NW, k, m_ok, k_ok, K, rstd, offset, dtype, ACT_SILU_MUL, NORM, NORM_OFFSET)
+    wt = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+    return _accumulate(acc, xt, wt, USE_DOT, FP32_DOT)
 
 
 @triton.jit

@@ -77,6 +77,18 @@ def _count_calls(monkeypatch, module, name, calls, key):
     monkeypatch.setattr(module, name, counted)
 
 
+def _count_kernel_calls(monkeypatch) -> dict[str, int]:
+    """Every function of `KERNELS` still runs, and counts its calls by name in the dict returned."""
+    import importlib
+
+    calls: dict[str, int] = {}
+    for module_name, names in KERNELS.items():
+        module = importlib.import_module(f"fnattn.kernels.{module_name}")
+        for name in names:
+            _count_calls(monkeypatch, module, name, calls, key=lambda *a, name=name, **k: name)
+    return calls
+
+
 def _assert_close_logits(got, want):
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 2e-3 * scale
@@ -84,15 +96,9 @@ def _assert_close_logits(got, want):
 
 
 def test_every_kernel_path_gives_the_unfused_logits(monkeypatch):
-    import importlib
-
     model, ma, want = _model_and_unfused_logits()
     _allow_triton_on_cpu(monkeypatch)
-    calls: dict[str, int] = {}
-    for module_name, names in KERNELS.items():
-        module = importlib.import_module(f"fnattn.kernels.{module_name}")
-        for name in names:
-            _count_calls(monkeypatch, module, name, calls, key=lambda *a, name=name, **k: name)
+    calls = _count_kernel_calls(monkeypatch)
     with fused.own_norm_act(True), fused.output_gates(True), fused.gating_epilogue(True), fused.swiglu_epilogue(True):
         got = _run(model, ma)
     assert sorted(calls) == sorted(n for names in KERNELS.values() for n in names), calls
@@ -176,17 +182,11 @@ def test_the_invariant_mode_keeps_the_kernels_that_honour_it(monkeypatch):
     epilogues; the norms, gates and activations, a row per program): request 0's logits are the same bits
     alone and beside a request of another length, through a prefill of more than one 16-row tile and decode
     steps; FlashInfer's and fla's kernels stay out."""
-    import importlib
-
     from fnattn.kernels.invariant import invariant
 
     model = random_model("qwen3_5", dtype=torch.float16, device="cpu", seed=2)
     _allow_triton_on_cpu(monkeypatch)
-    calls: dict[str, int] = {}
-    for module_name, names in KERNELS.items():
-        module = importlib.import_module(f"fnattn.kernels.{module_name}")
-        for name in names:
-            _count_calls(monkeypatch, module, name, calls, key=lambda *a, name=name, **k: name)
+    calls = _count_kernel_calls(monkeypatch)
     prompt = [(7 * i) % 50 + 1 for i in range(18)]  # 18 rows: two row tiles of the mode's GEMV
     with invariant(True):
         ma = fa.ModelAttention(model.specs, device="cpu")
