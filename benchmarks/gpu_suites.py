@@ -188,8 +188,8 @@ SUITES: dict[str, Suite] = {
     "invariance-gemv": Suite("the decode GEMV compiled: its table's launches against their references and, in the "
                              "invariant mode, a row's bits in a call of any size (16-row tiles, K's pieces as "
                              "programs or within one)", (
-        tests(150, "skinny_invariant_gpu.json", "tests/kernels/test_skinny_linear.py tests/kernels/test_skinny_folds.py "
-              "tests/kernels/test_skinny_invariant.py"),
+        tests(150, "skinny_invariant_gpu.json", "tests/kernels/test_skinny_linear.py "
+              "tests/kernels/test_skinny_folds.py tests/kernels/test_skinny_invariant.py"),
         # whether wider row tiles keep a 128-row product's bits, and the time of each against cuBLAS (printed, in
         # session.log), for the 0.8B shape's projections and its lm_head
         Part(90, "python benchmarks/gemv_row_tiles.py --rows 128 --shapes 3584x1024 1024x3584 6144x1024 "
