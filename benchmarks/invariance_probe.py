@@ -29,7 +29,7 @@ import torch
 
 import fnattn
 import fnattn as fa
-from fnattn.bench.invariance import PROMPTS, batch_of, prefill_prompts
+from fnattn.bench.invariance import PROMPTS, batch_of, model_at, prefill_prompts
 from fnattn.session import AttentionSession
 
 
@@ -85,10 +85,6 @@ def greedy_trace(model, attn, prompts: dict[int, list[int]], steps: int, device)
 
 
 def main() -> int:
-    from fnattn.models.registry import random_model
-
-    from fnattn.bench.model import config_for
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--family", default="qwen3_5")
     p.add_argument("--shape", default="0.8b", help="the widths (default the 0.8B shape's)")
@@ -106,11 +102,7 @@ def main() -> int:
         if value not in ("on", "off"):
             p.error(f"--switch: expected NAME=on|off, got {item!r}")
         switches[name] = value == "on"
-    cfg = config_for(args.family, args.shape)
-    cfg["num_hidden_layers"] = args.layers
-    if cfg.get("layer_types"):
-        cfg["layer_types"] = cfg["layer_types"][: args.layers]
-    model = random_model(args.family, seed=0, dtype=torch.bfloat16, device=args.device, config=cfg)
+    model = model_at(args.family, args.shape, args.device, layers=args.layers)
     with fnattn.switches.set(invariant=True, **switches):
         attn = fa.ModelAttention(model.specs, device=args.device, prefer=args.prefer)
         alone = greedy_trace(model, attn, {0: PROMPTS[0]}, args.steps, args.device)

@@ -160,23 +160,6 @@ def test_split_norm_in_the_unchained_decoder_layer(monkeypatch):
     _assert_close_logits(got, want)
 
 
-def _greedy(model, ma, prompts: dict[int, list[int]], steps: int) -> torch.Tensor:
-    """Request 0's logits over its prefill and ``steps`` greedy decode steps, beside the other ``prompts``."""
-    ids = sorted(prompts)
-    st = fa.State(model.specs, num_pages=32, page_size=4, max_requests=len(ids), device="cpu")
-    for r in ids:
-        st = st.admit(r)
-    with torch.no_grad():
-        st, last = prefill(model.step, model.params, ma, st, prompts)
-        out, tokens = [last[0]], torch.stack([last[r] for r in ids]).argmax(-1)
-        for _ in range(steps):
-            st = st.reserve({r: 1 for r in ids})
-            st, logits = run_step(model.step, model.params, ma, st, fa.Batch.decode(st, ids), tokens)
-            out.append(logits[0])
-            tokens = logits.argmax(-1)
-    return torch.stack(out).float()
-
-
 def test_the_invariant_mode_keeps_the_kernels_that_honour_it(monkeypatch):
     """In the invariant mode `models.fused` keeps fnattn's own kernels (the GEMV at any row count, with its
     epilogues; the norms, gates and activations, a row per program): request 0's logits are the same bits
@@ -184,14 +167,17 @@ def test_the_invariant_mode_keeps_the_kernels_that_honour_it(monkeypatch):
     steps; FlashInfer's and fla's kernels stay out."""
     from fnattn.kernels.invariant import invariant
 
+    from fnattn.bench.invariance import request_0_logits
+
     model = random_model("qwen3_5", dtype=torch.float16, device="cpu", seed=2)
     _allow_triton_on_cpu(monkeypatch)
     calls = _count_kernel_calls(monkeypatch)
     prompt = [(7 * i) % 50 + 1 for i in range(18)]  # 18 rows: two row tiles of the mode's GEMV
     with invariant(True):
         ma = fa.ModelAttention(model.specs, device="cpu")
-        alone = _greedy(model, ma, {0: prompt}, 2)
-        beside = _greedy(model, ma, {0: prompt, 1: prompt[:5]}, 2)
+        alone, beside = (request_0_logits(model, ma, fa.State(model.specs, num_pages=32, page_size=4,
+                                                               max_requests=len(p), device="cpu"), p, steps=2)
+                         for p in ({0: prompt}, {0: prompt, 1: prompt[:5]}))
     assert torch.equal(alone, beside)
     taken = {"skinny_linear", "skinny_linear_gating", "skinny_linear_swiglu", "skinny_linear_add_",
              "qk_norm_rope", "gated_rms_norm_silu", "sigmoid_gate", "add_rms_norm_"}

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import fnattn as fa
 import fnattn.switches
+from fnattn.bench.invariance import request_0_logits
 from fnattn.driver import generate
 from fnattn.kernels import attention_naive as naive
 from fnattn.speculative import Speculator
@@ -143,24 +144,7 @@ def test_a_request_decodes_the_same_logits_alone_or_beside_another(name):
     model = random_model(name, seed=0, dtype=torch.bfloat16)
 
     def logits_of_request_0(prompts):
-        attn, st = fa.ModelAttention(model.specs), fresh_state(model.specs)
-        for r in prompts:
-            st = st.admit(r)
-        counts = {r: len(p) for r, p in prompts.items()}
-        st = st.reserve(counts)
-        with attn.session(st, fa.Batch.prefill(st, counts)) as s:
-            logits, d = model.step(model.params, s, torch.tensor([t for p in prompts.values() for t in p]))
-        st = st.apply(d)
-        ends = torch.tensor(list(counts.values())).cumsum(0) - 1
-        out, last = [logits[ends[0]]], logits[ends].argmax(-1)
-        for _ in range(6):
-            st = st.reserve({r: 1 for r in prompts})
-            with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
-                logits, d = model.step(model.params, s, last)
-            st = st.apply(d)
-            out.append(logits[0])
-            last = logits.argmax(-1)
-        return torch.stack(out)
+        return request_0_logits(model, fa.ModelAttention(model.specs), fresh_state(model.specs), prompts, steps=6)
 
     with fnattn.switches.set(invariant=True):
         alone = logits_of_request_0({0: PROMPTS[0]})

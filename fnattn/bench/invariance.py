@@ -63,6 +63,34 @@ def prefill_prompts(model, attn, st: fa.State,
     return st.apply(d), logits[ends.to(logits.device)]
 
 
+def request_0_logits(model, attn, st: fa.State, prompts: dict[int, list[int]],
+                     steps: int) -> Float[torch.Tensor, "S V"]:
+    """Request 0's logits over its prefill's last token and ``steps`` greedy decode steps of every request in
+    ``prompts`` (admitted and prefilled into ``st`` in one step): ``[1 + steps, V]``, what a request's batch
+    must not change."""
+    st, last = prefill_prompts(model, attn, st, prompts)
+    rows, ids = [last[0]], last.argmax(-1)
+    for _ in range(steps):
+        st, logits = _decode_step(model, attn, st.reserve({r: 1 for r in prompts}), list(prompts), ids)
+        rows.append(logits[0])
+        ids = logits.argmax(-1)
+    return torch.stack(rows)
+
+
+def model_at(name: str, shape: str, device, layers: int | None = None):
+    """``name``'s random bf16 model at ``shape``'s widths (`fnattn.bench.model.config_for`); ``layers``: only its
+    first that many (the widths, not the depth, choose a launch's tiles)."""
+    from ..models.registry import random_model
+    from .model import config_for
+
+    cfg = config_for(name, shape)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+        if cfg.get("layer_types"):
+            cfg["layer_types"] = cfg["layer_types"][:layers]
+    return random_model(name, seed=0, dtype=torch.bfloat16, device=device, config=cfg)
+
+
 def verify_equals_decode(model, device, k: int = 3) -> bool:
     tokens = [3, 14, 15, 9][: k + 1]
     attn = fa.ModelAttention(model.specs, device=device)
@@ -138,8 +166,8 @@ def batch_invariant(model, device, steps: int, sizes=(3,)) -> bool:
     others of mixed lengths, for every size."""
 
     def request_0(prompts):
-        last, logits = _decode(model, fa.ModelAttention(model.specs, device=device), device, prompts, steps)
-        return torch.cat([last[:1], logits[:, 0]])
+        return request_0_logits(model, fa.ModelAttention(model.specs, device=device),
+                                _state(model.specs, device, tokens=steps, prompts=prompts), prompts, steps)
 
     alone = request_0({0: PROMPTS[0]})
     return all(torch.equal(alone, request_0(batch_of(n, model.config.vocab_size))) for n in sizes)
@@ -199,11 +227,10 @@ def family_records(name: str, *, shape: str, device: str, tokens: int, batches: 
                    prompt: int = 16, cost_only: bool = False, log=print) -> list[dict]:
     """Each mode's record (off, then on: ``invariant_cost`` on the latter); ``cost_only``: the decode step's times
     alone, the properties left out of the records."""
-    from ..models.registry import family_named, random_model
-    from .model import config_for
+    from ..models.registry import family_named
 
     fam = family_named(name)
-    model = random_model(name, seed=0, dtype=torch.bfloat16, device=device, config=config_for(name, shape))
+    model = model_at(name, shape, device)
     draft = fam.draft(model.config, model.params, None, seed=1) if fam.draft and fam.step_hidden else None
     records, cost = [], {}
     for on in (False, True):

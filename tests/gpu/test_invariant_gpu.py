@@ -14,7 +14,7 @@ from fnattn.models.registry import family_names
 
 import fnattn as fa
 import fnattn.switches
-from fnattn.bench.invariance import batch_of, prefill_prompts
+from fnattn.bench.invariance import batch_of, model_at, request_0_logits
 
 pytestmark = pytest.mark.gpu
 DEV, K = "cuda", 3
@@ -76,43 +76,20 @@ def test_verify_equals_decode_and_a_request_ignores_its_batch(name, on, record):
     assert ok, (verify_equal, batch_equal)
 
 
-def real_width_model():
-    """Qwen3.5 at the 0.8B shape's widths (head dims 256 and 128, hidden 1024, its vocabulary), four layers:
-    tiny widths take other tiles and launch forms than a real model's."""
-    from fnattn.models.registry import random_model
-
-    from fnattn.bench.model import config_for
-
-    cfg = config_for("qwen3_5", "0.8b")
-    cfg.update(num_hidden_layers=4, layer_types=cfg["layer_types"][:4])
-    return random_model("qwen3_5", seed=0, dtype=torch.bfloat16, device=DEV, config=cfg)
-
-
-def greedy_logits(model, prompts, steps=8):
-    """Request 0's logits over its prefill's last token and ``steps`` greedy decode steps beside ``prompts``, in
-    pages of 4 tokens (so requests cross pages at different steps)."""
-    attn = fa.ModelAttention(model.specs, device=DEV)
-    st = fa.State(model.specs, num_pages=len(prompts) * 12 + 4, page_size=4, max_requests=len(prompts) + 1,
-                  device=DEV, fill=float("nan"))
-    st, last = prefill_prompts(model, attn, st, prompts)
-    rows, ids = [last[0]], last.argmax(-1)
-    for _ in range(steps):
-        st = st.reserve({r: 1 for r in prompts})
-        with attn.session(st, fa.Batch.decode(st, list(prompts))) as s:
-            logits, d = model.step(model.params, s, ids)
-        st = st.apply(d)
-        rows.append(logits[0])
-        ids = logits.argmax(-1)
-    return attn, torch.stack(rows)
-
-
 @pytest.mark.parametrize("others", [2, 7])
 def test_at_real_widths_a_requests_logits_ignore_its_batch(others, record):
-    model = real_width_model()
+    # the 0.8B shape's widths (tiny widths take other tiles and launch forms), four layers
+    model = model_at("qwen3_5", "0.8b", DEV, layers=4)
     prompts = batch_of(others + 1, model.config.vocab_size)  # request 0's prompt and others of mixed lengths
+
+    def greedy(prompts):  # pages of 4 tokens, so requests cross pages at different steps; unused storage NaN
+        st = fa.State(model.specs, num_pages=len(prompts) * 12 + 4, page_size=4, max_requests=len(prompts) + 1,
+                      device=DEV, fill=float("nan"))
+        return request_0_logits(model, attn, st, prompts, steps=8)
+
     with fnattn.switches.set(invariant=True):
-        attn, alone = greedy_logits(model, {0: prompts[0]})
-        _, beside = greedy_logits(model, prompts)
+        attn = fa.ModelAttention(model.specs, device=DEV)
+        alone, beside = greedy({0: prompts[0]}), greedy(prompts)
     same = [torch.equal(a, b) for a, b in zip(alone, beside)]
     backends = sorted({attn.backend(i, "decode").name for i in range(len(model.specs))})
     record({"case": f"invariant qwen3_5 0.8b widths beside {others}", "backends": backends,
