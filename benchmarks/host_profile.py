@@ -136,7 +136,7 @@ def stub_launches() -> list[int]:
         if getattr(module, "needs_cuda", None) is real:
             module.needs_cuda = lambda device: []
     # `fused._kernel` without its CUDA check, for Triton's kernels only (the interpreter's objects, stubbed above)
-    fused._kernel = lambda package, *ts, **kw: package == "triton" and fused._kernel_rule(package, *ts, **kw)
+    fused._kernel = lambda package, *ts: package == "triton" and fused._kernel_rule(package, *ts)
     return count
 
 

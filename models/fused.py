@@ -22,10 +22,10 @@ activation into the gate / up projection's epilogue instead (`gate_up_silu`, `sw
 the output projection (`gated_projection`): applied in that GEMV as it loaded x, every program repeated the
 norm before its first weight load, and the Qwen3.5-0.8B step on the H200 took 1.02x as long.
 
-In the invariant mode (`fnattn.kernels.invariant`) only fnattn's own kernels stay (`_kernel_rule`'s
-``honours_invariant``): each launch is shaped by a row's width, so a row's bits do not follow the number of rows,
-and `linear` takes any number of rows to the GEMV, whose launch the mode fixes by the weight's shape. FlashInfer's
-and fla's kernels give way to the torch bodies there.
+In the invariant mode (`fnattn.kernels.invariant`) only fnattn's own kernels stay (`_kernel_rule`): each launch
+is shaped by a row's width, so a row's bits do not follow the number of rows, and `linear` takes any number of
+rows to the GEMV, whose launch the mode fixes by the weight's shape. FlashInfer's and fla's kernels give way to
+the torch bodies there.
 
 Where fp32 stays in a bf16 model, the math needs it: RMSNorm statistics (inside
 the kernels), the rope angles (one fp32 table per step, shared by every layer),
@@ -228,18 +228,18 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _kernel(package: str, *tensors: Tensor, honours_invariant: bool = False) -> bool:
+def _kernel(package: str, *tensors: Tensor) -> bool:
     """Whether the kernel path applies: CUDA (``is_cuda``: no device object a call) and `_kernel_rule`."""
-    return tensors[0].is_cuda and _kernel_rule(package, *tensors, honours_invariant=honours_invariant)
+    return tensors[0].is_cuda and _kernel_rule(package, *tensors)
 
 
-def _kernel_rule(package: str, *tensors: Tensor, honours_invariant: bool = False) -> bool:
-    """`_kernel` but its device: enabled, half precision, one dtype, package installed, and the invariant mode
-    off unless the kernel honours it (``honours_invariant``): fnattn's own kernels do, each launch shaped by the
-    row's width alone (a row per program for the norms, elementwise for gates and activations; the GEMV's
-    launch in the mode is fixed by the weight's shape), so a row's bits do not follow the number of rows;
-    FlashInfer's and fla's are not checked to. The torch bodies honour it too."""
-    if not _ENABLED[-1] or (invariant_on() and not honours_invariant):
+def _kernel_rule(package: str, *tensors: Tensor) -> bool:
+    """`_kernel` but its device: enabled, half precision, one dtype, package installed, and in the invariant mode
+    fnattn's own kernels only (``"triton"``), which honour it: each launch is shaped by the row's width alone (a
+    row per program for the norms, elementwise for gates and activations; the GEMV's launch in the mode is fixed
+    by the weight's shape), so a row's bits do not follow the number of rows. FlashInfer's and fla's are not
+    checked to. The torch bodies honour it too."""
+    if not _ENABLED[-1] or (invariant_on() and package != "triton"):
         return False
     t0 = tensors[0]
     if t0.dtype not in (torch.bfloat16, torch.float16):
@@ -273,7 +273,7 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
     normalizes the fp32 sum before rounding it; the torch body normalizes the
     rounded sum).
     """
-    if _OWN_NORM_ACT[-1] and y.dim() == 2 and _kernel("triton", y, residual, weight, honours_invariant=True) \
+    if _OWN_NORM_ACT[-1] and y.dim() == 2 and _kernel("triton", y, residual, weight) \
             and _rows_alike(y, residual) \
             and weight.shape == y.shape[-1:] and not shares_storage(y, residual):
         from fnattn.kernels.norm_act import add_rms_norm_
@@ -291,7 +291,7 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     """``silu(g) * u`` for ``gate_up = [g | u]`` along the last dim (``[T, 2I] -> [T, I]``)."""
     if _OWN_NORM_ACT[-1] and gate_up.dim() == 2 and gate_up.shape[-1] % 2 == 0 \
-            and _kernel("triton", gate_up, honours_invariant=True) and _rows_alike(gate_up):
+            and _kernel("triton", gate_up) and _rows_alike(gate_up):
         from fnattn.kernels.norm_act import silu_and_mul as kernel
 
         return kernel(gate_up)
@@ -316,7 +316,7 @@ def step_rope_table(cos: Float[Tensor, "T Dr"], sin: Float[Tensor, "T Dr"], x: F
                     ) -> Float[Tensor, "T Dr"] | None:
     """The step's `rope_table` where its attention layers will read it: on CUDA, unless `qk_one_launch`'s
     kernel, which reads ``cos`` / ``sin`` themselves, takes activations like ``x`` (then None: a launch saved)."""
-    if not cos.is_cuda or (_QK_ONE_LAUNCH[-1] and _kernel("triton", x, honours_invariant=True)):
+    if not cos.is_cuda or (_QK_ONE_LAUNCH[-1] and _kernel("triton", x)):
         return None
     return rope_table(cos, sin)
 
@@ -357,7 +357,7 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
     gate, as transformers' module does.
     """
     x = x.to(gate.dtype)
-    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, weight, honours_invariant=True) \
+    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, weight) \
             and _rows_alike(x, gate) and weight.shape == x.shape[-1:]:
         from fnattn.kernels.output_gate import gated_rms_norm_silu as kernel
 
@@ -372,7 +372,7 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
 def sigmoid_gate(x: Float[Tensor, "T H D"], gate: Float[Tensor, "T H D"]) -> Float[Tensor, "T H D"]:
     """``x * sigmoid(gate)`` (gated attention's output gate), ``gate`` any strides but the last: two torch
     launches, or under `output_gates` on CUDA one (`fnattn.kernels.output_gate.sigmoid_gate`)."""
-    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, honours_invariant=True) \
+    if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate) \
             and _rows_alike(x, gate):
         from fnattn.kernels.output_gate import sigmoid_gate as kernel
 
@@ -390,7 +390,7 @@ def _skinny(x: Tensor, w: Tensor, width: int, residual: Tensor | None = None,
     a verify and a prefill), unit stride within a row (also after flattening the leading dims), ``w``
     contiguous; a ``residual`` of the output's shape with unit inner stride and a contiguous norm weight of
     ``[width]``, both in x's dtype and device."""
-    if not (_kernel("triton", x, w, honours_invariant=True) and x.dim() >= 2 and x.shape[-1] == width
+    if not (_kernel("triton", x, w) and x.dim() >= 2 and x.shape[-1] == width
             and x.stride(-1) == 1 and (x.numel() <= _SKINNY_ROWS * max(width, 1) or invariant_on())
             and w.dim() == 2 and w.is_contiguous()):
         return False
@@ -449,7 +449,7 @@ def gated_projection(o: Float[Tensor, "T H D"], gate: tuple, w: Float[Tensor, "N
 def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """GDN's log-decay ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)`` (``b.dtype``):
     one launch on CUDA instead of four; ``a``, ``b`` [T, H] may be column slices of one projection."""
-    if _kernel("triton", a, b, honours_invariant=True):
+    if _kernel("triton", a, b):
         from fnattn.kernels import gdn_gating as kernel
 
         return kernel(a, b, neg_decay, dt_bias)
@@ -528,7 +528,7 @@ def qk_norm_rope(q: Float[Tensor, "T Hq D"], k: Float[Tensor, "T Hkv D"], v: Flo
     Otherwise `rms_norm_offset` of each, `rope_` (``table``: FlashInfer's) and a copy of ``v`` where it is
     not contiguous. Under `qk_one_launch`, on CUDA, one launch for all of it (`fnattn.kernels.qk_norm_rope`).
     """
-    if _QK_ONE_LAUNCH[-1] and _kernel("triton", q, k, v, q_weight, k_weight, honours_invariant=True):
+    if _QK_ONE_LAUNCH[-1] and _kernel("triton", q, k, v, q_weight, k_weight):
         from fnattn.kernels.qk_norm_rope import qk_norm_rope as kernel
 
         return kernel(q, k, v, q_weight, k_weight, cos, sin, eps=eps, offset=1.0)

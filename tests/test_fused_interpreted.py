@@ -53,15 +53,9 @@ def _model_and_unfused_logits():
 
 
 def _allow_triton_on_cpu(monkeypatch):
-    """The Triton paths allowed on this CPU (the interpreter runs them), as `fused._kernel_rule` allows them
-    on CUDA (in the invariant mode only those that honour it); FlashInfer's and fla's are not."""
-    from fnattn.kernels.invariant import invariant_on
-
-    def allowed(package, *ts, honours_invariant=False):
-        return package == "triton" and fused._ENABLED[-1] and (honours_invariant or not invariant_on()) \
-            and ts[0].dtype in (torch.float16, torch.bfloat16) and all(t.dtype == ts[0].dtype for t in ts)
-
-    monkeypatch.setattr(fused, "_kernel", allowed)
+    """The Triton paths allowed on this CPU (the interpreter runs them) by `fused._kernel_rule`, as on CUDA (in
+    the invariant mode too); FlashInfer's and fla's are not."""
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton" and fused._kernel_rule(package, *ts))
 
 
 def _count_calls(monkeypatch, module, name, calls, key):

@@ -81,7 +81,7 @@ def test_models_take_the_kernels_only_under_own_norm_act(monkeypatch):
     from fnattn.kernels import norm_act as module
     from fnattn.models import fused
 
-    monkeypatch.setattr(fused, "_kernel", lambda package, *ts, **_: package == "triton")
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
     calls = []
     for name in ("add_rms_norm_", "silu_and_mul"):
         real = getattr(module, name)
@@ -105,7 +105,7 @@ def test_operands_the_kernels_do_not_take_run_the_torch_bodies(monkeypatch):
     from fnattn.kernels import norm_act as module
     from fnattn.models import fused
 
-    monkeypatch.setattr(fused, "_kernel", lambda package, *ts, **_: package == "triton")
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
     monkeypatch.setattr(module, "add_rms_norm_", lambda *a, **k: pytest.fail("the kernel was called"))
     monkeypatch.setattr(module, "silu_and_mul", lambda *a, **k: pytest.fail("the kernel was called"))
     w = randn(32, seed=3)

@@ -110,7 +110,7 @@ def test_models_take_the_kernels_only_under_output_gates(monkeypatch):
     from fnattn.kernels import output_gate as module
     from fnattn.models import fused
 
-    monkeypatch.setattr(fused, "_kernel", lambda package, *ts, **_: package == "triton")
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
     calls = []
     for name in ("gated_rms_norm_silu", "sigmoid_gate"):
         real = getattr(module, name)

@@ -122,7 +122,7 @@ def test_models_qk_norm_rope_takes_the_kernel_unless_switched_off(monkeypatch):
     from fnattn.kernels import qk_norm_rope as module
     from fnattn.models import fused
 
-    monkeypatch.setattr(fused, "_kernel", lambda package, *ts, **_: package == "triton")
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
     calls = []
     real = module.qk_norm_rope
     monkeypatch.setattr(module, "qk_norm_rope", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -81,7 +81,7 @@ def test_models_project_add_norm_is_the_projection_then_the_add_and_norm(rows, m
     next block's input norm (Qwen's ``1 + weight``)."""
     from fnattn.models import fused
 
-    monkeypatch.setattr(fused, "_kernel", lambda package, *ts, **_: package == "triton")
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
     D, K = 48, 96
     x, w = randn(rows, K, seed=40), randn(D, K, seed=41) / K ** 0.5
     res, nw = randn(rows, D, seed=42), randn(D, seed=43) * 0.2
@@ -133,7 +133,7 @@ def test_models_gate_up_silu_takes_the_epilogue_only_when_asked(rows, monkeypatc
     rows the unfused form either way."""
     from fnattn.models import fused
 
-    monkeypatch.setattr(fused, "_kernel", lambda package, *ts, **_: package == "triton")
+    monkeypatch.setattr(fused, "_kernel", lambda package, *ts: package == "triton")
     calls = []
     real = folds.skinny_linear_swiglu
     monkeypatch.setattr(folds, "skinny_linear_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
