@@ -1,10 +1,13 @@
-"""The argument checks of `skinny_linear` and its folds: every message names the argument, the expected and
-the actual value, and nothing is launched before they pass.
+"""The arguments of `skinny_linear` and its folds: its launch config (`SkinnyConfig`, checked at construction)
+and the checks of every call. Every message names the argument, the expected and the actual value, and
+nothing is launched before they pass.
 
 Kept apart from the kernel so each file stays readable; `skinny_linear` and `skinny_folds` are the users.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +17,49 @@ from .invariant import invariant_on
 MAX_M = 64  # rows a call takes outside the invariant mode (any number in it: 16-row tiles over a grid)
 ACTS = (None, "silu_mul")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch shape of `skinny_linear`: a program owns ``block_n`` output columns and ``1 / split_k`` of K.
+
+    ``dot``: products by ``tl.dot`` (rows padded to 16); False: by FMAs and a sum over each K tile, which
+    holds ``[M, block_n, block_k]`` products in registers (a form for a few rows only). ``one_launch``
+    (with ``split_k > 1``): the last piece of each column tile sums the partials; False: a second kernel does.
+    ``prefetch`` (launched with PDL only): before it waits for the launch before it, each program asks L2 for
+    the rest of its weight slab, one ``prefetch.global.L2`` a cache line, beside loading its first tile.
+    ``early``: the first load is ``early`` K tiles wide (``[block_n, early * block_k]``, one product), so
+    under PDL that much of the slab is in registers before the wait; the rest streams a tile at a time.
+    """
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = True
+    one_launch: bool = True
+    prefetch: bool = False
+    early: int = 1
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"SkinnyConfig.{name}: expected a power of two >= 16, got {v!r}")
+        if not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ValueError(f"SkinnyConfig.split_k: expected an int >= 1, got {self.split_k!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"SkinnyConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if isinstance(self.early, bool) or not isinstance(self.early, int) or self.early < 1 \
+                or self.early & (self.early - 1):
+            raise ValueError(f"SkinnyConfig.early: expected a power of two >= 1, got {self.early!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"SkinnyConfig.num_stages: expected an int >= 1, got {self.num_stages!r}")
+        for name in ("dot", "one_launch", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SkinnyConfig.{name}: expected a bool, got {getattr(self, name)!r}")
+
 
 
 def _check_act_norm(act, norm):
@@ -40,7 +86,7 @@ def _check(x, w, out, act, config, residual=None, norm=None, rms=None):
     if rms is not None and (act is not None or norm is not None):
         raise ValueError(f"rms: expected no act or norm beside it (the row scale is of the product), got "
                          f"act={act!r}, norm={'given' if norm is not None else None}")
-    if config is not None and type(config).__name__ != "SkinnyConfig":
+    if config is not None and not isinstance(config, SkinnyConfig):
         raise ValueError(f"config: expected a SkinnyConfig or None, got {type(config).__name__}")
     for name, t in (("x", x), ("w", w)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:

@@ -71,51 +71,8 @@ from ._triton import (
 )
 from .gdn_gate import gate_columns
 from .invariant import invariant_on
-from .skinny_checks import MAX_M, _check, _check_act_norm  # noqa: F401 - MAX_M: callers read it here
+from .skinny_checks import MAX_M, SkinnyConfig, _check, _check_act_norm  # noqa: F401 - MAX_M: callers read it here
 from .skinny_epilogues import _add_residual, _skinny_gemv_splitk_reduce, _store_tile
-
-
-@dataclass(frozen=True)
-class SkinnyConfig:
-    """Launch shape of `skinny_linear`: a program owns ``block_n`` output columns and ``1 / split_k`` of K.
-
-    ``dot``: products by ``tl.dot`` (rows padded to 16); False: by FMAs and a sum over each K tile, which
-    holds ``[M, block_n, block_k]`` products in registers (a form for a few rows only). ``one_launch``
-    (with ``split_k > 1``): the last piece of each column tile sums the partials; False: a second kernel does.
-    ``prefetch`` (launched with PDL only): before it waits for the launch before it, each program asks L2 for
-    the rest of its weight slab, one ``prefetch.global.L2`` a cache line, beside loading its first tile.
-    ``early``: the first load is ``early`` K tiles wide (``[block_n, early * block_k]``, one product), so
-    under PDL that much of the slab is in registers before the wait; the rest streams a tile at a time.
-    """
-
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    dot: bool = True
-    one_launch: bool = True
-    prefetch: bool = False
-    early: int = 1
-
-    def __post_init__(self):
-        for name in ("block_n", "block_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"SkinnyConfig.{name}: expected a power of two >= 16, got {v!r}")
-        if not isinstance(self.split_k, int) or self.split_k < 1:
-            raise ValueError(f"SkinnyConfig.split_k: expected an int >= 1, got {self.split_k!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"SkinnyConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
-        if isinstance(self.early, bool) or not isinstance(self.early, int) or self.early < 1 \
-                or self.early & (self.early - 1):
-            raise ValueError(f"SkinnyConfig.early: expected a power of two >= 1, got {self.early!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"SkinnyConfig.num_stages: expected an int >= 1, got {self.num_stages!r}")
-        for name in ("dot", "one_launch", "prefetch"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SkinnyConfig.{name}: expected a bool, got {getattr(self, name)!r}")
-
 
 # Tuned on the H200 at one row (`benchmarks/linear_sweep.py`, benchmarks/results/bench_linear_b1.json): one program
 # per SM is enough to stream the weight, and a tile narrower than 32 columns loses more to its short rows than
@@ -493,8 +450,9 @@ def _plan(M: int, N: int, K: int, x_dtype, y_dtype, cfg: SkinnyConfig, act, norm
           gating: bool, swiglu: bool, rms_parts: int, add_squares: bool, pdl: bool, interpret: bool,
           invariant_sms: int) -> _Plan:
     """``invariant_sms``: the invariant mode's launch (the device's SM count; 0 outside the mode): rows in tiles
-    of `INVARIANT_ROWS` over grid axis 2, and where the tiles alone fill the device, each program sums K's
-    pieces itself (``PIECES``) rather than as programs of their own: the same additions."""
+    of `INVARIANT_ROWS` (over grid axis 0, the column tiles over axis 2: ``ROWS_FIRST``), and where the tiles
+    alone fill the device, each program sums K's pieces itself (``PIECES``) rather than as programs of their own:
+    the same additions."""
     if invariant_sms:
         BLOCK_M = INVARIANT_ROWS
     else:
