@@ -6,8 +6,8 @@ In the invariant mode `skinny_linear` takes rows in tiles of `INVARIANT_ROWS` (1
 tile, so every row count meets the same product shape. At 128 rows that reads each weight eight times, where
 the mode-off step runs cuBLAS's large tiles. A wider tile is only open to the mode if a row's bits do not change
 with it (on Hopper a 64-row tile of four warps may take another MMA instruction than a 16-row one). For each
-width this prints whether a ``--rows`` call's output is the first width's bits, and one call's time (``--iters``
-calls in a CUDA graph, replayed), beside cuBLAS's. The plain product only: the folds' row reductions (the
+width this prints whether a ``--rows`` call's output is the first width's bits, and one call's time (median,
+replayed from a CUDA graph), beside cuBLAS's. The plain product only: the folds' row reductions (the
 split norm's squares, the row scale) are not compared here. One JSON line per shape.
 """
 
@@ -19,29 +19,14 @@ import json
 import torch
 from fnattn.kernels.invariant import invariant
 
+from fnattn.bench import timed
 from fnattn.kernels import skinny_linear as module
 
 
-def _time_us(fn, iters: int) -> float:
-    """One call's device time: ``iters`` calls captured in a CUDA graph, the graph replayed five times (an
-    eager loop would time the host: the GEMV's checks and plan cost more than its launch at these sizes)."""
-    if not torch.cuda.is_available():
-        return float("nan")
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (5 * iters)
+def _time_us(fn) -> float:
+    """One call's device time, replayed from a CUDA graph (`fnattn.bench.timed`: an eager loop would time the
+    host, whose checks and plan cost more than the launch at these sizes); NaN without CUDA."""
+    return timed(fn) if torch.cuda.is_available() else float("nan")
 
 
 def main() -> int:
@@ -49,7 +34,6 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--shapes", nargs="+", default=["3584x1024", "1024x3584", "6144x1024"], help="NxK of each weight")
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,11 +54,11 @@ def main() -> int:
                     y = module.skinny_linear(x, w)
                     base = y if base is None else base
                     rows[width] = {"same_bits_as_first": torch.equal(y, base),
-                                   "us": _time_us(lambda x=x, w=w: module.skinny_linear(x, w), args.iters)}
+                                   "us": _time_us(lambda x=x, w=w: module.skinny_linear(x, w))}
         finally:
             module.INVARIANT_ROWS = default
             module._plan.cache_clear()
-        off = _time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w), args.iters)
+        off = _time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
         print(json.dumps({"N": N, "K": K, "rows": args.rows, "dtype": args.dtype, "device": device,
                           "widths": rows, "mode_off_cublas_us": off}))
     return 0

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_each_width_reports_its_bits_and_the_row_tile_is_restored():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    code = ("import runpy, sys; sys.argv = ['gemv_row_tiles.py', '--rows', '20', '--shapes', '40x128', '--iters', '1',"
+    code = ("import runpy, sys; sys.argv = ['gemv_row_tiles.py', '--rows', '20', '--shapes', '40x128',"
             " '--dtype', 'float16']; from fnattn.kernels import skinny_linear as m\n"
             "try:\n    runpy.run_path('benchmarks/gemv_row_tiles.py', run_name='__main__')\n"
             "except SystemExit:\n    pass\nprint(m.INVARIANT_ROWS)")
