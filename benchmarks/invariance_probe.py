@@ -99,8 +99,9 @@ def main() -> int:
     switches = {}
     for item in args.switch:
         name, _, value = item.partition("=")
-        if value not in ("on", "off"):
-            p.error(f"--switch: expected NAME=on|off, got {item!r}")
+        if value not in ("on", "off") or name not in fnattn.switches.switches():
+            p.error(f"--switch: expected NAME=on|off with NAME one of {', '.join(sorted(fnattn.switches.switches()))},"
+                    f" got {item!r}")
         switches[name] = value == "on"
     model = model_at(args.family, args.shape, args.device, layers=args.layers)
     with fnattn.switches.set(invariant=True, **switches):

@@ -32,3 +32,15 @@ def test_a_difference_is_named_by_step_layer_and_field():
     assert [t[:3] for t in a] == [t[:3] for t in b]
     step, layer, field, _ = next(x for x, y in zip(a, b) if not torch.equal(x[3], y[3]))
     assert (step, layer) == (0, 0) and field.startswith("inputs.")
+
+
+def test_a_switch_that_is_not_one_exits_2_naming_it(monkeypatch, capsys):
+    import pytest
+
+    for item in ("nosuch=on", "pdl=maybe"):
+        monkeypatch.setattr(sys, "argv", ["invariance_probe.py", "--switch", item, "--device", "cpu"])
+        with pytest.raises(SystemExit) as exit_:
+            benchmark_module("invariance_probe").main()
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "--switch: expected NAME=on|off with NAME one of" in err and repr(item) in err
