@@ -8,18 +8,19 @@ the mode-off step runs cuBLAS's large tiles. A wider tile is only open to the mo
 with it (on Hopper a 64-row tile of four warps may take another MMA instruction than a 16-row one). For each
 width this prints whether a ``--rows`` call's output is the first width's bits, and one call's time (median,
 replayed from a CUDA graph), beside cuBLAS's. The plain product only: the folds' row reductions (the
-split norm's squares, the row scale) are not compared here. One JSON line per shape.
+split norm's squares, the row scale) are not compared here. One JSON line per shape; ``--out``: the lines as one record too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 from fnattn.kernels.invariant import invariant
 
-from fnattn.bench import timed
+from fnattn.bench import timed, write_json
 from fnattn.kernels import skinny_linear as module
 
 
@@ -35,10 +36,12 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=["3584x1024", "1024x3584", "6144x1024"], help="NxK of each weight")
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--out", default=None, help="also write the lines as one record (JSON: command, environment)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     default = module.INVARIANT_ROWS
+    records = []
     for shape in args.shapes:
         N, K = (int(v) for v in shape.split("x"))
         g = torch.Generator().manual_seed(0)
@@ -59,8 +62,11 @@ def main() -> int:
             module.INVARIANT_ROWS = default
             module._plan.cache_clear()
         off = _time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-        print(json.dumps({"N": N, "K": K, "rows": args.rows, "dtype": args.dtype, "device": device,
-                          "widths": rows, "mode_off_cublas_us": off}))
+        records.append({"case": f"gemv row tiles {N}x{K} rows {args.rows}", "N": N, "K": K, "rows": args.rows,
+                        "dtype": args.dtype, "device": device, "widths": rows, "mode_off_cublas_us": off})
+        print(json.dumps(records[-1]))
+    if args.out:
+        write_json(records, args.out, command="python benchmarks/gemv_row_tiles.py " + " ".join(sys.argv[1:]))
     return 0
 
 

@@ -36,7 +36,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_qwen3_5_256.json",
+NEW = {"tp_gpu.json", "gemv_row_tiles.json", "bench_invariance_qwen3_5_256.json",
        "bench_invariance_deepseek_v32_256.json", "bench_invariance_deepseek_v4_256.json",
        "bench_invariance_deepseek_v32_2-layer.json", "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
@@ -190,10 +190,10 @@ SUITES: dict[str, Suite] = {
                              "programs or within one)", (
         tests(150, "skinny_invariant_gpu.json", "tests/kernels/test_skinny_linear.py "
               "tests/kernels/test_skinny_folds.py tests/kernels/test_skinny_invariant.py"),
-        # whether wider row tiles keep a 128-row product's bits, and the time of each against cuBLAS (printed, in
-        # session.log), for the 0.8B shape's projections and its lm_head
+        # whether wider row tiles keep a 128-row product's bits, and the time of each against cuBLAS, for the
+        # 0.8B shape's projections and its lm_head
         Part(90, "python benchmarks/gemv_row_tiles.py --rows 128 --shapes 3584x1024 1024x3584 6144x1024 "
-                 "248320x1024"),
+                 "248320x1024 --out {out}/gemv_row_tiles.json"),
     )),
     "invariance-bench": Suite("fnattn bench invariance over every family's tiny model: speculative greedy against plain "
                               "greedy, oracle acceptance, batch invariance, graph against eager, with the mode off "
