@@ -8,7 +8,8 @@ the mode-off step runs cuBLAS's large tiles. A wider tile is only open to the mo
 with it (on Hopper a 64-row tile of four warps may take another MMA instruction than a 16-row one). For each
 width this prints whether a ``--rows`` call's output is the first width's bits, and one call's time (median,
 replayed from a CUDA graph), beside cuBLAS's. The plain product only: the folds' row reductions (the
-split norm's squares, the row scale) are not compared here. One JSON line per shape; ``--out``: the lines as one record too.
+split norm's squares, the row scale) are not compared here. One JSON line per shape; ``--out``: the lines as
+one record too.
 """
 
 from __future__ import annotations
