@@ -5,7 +5,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from fnattn.models.registry import random_model
+from helpers import registry_scope
 
+import fnattn as fa
+from fnattn import registry
+from fnattn.bench import invariance
 from fnattn.bench.invariance import summary
 
 
@@ -59,10 +65,10 @@ def test_speculative_figures_hold_when_requests_accept_at_different_rates(monkey
     """A request that accepts every draft runs ahead of one that accepts none: it leaves once it has its tokens,
     so its oracle never runs past the plain ids (the 0.8B shape with the mode off once failed so)."""
     import torch
+    from fnattn.models.registry import family_named, random_model
 
     import fnattn.bench.invariance as inv
     from fnattn.bench.model import config_for
-    from fnattn.models.registry import family_named, random_model
 
     fam = family_named("qwen3_5")
     model = random_model("qwen3_5", seed=0, dtype=torch.float32, device="cpu", config=config_for("qwen3_5", "tiny"))
@@ -89,3 +95,29 @@ def test_bench_invariance_cost_only_times_the_step_and_leaves_the_properties_out
         assert set(rec["decode_us"]) == {"1", "2"} and "verify_equals_decode" not in rec
     assert on["invariant_cost"] == max(on["invariant_cost_by_batch"].values()) > 0
     assert total["batch_invariant"] is None and total["invariant_cost"] == on["invariant_cost"]
+
+
+def test_its_states_take_the_page_size_the_chosen_backends_serve(monkeypatch):
+    """A backend that serves one page size (FlashMLA's 64 at a released MLA shape) is chosen: every State the
+    figures build has that size, so no session refuses their batches."""
+    sizes = []
+    state = fa.State
+
+    def recording_state(*args, **kw):
+        sizes.append(kw["page_size"])
+        return state(*args, **kw)
+
+    model = random_model("qwen3", seed=0, dtype=torch.float32)
+    with registry_scope():
+        for phase in ("prefill", "decode", "verify"):
+            ref = registry.lookup("full", phase, "reference")
+
+            def paged(spec, views, inputs, _ref=ref.source):
+                return _ref(spec, views, inputs)
+
+            fa.register("full", phase, "test_pages_of_64", supports=ref.supports, plan=ref.plan, page_size=64)(paged)
+        assert fa.ModelAttention(model.specs).page_size == 64
+        monkeypatch.setattr(fa, "State", recording_state)
+        assert invariance.verify_equals_decode(model, "cpu") in (True, False)
+        assert invariance.batch_invariant(model, "cpu", steps=2, sizes=(3,)) in (True, False)
+    assert sizes and set(sizes) == {64}

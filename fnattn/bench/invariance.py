@@ -36,9 +36,12 @@ from ..speculative import Speculator
 PROMPTS = {0: [5, 17, 9, 3, 11, 2, 7, 30, 4], 1: [8, 1, 4, 22], 2: [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]}
 
 
-def _state(specs, device, ring=2, tokens=64, prompts=PROMPTS):
-    pages = len(prompts) * (-(-(max(map(len, prompts.values())) + tokens + 8) // 4)) + 4
-    return fa.State(specs, num_pages=pages, page_size=4, max_requests=len(prompts) + 1, recurrent_ring=ring,
+def _state(attn: fa.ModelAttention, device, ring=2, tokens=64, prompts=PROMPTS):
+    """Room for ``prompts`` and ``tokens`` more each, in pages of the size ``attn``'s backends serve (FlashMLA's 64
+    at a released MLA shape), else of 4, so the tiny models' requests span several pages."""
+    page = attn.page_size or 4
+    pages = len(prompts) * (-(-(max(map(len, prompts.values())) + tokens + 8) // page)) + 4
+    return fa.State(attn.specs, num_pages=pages, page_size=page, max_requests=len(prompts) + 1, recurrent_ring=ring,
                     device=device)
 
 
@@ -94,7 +97,7 @@ def model_at(name: str, shape: str, device, layers: int | None = None):
 def verify_equals_decode(model, device, k: int = 3) -> bool:
     tokens = [3, 14, 15, 9][: k + 1]
     attn = fa.ModelAttention(model.specs, device=device)
-    st, _ = prefill_prompts(model, attn, _state(model.specs, device), {0: PROMPTS[0]})
+    st, _ = prefill_prompts(model, attn, _state(attn, device), {0: PROMPTS[0]})
     decoded = []
     for t in tokens:
         st = st.reserve({0: 1})
@@ -102,7 +105,7 @@ def verify_equals_decode(model, device, k: int = 3) -> bool:
             logits, d = model.step(model.params, s, torch.tensor([t], device=device))
         st = st.apply(d)
         decoded.append(logits[0])
-    st, _ = prefill_prompts(model, attn, _state(model.specs, device, ring=k + 2), {0: PROMPTS[0]})
+    st, _ = prefill_prompts(model, attn, _state(attn, device, ring=k + 2), {0: PROMPTS[0]})
     st = st.reserve({0: k + 1})
     with attn.session(st, fa.Batch.verify(st, [0], num_draft=k)) as s:
         verified, _ = model.step(model.params, s, torch.tensor(tokens, device=device))
@@ -112,19 +115,18 @@ def verify_equals_decode(model, device, k: int = 3) -> bool:
 def speculative(fam, model, draft, device, k: int, tokens: int) -> tuple[bool, int, int]:
     """``-> (emitted == plain greedy, drafts accepted, drafts proposed)`` with oracle drafts."""
     prompts = {r: PROMPTS[r] for r in (0, 1)}
-    _, plain = generate(fam.step, model.params, fa.ModelAttention(model.specs, device=device),
-                        _state(model.specs, device, tokens=tokens + k + 2), prompts, max_new_tokens=tokens + k + 1)
+    attn, d_attn = fa.ModelAttention(model.specs, device=device), fa.ModelAttention(draft.specs, device=device)
+    _, plain = generate(fam.step, model.params, attn, _state(attn, device, tokens=tokens + k + 2), prompts,
+                        max_new_tokens=tokens + k + 1)
     emitted = {r: [] for r in prompts}
 
     def oracle(step, drafts):
         return {r: plain[r][len(emitted[r]):len(emitted[r]) + k] for r in drafts}
 
     spec = Speculator(target_step=fam.step_hidden, target_params=model.params,
-                      target_attn=fa.ModelAttention(model.specs, device=device),
-                      target_state=_state(model.specs, device, ring=k + 2, tokens=tokens + k + 2),
+                      target_attn=attn, target_state=_state(attn, device, ring=k + 2, tokens=tokens + k + 2),
                       draft_step=draft.step, draft_params=draft.params,
-                      draft_attn=fa.ModelAttention(draft.specs, device=device),
-                      draft_state=_state(draft.specs, device, tokens=tokens + 2 * k + 2), num_draft=k,
+                      draft_attn=d_attn, draft_state=_state(d_attn, device, tokens=tokens + 2 * k + 2), num_draft=k,
                       propose_hook=oracle)
     for r, t in spec.start(prompts).items():
         emitted[r].append(t)
@@ -144,7 +146,7 @@ def speculative(fam, model, draft, device, k: int, tokens: int) -> tuple[bool, i
 def _decode(model, attn, device, prompts, steps: int, runner=None):
     """Prefill ``prompts``, then ``steps`` greedy decode steps of them all, eager or through ``runner``:
     ``-> (the prefill's last logits [B, V], every step's logits [steps, B, V])``."""
-    st, last = prefill_prompts(model, attn, _state(model.specs, device, tokens=steps, prompts=prompts), prompts)
+    st, last = prefill_prompts(model, attn, _state(attn, device, tokens=steps, prompts=prompts), prompts)
     out, ids = [], last.argmax(-1)
     for _ in range(steps):
         st, logits = _decode_step(model, attn, st.reserve({r: 1 for r in prompts}), list(prompts), ids, runner)
@@ -166,8 +168,8 @@ def batch_invariant(model, device, steps: int, sizes=(3,)) -> bool:
     others of mixed lengths, for every size."""
 
     def request_0(prompts):
-        return request_0_logits(model, fa.ModelAttention(model.specs, device=device),
-                                _state(model.specs, device, tokens=steps, prompts=prompts), prompts, steps)
+        attn = fa.ModelAttention(model.specs, device=device)
+        return request_0_logits(model, attn, _state(attn, device, tokens=steps, prompts=prompts), prompts, steps)
 
     alone = request_0({0: PROMPTS[0]})
     return all(torch.equal(alone, request_0(batch_of(n, model.config.vocab_size))) for n in sizes)
