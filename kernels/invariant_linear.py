@@ -134,3 +134,91 @@ def invariant_linear(x: Float[Tensor, "*B K"], w: Float[Tensor, "N K"],
     _add_chunks_kernel[(triton.cdiv(M * N, block),)](parts, b, y, M, N, chunks, y.stride(0),
                                                      HAS_BIAS=bias is not None, BLOCK=block)
     return y.view(*x.shape[:-1], N)
+
+
+# --------------------------------------------------------------------------- grouped: a MoE step's experts
+@triton.jit
+def _grouped_kernel(x_ptr, w_ptr, y_ptr, src_ptr, expert_ptr, lo_ptr, hi_ptr, N, K, s_xm, s_we, s_wn, s_ym,
+                    GATHER: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (t, j): the pairs ``lo[t] .. hi[t] - 1`` (one expert's, at most BLOCK_M) times that expert's
+    column slab j, K's chunks summed as `_invariant_linear_kernel` sums them; ``expert[t] < 0``: no tile."""
+    t = tl.program_id(0)
+    e = tl.load(expert_ptr + t)
+    if e >= 0:
+        slots = tl.load(lo_ptr + t) + tl.arange(0, BLOCK_M)
+        rm = slots < tl.load(hi_ptr + t)
+        if GATHER:
+            rows = tl.load(src_ptr + slots, mask=rm, other=0)
+        else:
+            rows = slots
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cm = cols < N
+        w_e = w_ptr + e.to(tl.int64) * s_we
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k_lo in range(0, K, CHUNK):
+            acc = acc + _chunk_sum(x_ptr, w_e, rows, cols, rm, cm, K, k_lo, s_xm, s_wn, PRECISION, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, CHUNK)
+        tl.store(y_ptr + slots[:, None].to(tl.int64) * s_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rm[:, None] & cm[None, :])
+
+
+def expert_tiles(picked: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The row tiles of pairs sorted by expert (``picked [P]``, ascending): each tile at most ``TILE["block_m"]``
+    pairs of one expert, ``-> (expert [n], lo [n], hi [n])``, int32, pairs ``lo .. hi - 1``. ``n`` is a bound fixed by
+    P and the expert count (so a captured step's grid does not follow the routing); tiles past the real ones have
+    expert -1. Device ops only: no host read."""
+    P, m = picked.numel(), TILE["block_m"]
+    n = max(1, min(P, P // m + min(num_experts, P)))
+    every = torch.arange(num_experts, device=picked.device, dtype=picked.dtype)
+    starts = torch.searchsorted(picked, every)  # [E]: each expert's first pair
+    ends = torch.searchsorted(picked, every, right=True)  # [E]: one past its last
+    tiles = (ends - starts + m - 1) // m  # [E]
+    tile_ends = tiles.cumsum(0)  # [E]
+    t = torch.arange(n, device=picked.device, dtype=tile_ends.dtype)
+    expert = torch.searchsorted(tile_ends, t, right=True)  # [n]: E past the last real tile
+    real = expert < num_experts
+    e = expert.clamp(max=num_experts - 1)
+    lo = starts[e] + (t - (tile_ends[e] - tiles[e])) * m
+    hi = torch.minimum(lo + m, ends[e])
+    return (torch.where(real, e, -1).to(torch.int32), lo.to(torch.int32), hi.to(torch.int32))
+
+
+def invariant_grouped_linear(x: Float[Tensor, "R K"], w: Float[Tensor, "E N K"],
+                             tiles: tuple[Tensor, Tensor, Tensor], src: Tensor | None = None,
+                             ) -> Float[Tensor, "P N"]:
+    """Row p of the result is ``x[src[p]] @ w[e].T`` for the expert e whose tile (`expert_tiles`) holds pair p,
+    every row the bits `invariant_linear` gives it alone (the same tile, chunks and order): a MoE step's
+    experts in one launch without a host read, whatever the routing. ``src`` (int, [P]): each pair's row of
+    ``x``; None: pair p takes row p (then P = R). Rows no tile holds are left unwritten."""
+    require_triton()
+    owner = "invariant_grouped_linear"
+    check_rows(owner, "x", x, "[R, K]", _grouped_kernel)
+    check_rows(owner, "w", w, "[E, N, K]", _grouped_kernel)
+    E, N, K = w.shape
+    if x.shape[1] != K or w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"{owner}: w: expected [E, N, {x.shape[1]}] {x.dtype} on {x.device} (x's), got "
+                         f"{tuple(w.shape)} {w.dtype} on {w.device}")
+    if w.stride(1) != K:
+        raise ValueError(f"{owner}: w: expected each expert's rows contiguous (stride {K}), got strides "
+                         f"{w.stride()}")
+    expert, lo, hi = tiles
+    if not all(isinstance(v, Tensor) and v.dtype == torch.int32 and v.dim() == 1 and v.device == x.device
+               and v.shape == expert.shape for v in tiles):
+        raise ValueError(f"{owner}: tiles: expected three int32 [n] tensors on {x.device} (expert_tiles), got "
+                         f"{[(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else type(v).__name__ for v in tiles]}")
+    if src is not None and (src.dim() != 1 or src.dtype.is_floating_point or src.device != x.device):
+        raise ValueError(f"{owner}: src: expected an int [P] tensor on {x.device}, got "
+                         f"{tuple(src.shape)} {src.dtype} on {src.device}")
+    P = x.shape[0] if src is None else src.shape[0]
+    y = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    if not (P and N and expert.numel()):
+        return y
+    t = TILE
+    tuning = {} if interpreted(_grouped_kernel) else {"num_warps": t["num_warps"], "num_stages": t["num_stages"]}
+    grid = (expert.numel(), triton.cdiv(N, t["block_n"]))
+    _grouped_kernel[grid](x, w, y, x if src is None else src, expert, lo, hi, N, K, x.stride(0), w.stride(0),
+                          w.stride(1), y.stride(0), GATHER=src is not None,
+                          PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=t["block_m"],
+                          BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], CHUNK=CHUNK_K, **tuning)
+    return y

@@ -210,14 +210,58 @@ def grouped_moe(
     return combine(y, weights[..., None]).sum(1).to(x.dtype)  # [T, D]: summed in fp32, then rounded once
 
 
+def invariant_moe(
+    x: Float[Tensor, "T D"],
+    ids: Int[Tensor, "T k"],
+    weights: Float[Tensor, "T k"],
+    gate_up: Float[Tensor, "E I2 D"],
+    down: Float[Tensor, "E D I"],
+    combine: Callable[[Tensor, Tensor], Tensor],
+    *,
+    limit: float | None = None,
+) -> Float[Tensor, "T D"]:
+    """`grouped_moe` in the invariant mode on CUDA: every (token, expert) pair's two products are the bits
+    `row_linear` gives that token alone (`kernels.invariant_linear.invariant_grouped_linear`: fixed 16-row
+    tiles, one expert each, K summed in fixed chunks), and each token's k weighted outputs are added in fp32 in
+    its own slot order, one add per slot, then rounded once: nothing a token gets depends on the other tokens or
+    on how they routed. Only the picked experts' weights are read, with no host read (a captured step's grid is
+    bounded by the pair and expert counts), where the mode's every-expert loop read all of them."""
+    from fnattn.kernels.invariant_linear import expert_tiles, invariant_grouped_linear
+
+    T, k = ids.shape
+    picked, order = ids.reshape(-1).sort(stable=True)  # [P]: the pairs grouped by expert
+    tiles = expert_tiles(picked, gate_up.shape[0])
+    h = invariant_grouped_linear(x, gate_up, tiles, order // k)  # [P, 2I], sorted pairs
+    g, u = h.chunk(2, dim=-1)
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    y = invariant_grouped_linear(pointwise(F.silu, g) * u, down, tiles)  # [P, D], sorted pairs
+    y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # pair order: token t's slots t*k .. t*k+k-1
+    weighted = combine(y, weights[..., None])  # [T, k, D]
+    out = weighted[:, 0].float()
+    for j in range(1, k):  # elementwise adds: a reduction's order could follow T
+        out = out + weighted[:, j].float()
+    return out.to(x.dtype)
+
+
+def _invariant_grouped(x: Tensor, gate_up: Tensor | None, down: Tensor | None) -> bool:
+    """Whether a MoE layer takes `invariant_moe`: the invariant mode on CUDA, stacked weights of x's dtype whose
+    experts' rows are contiguous (the grouped kernel's layout)."""
+    if gate_up is None or down is None or not (invariant_on() and x.is_cuda and switches.value("grouped_experts")):
+        return False
+    return (gate_up.dtype == down.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and gate_up.stride(-1) == down.stride(-1) == 1 and gate_up.stride(1) == gate_up.shape[2]
+            and down.stride(1) == down.shape[2])
+
+
 def _grouped(x: Tensor, down: Tensor | None) -> bool:
     """Whether a MoE layer takes `grouped_moe` (`fused.grouped_experts`, on by default): on CUDA every step,
     eager or static, in bf16 with rows of 16-byte multiples (what CUDA's grouped GEMM takes), so no step reads
     the routing back to the host; on a CPU a static-shape step in any float dtype, while the eager step keeps
     the loop over the picked experts (no device to wait for there, and the loop is the plain reading). Never in
-    the invariant mode: a grouped GEMM's rows follow its groups' sizes, and its k-way sum is not the loop's; the
-    loop and the static step's every-expert form sum a token's experts in the same order, each row its own
-    product (`models.norm_rope.row_linear`)."""
+    the invariant mode: a grouped GEMM's rows follow its groups' sizes (there CUDA takes `invariant_moe`; a CPU
+    the loop and the static step's every-expert form, which sum a token's experts in the same order, each row
+    its own product: `models.norm_rope.row_linear`)."""
     if down is None or not switches.value("grouped_experts") or invariant_on():
         return False
     if not x.is_cuda:
@@ -297,9 +341,10 @@ def experts(
     def combine(y, w):
         return y * w.to(y.dtype)
 
-    if _grouped(x, down):
+    if _grouped(x, down) or _invariant_grouped(x, gate_up, down):
         _count_routed(top_ids)
-        return grouped_moe(x, top_ids, top_weights, gate_up, down, combine, limit=limit)
+        moe = invariant_moe if invariant_on() else grouped_moe
+        return moe(x, top_ids, top_weights, gate_up, down, combine, limit=limit)
     return moe_sum(x, top_ids, top_weights, gate_up.shape[0], run, combine)
 
 
@@ -315,7 +360,8 @@ def moe_sum(
     """``sum_k combine(run(ids[t, k], x[t]), weights[t, k])`` per token (a token picks an expert at most once).
 
     With the experts' ``stacked`` weights and `fused.grouped_experts` on (the default), it is `grouped_moe`
-    wherever `_grouped` says so: every CUDA bf16 step, and a CPU static-shape step. Otherwise, eager, each
+    wherever `_grouped` says so: every CUDA bf16 step, and a CPU static-shape step; in the invariant mode on
+    CUDA it is `invariant_moe`, every step, eager or static. Otherwise, eager, each
     expert runs on the tokens that chose it (reading the routing back to the host); inside a static-shape step
     (`fnattn.lanes.static_shapes`: a captured or capturable step) every expert runs on every token with a
     weight that is zero where the token did not choose it: no host read, shapes fixed by the bucket, at
@@ -324,6 +370,8 @@ def moe_sum(
     _count_routed(ids)
     if _grouped(x, None if stacked is None else stacked.down):
         return grouped_moe(x, ids, weights, stacked.gate_up, stacked.down, combine)
+    if stacked is not None and _invariant_grouped(x, stacked.gate_up, stacked.down):
+        return invariant_moe(x, ids, weights, stacked.gate_up, stacked.down, combine)
     out = torch.zeros_like(x)
     if in_static_step():
         for e in range(num_experts):

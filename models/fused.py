@@ -92,7 +92,8 @@ _SWIGLU_EPILOGUE = declare(
     why="on, the Qwen3.5-0.8B graph step (H200) took 0.970x / 0.979x as long at batch 1 / 8")
 _GROUPED_EXPERTS = declare(
     "grouped_experts", True, __name__,
-    on="a MoE layer's routed experts run as two grouped GEMMs over the picked experts (`common.grouped_moe`)",
+    on="a MoE layer's routed experts run as two grouped GEMMs over the picked experts (`common.grouped_moe`; in "
+       "the invariant mode on CUDA the fixed-tile grouped kernel, `common.invariant_moe`)",
     off="a captured step runs every expert on every token; an eager one loops over the picked experts",
     why="on, DeepSeek-V3.2's 2-layer graph step on the H200 took 0.154x / 0.192x / 0.219x as long at batch "
         "1 / 8 / 32; the loop is the plain reading")
@@ -156,7 +157,9 @@ def grouped_experts(enabled: bool):
     """Within this block a MoE layer's routed experts run as two grouped GEMMs over the experts its tokens
     picked (`common.grouped_moe`: ``torch._grouped_mm`` over the weights stacked at load, the groups found on
     the device, a token's k outputs summed in one fp32 reduction) when ``enabled``: on CUDA in every bf16 step,
-    eager or captured, and on a CPU in static-shape steps (`common._grouped`). Off, a captured step runs every
+    eager or captured, and on a CPU in static-shape steps (`common._grouped`); in the invariant mode on CUDA as
+    fixed-tile grouped products whose every row is the bits of that token alone (`common.invariant_moe`). Off,
+    a captured step runs every
     expert on every token with a zero weight and an eager one loops over the picked experts, reading the
     routing back to the host and adding each expert's outputs in turn. On by default: on, DeepSeek-V3.2's
     2-layer graph step at its released shape on the H200 took 0.154x / 0.192x / 0.219x as long at batch 1 / 8 /
