@@ -50,7 +50,8 @@ _INVARIANT = declare(
     why="off: the fixed order costs a loop over query blocks and key tiles on the CPU; on CUDA the GEMV in 16-row "
         "tiles past 16 rows, a fixed-tile GEMM for the other projections, the two-launch GDN decode, and a Triton "
         "path in place of FlashMLA for MLA, sparse MLA and DeepSeek-V4 (FlashMLA does not honour it): the "
-        "Qwen3.5-0.8B graph step took 1.13x / 1.12x / 1.16x / 1.66x as long at batch 1 / 8 / 32 / 128 (H100); "
+        "Qwen3.5-0.8B graph step took 1.09x / 1.19x / 1.12x / 1.37x as long at batch 1 / 8 / 32 / 128 (H100; "
+        "a second run 1.08x / 1.08x / 1.09x / 1.34x); "
         "on where bitwise agreement is the point (speculative greedy == plain greedy, tests of batch invariance)")
 
 
