@@ -36,8 +36,8 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_kimi_linear_4-layer.json", "bench_invariance_qwen3_5_0.8b_p4096.json",
-       "bench_invariance_deepseek_v32_2-layer_p4096.json"}
+NEW = {"tp_gpu.json", "invariant_moe_gpu.json", "bench_invariance_kimi_linear_4-layer.json",
+       "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -227,11 +227,16 @@ SUITES: dict[str, Suite] = {
         bench(560, "invariance --family qwen3_5 --shape 0.8b --new-tokens 64 --batch 1 8 32 128 --steps 8",
               "bench_invariance_qwen3_5_0.8b.json"),
     )),
-    "invariance-cost-latent": Suite("the invariant mode's cost where MLA layers take its Triton path in place of "
-                                    "FlashMLA / FlashInfer: DeepSeek-V3.2 (sparse MLA) and Kimi Linear (MLA beside "
-                                    "KDA) at their released layer shapes, captured, mode on over off", (
+    "invariance-moe": Suite("the invariant mode's MoE on CUDA (fixed-tile grouped products over the picked experts): "
+                            "the kernel's tests (a pair's row the bits of its token alone), then DeepSeek-V3.2's cost "
+                            "at its released 2-layer shape, where the every-expert form took 7.7x", (
+        tests(90, "invariant_moe_gpu.json", "tests/kernels/test_invariant_linear.py -k 'grouped or expert or moe'"),
         bench(280, "invariance --family deepseek_v32 --shape 2-layer --new-tokens 32 --batch 1 8 32 --steps 8",
               "bench_invariance_deepseek_v32_2-layer.json"),
+    )),
+    "invariance-cost-latent": Suite("the invariant mode's cost where MLA layers take its Triton path in place of "
+                                    "FlashMLA / FlashInfer: Kimi Linear (MLA beside KDA) at its released layer "
+                                    "shape, captured, mode on over off (DeepSeek-V3.2's: invariance-moe)", (
         bench(280, "invariance --family kimi_linear --shape 4-layer --new-tokens 32 --batch 1 8 32 --steps 8",
               "bench_invariance_kimi_linear_4-layer.json"),
     )),
