@@ -5,7 +5,8 @@
 In the invariant mode `skinny_linear` takes rows in tiles of `INVARIANT_ROWS` (16): the smallest ``tl.dot``
 tile, so every row count meets the same product shape. At 128 rows that reads each weight eight times, where
 the mode-off step runs cuBLAS's large tiles. A wider tile is only open to the mode if a row's bits do not change
-with it (on Hopper a 64-row tile of four warps may take another MMA instruction than a 16-row one). For each
+with it (on Hopper a 64-row tile of four warps may take another MMA instruction than a 16-row one): what
+`wide_invariant_rows` rests on, and this checks. For each
 width this prints whether a ``--rows`` call's output is the first width's bits, and one call's time (median,
 replayed from a CUDA graph), beside cuBLAS's. The plain product only: the folds' row reductions (the
 split norm's squares, the row scale) are not compared here. One JSON line per shape; ``--out``: the lines as
@@ -51,7 +52,7 @@ def main() -> int:
         rows = {}
         base = None
         try:
-            with invariant(True):
+            with invariant(True), module.wide_invariant_rows(False):  # each width as given, at every row count
                 for width in args.widths:
                     module.INVARIANT_ROWS = width
                     module._plan.cache_clear()

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ._counters import tile_counters
-from ._switch import declare_tiles
+from ._switch import declare, declare_tiles, switched
 from ._triton import (
     gdc_launch_dependents,
     gdc_wait,
@@ -331,6 +331,35 @@ def column_tiles(M: int, N: int, K: int, dtype: torch.dtype, config: SkinnyConfi
 
 
 INVARIANT_ROWS = 16  # the invariant mode's row tile (the smallest dot tile): every call's product shape
+_WIDE_ROWS = declare(
+    "wide_invariant_rows", True, __name__,
+    on="in the invariant mode a GEMV of more than 16 rows whose epilogue reduces nothing along a row (the plain "
+       "product, SiLU-and-mul on load, a residual without squares, SwiGLU, gating, widened logits) takes its rows "
+       "in tiles of 64, else 32, where those tiles still give every SM a program",
+    off="16-row tiles at every row count",
+    why="in 128-row products of the 0.8B shape's projections and lm_head a row's bits were the same with 16-, 32- "
+        "and 64-row tiles, and 64-row tiles took 12.2 / 20.0 / 329 us against 17.9 / 24.8 / 566 with 16 "
+        "(3584x1024, 6144x1024, 248320x1024; H100, gemv_row_tiles.json); the whole step not yet timed")
+
+
+def wide_invariant_rows(enabled: bool):
+    """Within this block (on by default) the invariant mode's GEMV of more than `INVARIANT_ROWS` rows takes
+    them in tiles of 64, else 32, where those tiles still give every SM a program, when its epilogue reduces
+    nothing along a row (no norm on load, row scale or squares): the tile's height changes which MMA runs, not
+    the order of a row's sums over K, so a row's bits stay those of its 16-row tile (checked on the H100 for the
+    0.8B shape's projections and lm_head, `benchmarks/gemv_row_tiles.py`), while each weight tile is read once
+    for 64 rows instead of four times. Off: 16-row tiles at every row count."""
+    return switched(_WIDE_ROWS, "wide_invariant_rows", enabled)
+
+
+def _invariant_rows(M: int, col_tiles: int, sms: int, wide: bool) -> int:
+    """The invariant mode's row tile for an M-row call: `INVARIANT_ROWS`, or with ``wide`` and more rows than
+    that, the widest of 64 and 32 whose tiles still give every SM a program."""
+    if wide and M > INVARIANT_ROWS:
+        for rows in (4 * INVARIANT_ROWS, 2 * INVARIANT_ROWS):
+            if triton_cdiv(M, rows) * col_tiles >= sms:
+                return rows
+    return INVARIANT_ROWS
 _MAX_GRID_Z = 65535  # CUDA's bound on grid axes 1 and 2
 
 
@@ -393,7 +422,7 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
     pdl = pdl_launch(x.device)  # the first weight tile loads while the launch before finishes
     plan = _plan(M, N, K, x.dtype, y.dtype, cfg, act, norm is not None and norm[2] != 0.0, norm is not None,
                  gating is not None, swiglu, 0 if rms is None else rms[0].shape[1], add_squares is not None, pdl,
-                 interpreted(_skinny_gemv_kernel), sms if mode else 0)
+                 interpreted(_skinny_gemv_kernel), sms if mode else 0, mode and _WIDE_ROWS[-1])
     grid, k_per_split, k_per_piece = plan.grid, plan.k_per_split, plan.k_per_piece
     split = grid[1]
     # Absent operands: x stands in for the pointers, which the constexpr flags keep the kernel from reading.
@@ -448,13 +477,14 @@ class _Plan:
 @functools.lru_cache(maxsize=4096)  # an eager decode step launches ~100 GEMVs of a few dozen kinds
 def _plan(M: int, N: int, K: int, x_dtype, y_dtype, cfg: SkinnyConfig, act, norm_offset: bool, norm: bool,
           gating: bool, swiglu: bool, rms_parts: int, add_squares: bool, pdl: bool, interpret: bool,
-          invariant_sms: int) -> _Plan:
+          invariant_sms: int, wide: bool = False) -> _Plan:
     """``invariant_sms``: the invariant mode's launch (the device's SM count; 0 outside the mode): rows in tiles
-    of `INVARIANT_ROWS` (over grid axis 0, the column tiles over axis 2: ``ROWS_FIRST``), and where the tiles
-    alone fill the device, each program sums K's pieces itself (``PIECES``) rather than as programs of their own:
-    the same additions."""
+    of `INVARIANT_ROWS` (wider with ``wide`` where no fold reduces along a row: `_invariant_rows`; over grid axis
+    0, the column tiles over axis 2: ``ROWS_FIRST``), and where the tiles alone fill the device, each program
+    sums K's pieces itself (``PIECES``) rather than as programs of their own: the same additions."""
     if invariant_sms:
-        BLOCK_M = INVARIANT_ROWS
+        row_local = not (norm or rms_parts or add_squares)
+        BLOCK_M = _invariant_rows(M, triton_cdiv(N, cfg.block_n), invariant_sms, wide and row_local)
     else:
         BLOCK_M = max(16, next_pow2(M)) if cfg.dot else next_pow2(M)  # a dot tile has at least 16 rows
     row_tiles = triton_cdiv(M, BLOCK_M)

@@ -124,3 +124,43 @@ def test_a_config_of_its_own_keeps_its_bits_in_the_mode(monkeypatch):
         assert torch.equal(torch.cat([skinny_linear(x[i:i + 1], w, config=cfg) for i in range(40)]), whole)
     assert not any(pieces)
     close(whole, skinny_linear_ref(x, w), torch.float16)
+
+
+@pytest.mark.parametrize("sms, rows, swiglu_rows", [(2, 64, 64), (4, 32, 64), (132, 16, 16)])
+def test_wider_row_tiles_where_they_fill_the_device_and_no_fold_reduces_a_row(monkeypatch, sms, rows,
+                                                                               swiglu_rows):
+    """`wide_invariant_rows`: past 16 rows a plain product, SwiGLU or gating takes 64- or 32-row tiles where
+    those still give every SM a program (three column tiles here, five for SwiGLU's), each row the one-row
+    call's bits; the folds that reduce along a row (the residual's squares, the row scale) and the switch off
+    keep 16. (Under the interpreter the bits are numpy's; the GPU run of this file checks the MMA's.)"""
+    from fnattn.kernels.skinny_linear import wide_invariant_rows
+
+    monkeypatch.setattr(module, "num_sms", lambda index=None: sms)
+    heights, plan = [], module._plan
+
+    def recording(*args):
+        p = plan(*args)
+        heights.append(p.constexprs["BLOCK_M"])
+        return p
+
+    monkeypatch.setattr(module, "_plan", recording)
+    dtype, M, k = torch.float16, 40, 256
+    x, w = randn(M, k, dtype=dtype, seed=13), randn(N, k, dtype=dtype, seed=14) / 16
+    w2 = randn(2 * N, k, dtype=dtype, seed=15) / 16
+    with invariant(True):
+        alone = torch.cat([skinny_linear(x[i:i + 1], w) for i in range(M)])
+        heights.clear()
+        assert torch.equal(skinny_linear(x, w), alone)
+        assert torch.equal(skinny_linear_swiglu(x, w2), torch.cat([skinny_linear_swiglu(x[i:i + 1], w2)
+                                                                   for i in range(M)]))
+        assert heights[:2] == [rows, swiglu_rows]  # the two whole calls
+        heights.clear()
+        res, weight = randn(M, 2 * N, dtype=dtype, seed=16), randn(2 * N, dtype=dtype, seed=17) * 0.1
+        _, _, squares = skinny_linear_add_(x, w2, res, weight, 1.0)
+        skinny_linear(x, w2, rms=(squares, 1e-6))
+        assert heights == [16, 16], heights
+        heights.clear()
+        with wide_invariant_rows(False):
+            assert torch.equal(skinny_linear(x, w), alone)
+        assert heights == [16]
+    close(alone, skinny_linear_ref(x, w), dtype)
