@@ -36,7 +36,8 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "invariant_moe_gpu.json", "bench_invariance_kimi_linear_4-layer.json",
+NEW = {"tp_gpu.json", "invariant_moe_gpu.json", "bench_invariance_ab.json",
+       "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
@@ -220,6 +221,11 @@ SUITES: dict[str, Suite] = {
         Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 7 --steps 8"),
         Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 2 --steps 8"),
         Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 0 --steps 8"),
+    )),
+    "invariance-ab": Suite("the invariant mode's cost paired by round on one Qwen3.5-0.8B model (mode off, on, and "
+                           "on with 16-row GEMV tiles only: what `wide_invariant_rows` is worth)", (
+        Part(300, "python benchmarks/model_ab.py --toggle invariant invariant+wide_invariant_rows "
+                  "--batch 1 8 32 128 --steps 32 --out {out}/bench_invariance_ab.json"),
     )),
     "invariance-0.8b": Suite("the invariance properties at the Qwen3.5-0.8B shape, mode off and on: speculative greedy "
                              "against plain greedy, oracle acceptance, batch invariance at 3 / 8 / 32 / 128 requests, "
