@@ -37,7 +37,7 @@ TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
 NEW = {"tp_gpu.json", "invariant_moe_gpu.json", "bench_invariance_ab.json",
-       "bench_invariance_kimi_linear_4-layer.json",
+       "bench_invariance_qwen3_5_0.8b_256.json", "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
@@ -239,6 +239,12 @@ SUITES: dict[str, Suite] = {
         tests(90, "invariant_moe_gpu.json", "tests/kernels/test_invariant_linear.py -k 'grouped or expert or moe'"),
         bench(280, "invariance --family deepseek_v32 --shape 2-layer --new-tokens 32 --batch 1 8 32 --steps 8",
               "bench_invariance_deepseek_v32_2-layer.json"),
+    )),
+    "invariance-0.8b-256": Suite("speculative greedy against plain greedy over 256 tokens at the Qwen3.5-0.8B shape, "
+                                 "mode off and on (the tiny models hold it with the mode off too: their widths do "
+                                 "not discriminate)", (
+        bench(560, "invariance --family qwen3_5 --shape 0.8b --new-tokens 256 --batch 1 8 --steps 2",
+              "bench_invariance_qwen3_5_0.8b_256.json"),
     )),
     "invariance-cost-latent": Suite("the invariant mode's cost where MLA layers take its Triton path in place of "
                                     "FlashMLA / FlashInfer: Kimi Linear (MLA beside KDA) at its released layer "
