@@ -229,6 +229,10 @@ def invariant_moe(
     from fnattn.kernels.invariant_linear import expert_tiles, invariant_grouped_linear
 
     T, k = ids.shape
+    if T > GROUPED_TOKENS:  # a long prefill in passes, as `grouped_moe` (a token's rows never depend on the pass)
+        return torch.cat([invariant_moe(x[i:i + GROUPED_TOKENS], ids[i:i + GROUPED_TOKENS],
+                                        weights[i:i + GROUPED_TOKENS], gate_up, down, combine, limit=limit)
+                          for i in range(0, T, GROUPED_TOKENS)])
     picked, order = ids.reshape(-1).sort(stable=True)  # [P]: the pairs grouped by expert
     tiles = expert_tiles(picked, gate_up.shape[0])
     h = invariant_grouped_linear(x, gate_up, tiles, order // k)  # [P, 2I], sorted pairs

@@ -152,10 +152,13 @@ def test_grouped_refusals():
         invariant_grouped_linear(x, torch.zeros(3, 16, 40, device=DEVICE)[:, :, :32], tiles)
 
 
-def test_invariant_moe_is_the_experts_sum_and_a_tokens_result_its_own():
+def test_invariant_moe_is_the_experts_sum_and_a_tokens_result_its_own(monkeypatch):
     """`models.common.invariant_moe` (the mode's MoE on CUDA): each token's SwiGLU experts weighted and summed,
-    as the loop over experts gives it to rounding; on a GPU a token's row is the same bits alone."""
-    from fnattn.models.common import invariant_moe, moe_sum
+    as the loop over experts gives it to rounding; on a GPU a token's row is the same bits alone, and in a long
+    prefill's passes of `GROUPED_TOKENS` tokens."""
+    from fnattn.models import common
+
+    invariant_moe, moe_sum = common.invariant_moe, common.moe_sum
 
     E, D, inner, T, k = 6, 48, 40, 9, 2
     x = randn(T, D, dtype=DTYPE_G, seed=21)
@@ -177,6 +180,11 @@ def test_invariant_moe_is_the_experts_sum_and_a_tokens_result_its_own():
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     clipped = invariant_moe(x, ids, weights, gate_up, down, combine, limit=0.05)
     assert not torch.equal(clipped, got)
+    monkeypatch.setattr(common, "GROUPED_TOKENS", 4)
+    passes = invariant_moe(x, ids, weights, gate_up, down, combine, limit=None)  # 4 + 4 + 1 tokens
+    if DEVICE == "cuda":
+        assert torch.equal(passes, got)
+    torch.testing.assert_close(passes.float(), want, rtol=tol, atol=tol)
     if DEVICE == "cuda":
         for t in (0, 4, T - 1):
             alone = invariant_moe(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], gate_up, down, combine)
