@@ -193,9 +193,7 @@ def grouped_moe(
     passes of that many, so the [tokens x k, D] buffers of a pass stay bounded (a decode step is one pass)."""
     T = ids.shape[0]
     if T > GROUPED_TOKENS:
-        return torch.cat([grouped_moe(x[i:i + GROUPED_TOKENS], ids[i:i + GROUPED_TOKENS],
-                                      weights[i:i + GROUPED_TOKENS], gate_up, down, combine, limit=limit)
-                          for i in range(0, T, GROUPED_TOKENS)])
+        return _in_passes(grouped_moe, x, ids, weights, gate_up, down, combine, limit)
     k, E = ids.shape[1], gate_up.shape[0]
     flat = ids.reshape(-1)  # [P]: pair p = t * k + j
     picked, order = flat.sort(stable=True)  # the pairs grouped by expert, tokens in order within one
@@ -208,6 +206,14 @@ def grouped_moe(
     y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)  # [P, D]
     y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back in pair order (each row once)
     return combine(y, weights[..., None]).sum(1).to(x.dtype)  # [T, D]: summed in fp32, then rounded once
+
+
+def _in_passes(moe: Callable, x, ids, weights, gate_up, down, combine, limit) -> Tensor:
+    """``moe`` over passes of `GROUPED_TOKENS` tokens, concatenated: a long prefill's [tokens x k, D] pair
+    buffers stay bounded."""
+    step = GROUPED_TOKENS
+    return torch.cat([moe(x[i:i + step], ids[i:i + step], weights[i:i + step], gate_up, down, combine, limit=limit)
+                      for i in range(0, ids.shape[0], step)])
 
 
 def invariant_moe(
@@ -229,10 +235,8 @@ def invariant_moe(
     from fnattn.kernels.invariant_linear import expert_tiles, invariant_grouped_linear
 
     T, k = ids.shape
-    if T > GROUPED_TOKENS:  # a long prefill in passes, as `grouped_moe` (a token's rows never depend on the pass)
-        return torch.cat([invariant_moe(x[i:i + GROUPED_TOKENS], ids[i:i + GROUPED_TOKENS],
-                                        weights[i:i + GROUPED_TOKENS], gate_up, down, combine, limit=limit)
-                          for i in range(0, T, GROUPED_TOKENS)])
+    if T > GROUPED_TOKENS:  # a token's rows never depend on the pass
+        return _in_passes(invariant_moe, x, ids, weights, gate_up, down, combine, limit)
     picked, order = ids.reshape(-1).sort(stable=True)  # [P]: the pairs grouped by expert
     tiles = expert_tiles(picked, gate_up.shape[0])
     h = invariant_grouped_linear(x, gate_up, tiles, order // k)  # [P, 2I], sorted pairs
