@@ -262,6 +262,16 @@ def _invariant_grouped(x: Tensor, gate_up: Tensor | None, down: Tensor | None) -
             and down.stride(1) == down.shape[2])
 
 
+def _stacked_moe(x: Tensor, gate_up: Tensor, down: Tensor) -> Callable | None:
+    """The form over stacked weights a MoE layer takes (`grouped_moe` where `_grouped`, `invariant_moe` where
+    `_invariant_grouped`), or None: the loop over the picked experts, or every expert in a static step."""
+    if _grouped(x, down):
+        return grouped_moe
+    if _invariant_grouped(x, gate_up, down):
+        return invariant_moe
+    return None
+
+
 def _grouped(x: Tensor, down: Tensor | None) -> bool:
     """Whether a MoE layer takes `grouped_moe` (`fused.grouped_experts`, on by default): on CUDA every step,
     eager or static, in bf16 with rows of 16-byte multiples (what CUDA's grouped GEMM takes), so no step reads
@@ -349,9 +359,9 @@ def experts(
     def combine(y, w):
         return y * w.to(y.dtype)
 
-    if _grouped(x, down) or _invariant_grouped(x, gate_up, down):
+    moe = _stacked_moe(x, gate_up, down)
+    if moe is not None:
         _count_routed(top_ids)
-        moe = invariant_moe if invariant_on() else grouped_moe
         return moe(x, top_ids, top_weights, gate_up, down, combine, limit=limit)
     return moe_sum(x, top_ids, top_weights, gate_up.shape[0], run, combine)
 
@@ -376,10 +386,9 @@ def moe_sum(
     ``num_experts`` times the expert FLOPs.
     """
     _count_routed(ids)
-    if _grouped(x, None if stacked is None else stacked.down):
-        return grouped_moe(x, ids, weights, stacked.gate_up, stacked.down, combine)
-    if stacked is not None and _invariant_grouped(x, stacked.gate_up, stacked.down):
-        return invariant_moe(x, ids, weights, stacked.gate_up, stacked.down, combine)
+    moe = None if stacked is None else _stacked_moe(x, stacked.gate_up, stacked.down)
+    if moe is not None:
+        return moe(x, ids, weights, stacked.gate_up, stacked.down, combine)
     out = torch.zeros_like(x)
     if in_static_step():
         for e in range(num_experts):
