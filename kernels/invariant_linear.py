@@ -20,7 +20,7 @@ the row count). The two forms are the same additions: a row's bits do not depend
 from __future__ import annotations
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from ._triton import check_rows, interpreted, num_sms, require_triton, tl, triton
@@ -163,11 +163,18 @@ def _grouped_kernel(x_ptr, w_ptr, y_ptr, src_ptr, expert_ptr, lo_ptr, hi_ptr, N,
                  mask=rm[:, None] & cm[None, :])
 
 
-def expert_tiles(picked: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def expert_tiles(picked: Int[Tensor, " P"], num_experts: int,
+                 ) -> tuple[Int[Tensor, " n"], Int[Tensor, " n"], Int[Tensor, " n"]]:
     """The row tiles of pairs sorted by expert (``picked [P]``, ascending): each tile at most ``TILE["block_m"]``
     pairs of one expert, ``-> (expert [n], lo [n], hi [n])``, int32, pairs ``lo .. hi - 1``. ``n`` is a bound fixed by
     P and the expert count (so a captured step's grid does not follow the routing); tiles past the real ones have
     expert -1. Device ops only: no host read."""
+    if not isinstance(picked, Tensor) or picked.dim() != 1 or picked.dtype.is_floating_point \
+            or picked.dtype == torch.bool:
+        got = (tuple(picked.shape), picked.dtype) if isinstance(picked, Tensor) else type(picked).__name__
+        raise ValueError(f"expert_tiles: picked: expected an int [P] tensor (expert ids, ascending), got {got}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"expert_tiles: num_experts: expected an int >= 1, got {num_experts!r}")
     P, m = picked.numel(), TILE["block_m"]
     n = max(1, min(P, P // m + min(num_experts, P)))
     every = torch.arange(num_experts, device=picked.device, dtype=picked.dtype)
@@ -185,7 +192,7 @@ def expert_tiles(picked: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tens
 
 
 def invariant_grouped_linear(x: Float[Tensor, "R K"], w: Float[Tensor, "E N K"],
-                             tiles: tuple[Tensor, Tensor, Tensor], src: Tensor | None = None,
+                             tiles: tuple[Tensor, Tensor, Tensor], src: Int[Tensor, " P"] | None = None,
                              ) -> Float[Tensor, "P N"]:
     """Row p of the result is ``x[src[p]] @ w[e].T`` for the expert e whose tile (`expert_tiles`) holds pair p,
     every row the bits `invariant_linear` gives it alone (the same tile, chunks and order): a MoE step's

@@ -148,6 +148,10 @@ def test_grouped_refusals():
         invariant_grouped_linear(x, w, tuple(t.long() for t in tiles))
     with pytest.raises(ValueError, match="src: expected an int"):
         invariant_grouped_linear(x, w, tiles, torch.zeros(4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"expert_tiles: picked: expected an int \[P\] tensor"):
+        expert_tiles(torch.zeros(4, device=DEVICE), 3)
+    with pytest.raises(ValueError, match="expert_tiles: num_experts: expected an int >= 1, got 0"):
+        expert_tiles(torch.tensor([0, 1], device=DEVICE), 0)
     with pytest.raises(ValueError, match="each expert's rows contiguous"):
         invariant_grouped_linear(x, torch.zeros(3, 16, 40, device=DEVICE)[:, :, :32], tiles)
 
