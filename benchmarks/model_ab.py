@@ -3,6 +3,7 @@ every variant interleaved: which is faster where it counts (a kernel that wins a
 and the other way round). From the repository root on a GPU machine:
 
     python benchmarks/model_ab.py --toggle pdl prefetch+own_norm_act --out ab.json [--batch 1 8] [--steps 64]
+    python benchmarks/model_ab.py --toggle invariant --batch 128 --profile 3 --out ab.json
     python benchmarks/model_ab.py --toggle fla_direct --prefill 8192 --batch 1 --steps 16 --out ab.json
     python benchmarks/model_ab.py --family deepseek_v32 --shape 2-layer --ctx 2048 --toggle grouped_experts --out x
 
@@ -17,6 +18,8 @@ of each round's own ratio (``paired_ratio``: the two steps of a round run back t
 share of rounds it won (``faster_rounds``); a variant that fails to capture is recorded with its error and the
 others still run. A host-bound step (an eager prefill) moves by several percent between runs: read a ratio with
 its quartiles and take the run with the most steps.
+``--profile N`` then profiles N more steps of each variant (`torch.profiler`: kernels by kind and the top
+ones, printed and in its record), so a variant's extra time can be read kernel by kernel.
 ``--shape tiny --device cpu`` is a smoke run of the same plan (capture-free, each step eager under its
 switches; tests/test_model_ab.py runs it).
 
@@ -43,6 +46,7 @@ import torch
 import fnattn.switches
 from fnattn.bench import write_json
 from fnattn.bench.model import _record, build_model, decode_state, time_decode, time_prefill
+from fnattn.bench.profile import kernel_profile, print_profile
 
 GEMV_TOGGLES = {  # name: (switch, its default now, what on / off mean): fields of every GEMV's config
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
@@ -133,10 +137,13 @@ def run_prefill_ab(plan, model, ma, dev, *, shape: str, batches, prompt: int, st
 
 
 def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "cuda",
-           prefill: int | None = None, family: str = "qwen3_5", ctx: int = 512) -> list[dict]:
+           prefill: int | None = None, family: str = "qwen3_5", ctx: int = 512, profile: int = 0) -> list[dict]:
     """The records of every variant at every batch (module docstring). On CUDA the steps are graph replays,
     each graph captured under its variant's switches; elsewhere (a smoke run) the capture-free runner runs
-    each step eagerly, under the same switches. ``prefill``: prefill steps of that many tokens instead."""
+    each step eagerly, under the same switches. ``prefill``: prefill steps of that many tokens instead.
+    ``profile``: after the timed rounds, that many more steps of each variant under `torch.profiler`, each
+    record's ``profile`` (`fnattn.bench.profile.kernel_profile`: its kernels by kind and the top ones): where
+    one variant's time goes that another's does not."""
     from fnattn.bench.overhead import _runner
 
     plan = variants(toggles)
@@ -148,7 +155,7 @@ def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "
     out = []
     for b in batches:
         case = f"{family} {shape} B{b} ctx{ctx}"
-        room = 2 * len(plan) * (steps + 4)
+        room = 2 * len(plan) * (steps + 4 + (profile + 1 if profile else 0))
         st = decode_state(model, dev, b, ctx, page_size=ma.page_size or 16, room=room)
         runners, live = [], []
         for k, (label, values) in enumerate(plan):
@@ -173,15 +180,31 @@ def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "
                 with switched(plan[k][1]):  # what a capture-free runner traces each step
                     step, st = time_decode(model, ma, st, b, 1, runner=runners[k], warmup=0)
                 times[k] += step
+        profiles = {}
+        for k in live if profile else ():
+            profiles[k], st = _profiled(model, ma, st, b, runners[k], plan[k][1], profile, dev)
+            print_profile(f"{case} {plan[k][0]}", profiles[k], rows=12)
         for k in live:
             label, values = plan[k]
             out.append(_record(case, "fnattn graph" if dev.type == "cuda" else "fnattn runner (no capture)", "decode",
                                statistics.median(times[k]), b, variant=label, switches=dict(values),
-                               **spread(times[k], times[0])))
+                               **spread(times[k], times[0]), **({"profile": profiles[k]} if k in profiles else {})))
         del st, runners
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def _profiled(model, ma, st, batch: int, runner, values: dict, steps: int, dev):
+    """``steps`` decode steps of one variant under the profiler (after one unprofiled): ``-> (its
+    kernel_profile, the state after)``."""
+    held = [st]
+
+    def step():
+        with switched(values):
+            held[0] = time_decode(model, ma, held[0], batch, 1, runner=runner, warmup=0)[1]
+
+    return kernel_profile(step, steps=steps, device=dev), held[0]
 
 
 def main() -> None:
@@ -195,12 +218,17 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512, help="cached tokens per request (decode)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--prefill", type=int, default=None, metavar="P", help="time prefills of P-token prompts")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="decode: profile this many more steps of each variant (kernels by kind, the top ones; "
+                        "printed and in each record)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.profile < 0:
+        raise SystemExit(f"model_ab.py: --profile: expected a step count >= 0, got {args.profile}")
     if args.prefill is not None and args.prefill < 1:
         raise SystemExit(f"model_ab.py: --prefill: expected a token count >= 1, got {args.prefill}")
     records = run_ab(args.toggle, batches=args.batch, steps=args.steps, shape=args.shape, device=args.device,
-                     prefill=args.prefill, family=args.family, ctx=args.ctx)
+                     prefill=args.prefill, family=args.family, ctx=args.ctx, profile=args.profile)
     for r in records:
         if "error" in r:
             print(f"{r['case']:<26}{r['variant']:<70}  failed: {r['error']}")
@@ -213,6 +241,7 @@ def main() -> None:
         ["--toggle", *args.toggle, "--batch", *map(str, args.batch), "--steps", str(args.steps), "--family",
          args.family, "--shape", args.shape, "--ctx", str(args.ctx), "--device", args.device,
          *(["--prefill", str(args.prefill)] if args.prefill else []),
+         *(["--profile", str(args.profile)] if args.profile else []),
          "--out", args.out]))
 
 

@@ -50,6 +50,23 @@ def test_a_smoke_run_on_the_cpu_times_every_variant():
     assert records[2]["switches"] == {"own_norm_act": False, "output_gates": False}
 
 
+def test_profile_steps_give_each_variant_its_own_profile_under_its_switches():
+    """``--profile N``: each variant's record carries its profile (on a CPU, the torch ops of its steps); the
+    variant whose switch routes a norm through another body shows other ops than the defaults."""
+    import torch
+
+    torch.set_num_threads(1)
+    ab = _module()
+    records = ab.run_ab(["invariant"], batches=[2], steps=1, shape="tiny", device="cpu", profile=2)
+    assert [r["variant"].split(":")[0] for r in records] == ["defaults", "invariant=on"]
+    for r in records:
+        p = r["profile"]
+        assert p["steps"] == 2 and p["device"] == "cpu" and p["busy_us"] > 0 and p["kernels"] > 0
+        assert p["top"] and all(t["us_per_step"] >= 0 for t in p["top"])
+    calls = [{t["name"]: t["per_step"] for t in r["profile"]["top"]} for r in records]
+    assert calls[0] != calls[1]  # the invariant mode's bodies are not the defaults'
+
+
 def test_a_variant_that_fails_is_recorded_and_the_others_still_run(monkeypatch):
     import torch
 
