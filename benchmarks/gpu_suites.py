@@ -191,10 +191,10 @@ SUITES: dict[str, Suite] = {
         # 301 tests: 150 s fell short of a fresh compile, 57 s with a warm cache
         tests(240, "skinny_invariant_gpu.json", "tests/kernels/test_skinny_linear.py "
               "tests/kernels/test_skinny_folds.py tests/kernels/test_skinny_invariant.py"),
-        # whether wider row tiles keep a 128-row product's bits, and the time of each against cuBLAS, for the
-        # 0.8B shape's projections and its lm_head
-        Part(90, "python benchmarks/gemv_row_tiles.py --rows 128 --shapes 3584x1024 1024x3584 6144x1024 "
-                 "248320x1024 --out {out}/gemv_row_tiles.json"),
+        # whether wider row tiles keep a 128-row product's bits (and each fold's: --folds), and the time of each
+        # against cuBLAS, for the 0.8B shape's projections and its lm_head
+        Part(120, "python benchmarks/gemv_row_tiles.py --rows 128 --shapes 3584x1024 1024x3584 6144x1024 "
+                  "248320x1024 --folds --out {out}/gemv_row_tiles.json"),
     )),
     "invariance-bench": Suite("fnattn bench invariance over every family's tiny model: speculative greedy against "
                               "plain greedy, oracle acceptance, batch invariance, graph against eager, with the mode "
