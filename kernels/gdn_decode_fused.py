@@ -28,6 +28,7 @@ from ._triton import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch, requi
 from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, inner_contiguous, pow2, state_outputs
 from .gdn_conv import causal_conv1d_ref
 from .gdn_recurrent import _delta_token, _store_state, gated_delta_recurrent_ref
+from .invariant import invariant_on
 
 _FILL_DEVICE = declare(
     "fill_device", True, __name__,
@@ -79,9 +80,10 @@ def state_first(enabled: bool):
 
 def default_block_v(B: int, HV: int, V: int, BK: int, sms: int) -> int:
     """The V tile without ``block_v``: `gated_delta_recurrent`'s (32 columns at key dims >= 256, else 64,
-    at most V's power of two), narrowed under `fill_device` until ``B * HV`` rows of tiles fill ``sms``."""
+    at most V's power of two), narrowed under `fill_device` until ``B * HV`` rows of tiles fill ``sms`` — but
+    not in the invariant mode, where a request's bits must not follow the batch's size."""
     bv = min(pow2(V), 32 if BK >= 256 else 64)
-    if _FILL_DEVICE[-1]:
+    if _FILL_DEVICE[-1] and not invariant_on():
         while bv > _NARROWEST_V and B * HV * cdiv(V, bv) < sms:
             bv //= 2
     return bv

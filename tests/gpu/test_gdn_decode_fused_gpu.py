@@ -112,6 +112,26 @@ def test_decode_matches_triton_and_reference(name, B, ring, record):
     assert ok, f"{name} B{B}: {errs} finite={finite} contract={contract}"
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("B", [1, 4, 33, 256])
+def test_with_the_usual_tile_the_fused_decode_gives_triton_bits_at_every_batch(name, B, record):
+    """With the usual V tile at every batch (`fill_device` off: the tile the invariant mode keeps) the fused
+    decode's outputs, states and windows are ``triton``'s (the verify path's) bit for bit at every batch size:
+    what would let the invariant mode take it for decode."""
+    from fnattn.kernels import gdn_decode_fused
+
+    spec = _spec(name)
+    st = _state(spec, [1 + (37 * i) % 300 for i in range(B)], ring=1)
+    batch = fa.Batch.decode(st, range(B))
+    with gdn_decode_fused.fill_device(False):
+        got = _run(spec, st, batch, _inputs(spec, batch.num_tokens, seed=7))
+    (t_out, t_w, t_s), (out, w, s) = (got[n] for n in ("triton", FUSED))
+    same = {"o": torch.equal(out.o, t_out.o), "state": torch.equal(s, t_s), "conv": torch.equal(w["conv"], t_w["conv"])}
+    record({"case": f"fused decode {name} B{B} usual tile vs triton", "phase": "decode", "backend": FUSED,
+            **{f"bitwise_{k}": v for k, v in same.items()}, "max_rel": _rel(out.o, t_out.o), "ok": all(same.values())})
+    assert all(same.values()), same
+
+
 @pytest.mark.parametrize("name", ["gdn 16qk/16v d128 (Qwen3.5-0.8B)", "kda 8h d128"])
 def test_decode_replays_from_a_cuda_graph(name, record):
     """Captured in an open session, replayed (also after the spare rows were NaN-filled): eager's bits."""

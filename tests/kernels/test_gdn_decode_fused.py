@@ -198,6 +198,10 @@ def test_fill_device_narrows_the_default_tile_until_the_grid_fills_the_sms():
         narrowed = gated_delta_decode_fused(**a, **kw)  # 32 columns: 4 programs, narrowed to 16
     for x, y in zip(narrowed, plain):
         assert torch.equal(x, y)
+    from fnattn.kernels.invariant import invariant
+
+    with module.fill_device(True), invariant(True):  # a request's tile must not follow its batch's size
+        assert [module.default_block_v(b, 16, 128, 128, 132) for b in (1, 4, 8)] == [64, 64, 64]
     with pytest.raises(ValueError, match="fill_device: expected True or False, got 'yes'"):
         with module.fill_device("yes"):
             pass
