@@ -37,7 +37,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "gdn_usual_tile_gpu.json", "invariant_moe_gpu.json", "bench_invariance_ab.json",
+NEW = {"tp_gpu.json", "gdn_usual_tile_gpu.json", "invariant_gemv_sweep.json", "invariant_moe_gpu.json", "bench_invariance_ab.json",
        "bench_invariance_qwen3_5_0.8b_256.json", "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
@@ -241,6 +241,12 @@ SUITES: dict[str, Suite] = {
         tests(90, "invariant_moe_gpu.json", "tests/kernels/test_invariant_linear.py -k 'grouped or expert or moe'"),
         bench(280, "invariance --family deepseek_v32 --shape 2-layer --new-tokens 32 --batch 1 8 32 --steps 8",
               "bench_invariance_deepseek_v32_2-layer.json"),
+    )),
+    "invariance-gemv-sweep": Suite("which config the invariant mode's GEMV should take per weight shape: block_n x "
+                                   "warps x stages x split, each timed at 1 / 8 / 32 / 128 rows in the mode against "
+                                   "the mode-off path (cuBLAS above 16 rows), with its row bits checked", (
+        Part(300, "python benchmarks/invariant_gemv_sweep.py --rows 1 8 32 128 "
+                  "--out {out}/invariant_gemv_sweep.json"),
     )),
     "invariance-gdn": Suite("whether the fused GDN / KDA decode with the usual V tile at every batch (the tile the "
                             "invariant mode keeps) gives the two-launch decode's bits, the verify path's: what "
