@@ -68,7 +68,7 @@ def sweep_shape(N: int, K: int, rows: list[int], cands, dtype, device) -> dict:
                 for m in rows:
                     y = module.skinny_linear(x[:m], w, config=c)
                     keeps &= torch.equal(y[:1], alone)
-                    times[m] = _time_us(lambda m=m: module.skinny_linear(x[:m], w, config=c))
+                    times[m] = _time_us(lambda m=m, c=c: module.skinny_linear(x[:m], w, config=c))
         except Exception as e:  # noqa: BLE001 - a config the kernel refuses (shared memory, registers) is a result
             results.append({"config": dataclasses.asdict(c), "error": f"{type(e).__name__}: {e}"[:300]})
             continue
