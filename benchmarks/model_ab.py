@@ -47,6 +47,7 @@ import fnattn.switches
 from fnattn.bench import write_json
 from fnattn.bench.model import _record, build_model, decode_state, time_decode, time_prefill
 from fnattn.bench.profile import kernel_profile, print_profile
+from fnattn.model_attention import ModelAttention
 
 GEMV_TOGGLES = {  # name: (switch, its default now, what on / off mean): fields of every GEMV's config
     "one_launch": (lambda on: skinny.configured(one_launch=on), lambda: True,
@@ -112,11 +113,13 @@ def run_prefill_ab(plan, model, ma, dev, *, shape: str, batches, prompt: int, st
     page = ma.page_size or 16
     for b in batches:
         case = f"{family} {shape} prefill B{b} P{prompt}"
-        times, live = {}, []
+        times, live, mas = {}, [], []
         for k, (label, values) in enumerate(plan):
+            mas.append(ma)
             try:
                 with switched(values):  # compiles and warms up this variant's kernels
-                    time_prefill(model, ma, dev, b, prompt, page_size=page, reps=0)
+                    mas[k] = ModelAttention(model.specs, device=dev)  # its own backends, chosen under its switches
+                    time_prefill(model, mas[k], dev, b, prompt, page_size=page, reps=0)
                 live.append(k)
                 times[k] = []
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result; the others still run
@@ -128,7 +131,7 @@ def run_prefill_ab(plan, model, ma, dev, *, shape: str, batches, prompt: int, st
             for j in range(len(live)):
                 k = live[(i + j) % len(live)]
                 with switched(plan[k][1]):
-                    times[k] += time_prefill(model, ma, dev, b, prompt, page_size=page, reps=1, warm=False)
+                    times[k] += time_prefill(model, mas[k], dev, b, prompt, page_size=page, reps=1, warm=False)
         for k in live:
             label, values = plan[k]
             out.append(_record(case, "fnattn eager", "prefill", statistics.median(times[k]), b * prompt,
@@ -157,12 +160,16 @@ def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "
         case = f"{family} {shape} B{b} ctx{ctx}"
         room = 2 * len(plan) * (steps + 4 + (profile + 1 if profile else 0))
         st = decode_state(model, dev, b, ctx, page_size=ma.page_size or 16, room=room)
-        runners, live = [], []
+        runners, mas, live = [], [], []
         for k, (label, values) in enumerate(plan):
+            mas.append(ma)
             try:
                 with switched(values):  # the switches act while the step is traced: at capture
-                    runner, _ = _runner(model, ma, b, ctx + room, graph=True)
-                    _, st = time_decode(model, ma, st, b, 1, runner=runner)  # captures (on CUDA), then one replay
+                    # its own choice of backends, made under its switches (the invariant mode takes only those
+                    # that honour it, and a session refuses the others while it is on)
+                    mas[k] = ModelAttention(model.specs, device=dev)
+                    runner, _ = _runner(model, mas[k], b, ctx + room, graph=True)
+                    _, st = time_decode(model, mas[k], st, b, 1, runner=runner)  # captures (on CUDA), then a replay
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result; the others still run
                 if k == 0:
                     raise
@@ -178,11 +185,11 @@ def run_ab(toggles, *, batches, steps: int, shape: str = "0.8b", device: str = "
             for j in range(len(live)):
                 k = live[(i + j) % len(live)]
                 with switched(plan[k][1]):  # what a capture-free runner traces each step
-                    step, st = time_decode(model, ma, st, b, 1, runner=runners[k], warmup=0)
+                    step, st = time_decode(model, mas[k], st, b, 1, runner=runners[k], warmup=0)
                 times[k] += step
         profiles = {}
         for k in live if profile else ():
-            profiles[k], st = _profiled(model, ma, st, b, runners[k], plan[k][1], profile, dev)
+            profiles[k], st = _profiled(model, mas[k], st, b, runners[k], plan[k][1], profile, dev)
             print_profile(f"{case} {plan[k][0]}", profiles[k], rows=12)
         for k in live:
             label, values = plan[k]

@@ -67,6 +67,30 @@ def test_profile_steps_give_each_variant_its_own_profile_under_its_switches():
     assert calls[0] != calls[1]  # the invariant mode's bodies are not the defaults'
 
 
+def test_each_variant_chooses_its_backends_under_its_own_switches(monkeypatch):
+    """The invariant mode admits only the backends that honour it, and a session refuses the others while it
+    is on: each variant's ModelAttention is built inside its switches, decode and prefill alike."""
+    import torch
+
+    from fnattn.kernels.invariant import invariant_on
+
+    torch.set_num_threads(1)
+    ab = _module()
+    built = []
+    real = ab.ModelAttention
+
+    def recording(*args, **kwargs):
+        built.append(invariant_on())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ab, "ModelAttention", recording)
+    ab.run_ab(["invariant"], batches=[1], steps=1, shape="tiny", device="cpu")
+    assert built == [False, True]
+    built.clear()
+    ab.run_ab(["invariant"], batches=[1], steps=1, shape="tiny", device="cpu", prefill=32)
+    assert built == [False, True]
+
+
 def test_a_variant_that_fails_is_recorded_and_the_others_still_run(monkeypatch):
     import torch
 
