@@ -15,11 +15,10 @@ import fnattn as fa
 import fnattn.switches
 from fnattn.registry import all_backends, lookup
 
-#: The built-in backends that do not honour the mode: the peers' kernels, whose splits and tiles follow the step,
-#: and the fused GDN / KDA decode (a request's logits moved with its batch at the Qwen3.5-0.8B widths on CUDA).
+#: The built-in backends that do not honour the mode: the peers' kernels, whose splits and tiles follow the step.
+#: (The fused GDN / KDA decode does since its V tile stopped narrowing with the batch in the mode.)
 NOT_HONOURING = {("full", "flashinfer"), ("mla", "flashinfer"), ("mla", "flashmla"), ("sparse_mla", "flashmla"),
-                 ("dsv4", "flashmla"), ("gdn", "fla"), ("kda", "fla"), ("gdn", "triton_fused"),
-                 ("kda", "triton_fused")}
+                 ("dsv4", "flashmla"), ("gdn", "fla"), ("kda", "fla")}
 
 
 def test_every_built_in_backend_declares_whether_it_honours_the_mode():

@@ -40,10 +40,11 @@ def _decode(spec: LayerSpec, views: Views, inputs: RecurrentInputs) -> tuple[Rec
     return RecurrentOutput(o=o), writes(ssm=None if into else states, conv=windows)
 
 
-# Not declared invariant: at the Qwen3.5-0.8B widths on an H100 (7499ad0), a request's decode logits changed
-# beside requests of other lengths from its third decode step with this backend, and did not with ``triton``
-# (same model, same steps). So in the invariant mode decode takes ``triton``, the order verify has.
-_guards = [register(kind, "decode", NAME, supports=supports, plan=plan, capturable=True)(_decode)
+# Invariant: its V tile narrowed with the batch (`fill_device`), which moved a request's decode logits with its
+# batch at the Qwen3.5-0.8B widths (H100, 7499ad0). In the invariant mode the tile no longer narrows, and with
+# the usual tile its outputs, states and windows are ``triton``'s, the verify path's, bit for bit at batch 1, 4,
+# 33 and 256 for every GDN and KDA shape tested (tests/gpu_results/gdn_usual_tile_gpu.json, H100, 17476a0).
+_guards = [register(kind, "decode", NAME, supports=supports, plan=plan, capturable=True, invariant=True)(_decode)
            for kind in ("gdn", "kda")]
 # The module's name runs only through a session from here on, like every registered backend.
 _decode = _guards[0]
