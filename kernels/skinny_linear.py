@@ -333,22 +333,24 @@ def column_tiles(M: int, N: int, K: int, dtype: torch.dtype, config: SkinnyConfi
 INVARIANT_ROWS = 16  # the invariant mode's row tile (the smallest dot tile): every call's product shape
 _WIDE_ROWS = declare(
     "wide_invariant_rows", True, __name__,
-    on="in the invariant mode a GEMV of more than 16 rows whose epilogue reduces nothing along a row (the plain "
-       "product, SiLU-and-mul on load, a residual without squares, SwiGLU, gating, widened logits) takes its rows "
+    on="in the invariant mode a GEMV of more than 16 rows (but the residual add with its squares) takes its rows "
        "in tiles of 64, else 32, where those tiles still give every SM a program",
     off="16-row tiles at every row count",
     why="in 128-row products of the 0.8B shape's projections and lm_head a row's bits were the same with 16-, 32- "
-        "and 64-row tiles, and 64-row tiles took 12.2 / 20.0 / 329 us against 17.9 / 24.8 / 566 with 16 "
-        "(3584x1024, 6144x1024, 248320x1024; H100, gemv_row_tiles.json); the whole step not yet timed")
+        "and 64-row tiles for the plain product and every fold but the squares, and 64-row tiles took 12.3 / "
+        "20.2 / 330 us against 18.1 / 25.0 / 566 with 16 (3584x1024, 6144x1024, 248320x1024; H100, "
+        "gemv_row_tiles.json at 17476a0); the whole step not yet timed")
 
 
 def wide_invariant_rows(enabled: bool):
     """Within this block (on by default) the invariant mode's GEMV of more than `INVARIANT_ROWS` rows takes
-    them in tiles of 64, else 32, where those tiles still give every SM a program, when its epilogue reduces
-    nothing along a row (no norm on load, row scale or squares): the tile's height changes which MMA runs, not
-    the order of a row's sums over K, so a row's bits stay those of its 16-row tile (checked on the H100 for the
-    0.8B shape's projections and lm_head, `benchmarks/gemv_row_tiles.py`), while each weight tile is read once
-    for 64 rows instead of four times. Off: 16-row tiles at every row count."""
+    them in tiles of 64, else 32, where those tiles still give every SM a program: the tile's height changes
+    which MMA runs, not the order of a row's sums over K, so a row's bits stay those of its 16-row tile, while
+    each weight tile is read once for 64 rows instead of four times. Checked on the H100 for the 0.8B shape's
+    projections and lm_head, the plain product and each fold (`benchmarks/gemv_row_tiles.py --folds`): the norm
+    on load, the row scale, SiLU-and-mul, the residual, SwiGLU and gating keep their bits; the residual add with
+    its squares did not (three shapes of four), so it keeps 16-row tiles. Off: 16-row tiles at every row
+    count."""
     return switched(_WIDE_ROWS, "wide_invariant_rows", enabled)
 
 
@@ -483,8 +485,8 @@ def _plan(M: int, N: int, K: int, x_dtype, y_dtype, cfg: SkinnyConfig, act, norm
     0, the column tiles over axis 2: ``ROWS_FIRST``), and where the tiles alone fill the device, each program
     sums K's pieces itself (``PIECES``) rather than as programs of their own: the same additions."""
     if invariant_sms:
-        row_local = not (norm or rms_parts or add_squares)
-        BLOCK_M = _invariant_rows(M, triton_cdiv(N, cfg.block_n), invariant_sms, wide and row_local)
+        # the residual add's squares: a row's bits moved with the tile's height on the H100 (gemv_row_tiles.json)
+        BLOCK_M = _invariant_rows(M, triton_cdiv(N, cfg.block_n), invariant_sms, wide and not add_squares)
     else:
         BLOCK_M = max(16, next_pow2(M)) if cfg.dot else next_pow2(M)  # a dot tile has at least 16 rows
     row_tiles = triton_cdiv(M, BLOCK_M)

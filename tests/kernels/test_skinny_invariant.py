@@ -127,12 +127,12 @@ def test_a_config_of_its_own_keeps_its_bits_in_the_mode(monkeypatch):
 
 
 @pytest.mark.parametrize("sms, rows, swiglu_rows", [(2, 64, 64), (4, 32, 64), (132, 16, 16)])
-def test_wider_row_tiles_where_they_fill_the_device_and_no_fold_reduces_a_row(monkeypatch, sms, rows,
-                                                                               swiglu_rows):
-    """`wide_invariant_rows`: past 16 rows a plain product, SwiGLU or gating takes 64- or 32-row tiles where
-    those still give every SM a program (three column tiles here, five for SwiGLU's), each row the one-row
-    call's bits; the folds that reduce along a row (the residual's squares, the row scale) and the switch off
-    keep 16. (Under the interpreter the bits are numpy's; the GPU run of this file checks the MMA's.)"""
+def test_wider_row_tiles_where_they_fill_the_device_but_not_for_the_squares(monkeypatch, sms, rows, swiglu_rows):
+    """`wide_invariant_rows`: past 16 rows a plain product, SwiGLU, gating, the norm on load and the row scale
+    take 64- or 32-row tiles where those still give every SM a program (three column tiles here, five for
+    SwiGLU's), each row the one-row call's bits; the residual add with its squares (whose bits moved with the
+    tile's height on the H100) and the switch off keep 16. (Under the interpreter the bits are numpy's; the GPU
+    run of this file checks the MMA's.)"""
     from fnattn.kernels.skinny_linear import wide_invariant_rows
 
     monkeypatch.setattr(module, "num_sms", lambda index=None: sms)
@@ -158,7 +158,8 @@ def test_wider_row_tiles_where_they_fill_the_device_and_no_fold_reduces_a_row(mo
         res, weight = randn(M, 2 * N, dtype=dtype, seed=16), randn(2 * N, dtype=dtype, seed=17) * 0.1
         _, _, squares = skinny_linear_add_(x, w2, res, weight, 1.0)
         skinny_linear(x, w2, rms=(squares, 1e-6))
-        assert heights == [16, 16], heights
+        skinny_linear(x, w2, norm=(randn(k, dtype=dtype, seed=18), 1e-6, 1.0))
+        assert heights == [16, swiglu_rows, swiglu_rows], heights
         heights.clear()
         with wide_invariant_rows(False):
             assert torch.equal(skinny_linear(x, w), alone)
