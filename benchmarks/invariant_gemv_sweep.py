@@ -4,14 +4,16 @@
     python benchmarks/invariant_gemv_sweep.py --shapes 7168x1024 --block-n 64 128 --warps 4 --stages 3
 
 In the invariant mode `skinny_linear` takes one config per weight shape whatever the row count (`launch_config`:
-the table's at 16 rows, by ``tl.dot``), so a row's sums are the same additions in a call of any size. The table
-was tuned at one row; at 128 rows the mode-off path is cuBLAS's GEMM, and the mode's step cost there follows its
-GEMVs. Any config serves the mode as long as it is the same at every row count, so this times each candidate
-(``--block-n`` x ``--warps`` x ``--stages`` x the table's split of K or none) at each of ``--rows`` in the mode,
+the table's at 16 rows, by ``tl.dot``, its column tile widened under `invariant_tiles`, which this sweep set), so
+a row's sums are the same additions in a call of any size. The table was tuned at one row; at 128 rows the
+mode-off path is cuBLAS's GEMM, and the mode's step cost there follows its GEMVs. Any config serves the mode as
+long as it is the same at every row count, so this times each candidate (``--block-n`` x ``--warps`` x
+``--stages`` x the current split of K or none) at each of ``--rows`` in the mode,
 beside the mode-off path at that row count (fnattn's GEMV up to 16 rows, cuBLAS above: `fnattn.models.fused.linear`
 without the mode), and checks that the candidate keeps a row's bits across row counts (the first row of the
-largest call against the same row alone). Per shape it prints the table's worst ratio and the candidate whose
-worst ratio is least among those that keep the bits. Times: one call replayed from a CUDA graph (`fnattn.bench.
+largest call against the same row alone). Per shape it prints the worst ratio of the config the mode takes
+now (`launch_config`, under `invariant_tiles`) and the candidate whose worst ratio is least among those that keep
+the bits. Times: one call replayed from a CUDA graph (`fnattn.bench.
 timed`), medians in us; NaN without CUDA (a smoke run under TRITON_INTERPRET=1 checks the plan and the bits).
 The default shapes are the Qwen3.5-0.8B step's projections and its lm_head.
 """
@@ -39,12 +41,12 @@ def _time_us(fn) -> float:
     return timed(fn, bench_warmup_ms=10, rep_ms=25) if torch.cuda.is_available() else float("nan")
 
 
-def candidates(table: module.SkinnyConfig, block_n, warps, stages) -> list[module.SkinnyConfig]:
-    """The table's config first (as the mode takes it: by ``tl.dot``, a first load of one tile), then each
-    combination of the grid's fields, with the table's split of K and with none."""
-    base = dataclasses.replace(table, dot=True, early=1)
+def candidates(current: module.SkinnyConfig, block_n, warps, stages) -> list[module.SkinnyConfig]:
+    """The config the mode takes now first (`launch_config`: by ``tl.dot``, a first load of one tile), then each
+    combination of the grid's fields, with its split of K and with none."""
+    base = dataclasses.replace(current, dot=True, early=1)
     out = [base]
-    for bn, nw, ns, split in itertools.product(block_n, warps, stages, sorted({table.split_k, 1})):
+    for bn, nw, ns, split in itertools.product(block_n, warps, stages, sorted({current.split_k, 1})):
         c = dataclasses.replace(base, block_n=bn, num_warps=nw, num_stages=ns, split_k=split)
         if c not in out:
             out.append(c)
@@ -78,7 +80,7 @@ def sweep_shape(N: int, K: int, rows: list[int], cands, dtype, device) -> dict:
     timed_ok = [r for r in results if "worst" in r and r["keeps_row_bits"] and not math.isnan(r["worst"])]
     best = min(timed_ok, key=lambda r: r["worst"]) if timed_ok else None
     return {"case": f"invariant gemv sweep {N}x{K}", "N": N, "K": K, "rows": rows, "mode_off_us": off,
-            "table": results[0], "best": best, "candidates": results}
+            "current": results[0], "best": best, "candidates": results}
 
 
 def main() -> int:
@@ -104,13 +106,14 @@ def main() -> int:
             N, K = (int(v) for v in shape.split("x"))
         except ValueError:
             p.error(f"--shapes: expected NxK (e.g. 7168x1024), got {shape!r}")
-        table = module.pick_config(16, N, K, dtype, sms=sms)
-        r = sweep_shape(N, K, sorted(set(args.rows)), candidates(table, args.block_n, args.warps, args.stages),
+        with invariant(True):
+            current = module.launch_config(16, N, K, dtype, sms=sms)
+        r = sweep_shape(N, K, sorted(set(args.rows)), candidates(current, args.block_n, args.warps, args.stages),
                         dtype, device)
         records.append(r)
         best = r["best"]
-        print(json.dumps({"case": r["case"], "table_worst": r["table"].get("worst"),
-                          "table_keeps_row_bits": r["table"].get("keeps_row_bits"),
+        print(json.dumps({"case": r["case"], "current_worst": r["current"].get("worst"),
+                          "current_keeps_row_bits": r["current"].get("keeps_row_bits"),
                           "best_worst": best and best["worst"], "best": best and best["config"],
                           "best_over_mode_off": best and best["over_mode_off"]}))
     if args.out:

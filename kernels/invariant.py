@@ -47,11 +47,13 @@ _INVARIANT = declare(
        "blocks of a fixed size: a token's result is the same in every phase, batch and bucket",
     off="each path reduces in the order its shapes suggest (one softmax over a step's new keys merged with "
         "one over the cached keys, matmuls sized by the step)",
-    why="off: the fixed order costs a loop over query blocks and key tiles on the CPU; on CUDA the GEMV in 16-row "
-        "tiles past 16 rows, a fixed-tile GEMM for the other projections, the two-launch GDN decode, and a Triton "
-        "path in place of FlashMLA for MLA, sparse MLA and DeepSeek-V4 (FlashMLA does not honour it): the "
-        "Qwen3.5-0.8B graph step took 1.09x / 1.19x / 1.12x / 1.37x as long at batch 1 / 8 / 32 / 128 (H100; "
-        "a second run 1.08x / 1.08x / 1.09x / 1.34x); "
+    why="off: the fixed order costs a loop over query blocks and key tiles on the CPU; on CUDA the GEMV at one "
+        "config per weight shape at every row count, a fixed-tile GEMM for the other projections, grouped products "
+        "over the picked experts for MoE, and Triton paths in place of FlashInfer and FlashMLA (which do not "
+        "honour it): the Qwen3.5-0.8B graph step took 1.09x / 1.19x / 1.12x / 1.37x as long at batch 1 / 8 / 32 / "
+        "128 (H100, 8a4b1e9; a second run 1.08x / 1.08x / 1.09x / 1.34x), before the fused GDN decode and the "
+        "wider row and column tiles joined the mode (not yet timed); DeepSeek-V3.2's 2-layer step 1.29x / 1.26x / "
+        "1.74x at batch 1 / 8 / 32 (H100, 17476a0); "
         "on where bitwise agreement is the point (speculative greedy == plain greedy, tests of batch invariance)")
 
 

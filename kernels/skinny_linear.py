@@ -366,12 +366,58 @@ _MAX_GRID_Z = 65535  # CUDA's bound on grid axes 1 and 2
 
 
 def launch_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None = None) -> SkinnyConfig:
-    """`pick_config`'s config for the call; in the invariant mode the table's at 16 rows whatever M is (tiles
-    and K pieces fixed by the weight's shape), products by ``tl.dot`` and a first load of one tile, so a row's
-    sums are the same additions in a call of any size."""
+    """`pick_config`'s config for the call; in the invariant mode one config for the weight's shape whatever M
+    is (the table's at 16 rows, its column tile widened under `invariant_tiles`; K's pieces fixed by the
+    shape), products by ``tl.dot`` and a first load of one tile, so a row's sums are the same additions in a
+    call of any size."""
     if not invariant_on():
         return pick_config(M, N, K, dtype, sms=sms)
-    return dataclasses.replace(pick_config(16, N, K, dtype, sms=sms), dot=True, early=1)
+    if sms is None:
+        sms = num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    cfg = _table(16, N, K, dtype, sms)
+    if _INVARIANT_TILES[-1]:
+        cfg = _invariant_tiles(cfg, N, sms)
+    cfg = dataclasses.replace(cfg, **_OVERRIDES[-1]) if _OVERRIDES[-1] else cfg
+    return dataclasses.replace(cfg, dot=True, early=1)
+
+
+_INVARIANT_TILES = declare(
+    "invariant_tiles", True, __name__,
+    on="in the invariant mode a projection whose 16-row table tile narrowed to 32 columns to fill the device takes "
+       "64 (4 stages) where that still gives half the SMs a program, and one of at least 8 x SMs 64-column tiles "
+       "(an lm_head) takes 128 (3 stages): its rows fill the device past 16 rows",
+    off="the table's 16-row config at every row count",
+    why="one call replayed, in the mode at 1 / 8 / 32 / 128 rows (H100, invariant_gemv_sweep.json at 17476a0): "
+        "7168x1024 13.2 / 13.4 / 13.9 / 18.2 us against 13.2 / 13.2 / 16.3 / 24.3 with the table's tile, "
+        "8224x1024 14.3 / 14.5 / 14.9 / 19.0 against 14.2 / 14.3 / 17.0 / 25.3, 5120x1024 11.8 / 11.9 / 12.6 / 16.2 "
+        "against 11.8 / 11.9 / 14.7 / 19.2, the 248320x1024 lm_head 176.6 / 180.5 / 193.8 / 279.8 against "
+        "175.6 / 180.9 / 209.9 / 329.2 (mode off: 12.9 / 12.9 / 12.9 / 13.2 us for 7168x1024, cuBLAS past 16 "
+        "rows); each kept a row's bits across row counts; the whole step not yet timed")
+
+
+def invariant_tiles(enabled: bool):
+    """Within this block (on by default) the invariant mode's GEMV takes wider column tiles than the table's at
+    16 rows where the table narrowed them to give a one-row call a program per SM: a projection of 32-column
+    tiles (split along K in no pieces) takes 64 columns and 4 stages where those still give at least half the SMs
+    a program (N >= 4224 on 132 SMs), and one with at least 8 programs an SM at
+    64 columns (an lm_head) takes 128 and 3 stages (4 would overflow shared memory with 64-row tiles). Past 16
+    rows the row tiles fill the device, and each weight tile then feeds more rows; at one row the wider tiles
+    cost nothing measurable. The config is still the weight shape's alone, the same at every row count: a row's
+    bits do not follow M. Off: the table's 16-row config."""
+    return switched(_INVARIANT_TILES, "invariant_tiles", enabled)
+
+
+_LM_HEAD_PROGRAMS_PER_SM = 8  # column tiles of 64 per SM from which a projection counts as an lm_head
+
+
+def _invariant_tiles(cfg: SkinnyConfig, N: int, sms: int) -> SkinnyConfig:
+    if cfg.split_k > 1:  # a narrow projection split along K: the table's pieces serve every row count
+        return cfg
+    if triton_cdiv(N, 64) >= _LM_HEAD_PROGRAMS_PER_SM * sms:
+        return dataclasses.replace(cfg, block_n=128, num_stages=3)
+    if cfg.block_n < 64 and 2 * triton_cdiv(N, 64) >= sms:  # where a one-row call keeps half the SMs busy
+        return dataclasses.replace(cfg, block_n=64, num_stages=4)
+    return cfg
 
 
 def skinny_linear(x, w, *, out=None, act=None, residual=None, norm=None, rms=None, config=None):

@@ -5,6 +5,7 @@ In the mode the GEMV's launch is fixed by the weight's shape (the table's config
 (``PIECES``) instead of as programs of their own: the same additions, so the same bits. The folds (residual,
 SwiGLU, GDN's gating, the split RMSNorm's squares and row scale) ride on the same sums."""
 
+import dataclasses
 import os
 
 import pytest
@@ -131,9 +132,13 @@ def test_wider_row_tiles_where_they_fill_the_device_but_not_for_the_squares(monk
     """`wide_invariant_rows`: past 16 rows a plain product, SwiGLU, gating, the norm on load and the row scale
     take 64- or 32-row tiles where those still give every SM a program (three column tiles here, five for
     SwiGLU's), each row the one-row call's bits; the residual add with its squares (whose bits moved with the
-    tile's height on the H100) and the switch off keep 16. (Under the interpreter the bits are numpy's; the GPU
-    run of this file checks the MMA's.)"""
-    from fnattn.kernels.skinny_linear import wide_invariant_rows
+    tile's height on the H100) and the switch off keep 16 (column tiles as the 16-row table gives them:
+    `invariant_tiles` off). (Under the interpreter the bits are numpy's; the GPU run of this file checks the
+    MMA's.)"""
+    from fnattn.kernels.skinny_linear import invariant_tiles, wide_invariant_rows
+
+    monkeypatch.setattr(module, "_INVARIANT_TILES", [False])  # the table's column tiles, whatever the default
+    assert invariant_tiles  # the switch this pins
 
     monkeypatch.setattr(module, "num_sms", lambda index=None: sms)
     heights, plan = [], module._plan
@@ -165,3 +170,27 @@ def test_wider_row_tiles_where_they_fill_the_device_but_not_for_the_squares(monk
             assert torch.equal(skinny_linear(x, w), alone)
         assert heights == [16]
     close(alone, skinny_linear_ref(x, w), dtype)
+
+
+@pytest.mark.parametrize("N, sms, block_n, stages", [(80, 4, 64, 4), (48, 132, 32, 4), (4000, 4, 128, 3)])
+def test_invariant_tiles_widen_the_column_tile_the_table_narrowed(monkeypatch, N, sms, block_n, stages):
+    """`invariant_tiles`: in the mode a projection whose 16-row table tile narrowed to 32 columns takes 64 (4
+    stages), one of at least 8 x SMs 64-column tiles takes 128 (3 stages), a split one keeps the table's; one
+    config at every row count, so each row is the one-row call's bits. Off: the table's 16-row config."""
+    from fnattn.kernels.skinny_linear import invariant_tiles, launch_config
+
+    monkeypatch.setattr(module, "num_sms", lambda index=None: sms)
+    K = 128 if N < 4000 else 64
+    with invariant(True):
+        cfg = [launch_config(m, N, K, torch.float16, sms=sms) for m in (1, 16, 40)]
+        assert cfg[0] == cfg[1] == cfg[2] and (cfg[0].block_n, cfg[0].num_stages) == (block_n, stages)
+        with invariant_tiles(False):
+            table = launch_config(40, N, K, torch.float16, sms=sms)
+        assert table == dataclasses.replace(module._table(16, N, K, torch.float16, sms), dot=True, early=1)
+        if N < 4000:
+            x, w = randn(40, K, dtype=torch.float16, seed=21), randn(N, K, dtype=torch.float16, seed=22) / 8
+            whole = skinny_linear(x, w)
+            assert torch.equal(whole[:16], skinny_linear(x[:16], w))  # the same config at 16 and 40 rows
+            close(whole, skinny_linear_ref(x, w), torch.float16)
+    split = module._table(16, 1024, 2048, torch.float16, 132)
+    assert split.split_k > 1 and module._invariant_tiles(split, 1024, 132) == split
