@@ -71,7 +71,6 @@ def test_each_variant_chooses_its_backends_under_its_own_switches(monkeypatch):
     """The invariant mode admits only the backends that honour it, and a session refuses the others while it
     is on: each variant's ModelAttention is built inside its switches, decode and prefill alike."""
     import torch
-
     from fnattn.kernels.invariant import invariant_on
 
     torch.set_num_threads(1)
