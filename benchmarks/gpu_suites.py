@@ -37,7 +37,8 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_ab.json", "bench_invariance_qwen3_5_0.8b_256.json", "bench_invariance_kimi_linear_4-layer.json",
+NEW = {"tp_gpu.json", "bench_invariance_ab.json", "bench_invariance_qwen3_5_0.8b_256.json",
+       "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
