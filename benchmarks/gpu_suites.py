@@ -37,7 +37,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_ab.json", "bench_invariance_qwen3_5_0.8b_256.json",
+NEW = {"tp_gpu.json", "conv_short_tiles.json", "bench_invariance_ab.json", "bench_invariance_qwen3_5_0.8b_256.json",
        "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
@@ -247,6 +247,11 @@ SUITES: dict[str, Suite] = {
                                    "the mode-off path (cuBLAS above 16 rows), with its row bits checked", (
         Part(300, "python benchmarks/invariant_gemv_sweep.py --rows 1 8 32 128 "
                   "--out {out}/invariant_gemv_sweep.json"),
+    )),
+    "verify-conv": Suite("whether `short_conv_tiles` should be on: a verify step's GDN conv (1 / 8 / 32 requests of "
+                         "4 tokens, 6144 channels) with its token tile as the table gives it and halved to fill the "
+                         "device, timed and compared bit for bit", (
+        Part(120, "python benchmarks/conv_short_tiles.py --batch 1 8 32 --out {out}/conv_short_tiles.json"),
     )),
     "invariance-gdn": Suite("whether the fused GDN / KDA decode with the usual V tile at every batch (the tile the "
                             "invariant mode keeps) gives the two-launch decode's bits, the verify path's: what "

@@ -12,7 +12,7 @@ entries of z (after every token, with per_position_states). The pool is never wr
 import torch
 
 from ._switch import declare, switched
-from ._triton import require_triton, tl, triton
+from ._triton import num_sms, require_triton, tl, triton
 from .gdn_common import cdiv, check_out, check_varlen, pow2
 from .gdn_naive import causal_conv1d_seq
 
@@ -28,6 +28,35 @@ _CHUNK_TILES = declare(
     off="packed tiles of the whole batch, each token's request found by a binary search",
     why="16 requests of 4096 tokens x 8192 channels took 837 us against 1507 on the H200, the same bits; "
         "the packed tiles serve smaller calls in one launch")
+_SHORT_TILES = declare(
+    "short_conv_tiles", False, __name__,
+    on="`causal_conv1d` over a call of few tokens (a verify step's) halves its token tile, down to 4, until the "
+       "launch has two programs an SM",
+    off="tiles of up to 32 tokens whatever the call's size",
+    why="a verify step of 8 requests x 4 tokens ran the conv on 48 programs (32 tokens x 128 channels each), "
+        "24.7 us a Qwen3.5-0.8B layer against 17.8 for its recurrence (H100, host_profile --mtp 3 at 17476a0); "
+        "the narrower tiles give the same bits (each output is its own taps' sum) but are not yet timed: off "
+        "until they are")
+_SHORT_TILE_TOKENS = 4  # the narrowest token tile: a window of W - 1 = 3 taps already re-reads 3 rows of x a tile
+
+
+def short_conv_tiles(enabled: bool):
+    """Within this block `causal_conv1d`'s packed launch over a call of few tokens halves its token tile (from
+    ``min(T, 32)`` down to 4) while it has fewer than two programs per SM: a verify step's 32 tokens over 6144
+    channels otherwise make 48 programs of 32 x 128. Each output is the sum of its own taps in tap order, so the
+    tile does not change a bit. Off by default until timed."""
+    return switched(_SHORT_TILES, "short_conv_tiles", enabled)
+
+
+def token_tile(T: int, C: int, BC: int, sms: int) -> int:
+    """The packed launch's token tile for ``T`` tokens of ``C`` channels in tiles of ``BC`` (`short_conv_tiles`)."""
+    bt = min(pow2(T), 32)
+    if _SHORT_TILES[-1]:
+        while bt > _SHORT_TILE_TOKENS and cdiv(T, bt) * cdiv(C, BC) < 2 * sms:
+            bt //= 2
+    return bt
+
+
 # The chunk tiles' launch: channels a program, warps, whether neighbouring programs take the same tokens' next
 # channels (True) or the next tokens' same channels, and the fewest tokens they tile (below it the packed tiles
 # serve). The sweep's best at 16 x 4096 tokens x 8192 channels (837 us, 2.57 TB/s; 128 channels and 4 warps 1587
@@ -377,7 +406,7 @@ def causal_conv1d(
             x, weight, bias_ptr, conv_state_pool, slots, cu_seqlens, y, T, C, x.stride(0), weight.stride(0),
             weight.stride(1), *conv_state_pool.stride(), C, c1, c2, **common)
     elif T > 0:
-        BT = min(pow2(T), 32)
+        BT = token_tile(T, C, BC, num_sms(x.device.index if x.is_cuda else None))
         _conv_kernel[(cdiv(T, BT), cdiv(C, BC))](
             x, weight, bias if bias is not None else weight, conv_state_pool, slots, cu_seqlens, y, out_states,
             T, C, B, B.bit_length(),

@@ -346,6 +346,30 @@ def test_conv_interior_tiles_give_the_general_paths_bits(dtype, per_pos):
     assert torch.equal(inner[1], s_ref)
 
 
+@pytest.mark.parametrize("per_pos", [False, True], ids=["final", "per_pos"])
+def test_short_conv_tiles_give_the_same_bits(monkeypatch, per_pos):
+    """`gdn_conv.short_conv_tiles`: a verify-sized call (8 requests of 4 tokens) on a device of many SMs halves
+    its token tile down to 4; each output is its own taps' sum, so outputs and windows are the same bits."""
+    from fnattn.kernels import gdn_conv
+
+    monkeypatch.setattr(gdn_conv, "num_sms", lambda index=None: 132)
+    tiles, launch = [], gdn_conv.token_tile
+    monkeypatch.setattr(gdn_conv, "token_tile", lambda *a: tiles.append(launch(*a)) or tiles[-1])
+    gen = torch.Generator().manual_seed(33)
+    lens = [4] * 8
+    x = torch.randn(sum(lens), CONV_C, generator=gen).to(DEV, torch.float16)
+    w = (torch.randn(CONV_C, CONV_W, generator=gen) * 0.5).to(DEV, torch.float16)
+    pool = make_pool(10, (CONV_C, CONV_W - 1), live=list(range(8)), dtype=torch.float16)
+    args = (x, w, None, pool, slots_of(list(range(8))), cu_of(lens))
+    with gdn_conv.short_conv_tiles(False):
+        plain = causal_conv1d(*args, per_position_states=per_pos)
+    with gdn_conv.short_conv_tiles(True):
+        short = causal_conv1d(*args, per_position_states=per_pos)
+    assert tiles == [32, 4]
+    for a, b in zip(short, plain):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("interior", [False, True], ids=["general", "interior"])
 @pytest.mark.parametrize("split", [(16, 32), (5, 41), (1, 47)], ids=["even", "uneven", "edges"])
 def test_conv_split_outputs_are_the_column_slices_contiguous(split, interior):
