@@ -223,11 +223,13 @@ SUITES: dict[str, Suite] = {
         Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 2 --steps 8"),
         Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 0 --steps 8"),
     )),
-    "invariance-ab": Suite("the invariant mode's cost paired by round on one Qwen3.5-0.8B model (mode off, on, and "
-                           "on with 16-row GEMV tiles only: what `wide_invariant_rows` is worth), then each "
-                           "variant's kernels by kind: where the mode's time goes", (
-        Part(360, "python benchmarks/model_ab.py --toggle invariant invariant+wide_invariant_rows "
-                  "--batch 1 8 32 128 --steps 32 --profile 3 --out {out}/bench_invariance_ab.json"),
+    "invariance-ab": Suite("the invariant mode's cost paired by round on one Qwen3.5-0.8B model (mode off, on, on "
+                           "with 16-row GEMV tiles only and on with the table's column tiles: what "
+                           "`wide_invariant_rows` and `invariant_tiles` are worth), then each variant's kernels by "
+                           "kind: where the mode's time goes", (
+        Part(420, "python benchmarks/model_ab.py --toggle invariant invariant+wide_invariant_rows "
+                  "invariant+invariant_tiles --batch 1 8 32 128 --steps 32 --profile 3 "
+                  "--out {out}/bench_invariance_ab.json"),
     )),
     "invariance-0.8b": Suite("the invariance properties at the Qwen3.5-0.8B shape, mode off and on: speculative greedy "
                              "against plain greedy, oracle acceptance, batch invariance at 3 / 8 / 32 / 128 requests, "
