@@ -15,10 +15,10 @@ import json
 import sys
 
 import torch
+from fnattn.kernels.gdn_conv import causal_conv1d
 
 from fnattn.bench import timed, write_json
 from fnattn.kernels import gdn_conv
-from fnattn.kernels.gdn_conv import causal_conv1d
 
 
 def main() -> int:
@@ -49,7 +49,7 @@ def main() -> int:
             for on in (False, True):
                 with gdn_conv.short_conv_tiles(on):
                     row["token_tile_on" if on else "token_tile_off"] = gdn_conv.token_tile(
-                        B * args.tokens, C, min(128, C), gdn_conv.num_sms(0 if cuda else None))
+                        B * args.tokens, C, min(128, C), torch.cuda.current_device() if cuda else None)
                     call = lambda x=x, w=w, pool=pool, slots=slots, cu=cu, per_pos=per_pos: causal_conv1d(  # noqa: E731
                         x, w, None, pool, slots, cu, per_position_states=per_pos)
                     outs[on] = call()

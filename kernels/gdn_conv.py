@@ -48,10 +48,12 @@ def short_conv_tiles(enabled: bool):
     return switched(_SHORT_TILES, "short_conv_tiles", enabled)
 
 
-def token_tile(T: int, C: int, BC: int, sms: int) -> int:
-    """The packed launch's token tile for ``T`` tokens of ``C`` channels in tiles of ``BC`` (`short_conv_tiles`)."""
+def token_tile(T: int, C: int, BC: int, device_index: int | None) -> int:
+    """The packed launch's token tile for ``T`` tokens of ``C`` channels in tiles of ``BC`` on CUDA device
+    ``device_index`` (None: none; `short_conv_tiles`)."""
     bt = min(pow2(T), 32)
     if _SHORT_TILES[-1]:
+        sms = num_sms(device_index)
         while bt > _SHORT_TILE_TOKENS and cdiv(T, bt) * cdiv(C, BC) < 2 * sms:
             bt //= 2
     return bt
@@ -406,7 +408,7 @@ def causal_conv1d(
             x, weight, bias_ptr, conv_state_pool, slots, cu_seqlens, y, T, C, x.stride(0), weight.stride(0),
             weight.stride(1), *conv_state_pool.stride(), C, c1, c2, **common)
     elif T > 0:
-        BT = token_tile(T, C, BC, num_sms(x.device.index if x.is_cuda else None))
+        BT = token_tile(T, C, BC, x.device.index if x.is_cuda else None)
         _conv_kernel[(cdiv(T, BT), cdiv(C, BC))](
             x, weight, bias if bias is not None else weight, conv_state_pool, slots, cu_seqlens, y, out_states,
             T, C, B, B.bit_length(),

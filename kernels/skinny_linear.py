@@ -93,9 +93,15 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None =
     split (each piece at least 256 long) until they do. K tiles are 128 elements in
     half precision (256 bytes a row), 64 in fp32.
     """
-    if sms is None:
-        sms = num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
-    cfg = _table(M, N, K, dtype, sms)
+    return _overridden(_table(M, N, K, dtype, _device_sms(sms)))
+
+
+def _device_sms(sms: int | None) -> int:
+    return num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None) if sms is None else sms
+
+
+def _overridden(cfg: SkinnyConfig) -> SkinnyConfig:
+    """``cfg`` with the fields `configured` overrides now."""
     return dataclasses.replace(cfg, **_OVERRIDES[-1]) if _OVERRIDES[-1] else cfg
 
 
@@ -372,13 +378,16 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype, *, sms: int | None
     call of any size."""
     if not invariant_on():
         return pick_config(M, N, K, dtype, sms=sms)
-    if sms is None:
-        sms = num_sms(torch.cuda.current_device() if torch.cuda.is_available() else None)
+    cfg = _invariant_config(N, K, dtype, _device_sms(sms), _INVARIANT_TILES[-1])
+    return dataclasses.replace(_overridden(cfg), dot=True, early=1) if _OVERRIDES[-1] else cfg
+
+
+@functools.lru_cache(maxsize=1024)  # asked before every launch in the mode: one answer per weight shape
+def _invariant_config(N: int, K: int, dtype: torch.dtype, sms: int, widen: bool) -> SkinnyConfig:
+    """The mode's config for a weight shape, before `configured`'s overrides: the table's at 16 rows (widened
+    by `_invariant_tiles` with ``widen``), by ``tl.dot``, with a first load of one tile."""
     cfg = _table(16, N, K, dtype, sms)
-    if _INVARIANT_TILES[-1]:
-        cfg = _invariant_tiles(cfg, N, sms)
-    cfg = dataclasses.replace(cfg, **_OVERRIDES[-1]) if _OVERRIDES[-1] else cfg
-    return dataclasses.replace(cfg, dot=True, early=1)
+    return dataclasses.replace(_invariant_tiles(cfg, N, sms) if widen else cfg, dot=True, early=1)
 
 
 _INVARIANT_TILES = declare(

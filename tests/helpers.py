@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +197,11 @@ def benchmark_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_benchmark(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python benchmarks/<name>.py ARGS`` from the repository root under Triton's interpreter, one thread:
+    its exit code, stdout and stderr."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, f"benchmarks/{name}.py", *args], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True)

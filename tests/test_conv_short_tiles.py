@@ -2,21 +2,15 @@
 same bits, NaN times without CUDA; bad sizes refused by name."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_benchmark
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "benchmarks/conv_short_tiles.py", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True)
+    return run_benchmark("conv_short_tiles", *args)
 
 
 def test_each_case_compares_the_tiles_bit_for_bit(tmp_path):

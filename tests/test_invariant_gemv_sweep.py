@@ -3,21 +3,15 @@ grid's, each with its row-bits check and one time per row count (NaN without CUD
 refused by name."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_benchmark
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "benchmarks/invariant_gemv_sweep.py", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True)
+    return run_benchmark("invariant_gemv_sweep", *args)
 
 
 def test_each_candidate_is_checked_and_timed_at_each_row_count(tmp_path):
