@@ -30,10 +30,10 @@ def check_restore(state, checkpoint, where: str) -> dict:
             fail(where, "checkpoint", f"a checkpoint of request {old.id} taken after its oldest kept rollback "
                  f"(serial {cur.rollbacks_from}; older ones cannot be checked)", checkpoint.serial)
         # Rolled back below this checkpoint since it was taken: its rows past that point may be rewritten.
-        later = [n for serial, n in cur.rollbacks if serial > checkpoint.serial and n < old.length]
+        later = cur.later_rollbacks(checkpoint.serial, old.length)
         if later:
             fail(where, "checkpoint", f"a checkpoint whose rows request {old.id} still holds (it was rolled "
-                 f"back to {min(later)} < {old.length} tokens after the checkpoint)", checkpoint.serial)
+                 f"back to {min(n for _, n in later)} < {old.length} tokens after the checkpoint)", checkpoint.serial)
         # Its writes after the rollback would land in pages another request now shares as its prefix.
         held = pages.shared_after(state, cur, old.length)
         if held:

@@ -16,7 +16,7 @@ the whole step before it writes a byte (`fnattn.apply`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -194,9 +194,15 @@ class StepDeltas:
             fail("StepDeltas.accept", "replay",
                  "the replay batch's deltas" if batch.recovery == "replay" else "None (recovery is native)",
                  type(replay).__name__)
+        if replay is not None and not isinstance(replay, StepDeltas):
+            fail("StepDeltas", "replay", "the StepDeltas of a replay batch or None", type(replay).__name__)
         writer = replay.batch if replay is not None else batch
         cursor = batch.cursor_after(counts, ring_of=writer)
-        return replace(self, accepted=counts, replay=replay, cursor=cursor)
+        # Every field is checked: this value's at its construction, the counts and the replay just above, and the
+        # cursor is the batch's own; `dataclasses.replace` would check them all again (a verify step's host time).
+        accepted_deltas = object.__new__(StepDeltas)
+        accepted_deltas.__dict__.update(self.__dict__, accepted=counts, replay=replay, cursor=cursor)
+        return accepted_deltas
 
 
 optree.register_pytree_node(

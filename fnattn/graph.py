@@ -184,10 +184,13 @@ class StepRunner:
             self._prepare_next(state, entry, ids)
         return state, logits
 
-    def propose(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " n"], hidden: Float[Tensor, "n D"]):
+    def propose(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " n"], hidden: Float[Tensor, "n D"],
+                *, copy: bool = True):
         """A draft model's decode step (a runner whose manifest has the ``hidden_in`` lane): one token per request
         and the hidden state it continues from (``hidden`` [n, D]); ``-> (state, logits [n, V], hidden_out [n, D])``.
-        Captured per bucket as `decode` is, ``hidden`` copied into its lane with the tokens."""
+        Captured per bucket as `decode` is, ``hidden`` copied into its lane with the tokens. ``copy=False``: a
+        replayed step's outputs are views of its graph's buffers, which the bucket's next replay overwrites (for
+        a caller that reads them before then: `fnattn.speculative.Speculator`'s chain); True: copies."""
         if not self.hidden_in:
             fail("StepRunner.propose", "manifest", "a draft step's lanes (step_manifest(..., hidden_in=True))",
                  "no 'hidden_in' input lane")
@@ -201,7 +204,8 @@ class StepRunner:
             Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns)
         state, entry = self._ensure(state, bucket, "native")
         batch = Batch.decode(state, ids, pad_to=bucket.lanes, columns=bucket.columns, staging=entry.staging)
-        state, outputs = self._decode_outputs(state, entry, batch, tokens, None, built_here=True, hidden=hidden)
+        state, outputs = self._decode_outputs(state, entry, batch, tokens, None, built_here=True, hidden=hidden,
+                                              copy=copy)
         return state, outputs["logits"], outputs["hidden"]
 
     def _check_hidden(self, where: str, hidden, rows: int, state) -> None:
@@ -259,18 +263,20 @@ class StepRunner:
         return state, outputs["logits"]
 
     def _decode_outputs(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out, *, built_here: bool,
-                        hidden: Tensor | None = None):
+                        hidden: Tensor | None = None, copy: bool = True):
         """A decode step run and committed (the apply, or past a replay the cursor moves): ``-> (state, outputs)``."""
-        outputs, deltas, _ = self._run(state, entry, batch, tokens, out, built_here=built_here, hidden=hidden)
+        outputs, deltas, _ = self._run(state, entry, batch, tokens, out, built_here=built_here, hidden=hidden,
+                                       copy=copy)
         if not entry.captured:
             return state.apply(deltas), outputs
         return advance_past(state, batch, batch.cursor_after(batch.host_new_lens)), outputs
 
     def verify(self, state, request_ids: Iterable[int], tokens: Int[Tensor, " T"], *, num_draft: int,
-               recovery: str = "native", hidden: Tensor | None = None) -> "Verified":
+               recovery: str = "native", hidden: Tensor | None = None, copy: bool = True) -> "Verified":
         """The last token and ``num_draft`` drafts per request; `Verified.accept` applies the acceptance.
         ``hidden`` [T, D]: a draft runner's (``hidden_in`` lane) hidden state of every token, for the draft's
-        catch-up on a speculative step's tokens in one fixed-shape step (`fnattn.speculative.Speculator`)."""
+        catch-up on a speculative step's tokens in one fixed-shape step (`fnattn.speculative.Speculator`).
+        ``copy``: as `propose`'s (False: the logits and hidden are the graph's buffers until its next replay)."""
         ids = tuple(request_ids)
         if not ids:
             fail("StepRunner.verify", "request_ids", "at least one request", ids)
@@ -290,7 +296,7 @@ class StepRunner:
         batch = Batch.verify(state, ids, num_draft=num_draft, recovery=recovery, pad_to=bucket.lanes,
                              columns=bucket.columns, staging=entry.staging)
         outputs, deltas, replay_outputs = self._run(state, entry, batch, tokens, None, built_here=True,
-                                                    hidden=hidden)
+                                                    hidden=hidden, copy=copy)
         return Verified(self, state, batch, entry, outputs, deltas, replay_outputs)
 
     # ------------------------------------------------------------- internals
@@ -339,7 +345,7 @@ class StepRunner:
             raise LaneError(f"lane 'tokens': expected ids in 0..{vocab - 1}, got {tokens.min()}..{tokens.max()}")
 
     def _run(self, state, entry: _Entry, batch: Batch, tokens: Tensor, out: Tensor | None, *, built_here: bool,
-             hidden: Tensor | None = None):
+             hidden: Tensor | None = None, copy: bool = True):
         """Validate every lane, copy them into the static buffers, run the step; ``-> (outputs, deltas)``.
 
         A batch built here went into the entry's staging (its lanes are the buffers; the tokens were checked
@@ -379,7 +385,7 @@ class StepRunner:
         if out is not None:
             out.copy_(outputs["logits"][:live])
             outputs = {**outputs, "logits": out}
-        elif entry.captured:  # the graph's buffers are overwritten by the next replay: hand out copies
+        elif entry.captured and copy:  # the graph's buffers are overwritten by the next replay: hand out copies
             outputs = {name: t[:live].clone() for name, t in outputs.items()}
         else:
             outputs = {name: t[:live] for name, t in outputs.items()}

@@ -269,6 +269,9 @@ class Speculator:
         self.last: dict[int, int] = {}  # newest token of each request, not yet fed to the target
         # draft's next token (0-d), its hidden_out and, when sampling, the distribution it was drawn from [V]
         self.proposal: dict[int, tuple] = {}
+        # the same proposals as the rows they were chosen in: (ids, tokens [n], hidden [n, D], probs or None),
+        # which the next chain of the same requests takes whole (no per-request gather on the device)
+        self._proposed: tuple | None = None
         self.steps = 0
         #: with ``trace=True``, every logits tensor computed, in order (target verify/prefill, draft), for
         #: comparisons; off by default (a long generation would keep every step's logits alive)
@@ -332,9 +335,13 @@ class Speculator:
         """The draft's ``k`` proposals for every request, ``[n, k]`` on the device, rows in ``ids`` order: its
         pending proposal, then ``k - 1`` proposal steps on speculative entries, rolled back afterwards;
         ``-> (drafts, the distributions they were drawn from [n, k, V] or None)``."""
-        tok = torch.stack([self.proposal[r][0] for r in ids])  # [n]
-        hid = torch.stack([self.proposal[r][1] for r in ids])  # [n, D]
-        drafts, probs = [tok], [torch.stack([self.proposal[r][2] for r in ids])] if self.sampler else None
+        if self._proposed is not None and self._proposed[0] == tuple(ids):
+            _, tok, hid, first = self._proposed  # [n], [n, D], [n, V] or None
+        else:
+            tok = torch.stack([self.proposal[r][0] for r in ids])  # [n]
+            hid = torch.stack([self.proposal[r][1] for r in ids])  # [n, D]
+            first = torch.stack([self.proposal[r][2] for r in ids]) if self.sampler else None
+        drafts, probs = [tok], [first] if self.sampler else None
         if self.k > 1:
             ckpt = self.dstate.checkpoint(ids)
             for _ in range(self.k - 1):
@@ -351,7 +358,8 @@ class Speculator:
         """One proposal step (``tok`` [n], ``hid`` [n, D] in ``ids`` order): ``-> (logits, hidden_out)``."""
         if self.draft_runner is None:
             return self._run_draft(Batch.decode(self.dstate, ids), tok, hid)
-        self.dstate, logits, hout = self.draft_runner.propose(self.dstate, ids, tok, hid)
+        # Read before the bucket's next replay (the choice, the next proposal's hidden lane): no copies unless kept
+        self.dstate, logits, hout = self.draft_runner.propose(self.dstate, ids, tok, hid, copy=self._tracing)
         self._trace(logits)
         return logits, hout
 
@@ -372,6 +380,7 @@ class Speculator:
         choices, probs = self._choose_draft(logits)
         for b, r in enumerate(ids):
             self.proposal[r] = (choices[b], hidden[b], None if probs is None else probs[b])
+        self._proposed = (tuple(ids), choices, hidden, probs)
 
     # ------------------------------------------------------------------ public
     def start(self, prompts: Mapping[int, list[int]]) -> dict[int, int]:
@@ -466,7 +475,8 @@ class Speculator:
         last = to_device([self.last[r] for r in ids], torch.long, proposed.device)
         self.tstate = self.tstate.reserve({r: k + 1 for r in ids})
         tokens = torch.cat([last[:, None], proposed], dim=1).reshape(-1)  # [n * (1 + k)]
-        verified = self.runner.verify(self.tstate, ids, tokens, num_draft=k, recovery=self.recovery)
+        verified = self.runner.verify(self.tstate, ids, tokens, num_draft=k, recovery=self.recovery,
+                                      copy=self._tracing)  # read by this step's acceptance and catch-up only
         self._trace(verified.logits)
         if self.sampler is not None:
             rows = sampled_accept_rows(verified.logits, proposed, probs, self.sampler, self.generator)
@@ -506,7 +516,8 @@ class Speculator:
         positions = torch.arange(k1, device=rows.device)
         tokens = torch.where(positions[None, :] < count[:, None], emitted, 0).reshape(-1)  # [n * (1 + k)]
         self.dstate = self.dstate.reserve({r: k1 for r in ids})
-        verified = self.draft_runner.verify(self.dstate, ids, tokens, num_draft=self.k, hidden=hidden)
+        verified = self.draft_runner.verify(self.dstate, ids, tokens, num_draft=self.k, hidden=hidden,
+                                            copy=self._tracing)
         last = torch.arange(len(ids), device=rows.device) * k1 + count - 1  # [n]
         self._keep_proposals(ids, verified.logits.index_select(0, last), verified.hidden.index_select(0, last))
         return verified

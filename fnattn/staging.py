@@ -58,6 +58,7 @@ class Staging:
         self.views: dict[str, Tensor] = {}  # lane -> its device view, shaped
         self._slices: dict[str, tuple[object, int, int]] = {}  # lane -> (host array, start, numel)
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (host, device) buffer per dtype
+        self._groups: list[tuple[object, tuple[str, ...], int]] = []  # (host array, its lanes in order, values)
         for dtype, names in groups.items():
             sizes = [_numel(shapes[n]) for n in names]
             total = max(1, sum(sizes))
@@ -67,6 +68,7 @@ class Staging:
             for name, size, start in zip(names, sizes, itertools.accumulate(sizes, initial=0)):
                 self.views[name] = dev[start:start + size].view(shapes[name])
                 self._slices[name] = (array, start, size)
+            self._groups.append((array, tuple(names), sum(sizes)))
             self._pairs.append((host, dev))
         self._copied: torch.cuda.Event | None = None
         self.generation = Generation()
@@ -86,9 +88,9 @@ class Staging:
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are still the source of the last copy until then
         self.generation.value += 1  # from here on the batch built last no longer holds its rows
-        for name, v in flat.items():
-            array, start, size = self._slices[name]
-            array[start:start + size] = v
+        for array, names, size in self._groups:  # one conversion a dtype: its lanes lie end to end
+            if size:
+                array[:size] = list(itertools.chain.from_iterable(flat[name] for name in names))
         if self.device.type == "cuda":
             for host, dev in self._pairs:
                 dev.copy_(host, non_blocking=True)

@@ -34,7 +34,7 @@ from .checks import fail
 from .cursor import CursorAdvance
 from .deltas import StepDeltas
 from .errors import DoubleApplyError, PoolExhaustedError, StaleDeltasError, StaleStateError
-from .request import ROLLBACKS_KEPT, Request
+from .request import Request
 from .spec import LayerSpec
 from .staging import to_device
 from .storage import Pool, Storage, allocate
@@ -389,7 +389,9 @@ class State:
         reqs = dict(self._requests)
         need = {}
         for rid, n in counts.items():
-            req = self.request(rid)
+            req = reqs.get(rid) if isinstance(rid, int) else None
+            if req is None:
+                req = self.request(rid)  # names what is wrong
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 fail("State.reserve", f"counts[{rid}]", "a non-negative int", n)
             pages = math.ceil((req.length + n) / self.page_size)
@@ -405,7 +407,7 @@ class State:
         for rid, n in need.items():
             if n:
                 taken, free = free[:n], free[n:]
-                reqs[rid] = replace(reqs[rid], pages=reqs[rid].pages + tuple(taken))
+                reqs[rid] = reqs[rid].with_pages(reqs[rid].pages + tuple(taken))
         return self._successor(requests=reqs, free_pages=free)
 
     def release(self, request_id: int) -> "State":
@@ -530,10 +532,11 @@ class State:
         if len(set(ids)) != len(ids):
             fail("State.checkpoint", "request_ids", "unique ids", ids)
         reqs = tuple(self.request(r) for r in ids)
-        slots = to_device([self.recurrent_row(r.id) for r in reqs], torch.long, self.device)
         copies = {}
-        for pool in self._storage.pools.values():
-            if pool.index_space == "request":
+        recurrent = [pool for pool in self._storage.pools.values() if pool.index_space == "request"]
+        if recurrent:  # a State of attention layers only (an MTP draft's) copies nothing: no launch either
+            slots = to_device([self.recurrent_row(r.id) for r in reqs], torch.long, self.device)
+            for pool in recurrent:
                 for t, tensor in pool.tensors.items():
                     copies[(pool.name, t)] = tensor.index_select(1, slots).clone()
         return Checkpoint(reqs, MappingProxyType(copies), lineage=self._storage.lineage, serial=next(_serials))
@@ -549,20 +552,17 @@ class State:
                  f"lineage {checkpoint.lineage}")
         expected = check_restore(self, checkpoint, where)
         # Back into the ring row the request had then: every row of its ring is its own.
-        slots = to_device([r.ring_pos * self.slots_per_ring + r.slot for r in checkpoint.requests], torch.long,
-                          self.device)
-        with torch.no_grad():
-            for key, saved in checkpoint.recurrent.items():
-                expected[key].index_copy_(1, slots, saved)
+        if checkpoint.recurrent:
+            slots = to_device([r.ring_pos * self.slots_per_ring + r.slot for r in checkpoint.requests], torch.long,
+                              self.device)
+            with torch.no_grad():
+                for key, saved in checkpoint.recurrent.items():
+                    expected[key].index_copy_(1, slots, saved)
         serial = next(_serials)
         reqs, boundary = dict(self._requests), self._boundary
         for old in checkpoint.requests:
             boundary = pages.drop_boundaries(boundary, old.id, above=old.length)
-            cur = reqs[old.id]
-            kept = tuple(r for r in cur.rollbacks if r[1] < old.length) + ((serial, old.length),)
-            dropped = kept[:-ROLLBACKS_KEPT]
-            reqs[old.id] = replace(cur, length=old.length, ring_pos=old.ring_pos, rollbacks=kept[-ROLLBACKS_KEPT:],
-                                   rollbacks_from=dropped[-1][0] if dropped else cur.rollbacks_from)
+            reqs[old.id] = reqs[old.id].rolled_back(serial, old.length, old.ring_pos)
         return self._successor(requests=reqs, boundary=boundary)
 
     def __repr__(self) -> str:

@@ -134,7 +134,11 @@ def recurrent_inputs(spec, T, *, seed=0):
 @contextlib.contextmanager
 def registry_scope():
     """Backends a test registers are gone afterwards (user backends rank first by default, so one left
-    behind would be chosen by every later test's `ModelAttention`)."""
+    behind would be chosen by every later test's `ModelAttention`). The built-in kinds are registered first: a
+    scope that saw them register inside it (the package imports them on the first public name a test asks for)
+    would clear them, and a module imported once never registers again."""
+    import fnattn.kinds  # noqa: F401
+
     before = dict(registry._REGISTRY)
     try:
         yield

@@ -182,6 +182,24 @@ def test_a_speculative_loop_keeps_a_bounded_rollback_history():
     assert st.restore(ckpt).request(0).length == req.length
 
 
+def test_rollbacks_stay_ordered_and_later_ones_are_those_a_scan_finds():
+    """`Request.rolled_back` keeps the rollbacks in increasing serial and length (a restore to fewer tokens drops
+    the ones to as many or more), so `later_rollbacks` (a bisection) names what a scan of them all would."""
+    from fnattn.request import ROLLBACKS_KEPT, Request
+
+    gen = torch.Generator().manual_seed(5)
+    req = Request(0, 1, (1, 2, 3), 0)
+    for serial in range(1, 4 * ROLLBACKS_KEPT):
+        req = req.rolled_back(serial, int(torch.randint(0, 12, (1,), generator=gen)), 0)
+        kept = req.rollbacks
+        assert list(kept) == sorted(kept) and [n for _, n in kept] == sorted({n for _, n in kept})
+        assert len(kept) <= ROLLBACKS_KEPT
+        for since in (0, serial // 2, serial - 1, serial):
+            for below in range(13):
+                scan = tuple(r for r in kept if r[0] > since and r[1] < below)
+                assert req.later_rollbacks(since, below) == scan
+
+
 def _step_deltas(specs, st, n):
     batch = fa.Batch.prefill(st, {0: n})
     return run(fa.ModelAttention(specs), st, batch, {0: full_inputs(specs[0], n)})[1]
