@@ -10,8 +10,8 @@ as a capture's do) and replayed by a stand-in whose replay does nothing, so a st
 batch builds, the State's bookkeeping and the speculative step's own tensor ops cost the host, without the model's
 kernels. On the CPU those tensor ops run (on tiny tensors); on a GPU each would be a launch instead.
 
-Times per step (the lowest of ten medians over ``--steps`` in all, after a warm-up): ``decode_us`` (`StepRunner.decode`, the next batch
-prepared as on CUDA) and ``speculative_us`` (`Speculator.step` with both runners, every draft kept by force: the
+Times per step (the lowest of ten medians over ``--steps`` in all, after a warm-up): ``decode_us``
+(`StepRunner.decode`, the next batch prepared as on CUDA) and ``speculative_us`` (`Speculator.step` with both runners, every draft kept by force: the
 most tokens a step to carry). One thread. A shared machine's clock makes times of one run differ by up to
 2x from the next, so each step is also counted: ``*_calls``, the Python function calls (the interpreter's
 work, which host time follows), and ``*_ops``, the tensor operations that reach a kernel (views left out: on a
