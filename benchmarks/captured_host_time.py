@@ -12,10 +12,11 @@ kernels. On the CPU those tensor ops run (on tiny tensors); on a GPU each would 
 
 Times per step (the lowest of ten medians over ``--steps`` in all, after a warm-up): ``decode_us``
 (`StepRunner.decode`, the next batch prepared as on CUDA) and ``speculative_us`` (`Speculator.step` with both
-runners, every draft kept by force: the most tokens a step to carry). One thread. A shared machine's clock
-makes times of one run differ by up to 2x from the next, so each step is also counted: ``*_calls``, the Python function calls (the interpreter's
-work, which host time follows), and ``*_ops``, the tensor operations that reach a kernel (views left out: on a
-GPU each is a launch of its own, ~5 us of host time, outside the graphs). Those are the same on every run.
+runners, every draft kept by force: the most tokens a step to carry). One thread. A shared machine's clock makes
+times of one run differ by up to 2x from the next, so each step is also counted: ``*_calls``, the Python function
+calls (the interpreter's work, which host time follows), and ``*_ops``, the tensor operations that reach a kernel
+(views left out: on a GPU each is a launch of its own, ~5 us of host time, outside the graphs). Those are the same
+on every run.
 """
 
 from __future__ import annotations
