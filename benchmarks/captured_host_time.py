@@ -69,6 +69,19 @@ class HostRunner(StepRunner):
         return state
 
 
+def _synced(fn, device):
+    """``fn`` and, on CUDA, a wait for the device: a step's time is then its host work or its tensor ops'
+    device time, whichever is longer (a graph stand-in launches nothing)."""
+    if device.type != "cuda":
+        return fn
+
+    def call():
+        fn()
+        torch.cuda.synchronize(device)
+
+    return call
+
+
 def _median_us(fn, steps: int, rounds: int = 10) -> float:
     """The lowest of ``rounds`` medians of ``steps / rounds`` steps: a shared machine's slow spells (another
     process, a clock that drops) land on whole rounds, which the lowest leaves out."""
@@ -135,7 +148,7 @@ def decode_step(model, ma, batch: int, prompt: int, steps: int):
     for r in ids:
         st = st.admit(r)
     st = st.reserve({r: prompt for r in ids})
-    holder = {"st": st, "tok": torch.zeros(batch, dtype=torch.long)}
+    holder = {"st": st, "tok": torch.zeros(batch, dtype=torch.long, device=ma.device)}
     holder["st"] = holder["st"].apply(_prompt_deltas(model, ma, holder["st"], ids, prompt))
 
     def once():
@@ -152,7 +165,8 @@ def _prompt_deltas(model, ma, st, ids, prompt):
     from fnattn import Batch
 
     batch = Batch.prefill(st, {r: prompt for r in ids})
-    tokens = torch.randint(0, model.config.vocab_size, (batch.live_tokens,), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, model.config.vocab_size, (batch.live_tokens,),
+                           generator=torch.Generator().manual_seed(0)).to(ma.device)
     with ma.session(st, batch) as s:
         _, deltas = model.step(model.params, s, tokens)
     return deltas
@@ -186,19 +200,23 @@ def main() -> int:
     p.add_argument("--draft", type=int, default=3, help="k, the drafts a speculative step verifies")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", type=int, default=0, help="then cProfile this many speculative steps (last batch)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the step's own tensor ops then launch kernels")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.draft < 1 or args.steps < 1 or args.prompt < 1 or any(b < 1 for b in args.batch):
         p.error(f"--batch, --prompt, --draft, --steps: expected values >= 1, got {args.batch}, {args.prompt}, "
                 f"{args.draft}, {args.steps}")
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        p.error(f"--device: expected cpu, or cuda on a machine with CUDA, got {args.device}")
     torch.set_num_threads(1)
-    model, ma, _ = build_model(args.family, args.shape, "cpu")
+    model, ma, _ = build_model(args.family, args.shape, args.device)
     records, spec = [], None
     for b in args.batch:
         spec = speculator(model, b, args.prompt, args.draft, args.steps + args.profile + 20)
         decode = decode_step(model, ma, b, args.prompt, args.steps + 20)
         row = {"case": f"host b{b}", "family": args.family, "shape": args.shape, "batch": b, "k": args.draft,
-               "decode_us": _median_us(decode, args.steps), "speculative_us": _median_us(spec.step, args.steps)}
+               "device": args.device, "decode_us": _median_us(_synced(decode, ma.device), args.steps),
+               "speculative_us": _median_us(_synced(spec.step, ma.device), args.steps)}
         row["speculative_over_decode"] = row["speculative_us"] / row["decode_us"]
         row["decode_calls"], row["decode_ops"] = counts(decode)
         row["speculative_calls"], row["speculative_ops"] = counts(spec.step)

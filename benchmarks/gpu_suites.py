@@ -37,7 +37,7 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "conv_short_tiles.json", "bench_invariance_ab.json", "bench_invariance_qwen3_5_0.8b_256.json",
+NEW = {"tp_gpu.json", "captured_host_time_cuda.json", "conv_short_tiles.json", "bench_invariance_ab.json", "bench_invariance_qwen3_5_0.8b_256.json",
        "bench_invariance_kimi_linear_4-layer.json",
        "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
@@ -286,11 +286,13 @@ SUITES: dict[str, Suite] = {
     )),
     "generate": Suite("the whole of generation at the Qwen3.5-0.8B shape: time to first token, the 8192-token "
                       "prefill, plain and eager decode, MTP k = 3 with every draft kept or none, the serving mix; "
-                      "then where a speculative step's time goes (printed, in session.log)", (
+                      "then where a speculative step's time goes (printed, in session.log) and its host work alone (graphs that launch nothing)", (
         bench(370, "generate --family qwen3_5 --shape 0.8b --batch 1 8 --steps 32 --draft-vocab 32768",
               "bench_generate_qwen3_5_0.8b.json"),
         Part(200, "python -u benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --mtp 3 --batch 8 --steps 8 "
              "--rows 30"),
+        Part(60, "python benchmarks/captured_host_time.py --device cuda --batch 1 8 --steps 200 "
+             "--out {out}/captured_host_time_cuda.json"),
     )),
     "cpu": Suite("every family's tiny model and the framework's overhead on one CPU thread (any machine)", (
         bench(70, f"model --family qwen3_5 {TINY} --steps 64", "bench_model_tiny_cpu.json", **CPU),
