@@ -289,7 +289,7 @@ SUITES: dict[str, Suite] = {
                       "then where a speculative step's time goes (printed, in session.log) and its host work alone (graphs that launch nothing)", (
         bench(370, "generate --family qwen3_5 --shape 0.8b --batch 1 8 --steps 32 --draft-vocab 32768",
               "bench_generate_qwen3_5_0.8b.json"),
-        Part(200, "python -u benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --mtp 3 --batch 8 --steps 8 "
+        Part(140, "python -u benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --mtp 3 --batch 8 --steps 8 "
              "--rows 30"),
         Part(60, "python benchmarks/captured_host_time.py --device cuda --batch 1 8 --steps 200 "
              "--out {out}/captured_host_time_cuda.json"),
