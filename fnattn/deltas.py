@@ -200,9 +200,9 @@ class StepDeltas:
         cursor = batch.cursor_after(counts, ring_of=writer)
         # Every field is checked: this value's at its construction, the counts and the replay just above, and the
         # cursor is the batch's own; `dataclasses.replace` would check them all again (a verify step's host time).
-        accepted_deltas = object.__new__(StepDeltas)
-        accepted_deltas.__dict__.update(self.__dict__, accepted=counts, replay=replay, cursor=cursor)
-        return accepted_deltas
+        out = object.__new__(StepDeltas)
+        out.__dict__.update(self.__dict__, accepted=counts, replay=replay, cursor=cursor)
+        return out
 
 
 optree.register_pytree_node(

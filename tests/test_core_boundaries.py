@@ -23,7 +23,7 @@ OWNERS = {"fnattn/state.py": PRIVATE, "fnattn/storage.py": {"_views", "_derived"
 OWN_DICT_WRITES = {
     ("fnattn/state.py", "new"),  # State._successor: a successor handle
     ("fnattn/batch.py", "fresh"),  # rebound: a Batch for another handle
-    ("fnattn/deltas.py", "out"),  # Writes.bound: writes bound to a layer
+    ("fnattn/deltas.py", "out"),  # Writes.bound: writes bound to a layer; StepDeltas.accept: the accepted copy
 }
 
 
