@@ -37,9 +37,8 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "captured_host_time_cuda.json", "conv_short_tiles.json", "bench_invariance_ab.json", "bench_invariance_qwen3_5_0.8b_256.json",
-       "bench_invariance_kimi_linear_4-layer.json",
-       "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
+NEW = {"tp_gpu.json", "bench_invariance_qwen3_5_0.8b_256.json", "bench_invariance_qwen3_5_0.8b_p4096.json",
+       "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -293,6 +292,11 @@ SUITES: dict[str, Suite] = {
              "--rows 30"),
         Part(60, "python benchmarks/captured_host_time.py --device cuda --batch 1 8 --steps 200 "
              "--out {out}/captured_host_time_cuda.json"),
+    )),
+    "host-cpu": Suite("a captured step's host work on one CPU thread (any machine): decode and the speculative step "
+                      "with graphs that launch nothing, timed and counted", (
+        Part(90, "python benchmarks/captured_host_time.py --batch 1 8 --steps 300 "
+             "--out {out}/captured_host_time_cpu.json", CPU),
     )),
     "cpu": Suite("every family's tiny model and the framework's overhead on one CPU thread (any machine)", (
         bench(70, f"model --family qwen3_5 {TINY} --steps 64", "bench_model_tiny_cpu.json", **CPU),
