@@ -245,6 +245,10 @@ def latent_attention_invariant(q: Float[Tensor, "T H Dq"], cache: Float[Tensor, 
     T, H, Dq = q.shape
     if not scale > 0:
         raise ValueError(f"latent_attention_invariant: scale: expected > 0, got {scale!r}")
+    least = 16 if q.is_cuda else 1  # a tile's keys are the K of its probabilities-by-values dot: 16 on tensor cores
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < least or block_n & (block_n - 1):
+        raise ValueError(f"latent_attention_invariant: block_n: expected a power of two >= {least} on "
+                         f"{q.device.type}, got {block_n!r}")
     if isinstance(split_keys, bool) or not isinstance(split_keys, int) or split_keys < block_n or \
             split_keys % block_n:
         raise ValueError(f"latent_attention_invariant: split_keys: expected a positive multiple of block_n "

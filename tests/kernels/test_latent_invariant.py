@@ -121,8 +121,9 @@ def test_a_token_s_bits_follow_nothing_but_its_context(P, split, others):
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
 
 
-#: Keys in splits of 16 (tiles of 8): the contexts here span several splits.
-SPLITS = dict(block_n=8, split_keys=16)
+#: Keys in splits of 16 (tiles of 8) interpreted, of 32 (tiles of 16, the least a tensor-core dot takes) on CUDA:
+#: the contexts here span several splits either way.
+SPLITS = dict(block_n=8, split_keys=16) if DEVICE == "cpu" else dict(block_n=16, split_keys=32)
 
 
 @settings(max_examples=5, deadline=None)
@@ -230,6 +231,10 @@ def test_bad_arguments_name_themselves():
         latent_attention_invariant(q, cache, rows, table.long(), lens, positions, req, kv_rank=R, scale=1.0)
     with pytest.raises(ValueError, match="split_keys: expected a positive multiple of block_n \\(32\\), got 48"):
         latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=1.0, split_keys=48)
+    with pytest.raises(ValueError, match="block_n: expected a power of two >= 1 on cpu, got 12"
+                       if DEVICE == "cpu" else "block_n: expected a power of two >= 16 on cuda, got 8"):
+        latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=1.0,
+                                   block_n=12 if DEVICE == "cpu" else 8, split_keys=48)
     with pytest.raises(ValueError, match="split: expected None or a bool, got 1"):
         latent_attention_invariant(q, cache, rows, table, lens, positions, req, kv_rank=R, scale=1.0, split=1)
     with pytest.raises(ValueError, match="w_uv: expected shape"):
