@@ -64,7 +64,7 @@ def test_snapshot_has_every_switch_at_its_default_and_the_tile_stacks_empty():
     assert all(snap[name] is s.default for name, s in switches.items())
     assert all(snap[name] == {} for name in tiles)
     off = sorted(name for name, s in switches.items() if not s.default)
-    assert off == ["invariant", "short_conv_tiles", "sparse_merge_values_kernel"]
+    assert off == ["invariant", "sparse_merge_values_kernel"]
 
 
 def test_setting_by_name_is_what_the_fast_path_reads_and_what_the_module_function_sets():
