@@ -201,7 +201,9 @@ class Speculator:
     a fixed-shape verify of the ``1 + num_draft`` positions (the emitted tokens, padded) whose acceptance keeps the
     accepted ones. With both runners and no ``propose_hook`` the drafts stay on the device and greedy acceptance is
     computed there: one host read a step (`_step_on_device`; an ``accept_hook`` is given the counts it read).
-    Prefill and the catch-up on the prompts stay eager.
+    Prefill and the catch-up on the prompts stay eager. On that path a step's acceptance by the target is applied
+    when ``tstate`` is next read: the next step reads it after launching the draft's proposals, so the host applies
+    it while the device runs them (every read of ``tstate`` sees it applied).
     ``accept_hook(step, accepted) -> accepted``: replaces greedy acceptance's counts (each 1 .. k + 1: the
     last token plus the drafts kept); the bonus token is then the target's choice after the last one kept.
     For benchmarks that force every draft in (or none) whatever the logits say. ``force_accept``: every request
@@ -265,7 +267,11 @@ class Speculator:
         self.runner, self.draft_runner = target_runner, draft_runner
         self.target = (target_step, target_params, target_attn)
         self.draft = (draft_step, draft_params, draft_attn)
-        self.tstate, self.dstate = target_state, draft_state
+        self._tstate, self.dstate = target_state, draft_state
+        self._device = target_state.device
+        # a step's target acceptance not yet applied (Verified, counts): `tstate` applies it when first read, which
+        # the next step does after launching the draft's proposals, so that host work runs beside them
+        self._pending: tuple | None = None
         self.last: dict[int, int] = {}  # newest token of each request, not yet fed to the target
         # draft's next token (0-d), its hidden_out and, when sampling, the distribution it was drawn from [V]
         self.proposal: dict[int, tuple] = {}
@@ -277,6 +283,21 @@ class Speculator:
         #: comparisons; off by default (a long generation would keep every step's logits alive)
         self.trace: list[torch.Tensor] = []
         self._tracing = trace
+
+    @property
+    def tstate(self):
+        """The target's State, every step's acceptance applied."""
+        if self._pending is not None:
+            verified, accepted = self._pending
+            self._pending = None
+            self._tstate = verified.accept(accepted)
+        return self._tstate
+
+    @tstate.setter
+    def tstate(self, state) -> None:
+        if self._pending is not None:
+            fail("Speculator", "tstate", "set after the last step's acceptance was applied (read it first)", state)
+        self._tstate = state
 
     # ------------------------------------------------------------------ helpers
     def _trace(self, logits: torch.Tensor) -> None:
@@ -364,7 +385,7 @@ class Speculator:
         return logits, hout
 
     def _tokens(self, rows) -> torch.Tensor:
-        return to_device(rows, torch.long, self.tstate.device)
+        return to_device(rows, torch.long, self._device)
 
     def _catch_up(self, counts, tokens, hidden):
         """Draft entries for accepted positions; its last row gives the next proposal."""
@@ -495,7 +516,7 @@ class Speculator:
             rows = rows.tolist()  # the step's one read
             accepted = {r: row[0] for r, row in zip(ids, rows)}
             emitted = {r: row[1:1 + row[0]] for r, row in zip(ids, rows)}
-            self.tstate = verified.accept(accepted)
+            self._pending = (verified, accepted)  # applied once the next step's proposals are launched (`tstate`)
             if self._tracing:  # the rows an eager catch-up computes
                 k1 = k + 1
                 self._trace(caught_up.logits[self._tokens([b * k1 + j for b, r in enumerate(ids)

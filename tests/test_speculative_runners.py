@@ -118,6 +118,27 @@ def test_force_accept_on_the_device_emits_what_the_eager_step_does(count):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+def test_the_targets_acceptance_is_applied_by_the_next_read_of_its_state():
+    """On the one-read path a step leaves the target's acceptance to be applied when `tstate` is next read (the
+    next step reads it after launching the draft's proposals): every read sees each request's cursor past what
+    it emitted, a release between steps applies it first, and setting the state past it is refused by name."""
+    model = random_model("qwen3_5")
+    draft = model.family.draft(model.config, model.params, None, seed=1)
+    spec = _speculator(model, draft, True, force_accept=3)
+    lengths = {0: 4 + 1, 1: 2 + 1}  # the prompts and their first generated tokens, the first not yet fed
+    for _ in range(3):
+        for r, toks in spec.step().items():
+            lengths[r] += len(toks)
+        assert spec._pending is not None  # left for the next read
+        with pytest.raises(ValueError, match="`tstate` must be set after the last step's acceptance"):
+            spec.tstate = spec.dstate
+        assert {r: spec.tstate.request(r).length for r in (0, 1)} == {r: n - 1 for r, n in lengths.items()}
+        assert spec._pending is None
+    spec.step()
+    spec.release(1)
+    assert spec._pending is None and list(spec.tstate.requests) == [0]
+
+
 @pytest.mark.parametrize("bad", [0, 5, True, 2.0])
 def test_force_accept_outside_1_to_k_plus_1_is_refused_by_name(bad):
     model = random_model("qwen3_5")
