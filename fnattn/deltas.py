@@ -195,7 +195,7 @@ class StepDeltas:
                  "the replay batch's deltas" if batch.recovery == "replay" else "None (recovery is native)",
                  type(replay).__name__)
         if replay is not None and not isinstance(replay, StepDeltas):
-            fail("StepDeltas", "replay", "the StepDeltas of a replay batch or None", type(replay).__name__)
+            fail("StepDeltas.accept", "replay", "the StepDeltas of a replay batch or None", type(replay).__name__)
         writer = replay.batch if replay is not None else batch
         cursor = batch.cursor_after(counts, ring_of=writer)
         # Every field is checked: this value's at its construction, the counts and the replay just above, and the
