@@ -36,6 +36,7 @@ from fnattn import ModelAttention
 from fnattn.bench import write_json
 from fnattn.bench import generate as gen
 from fnattn.bench.model import build_model
+from fnattn.driver import prefill
 from fnattn.graph import StepRunner, advance_past
 from fnattn.kernels.invariant import invariant_on
 from fnattn.speculative import Speculator
@@ -147,9 +148,9 @@ def decode_step(model, ma, batch: int, prompt: int, steps: int):
     ids = list(range(batch))
     for r in ids:
         st = st.admit(r)
-    st = st.reserve({r: prompt for r in ids})
+    prompts = {r: gen._ids(prompt, model.config.vocab_size, 10 + r) for r in ids}
+    st, _ = prefill(model.step, model.params, ma, st, prompts)
     holder = {"st": st, "tok": torch.zeros(batch, dtype=torch.long, device=ma.device)}
-    holder["st"] = holder["st"].apply(_prompt_deltas(model, ma, holder["st"], ids, prompt))
 
     def once():
         st = holder["st"].reserve({r: 1 for r in ids})
@@ -159,17 +160,6 @@ def decode_step(model, ma, batch: int, prompt: int, steps: int):
     for _ in range(5):
         once()
     return once
-
-
-def _prompt_deltas(model, ma, st, ids, prompt):
-    from fnattn import Batch
-
-    batch = Batch.prefill(st, {r: prompt for r in ids})
-    tokens = torch.randint(0, model.config.vocab_size, (batch.live_tokens,),
-                           generator=torch.Generator().manual_seed(0)).to(ma.device)
-    with ma.session(st, batch) as s:
-        _, deltas = model.step(model.params, s, tokens)
-    return deltas
 
 
 def speculator(model, batch: int, prompt: int, k: int, steps: int) -> Speculator:
