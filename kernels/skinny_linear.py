@@ -345,7 +345,8 @@ _WIDE_ROWS = declare(
     why="in 128-row products of the 0.8B shape's projections and lm_head a row's bits were the same with 16-, 32- "
         "and 64-row tiles for the plain product and every fold but the squares, and 64-row tiles took 12.3 / "
         "20.2 / 330 us against 18.1 / 25.0 / 566 with 16 (3584x1024, 6144x1024, 248320x1024; H100, "
-        "gemv_row_tiles.json at 17476a0); the whole step not yet timed")
+        "gemv_row_tiles.json at 17476a0); the mode's Qwen3.5-0.8B step at batch 128 1.13x the mode-off one "
+        "against 1.21x with it off, the same at batch 1 to 32 (paired, bench_invariance_ab.json at f72d6d7)")
 
 
 def wide_invariant_rows(enabled: bool):
@@ -401,7 +402,9 @@ _INVARIANT_TILES = declare(
         "8224x1024 14.3 / 14.5 / 14.9 / 19.0 against 14.2 / 14.3 / 17.0 / 25.3, 5120x1024 11.8 / 11.9 / 12.6 / 16.2 "
         "against 11.8 / 11.9 / 14.7 / 19.2, the 248320x1024 lm_head 176.6 / 180.5 / 193.8 / 279.8 against "
         "175.6 / 180.9 / 209.9 / 329.2 (mode off: 12.9 / 12.9 / 12.9 / 13.2 us for 7168x1024, cuBLAS past 16 "
-        "rows); each kept a row's bits across row counts; the whole step not yet timed")
+        "rows); each kept a row's bits across row counts. The mode's Qwen3.5-0.8B step, paired by round, "
+        "1.12x / 1.09x / 0.96x / 1.13x the mode-off one at batch 1 / 8 / 32 / 128 against 1.10x / 1.08x / 1.03x "
+        "/ 1.15x with it off (bench_invariance_ab.json at f72d6d7): one config serves every batch")
 
 
 def invariant_tiles(enabled: bool):
