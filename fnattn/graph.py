@@ -197,6 +197,8 @@ class StepRunner:
         ids = tuple(request_ids)
         if not ids:
             fail("StepRunner.propose", "request_ids", "at least one request", ids)
+        if not isinstance(copy, bool):
+            fail("StepRunner.propose", "copy", "a bool", copy)
         bucket = Bucket("decode", self.bucket_for(len(ids)), 0, self.columns(state))
         self._check_tokens(tokens, len(ids), state.device, None)
         self._check_hidden("StepRunner.propose", hidden, len(ids), state)
@@ -280,6 +282,8 @@ class StepRunner:
         ids = tuple(request_ids)
         if not ids:
             fail("StepRunner.verify", "request_ids", "at least one request", ids)
+        if not isinstance(copy, bool):
+            fail("StepRunner.verify", "copy", "a bool", copy)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             fail("StepRunner.verify", "num_draft", "an int >= 1", num_draft)
         self._check_hidden("StepRunner.verify", hidden, len(ids) * (1 + num_draft), state)

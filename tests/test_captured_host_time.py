@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from helpers import run_benchmark
 
 
@@ -63,7 +65,12 @@ def test_a_replayed_step_hands_out_its_buffers_only_when_asked():
         shared = [a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
                   for a, b in ((logits, entry.outputs["logits"]), (hout, entry.outputs["hidden"]))]
         assert shared == [not copy, not copy]
+    with pytest.raises(ValueError, match="`copy` must be a bool, got 'no'"):
+        runner.propose(st, [0, 1], tok, hid, copy="no")
     st = st.reserve({0: 4, 1: 4})
+    with pytest.raises(ValueError, match="`copy` must be a bool, got 0"):
+        runner.verify(st, [0, 1], torch.arange(8), num_draft=3, hidden=torch.randn(8, model.config.hidden_size),
+                      copy=0)
     verified = runner.verify(st, [0, 1], torch.arange(8), num_draft=3,
                              hidden=torch.randn(8, model.config.hidden_size), copy=False)
     verify_entry = next(e for e in runner.entries() if e.bucket.phase == "verify")
