@@ -273,7 +273,7 @@ SUITES: dict[str, Suite] = {
               "bench_invariance_kimi_linear_4-layer.json"),
     )),
     "invariance-cost-long": Suite("the invariant mode's cost at a 4096-token context, where its attention splits at "
-                                  "fixed positions (256 keys full attention, 1024 latent) run as programs of their "
+                                  "fixed positions (64 keys full attention, 1024 latent) run as programs of their "
                                   "own at small batch: Qwen3.5-0.8B and DeepSeek-V3.2, captured, mode on over off", (
         bench(290, "invariance --family qwen3_5 --shape 0.8b --new-tokens 16 --batch 1 8 --steps 8 --prompt 4096",
               "bench_invariance_qwen3_5_0.8b_p4096.json"),
@@ -293,6 +293,11 @@ SUITES: dict[str, Suite] = {
              "--rows 30"),
         Part(60, "python benchmarks/captured_host_time.py --device cuda --batch 1 8 --steps 200 "
              "--out {out}/captured_host_time_cuda.json"),
+    )),
+    "eager-host": Suite("where an eager decode step's host time goes on the GPU's host (Qwen3.5-0.8B, batch 1): the "
+                        "step's time without the profiler, then cProfile with every launch real (printed, in "
+                        "session.log)", (
+        Part(100, "python -u benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --steps 8 --rows 40"),
     )),
     "host-cpu": Suite("a captured step's host work on one CPU thread (any machine): decode and the speculative step "
                       "with graphs that launch nothing, timed and counted", (

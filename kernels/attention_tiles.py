@@ -87,23 +87,64 @@ def invariant_keys(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
                    m_i, l_i, acc, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                    WINDOW: tl.constexpr, IEEE: tl.constexpr):
     # The invariant mode's walk over one token's keys: tiles [i * BLOCK_N, (i + 1) * BLOCK_N) whatever the step's
-    # other tokens, each key read from the cache or from the step's own rows by where it lives, and only the keys
-    # the token sees are loaded (the rest enter the dot as zeros), so a token's sums are the same operations on the
-    # same values in a decode, a verify and a prefill, beside any other requests.
+    # other tokens (`invariant_tile`).
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        j = start + n_off  # [BN]
-        seen = (j >= lo) & (j < hi)
-        cached = seen & (j < ctx)
-        fresh = seen & (j >= ctx)
-        k, v = cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, cached, kvh, d, dv, d_ok, dv_ok,
-                         skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)
-        k_new, v_new = fresh_kv(K_NEW, V_NEW, tl.where(fresh, tok0 + j - ctx, 0).to(tl.int64), fresh, kvh,
-                                d, dv, d_ok, dv_ok, skn_t, skn_h, svn_t, svn_h)
-        k += k_new
-        v += v_new
-        m_i, l_i, acc = attend_tile(q, k, v, j, seen[None, :] & (j[None, :] <= pos[:, None]), pos, m_i, l_i, acc,
-                                    sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
+        m_i, l_i, acc = invariant_tile(start, q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
+                                       K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
+                                       skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
+                                       m_i, l_i, acc, PAGE, BLOCK_N, SOFTCAP, WINDOW, IEEE)
     return m_i, l_i, acc
+
+
+@triton.jit
+def invariant_splits(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
+                     K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
+                     skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
+                     m_i, l_i, acc, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+                     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    # Every split of [lo, hi) in one program: `invariant_keys` over each split of SPLIT_KEYS positions from a
+    # fresh softmax, each merged into the running sums in order (`ordered_merge`), the bits of the splits run
+    # as programs of their own and merged by a second launch. One loop over the tiles, not a loop a split: a
+    # split of two or three tiles would leave the loads nothing to overlap with.
+    first = (lo // BLOCK_N) * BLOCK_N
+    m_s = tl.zeros_like(m_i) - float("inf")
+    l_s = tl.zeros_like(l_i)
+    acc_s = tl.zeros_like(acc)
+    for start in range(first, hi, BLOCK_N):
+        if (start % SPLIT_KEYS == 0) & (start > first):  # a split ends: its sums join the total, the next starts
+            m_i, l_i, acc = ordered_merge(m_i, l_i, acc, m_s, l_s, acc_s, True)
+            m_s = tl.zeros_like(m_i) - float("inf")
+            l_s = tl.zeros_like(l_i)
+            acc_s = tl.zeros_like(acc)
+        m_s, l_s, acc_s = invariant_tile(start, q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
+                                         K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
+                                         skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h,
+                                         sbt_b, m_s, l_s, acc_s, PAGE, BLOCK_N, SOFTCAP, WINDOW, IEEE)
+    return ordered_merge(m_i, l_i, acc, m_s, l_s, acc_s, True)
+
+
+@triton.jit
+def invariant_tile(start, q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off,
+                   K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window,
+                   skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b,
+                   m_i, l_i, acc, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                   WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    # One tile of a token's keys in the invariant mode: each key read from the cache or from the step's own rows
+    # by where it lives, and only the keys the token sees [lo, hi) are loaded (the rest enter the dot as zeros),
+    # so a token's sums are the same operations on the same values in a decode, a verify and a prefill, beside
+    # any other requests.
+    j = start + n_off  # [BN]
+    seen = (j >= lo) & (j < hi)
+    cached = seen & (j < ctx)
+    fresh = seen & (j >= ctx)
+    k, v = cached_kv(K_CACHE, V_CACHE, BLOCK_TABLE, b, sbt_b, j, cached, kvh, d, dv, d_ok, dv_ok,
+                     skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, PAGE)
+    k_new, v_new = fresh_kv(K_NEW, V_NEW, tl.where(fresh, tok0 + j - ctx, 0).to(tl.int64), fresh, kvh,
+                            d, dv, d_ok, dv_ok, skn_t, skn_h, svn_t, svn_h)
+    k += k_new
+    v += v_new
+    return attend_tile(q, k, v, j, seen[None, :] & (j[None, :] <= pos[:, None]), pos, m_i, l_i, acc,
+                       sm_scale, softcap, window, SOFTCAP, WINDOW, IEEE)
 
 
 @triton.jit

@@ -29,19 +29,21 @@ from ._switch import declare_tiles
 from ._tiles import overridden
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_launch, require_triton, tl, triton
 from .attention_naive import attention
-from .attention_tiles import LOG2E, attend_tile, cached_kv, fresh_kv, invariant_keys, normalized, ordered_merge
+from .attention_tiles import (LOG2E, attend_tile, cached_kv, fresh_kv, invariant_keys, invariant_splits, normalized,
+                              ordered_merge)
 from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_splits  # noqa: F401
 from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
 
 _MAX_SPLITS = 64
 # A split of fewer keys costs a program more than it saves; 64 keys keep batch-1 decode of a few-head
-# model (two KV heads at 512 tokens: 4 programs at 256 keys a split) from running on a handful of SMs.
+# model (two KV heads at 512 tokens: 4 programs at 256 keys a split, 16 at 64) from running on a handful of SMs.
 _MIN_SPLIT_TOKENS = 64
 # The invariant launch walks a token's keys in splits of this many positions, each a fresh online softmax,
 # merged in order (`attention_tiles.ordered_merge`); with few programs the splits run as programs of their own
 # and a second launch merges them, the same bits. A split's partial sums (a group's heads x Dv in fp32: 8 KB at
-# 8 heads of 256) are small beside its keys (256 KB at two of 256 dims), so the splits can be short.
-INVARIANT_SPLIT_KEYS = 256
+# 8 heads of 256) are small beside its keys (64 KB at two of 256 dims), so the splits can be as short as the
+# usual launch's (`_MIN_SPLIT_TOKENS`): at batch 1 a two-KV-head model at 512 tokens then runs 16 programs, not 4.
+INVARIANT_SPLIT_KEYS = 64
 INVARIANT_PARTIAL_BYTES = 64 << 20  # the most partial sums a splitting invariant launch may write
 
 
@@ -63,7 +65,7 @@ def _paged_attn_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr, HAS_NEW: tl.constexpr, HAS_SINK: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr, INVARIANT: tl.constexpr = False, SPLIT_KEYS: tl.constexpr = 256,
+    IEEE: tl.constexpr, PDL: tl.constexpr, INVARIANT: tl.constexpr = False, SPLIT_KEYS: tl.constexpr = 64,
 ):
     if PDL:  # inputs are read only after the launch before this one has finished
         gdc_wait()
@@ -136,16 +138,10 @@ def _paged_attn_kernel(
             tl.store(LSE_PART + part, m_i, mask=row_ok)
             tl.store(L_PART + part, l_i, mask=row_ok)
             return
-        for s in range(lo // SPLIT_KEYS, tl.cdiv(hi, SPLIT_KEYS)):
-            m_s, l_s, acc_s = invariant_keys(q, pos, ctx, tl.maximum(lo, s * SPLIT_KEYS),
-                                             tl.minimum(hi, (s + 1) * SPLIT_KEYS), b, tok0, kvh, d, dv, d_ok,
-                                             dv_ok, n_off, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale,
-                                             softcap, window, skn_t, skn_h, svn_t, svn_h, skc_p, skc_s, skc_h,
-                                             svc_p, svc_s, svc_h, sbt_b, tl.full([BLOCK_M], float("-inf"),
-                                                                                  tl.float32),
-                                             tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M, DV_PAD], tl.float32),
-                                             PAGE, BLOCK_N, SOFTCAP, WINDOW, IEEE)
-            m_i, l_i, acc = ordered_merge(m_i, l_i, acc, m_s, l_s, acc_s, True)
+        m_i, l_i, acc = invariant_splits(q, pos, ctx, lo, hi, b, tok0, kvh, d, dv, d_ok, dv_ok, n_off, K_NEW, V_NEW,
+                                         K_CACHE, V_CACHE, BLOCK_TABLE, sm_scale, softcap, window, skn_t, skn_h,
+                                         svn_t, svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, sbt_b, m_i, l_i, acc,
+                                         PAGE, BLOCK_N, SPLIT_KEYS, SOFTCAP, WINDOW, IEEE)
     else:
         c_hi = tl.minimum(s_hi, ctx)
         for start in range(s_lo, c_hi, BLOCK_N):

@@ -88,7 +88,7 @@ def paged_decode_cases():
                O_PART="*fp32", LSE_PART="*fp32", L_PART="*fp32")
     base = dict(HKV=2, G=4, G_PAD=4, D=256, D_PAD=256, DV=256, DV_PAD=256, PAGE=16, BLOCK_M=16, BLOCK_N=32,
                 DECODE=True, HAS_NEW=True, HAS_SINK=False, SOFTCAP=False, WINDOW=False, SPLIT=True, IEEE=False,
-                PDL=True, INVARIANT=False, SPLIT_KEYS=256)
+                PDL=True, INVARIANT=False, SPLIT_KEYS=64)
     variants = {
         "paged decode d256 split": {},
         "paged decode d128 split, sinks": dict(D=128, D_PAD=128, DV=128, DV_PAD=128, BLOCK_N=64, HAS_SINK=True),
