@@ -223,12 +223,10 @@ SUITES: dict[str, Suite] = {
         Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 2 --steps 8"),
         Part(80, "python benchmarks/invariance_probe.py --shape 0.8b --layers 4 --others 0 --steps 8"),
     )),
-    "invariance-ab": Suite("the invariant mode's cost paired by round on one Qwen3.5-0.8B model (mode off, on, on "
-                           "with 16-row GEMV tiles only and on with the table's column tiles: what "
-                           "`wide_invariant_rows` and `invariant_tiles` are worth), then each variant's kernels by "
-                           "kind: where the mode's time goes", (
-        Part(420, "python benchmarks/model_ab.py --toggle invariant invariant+wide_invariant_rows "
-                  "invariant+invariant_tiles --batch 1 8 32 128 --steps 32 --profile 3 "
+    "invariance-ab": Suite("the invariant mode's cost paired by round on one Qwen3.5-0.8B model (mode off, on), then "
+                           "each variant's kernels by kind: where the mode's time goes (`wide_invariant_rows` and "
+                           "`invariant_tiles` were each toggled too at f72d6d7: this record's history)", (
+        Part(300, "python benchmarks/model_ab.py --toggle invariant --batch 1 8 32 128 --steps 32 --profile 3 "
                   "--out {out}/bench_invariance_ab.json"),
     )),
     "invariance-0.8b": Suite("the invariance properties at the Qwen3.5-0.8B shape, mode off and on: speculative greedy "
