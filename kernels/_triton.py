@@ -87,14 +87,9 @@ def next_pow2(n):
 @functools.cache
 def num_sms(device_index):
     """SM count of a CUDA device; an H100/H200-like 132 when there is none."""
-    return 132 if device_index is None else _device_sms(device_index)
-
-
-@functools.cache  # asked before nearly every launch of an eager step: a device's SM count does not change
-def _device_sms(device_index: int) -> int:
     import torch
 
-    if not torch.cuda.is_available():
+    if device_index is None or not torch.cuda.is_available():
         return 132
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

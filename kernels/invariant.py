@@ -54,7 +54,8 @@ _INVARIANT = declare(
         "128 (H100, 8a4b1e9; a second run 1.08x / 1.08x / 1.09x / 1.34x); with the fused GDN decode and the wider "
         "row and column tiles, 1.12x / 1.09x / 0.96x / 1.13x paired by round (H100, bench_invariance_ab.json at "
         "f72d6d7); with full attention's keys in 64-position splits, 1.03x / 1.00x / 0.87x / 0.99x and 1.04x / "
-        "1.05x / 0.87x / 0.99x in two runs (H100, bench_invariance_ab.json at a183f02); DeepSeek-V3.2's 2-layer step 1.29x / 1.26x / 1.74x at batch 1 / 8 / 32 (H100, 17476a0); "
+        "1.05x / 0.87x / 0.99x in two runs (H100, bench_invariance_ab.json at a183f02); DeepSeek-V3.2's 2-layer "
+        "step 1.29x / 1.26x / 1.74x at batch 1 / 8 / 32 (H100, 17476a0); "
         "on where bitwise agreement is the point (speculative greedy == plain greedy, tests of batch invariance)")
 
 
