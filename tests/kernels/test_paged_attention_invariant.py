@@ -32,10 +32,11 @@ def randn(*shape, dtype, seed):
 
 
 class Sequences:
-    """Every request's whole sequence (cached then new tokens) and one page layout for all of it."""
+    """Every request's whole sequence (cached then new tokens) and one page layout for all of it; ``totals``:
+    each request's length (default: `CACHED` + `NEW`)."""
 
-    def __init__(self, Hq, Hkv, dtype):
-        self.total = [c + n for c, n in zip(CACHED, NEW)]
+    def __init__(self, Hq, Hkv, dtype, totals=None):
+        self.total = [c + n for c, n in zip(CACHED, NEW)] if totals is None else list(totals)
         self.k = [randn(t, Hkv, D, dtype=dtype, seed=10 + b) for b, t in enumerate(self.total)]
         self.v = [randn(t, Hkv, D, dtype=dtype, seed=20 + b) for b, t in enumerate(self.total)]
         self.q = [randn(t, Hq, D, dtype=dtype, seed=30 + b) for b, t in enumerate(self.total)]
@@ -61,7 +62,8 @@ class Sequences:
 
     def step(self, requests, held, new, *, invariant=True, **kw):
         """One varlen step: request ``requests[i]`` holds ``held[i]`` tokens and brings ``new[i]`` more."""
-        k_pool, v_pool = self.pools([held[requests.index(b)] if b in requests else 0 for b in range(len(CACHED))])
+        k_pool, v_pool = self.pools([held[requests.index(b)] if b in requests else 0
+                                     for b in range(len(self.total))])
         rows = lambda xs: torch.cat([xs[b][h:h + n] for b, h, n in zip(requests, held, new)])  # noqa: E731
         cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
         lens = torch.tensor(held, dtype=torch.int32, device=DEVICE)
@@ -151,43 +153,6 @@ def test_the_split_arithmetic_is_not_the_unsplit_one(monkeypatch):
     assert not torch.equal(apart[0], whole[0])
 
 
-class Step:
-    """One varlen step over requests ``(seed, cached, new)``, each its own sequence (drawn from its seed) with its
-    pages in a shuffled pool, NaN wherever no step may read."""
-
-    def __init__(self, requests, Hq=2, Hkv=2, dtype=torch.float32):
-        seeds = [100 * seed for seed, _, _ in requests]
-        self.requests = requests = [(c, n) for _, c, n in requests]
-        totals = [c + n for c, n in requests]
-        self.k = [randn(t, Hkv, D, dtype=dtype, seed=s + 1) for t, s in zip(totals, seeds)]
-        self.v = [randn(t, Hkv, D, dtype=dtype, seed=s + 2) for t, s in zip(totals, seeds)]
-        self.q = [randn(t, Hq, D, dtype=dtype, seed=s + 3) for t, s in zip(totals, seeds)]
-        pages = [-(-t // S) for t in totals]
-        order = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(len(requests))) + 1  # 0: null
-        self.table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
-        for b, n in enumerate(pages):
-            self.table[b, :n] = order[sum(pages[:b]):sum(pages[:b]) + n].int()
-        self.table = self.table.to(DEVICE)
-        self.k_pool = torch.full((sum(pages) + 1, S, Hkv, D), float("nan"), dtype=dtype, device=DEVICE)
-        self.v_pool = torch.full_like(self.k_pool, float("nan"))
-        for b, (c, _) in enumerate(requests):
-            t = torch.arange(c, device=DEVICE)
-            rows = self.table[b, t // S].long(), t % S
-            self.k_pool[rows], self.v_pool[rows] = self.k[b][:c], self.v[b][:c]
-
-    def run(self, **kw):
-        """``-> (o, lse)`` of every new token, requests in order."""
-        new = [n for _, n in self.requests]
-        rows = lambda xs: torch.cat([x[c:c + n] for x, (c, n) in zip(xs, self.requests)])  # noqa: E731
-        cu = torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32, device=DEVICE)
-        lens = torch.tensor([c for c, _ in self.requests], dtype=torch.int32, device=DEVICE)
-        if all(n == 1 for n in new) and kw.pop("as_decode", False):
-            return paged_decode(rows(self.q), self.k_pool, self.v_pool, self.table, lens, k_new=rows(self.k),
-                                v_new=rows(self.v), invariant=True, **kw)
-        return paged_prefill(rows(self.q), rows(self.k), rows(self.v), cu, self.k_pool, self.v_pool, self.table,
-                             lens, invariant=True, max_new_len=max(new), **kw)
-
-
 @settings(max_examples=4, deadline=None)
 @given(P=st.integers(2, 80), cached=st.floats(0, 1), launch=st.sampled_from([None, 1, 2]),
        others=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4)), max_size=2), last=st.booleans())
@@ -196,16 +161,19 @@ def test_a_token_s_bits_follow_nothing_but_its_context(P, cached, launch, others
     others, first or last in the step, its keys in 32-key splits walked in one program, as programs of their
     own or as the grid chooses: its last token is the bits of its decode alone (the splits in one program)."""
     c = int(cached * (P - 1))
+    seq = Sequences(2, 2, torch.float32, totals=[P, *(oc + on for oc, on in others)])  # request 0: the one followed
+    order = [*range(1, len(others) + 1), 0] if last else [0, *range(1, len(others) + 1)]
+    held = {0: c, **{b + 1: oc for b, (oc, _) in enumerate(others)}}
+    new = {0: P - c, **{b + 1: on for b, (_, on) in enumerate(others)}}
     was = paged_attention.INVARIANT_SPLIT_KEYS
     paged_attention.INVARIANT_SPLIT_KEYS = 32  # fp32's key tile: the contexts span up to three splits
     try:
-        followed, rest = (0, c, P - c), [(i + 1, oc, on) for i, (oc, on) in enumerate(others)]
-        batch = [*rest, followed] if last else [followed, *rest]
-        o, lse = Step(batch).run(scale=D ** -0.5, num_splits=launch)
-        row = sum(n for _, _, n in batch) - 1 if last else P - c - 1
-        alone = Step([(0, P - 1, 1)]).run(scale=D ** -0.5, num_splits=1, as_decode=True)
+        o, lse = seq.step(order, [held[b] for b in order], [new[b] for b in order], scale=D ** -0.5,
+                          num_splits=launch)
+        alone = seq.step([0], [P - 1], [1], as_decode=True, scale=D ** -0.5, num_splits=1)
     finally:
         paged_attention.INVARIANT_SPLIT_KEYS = was
+    row = sum(new.values()) - 1 if last else P - c - 1  # the followed request's last new token
     assert torch.equal(o[row], alone[0][0]) and torch.equal(lse[row], alone[1][0])
 
 
