@@ -284,7 +284,8 @@ SUITES: dict[str, Suite] = {
     )),
     "generate": Suite("the whole of generation at the Qwen3.5-0.8B shape: time to first token, the 8192-token "
                       "prefill, plain and eager decode, MTP k = 3 with every draft kept or none, the serving mix; "
-                      "then where a speculative step's time goes (printed, in session.log) and its host work alone (graphs that launch nothing)", (
+                      "then where a speculative step's time goes (printed, in session.log) and its host work "
+                      "alone (graphs that launch nothing)", (
         bench(370, "generate --family qwen3_5 --shape 0.8b --batch 1 8 --steps 32 --draft-vocab 32768",
               "bench_generate_qwen3_5_0.8b.json"),
         Part(140, "python -u benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --mtp 3 --batch 8 --steps 8 "
