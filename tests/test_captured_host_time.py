@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import run_benchmark
+from helpers import benchmark_module, run_benchmark
 
 
 def test_it_counts_a_speculative_steps_host_work_against_a_decode_steps(tmp_path):
@@ -25,17 +25,6 @@ def test_a_bad_count_exits_2_naming_it():
     assert done.returncode == 2 and "--draft" in done.stderr and "Traceback" not in done.stderr
 
 
-def _host_runner_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "captured_host_time.py"
-    spec = importlib.util.spec_from_file_location("captured_host_time", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_replayed_step_hands_out_its_buffers_only_when_asked():
     """A captured entry's outputs are overwritten by its next replay: `propose` and `verify` hand out copies,
     and with ``copy=False`` the graph's own buffers (what the speculative step reads before that replay)."""
@@ -46,7 +35,7 @@ def test_a_replayed_step_hands_out_its_buffers_only_when_asked():
     from fnattn.bench.model import build_model
 
     torch.manual_seed(0)
-    host = _host_runner_module()
+    host = benchmark_module("captured_host_time")
     model, _, _ = build_model("qwen3_5", "tiny", "cpu")
     draft = model.family.draft(model.config, model.params, None, seed=1)
     attn = ModelAttention(draft.specs, device="cpu")
