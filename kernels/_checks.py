@@ -18,7 +18,9 @@ def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are views of one storage (on one device; empty tensors share nothing)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
         return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    # Where each storage begins, from the view's own pointer and offset: asked before every decode-step GEMV,
+    # and `untyped_storage()` builds a Python object for each tensor.
+    return a.data_ptr() - a.storage_offset() * a.element_size() == b.data_ptr() - b.storage_offset() * b.element_size()
 
 
 def check_finite_float(name: str, value) -> None:

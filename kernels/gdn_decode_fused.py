@@ -220,8 +220,8 @@ def _check_fused_args(x, conv_weight, conv_bias, conv_state_pool, g, beta, state
         raise ValueError(f"cu_seqlens: expected one new token per request (decode: T == B), got T={T} tokens "
                          f"for B={B} requests")
     # the recurrence's own checks, on shapes only (q/k/v as views of x)
-    q = x[:, : Hk * K].unflatten(1, (Hk, K))
-    v = x[:, 2 * Hk * K :].unflatten(1, (HV, V))
+    q = x[:, : Hk * K].view(T, Hk, K)  # views (`Tensor.unflatten` is a Python function: host time a step)
+    v = x[:, 2 * Hk * K :].view(T, HV, V)
     is_kda = check_gated_delta_args(q, q, v, g, beta, state_pool, slots, cu_seqlens)[-1]
     return T, Hk, HV, K, V, W, is_kda
 

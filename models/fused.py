@@ -227,6 +227,13 @@ def _takes_split(x, w: Tensor) -> bool:
 
 
 @cache
+def _own(module: str):
+    """``fnattn.kernels.<module>``, imported on first use (the torch bodies need none, and Triton loads with
+    them); cached because a decode step asks ~150 times, and an import statement costs microseconds each time."""
+    return importlib.import_module(f"fnattn.kernels.{module}")
+
+
+@cache
 def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
@@ -244,10 +251,13 @@ def _kernel_rule(package: str, *tensors: Tensor) -> bool:
     checked to. The torch bodies honour it too."""
     if not _ENABLED[-1] or (invariant_on() and package != "triton"):
         return False
-    t0 = tensors[0]
-    if t0.dtype not in (torch.bfloat16, torch.float16):
+    dtype = tensors[0].dtype
+    if dtype != torch.bfloat16 and dtype != torch.float16:
         return False
-    return all(t.dtype == t0.dtype for t in tensors) and _installed(package)
+    for t in tensors:  # a loop, not all() over a generator: asked before every launch of an eager step
+        if t.dtype != dtype:
+            return False
+    return _installed(package)
 
 
 def _rows_alike(x: Tensor, *others: Tensor) -> bool:
@@ -279,9 +289,7 @@ def add_rms_norm_offset_(y: Tensor, residual: Tensor, weight: Tensor, eps: float
     if _OWN_NORM_ACT[-1] and y.dim() == 2 and _kernel("triton", y, residual, weight) \
             and _rows_alike(y, residual) \
             and weight.shape == y.shape[-1:] and not shares_storage(y, residual):
-        from fnattn.kernels.norm_act import add_rms_norm_
-
-        return add_rms_norm_(y, residual, weight, eps, 1.0)  # the torch body's roundings
+        return _own("norm_act").add_rms_norm_(y, residual, weight, eps, 1.0)  # the torch body's roundings
     if _kernel("flashinfer", y, residual, weight) and y.is_contiguous() and residual.is_contiguous():
         import flashinfer
 
@@ -295,9 +303,7 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     """``silu(g) * u`` for ``gate_up = [g | u]`` along the last dim (``[T, 2I] -> [T, I]``)."""
     if _OWN_NORM_ACT[-1] and gate_up.dim() == 2 and gate_up.shape[-1] % 2 == 0 \
             and _kernel("triton", gate_up) and _rows_alike(gate_up):
-        from fnattn.kernels.norm_act import silu_and_mul as kernel
-
-        return kernel(gate_up)
+        return _own("norm_act").silu_and_mul(gate_up)
     # The kernel loads 16-byte vectors: each row must be a whole number of them.
     if _kernel("flashinfer", gate_up) and gate_up.is_contiguous() and gate_up.shape[-1] * gate_up.element_size() % 16 \
             == 0:
@@ -362,9 +368,7 @@ def gated_rms_norm_silu(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> 
     x = x.to(gate.dtype)
     if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate, weight) \
             and _rows_alike(x, gate) and weight.shape == x.shape[-1:]:
-        from fnattn.kernels.output_gate import gated_rms_norm_silu as kernel
-
-        return kernel(x, gate, weight, eps)
+        return _own("output_gate").gated_rms_norm_silu(x, gate, weight, eps)
     if _kernel("fla", x, gate, weight):
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
@@ -377,9 +381,7 @@ def sigmoid_gate(x: Float[Tensor, "T H D"], gate: Float[Tensor, "T H D"]) -> Flo
     launches, or under `output_gates` on CUDA one (`fnattn.kernels.output_gate.sigmoid_gate`)."""
     if _OUTPUT_GATES[-1] and x.dim() == 3 and _kernel("triton", x, gate) \
             and _rows_alike(x, gate):
-        from fnattn.kernels.output_gate import sigmoid_gate as kernel
-
-        return kernel(x, gate)
+        return _own("output_gate").sigmoid_gate(x, gate)
     return x * pointwise(torch.sigmoid, gate)
 
 
@@ -421,18 +423,14 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, residual: Tensor
     """
     if isinstance(x, SplitNorm):
         if norm is None and bias is None and residual is None and _takes_split(x, w):
-            from fnattn.kernels.skinny_linear import skinny_linear
-
             out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.x.device) if widen else None
-            return skinny_linear(x.scaled, w, rms=x.rms, out=out)
+            return _own("skinny_linear").skinny_linear(x.scaled, w, rms=x.rms, out=out)
         x = x.tensor()
     if bias is None and _skinny(x, w, w.shape[-1], residual, norm):
-        from fnattn.kernels.skinny_linear import skinny_linear
-
         r = None if residual is None else residual.reshape(-1, w.shape[0])  # read only: a copy would do too
         rows = x.reshape(-1, x.shape[-1])
         out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32, device=x.device) if widen else None
-        y = skinny_linear(rows, w, residual=r, norm=norm, out=out)
+        y = _own("skinny_linear").skinny_linear(rows, w, residual=r, norm=norm, out=out)
         return y.view(*x.shape[:-1], w.shape[0])
     y = row_linear(x if norm is None else rms_norm(x, norm[0], norm[1], offset=norm[2]), w, bias)
     y = y if residual is None else y + residual
@@ -453,9 +451,7 @@ def gdn_gating(a: Tensor, b: Tensor, neg_decay: Tensor, dt_bias: Tensor) -> tupl
     """GDN's log-decay ``g = neg_decay * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)`` (``b.dtype``):
     one launch on CUDA instead of four; ``a``, ``b`` [T, H] may be column slices of one projection."""
     if _kernel("triton", a, b):
-        from fnattn.kernels import gdn_gating as kernel
-
-        return kernel(a, b, neg_decay, dt_bias)
+        return _own("gdn_gate").gdn_gating(a, b, neg_decay, dt_bias)
     if invariant_on():  # a row's bits must not follow the number of rows (`row_aligned`)
         return row_aligned(_gating_torch, a, b, neg_decay, dt_bias)
     return _gating_torch(a, b, neg_decay, dt_bias)
@@ -476,9 +472,8 @@ def project_and_gate(x: Float[Tensor, "T K"], w: Float[Tensor, "N K"], col: int,
     if _GATING_EPILOGUE[-1] and rows.dim() == 2 and _skinny(rows, w, w.shape[-1]) \
             and neg_decay.dtype == torch.float32 and dt_bias.dtype == torch.float32 and neg_decay.is_contiguous() \
             and dt_bias.is_contiguous() and dt_bias.shape == (H,) and 0 <= col <= w.shape[0] - 2 * H:
-        from fnattn.kernels.skinny_folds import skinny_linear_gating
-
-        return skinny_linear_gating(rows, w, col, neg_decay, dt_bias, rms=None if rows is x else x.rms)
+        return _own("skinny_folds").skinny_linear_gating(rows, w, col, neg_decay, dt_bias,
+                                                         rms=None if rows is x else x.rms)
     y = linear(x, w)
     return (y, *gdn_gating(y[..., col + H:col + 2 * H], y[..., col:col + H], neg_decay, dt_bias))
 
@@ -488,8 +483,7 @@ def gate_up_silu(x: Float[Tensor, "T D"], gate_up: Float[Tensor, "I2 D"]) -> Flo
     `swiglu_epilogue`, at decode sizes on CUDA, one launch (`skinny_linear_swiglu`), which rounds as the
     GEMV then fnattn's `silu_and_mul` kernel."""
     if _SWIGLU_EPILOGUE[-1] and gate_up.shape[0] % 2 == 0:
-        from fnattn.kernels.skinny_folds import skinny_linear_swiglu
-
+        skinny_linear_swiglu = _own("skinny_folds").skinny_linear_swiglu
         if _takes_split(x, gate_up):  # a SplitNorm: its rows scaled by the GEMV before the activation
             return skinny_linear_swiglu(x.scaled, gate_up, rms=x.rms)
         if isinstance(x, Tensor) and x.dim() == 2 and _skinny(x, gate_up, gate_up.shape[-1]):
@@ -513,9 +507,7 @@ def project_add_norm(x: Float[Tensor, "T K"], w: Float[Tensor, "D K"], residual:
     if split and _SPLIT_NORM[-1] and (group is None or group.size == 1) and x.dim() == 2 \
             and _skinny(x, w, w.shape[-1], residual) and not shares_storage(x, residual) \
             and weight.dtype == x.dtype and weight.shape == (w.shape[0],) and weight.is_contiguous():
-        from fnattn.kernels.skinny_folds import skinny_linear_add_
-
-        residual, scaled, squares = skinny_linear_add_(x, w, residual, weight, 1.0)
+        residual, scaled, squares = _own("skinny_folds").skinny_linear_add_(x, w, residual, weight, 1.0)
         return residual, SplitNorm(residual, scaled, squares, weight, eps)
     return add_rms_norm_offset_(all_reduce(linear(x, w)), residual, weight, eps)
 
@@ -532,9 +524,7 @@ def qk_norm_rope(q: Float[Tensor, "T Hq D"], k: Float[Tensor, "T Hkv D"], v: Flo
     not contiguous. Under `qk_one_launch`, on CUDA, one launch for all of it (`fnattn.kernels.qk_norm_rope`).
     """
     if _QK_ONE_LAUNCH[-1] and _kernel("triton", q, k, v, q_weight, k_weight):
-        from fnattn.kernels.qk_norm_rope import qk_norm_rope as kernel
-
-        return kernel(q, k, v, q_weight, k_weight, cos, sin, eps=eps, offset=1.0)
+        return _own("qk_norm_rope").qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps=eps, offset=1.0)
     q = rms_norm_offset(q, q_weight, eps)  # new contiguous tensors, which rope_ may rotate in place
     k = rms_norm_offset(k, k_weight, eps)
     q, k = rope_(q, k, cos, sin, table)
