@@ -37,8 +37,8 @@ GRACE_S = 20  # between SIGTERM and SIGKILL: a pytest run writes its finished ca
 TAIL_LINES = 25
 
 # A record no committed copy exists of yet; drop the mark once its first run is committed.
-NEW = {"tp_gpu.json", "bench_invariance_qwen3_5_0.8b_256.json", "bench_invariance_qwen3_5_0.8b_p4096.json",
-       "bench_invariance_deepseek_v32_2-layer_p4096.json"}
+NEW = {"tp_gpu.json", "bound_launches_gpu.json", "bench_invariance_qwen3_5_0.8b_256.json",
+       "bench_invariance_qwen3_5_0.8b_p4096.json", "bench_invariance_deepseek_v32_2-layer_p4096.json"}
 
 RECORD = "python benchmarks/gpu_pytest_record.py"  # one row per test: passed, failed, skipped, and why
 PYTEST = "python -m pytest -q -p no:warnings --tb=line"  # with FNATTN_GPU_RESULTS: one row per compared case
@@ -297,6 +297,13 @@ SUITES: dict[str, Suite] = {
                         "step's time without the profiler, then cProfile with every launch real (printed, in "
                         "session.log)", (
         Part(100, "python -u benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --steps 8 --rows 40"),
+    )),
+    "bound-launches": Suite("launchers bound once (`bound_launches`): a bound launch's bits against Triton's own, a "
+                            "GEMV and the fused Qwen3.5 model eager and captured; then the eager 0.8B step's time "
+                            "with it on and off, paired (printed, in session.log)", (
+        tests(120, "bound_launches_gpu.json", "tests/gpu/test_bound_launches_gpu.py"),
+        Part(120, "python -u benchmarks/host_profile.py --family qwen3_5 --shape 0.8b --batch 1 --steps 16 --rows 20 "
+             "--bound"),
     )),
     "host-cpu": Suite("a captured step's host work on one CPU thread (any machine): decode and the speculative step "
                       "with graphs that launch nothing, timed and counted", (

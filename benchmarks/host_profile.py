@@ -18,6 +18,8 @@ rounds), its launches and the host time a launch, then the profile. On a GPU an 
 Triton's own launch work (binding and specializing the arguments, the driver call) for each launch.
 
     python benchmarks/host_profile.py --shape tiny-24 --stub-launches --only fnattn/
+
+``--bound`` (CUDA): the eager step's time with `fnattn.kernels.launch.bound_launches` on, beside it off, paired.
 """
 
 import argparse
@@ -56,6 +58,9 @@ def main() -> None:
     p.add_argument("--stub-launches", action="store_true",
                    help="CPU only: the CUDA paths' eager decode with every Triton launch a no-op (fnattn's host work "
                         "around the launches, timed, counted and profiled)")
+    p.add_argument("--bound", action="store_true",
+                   help="CUDA, eager decode: then the step with `bound_launches` on and off, paired, twice each "
+                        "(`fnattn.kernels.launch`: each kernel's compiled form launched directly after its first)")
     p.add_argument("--mtp", type=int, default=0, metavar="K",
                    help="profile speculative steps with K MTP drafts instead (both runners captured on CUDA), then "
                         "each phase's wall time and each captured graph's replay time alone")
@@ -99,9 +104,15 @@ def main() -> None:
     if launches is not None:
         print_stubbed_step(steps, launches)
     elif dev.type == "cuda" and not a.mtp:  # the step's own time first: the profiler's hooks slow every call
-        plain = sorted(steps(a.steps))
-        print(f"{kind_of(a)} step without the profiler: median {plain[len(plain) // 2] * 1e3:.2f} ms, best "
-              f"{plain[0] * 1e3:.2f} ms over {a.steps} steps")
+        print_unprofiled(steps, a, bound=False)
+        if a.bound:  # paired: the same model and state, the bound launches' forms remembered in a first round
+            from fnattn.kernels.launch import bound_launches
+
+            with bound_launches(True):
+                steps(2)
+                for _ in range(2):
+                    print_unprofiled(steps, a, bound=True)
+                    print_unprofiled(steps, a, bound=False, enter=bound_launches(False))
     prof = cProfile.Profile()
     prof.enable()
     times = steps(a.steps)
@@ -115,6 +126,17 @@ def main() -> None:
         print_syncs(lambda: steps(1))
     if a.mtp:
         print_phases(spec, dev, steps)
+
+
+def print_unprofiled(steps, a, *, bound: bool, enter=None) -> None:
+    """The step's median and best time over ``a.steps`` steps, without the profiler (``enter``: a block the steps
+    run in)."""
+    import contextlib
+
+    with enter or contextlib.nullcontext():
+        plain = sorted(steps(a.steps))
+    print(f"{kind_of(a)} step without the profiler{', bound launches' if bound else ''}: median "
+          f"{plain[len(plain) // 2] * 1e3:.2f} ms, best {plain[0] * 1e3:.2f} ms over {a.steps} steps")
 
 
 def kind_of(a) -> str:

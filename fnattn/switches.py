@@ -34,6 +34,7 @@ __all__ = ["Switch", "Tiles", "declare", "declare_tiles", "describe", "set", "sn
 # Every module that declares a switch or a tile stack (tests/test_switches.py checks that none is missed).
 DECLARING_MODULES = (
     "fnattn.kernels._triton",
+    "fnattn.kernels.launch",
     "fnattn.kernels.invariant",
     "fnattn.kernels.gdn_conv",
     "fnattn.kernels.gdn_decode_fused",

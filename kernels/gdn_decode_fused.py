@@ -29,6 +29,7 @@ from .gdn_common import cdiv, check_gated_delta_args, check_out, check_varlen, i
 from .gdn_conv import causal_conv1d_ref
 from .gdn_recurrent import _delta_token, _store_state, gated_delta_recurrent_ref
 from .invariant import invariant_on
+from .launch import launch
 
 _FILL_DEVICE = declare(
     "fill_device", True, __name__,
@@ -264,7 +265,7 @@ def gated_delta_decode_fused(
     pdl = pdl_launch(x.device)
     grid = (B, HV, cdiv(V, BV))
     state_first = _STATE_FIRST[-1] and B * HV * grid[2] <= _STATE_FIRST_PROGRAMS_PER_SM * sms
-    _fused_decode_kernel[grid](
+    launch(_fused_decode_kernel, grid, (
         x, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state_pool, g, beta,
         state_pool, slots, cu_seqlens, o, out_states, out_rows if out_rows is not None else slots, out_windows,
         float(scale),
@@ -274,11 +275,12 @@ def gated_delta_decode_fused(
         o.stride(0), o.stride(1),
         *out_states.stride(),
         *out_windows.stride(),
+    ), dict(
         HK=Hk, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV,
         HAS_BIAS=conv_bias is not None, SILU=activation is not None, IS_KDA=is_kda, L2NORM=bool(use_qk_l2norm),
         OUT_ROWS=out_rows is not None, PDL=pdl, STATE_FIRST=state_first, launch_pdl=pdl,
         **({"num_warps": num_warps} if num_warps else {}),
-    )
+    ))
     return o, out_states, out_windows
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from ._checks import check_finite_float, check_like
 from ._triton import check_rows, gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 from .invariant import invariant_on
+from .launch import launch
 
 
 @triton.jit
@@ -84,8 +85,8 @@ def _launch(kernel, x, *args):
         # in the invariant mode a row per program at every size: the programs' shape must not follow n
         rows = ROWS_MANY if n >= MANY_ROWS and not invariant_on() else 1
         warps = 4 if rows > 1 or D > 256 else 1
-        kernel[(triton.cdiv(n, rows),)](out, *args, H, n, D=D, BLOCK=next_pow2(D), ROWS=rows, PDL=pdl,
-                                        launch_pdl=pdl, num_warps=warps)
+        launch(kernel, (triton.cdiv(n, rows),), (out, *args, H, n),
+               dict(D=D, BLOCK=next_pow2(D), ROWS=rows, PDL=pdl, launch_pdl=pdl, num_warps=warps))
     return out
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ._checks import check_finite_float, check_like
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
+from .launch import launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -137,11 +138,11 @@ def qk_norm_rope(q: Float[Tensor, "T Hq D"], k: Float[Tensor, "T Hkv D"], v: Flo
     Dv = 1 if v is None else v.shape[2]
     vv = q if v is None else v  # stands in for the pointer when there is no v: no program reads it
     pdl = pdl_launch(q.device)
-    _qk_norm_rope_kernel[(T, rows)](
+    launch(_qk_norm_rope_kernel, (T, rows), (
         q, k, vv, qo, ko, qo if vo is None else vo, q_weight, k_weight, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), cos.stride(0),
-        sin.stride(0), float(eps), float(offset), HQ=Hq, HKV=Hkv, D=D, DV=Dv, DR=Dr, BLOCK=next_pow2(D),
-        BLOCK_V=next_pow2(Dv), num_warps=4 if D >= 256 else 2, PDL=pdl, launch_pdl=pdl)
+        sin.stride(0), float(eps), float(offset)), dict(HQ=Hq, HKV=Hkv, D=D, DV=Dv, DR=Dr, BLOCK=next_pow2(D),
+        BLOCK_V=next_pow2(Dv), num_warps=4 if D >= 256 else 2, PDL=pdl, launch_pdl=pdl))
     return qo, ko, vo
 
 

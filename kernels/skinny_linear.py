@@ -71,6 +71,7 @@ from ._triton import (
 )
 from .gdn_gate import gate_columns
 from .invariant import invariant_on
+from .launch import launch
 from .skinny_checks import MAX_M, SkinnyConfig, _check, _check_act_norm  # noqa: F401 - MAX_M: callers read it here
 from .skinny_epilogues import _add_residual, _skinny_gemv_splitk_reduce, _store_tile
 
@@ -503,22 +504,22 @@ def _launch(x, w, y, act, residual, norm, config, gating=None, swiglu=False, rms
     sq_out, u, uw, u_offset = (y, y, y, 0.0) if add_squares is None else add_squares
     c = y if counters is None else counters
     if split == 1:
-        _skinny_gemv_kernel[grid](x, w, y, y, c, r, nw, M, N, K, k_per_split, k_per_piece, 1, plan.col_tiles,
-                                  x.stride(0), y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in,
-                                  parts, sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=False,
-                                  ONE_LAUNCH=False, **common)
+        launch(_skinny_gemv_kernel, grid, (x, w, y, y, c, r, nw, M, N, K, k_per_split, k_per_piece, 1, plan.col_tiles,
+                                           x.stride(0), y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col,
+                                           g_heads, sq_in, parts, sq_out, u, uw, u_offset),
+               dict(HAS_RESIDUAL=residual is not None, SPLIT=False, ONE_LAUNCH=False, **common))
         return gating is not None or swiglu or add_squares is not None or rms is not None
     part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
     one_launch = counters is not None
-    _skinny_gemv_kernel[grid](x, w, y, part, c, r, nw, M, N, K, k_per_split, k_per_piece, split, plan.col_tiles,
-                              x.stride(0), y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb, g_col, g_heads, sq_in,
-                              parts, sq_out, u, uw, u_offset, HAS_RESIDUAL=residual is not None, SPLIT=True,
-                              ONE_LAUNCH=one_launch, **common)
+    launch(_skinny_gemv_kernel, grid, (x, w, y, part, c, r, nw, M, N, K, k_per_split, k_per_piece, split,
+                                       plan.col_tiles, x.stride(0), y.stride(0), srm, eps, offset, gg, gb, gnd, gdtb,
+                                       g_col, g_heads, sq_in, parts, sq_out, u, uw, u_offset),
+           dict(HAS_RESIDUAL=residual is not None, SPLIT=True, ONE_LAUNCH=one_launch, **common))
     if not one_launch:
         block = min(256, next_pow2(N))  # several programs per row: the sum is a few loads each, latency-bound
-        _skinny_gemv_splitk_reduce[(M, triton_cdiv(N, block))](part, y, r, M, N, y.stride(0), srm, SPLIT_K=split,
-                                                               HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                                               WIDEN=y.dtype != x.dtype, num_warps=4)
+        launch(_skinny_gemv_splitk_reduce, (M, triton_cdiv(N, block)), (part, y, r, M, N, y.stride(0), srm),
+               dict(SPLIT_K=split, HAS_RESIDUAL=residual is not None, BLOCK=block, WIDEN=y.dtype != x.dtype,
+                    num_warps=4))
     return gating is not None or swiglu or add_squares is not None or rms is not None
 
 

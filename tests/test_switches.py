@@ -47,7 +47,7 @@ def test_every_switch_in_the_sources_is_registered_with_its_texts():
         assert s.module == in_sources[name][1] and isinstance(s.default, bool)
         assert all(text.strip() for text in (s.on, s.off, s.why)), name
     assert all(t.overrides.strip() and t.module == in_sources[t.name][1] for t in tiles.values())
-    assert len(switches) == 24 and len(tiles) == 4  # a new switch or stack: this count and the docs' table
+    assert len(switches) == 25 and len(tiles) == 4  # a new switch or stack: this count and the docs' table
 
 
 def test_no_switch_is_kept_outside_the_registry():
@@ -64,7 +64,7 @@ def test_snapshot_has_every_switch_at_its_default_and_the_tile_stacks_empty():
     assert all(snap[name] is s.default for name, s in switches.items())
     assert all(snap[name] == {} for name in tiles)
     off = sorted(name for name, s in switches.items() if not s.default)
-    assert off == ["invariant", "sparse_merge_values_kernel"]
+    assert off == ["bound_launches", "invariant", "sparse_merge_values_kernel"]
 
 
 def test_setting_by_name_is_what_the_fast_path_reads_and_what_the_module_function_sets():
