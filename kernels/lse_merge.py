@@ -14,6 +14,7 @@ import torch
 
 from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, pdl_launch, require_triton, tl, triton
 from .attention_naive import merge_states
+from .launch import launch
 
 
 @triton.jit
@@ -89,14 +90,13 @@ def merge_splits(o_part, lse_part, o, lse, *, sinks=None):
     if T == 0 or H == 0:
         return o, lse
     pdl = pdl_launch(o.device)
-    _merge_splits_kernel[(T, H)](
+    launch(_merge_splits_kernel, (T, H), (
         o_part, lse_part, sinks if sinks is not None else lse_part, o, lse, NS,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-        DV=Dv, DV_PAD=next_pow2(Dv), NS_PAD=next_pow2(NS), HAS_SINK=sinks is not None,
-        num_warps=4, PDL=pdl, launch_pdl=pdl,
-    )
+    ), dict(DV=Dv, DV_PAD=next_pow2(Dv), NS_PAD=next_pow2(NS), HAS_SINK=sinks is not None,
+            num_warps=4, PDL=pdl, launch_pdl=pdl))
     return o, lse
 
 

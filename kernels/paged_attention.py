@@ -31,6 +31,7 @@ from ._triton import gdc_launch_dependents, gdc_wait, next_pow2, num_sms, pdl_la
 from .attention_naive import attention
 from .attention_tiles import (LOG2E, attend_tile, cached_kv, fresh_kv, invariant_keys, invariant_splits, normalized,
                               ordered_merge)
+from .launch import launch
 from .lse_merge import merge_attention_states, merge_attention_states_ref, merge_splits  # noqa: F401
 from .scatter import scatter_kv, scatter_kv_ref, scatter_rows, scatter_rows_ref  # noqa: F401
 
@@ -383,7 +384,7 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
 
     grid = (m_tiles, B * Hkv, num_splits)
     pdl = pdl_launch(q.device)
-    _paged_attn_kernel[grid](
+    launch(_paged_attn_kernel, grid, (
         q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu, sinks_f,
         o, lse, o_part, lse_part, l_part,
         float(scale), float(softcap), int(window), num_splits,
@@ -394,13 +395,14 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2) if split else 0,
         lse_part.stride(0), lse_part.stride(1),
+    ), dict(
         HKV=Hkv, G=G, G_PAD=g_pad, D=D, D_PAD=d_pad, DV=Dv, DV_PAD=dv_pad,
         PAGE=S, BLOCK_M=block_m, BLOCK_N=block_n,
         DECODE=decode, HAS_NEW=has_new, HAS_SINK=sinks is not None,
         SOFTCAP=softcap > 0, WINDOW=window > 0, SPLIT=split,
         IEEE=q.dtype == torch.float32, INVARIANT=invariant, SPLIT_KEYS=INVARIANT_SPLIT_KEYS,
         num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl,
-    )
+    ))
     if split and invariant:
         block_h = 16
         _merge_ordered_splits_kernel[(T, triton.cdiv(Hq, block_h))](
