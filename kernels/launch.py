@@ -50,14 +50,16 @@ def launch(kernel, grid, args: tuple, kwargs: dict, static=None):
     if not _BOUND[-1] or not _usable(kernel):
         return kernel[grid](*args, **kwargs)
     form = _form(args)
-    if form is None or (static is None and any(isinstance(v, torch.Tensor) for v in kwargs.values())):
-        return kernel[grid](*args, **kwargs)  # (a tensor in the keywords: no key may hold it)
+    if form is None:
+        return kernel[grid](*args, **kwargs)
     device = _device()
     key = (kernel, device, tuple(kwargs.items()) if static is None else static, form)
     bound = _FORMS.get(key)
     if bound is None:
         compiled = kernel[grid](*args, **kwargs)
-        if len(_FORMS) < _MAX_FORMS:
+        # a key never holds a tensor (one among the keywords): it would keep the tensor and never meet it again
+        if len(_FORMS) < _MAX_FORMS and (static is not None or not any(isinstance(v, torch.Tensor)
+                                                                         for v in kwargs.values())):
             _FORMS[key] = _bind(kernel, compiled, len(args), kwargs)
         return compiled
     if bound is _UNBOUND:
@@ -78,18 +80,17 @@ def forget() -> None:
 def _form(args: tuple):
     """What Triton specializes ``args`` on, or finer; None for an argument of another type."""
     form = []
-    for a in args:
+    append = form.append
+    for a in args:  # the most frequent types first: a launch has a few dozen arguments
         t = type(a)
-        if t is torch.Tensor or isinstance(a, torch.Tensor):
-            form.append((a.dtype, not a.data_ptr() & 15))
-        elif t is int:
-            form.append(a)
+        if t is int or a is None:
+            append(a)
         elif t is float:
-            form.append(float)
+            append(float)
         elif t is bool:
-            form.append((bool, a))  # True == 1 as a key, but Triton compiles a bool apart from an int 1
-        elif a is None:
-            form.append(None)
+            append((bool, a))  # True == 1 as a key, but Triton compiles a bool apart from an int 1
+        elif isinstance(a, torch.Tensor):
+            append((a.dtype, not a.data_ptr() & 15))
         else:
             return None
     return tuple(form)
