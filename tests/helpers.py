@@ -194,6 +194,12 @@ def ring_step(state, rids, *, value=1.0, in_place=False):
     return batch, deltas
 
 
+def spread_prompts(vocab: int, lengths=(300, 37)) -> dict[int, list[int]]:
+    """Request r's prompt: ``lengths[r]`` ids spread over the vocabulary (never 0), each request its own stride."""
+    strides = (5, 11, 13, 17)
+    return {r: [(strides[r] * i) % (vocab - 1) + 1 for i in range(n)] for r, n in enumerate(lengths)}
+
+
 def benchmark_module(name: str):
     """``benchmarks/<name>.py``, loaded as a module (the benchmarks are scripts, not a package)."""
     path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"

@@ -7,6 +7,7 @@ import torch
 from fnattn.models.registry import random_model
 
 import fnattn as fa
+from helpers import spread_prompts
 from fnattn.driver import prefill, run_step
 from fnattn.graph import StepRunner
 from fnattn.kernels import launch as bound
@@ -62,8 +63,7 @@ def test_a_model_s_steps_are_the_same_bits_with_bound_launches(graph, record):
     decode step captured in a graph and replayed), with the switch on against off."""
     model = random_model("qwen3_5", dtype=BF16, device="cuda", seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
-    vocab = model.config.vocab_size
-    prompts = {0: [(5 * i) % (vocab - 1) + 1 for i in range(300)], 1: [(11 * i) % (vocab - 1) + 1 for i in range(37)]}
+    prompts = spread_prompts(model.config.vocab_size)
 
     def run():
         st = fa.State(model.specs, num_pages=64, page_size=16, max_requests=2, device="cuda")

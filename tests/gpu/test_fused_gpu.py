@@ -13,6 +13,7 @@ from fnattn.models.common import rope_cos_sin, rope_inv_freq
 from fnattn.models.registry import random_model
 
 import fnattn as fa
+from helpers import spread_prompts
 from fnattn import kernels
 from fnattn.driver import prefill, run_step
 from fnattn.kernels import gdn_decode_fused
@@ -305,8 +306,7 @@ def test_whole_model_fused_matches_unfused(name, config, variant, record):
     pytest.importorskip("flashinfer")
     model = random_model("qwen3_5", dtype=BF16, device="cuda", config=config, seed=2)
     ma = fa.ModelAttention(model.specs, device="cuda")
-    vocab = model.config.vocab_size
-    prompts = {0: [(5 * i) % (vocab - 1) + 1 for i in range(300)], 1: [(11 * i) % (vocab - 1) + 1 for i in range(37)]}
+    prompts = spread_prompts(model.config.vocab_size)
 
     def run():
         st = fa.State(model.specs, num_pages=64, page_size=16, max_requests=2, device="cuda")
