@@ -5,9 +5,9 @@ to record every comparison."""
 import pytest
 import torch
 from fnattn.models.registry import random_model
+from helpers import spread_prompts
 
 import fnattn as fa
-from helpers import spread_prompts
 from fnattn.driver import prefill, run_step
 from fnattn.graph import StepRunner
 from fnattn.kernels import launch as bound

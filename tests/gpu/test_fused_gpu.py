@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from fnattn.kernels.skinny_linear import configured
 from fnattn.models.common import rope_cos_sin, rope_inv_freq
 from fnattn.models.registry import random_model
+from helpers import spread_prompts
 
 import fnattn as fa
-from helpers import spread_prompts
 from fnattn import kernels
 from fnattn.driver import prefill, run_step
 from fnattn.kernels import gdn_decode_fused
