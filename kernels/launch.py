@@ -8,9 +8,8 @@ Qwen3.5-0.8B shape launches ~160 kernels, and that work was about a third of its
 the first call goes through Triton, which hands back the compiled kernel; a later call of the same form calls
 that kernel's launcher with the arguments in the kernel's order.
 
-A form is what Triton specializes on, or finer: the caller's ``static`` stand-in for the keyword arguments
-(constexprs and launch options; the keyword arguments themselves without one), each int and bool argument's
-value, each tensor's dtype and whether its address is a multiple of 16, which arguments are None, and the
+A form is what Triton specializes on, or finer: the keyword arguments (constexprs and launch options), each
+int and bool argument's value, each tensor's dtype and whether its address is a multiple of 16, which arguments are None, and the
 current device. A float's value is not part of it (Triton passes floats as they are). Anything else goes
 through Triton every time: the switch off, the interpreter, no CUDA, a launch hook installed (a profiler's),
 an argument of another type, a Triton whose compiled kernels lack the launcher this calls. What a bound launch
@@ -41,28 +40,26 @@ def bound_launches(enabled: bool):
     return switched(_BOUND, "bound_launches", enabled)
 
 
-_FORMS: dict = {}  # (kernel, device, static, argument form) -> (compiled kernel, the arguments after the caller's)
+_FORMS: dict = {}  # (kernel, device, keywords, argument form) -> (compiled kernel, the arguments after the caller's)
 _MAX_FORMS = 4096  # a step has a few hundred forms; past this many something varies per call: stop remembering
 _UNBOUND = object()  # a form that goes through Triton every time (its compiled kernel has no launcher to call)
 
 
-def launch(kernel, grid, args: tuple, kwargs: dict, static=None):
+def launch(kernel, grid, args: tuple, kwargs: dict):
     """``kernel[grid](*args, **kwargs)``, or under `bound_launches` its compiled kernel's launcher, called
-    directly for a form launched before (see the module). ``static``: a hashable value the caller keeps for
-    one set of ``kwargs`` (a plan), cheaper to hash than them. ``grid``: a tuple of one to three ints."""
+    directly for a form launched before (see the module). ``grid``: a tuple of one to three ints."""
     if not _BOUND[-1] or not _usable(kernel):
         return kernel[grid](*args, **kwargs)
     form = _form(args)
     if form is None:
         return kernel[grid](*args, **kwargs)
     device = _device()
-    key = (kernel, device, tuple(kwargs.items()) if static is None else static, form)
+    key = (kernel, device, tuple(kwargs.items()), form)
     bound = _FORMS.get(key)
     if bound is None:
         compiled = kernel[grid](*args, **kwargs)
         # a key never holds a tensor (one among the keywords): it would keep the tensor and never meet it again
-        if len(_FORMS) < _MAX_FORMS and (static is not None or not any(isinstance(v, torch.Tensor)
-                                                                         for v in kwargs.values())):
+        if len(_FORMS) < _MAX_FORMS and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
             _FORMS[key] = _bind(kernel, compiled, len(args), kwargs)
         return compiled
     if bound is _UNBOUND:

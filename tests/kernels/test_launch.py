@@ -92,14 +92,6 @@ def test_another_form_goes_through_triton_first(on, change):
     assert len(k.compiled.runs) == 1
 
 
-def test_a_static_key_stands_for_the_keywords(on):
-    k, x = _Kernel(), torch.zeros(8)
-    bound.launch(k, (1,), (x, 8, 0.0), {"BLOCK": 16}, static="plan A")
-    bound.launch(k, (1,), (x, 8, 0.0), {"BLOCK": 16}, static="plan A")
-    bound.launch(k, (1,), (x, 8, 0.0), {"BLOCK": 16}, static="plan B")
-    assert len(k.through_triton) == 2 and len(k.compiled.runs) == 1
-
-
 @pytest.mark.parametrize("kernel, args, kwargs", [
     (_Kernel(), (torch.zeros(8), 8, 0.0), {"BLOCK": 16, "n": 8}),  # a positional parameter named again
     (_Kernel(), (torch.zeros(8), 8, 0.0), {}),  # a required constexpr left out
