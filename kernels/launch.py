@@ -8,14 +8,14 @@ Qwen3.5-0.8B shape launches ~160 kernels, and that work was about a third of its
 the first call goes through Triton, which hands back the compiled kernel; a later call of the same form calls
 that kernel's launcher with the arguments in the kernel's order.
 
-A form is what Triton specializes on, or finer: the keyword arguments (constexprs and launch options), each
-int and bool argument's value, each tensor's dtype and whether its address is a multiple of 16, which
-arguments are None, and the current device. A float's value is not part of it (Triton passes floats as they
-are). Anything else goes through Triton every time: the switch off, the interpreter, no CUDA, a launch hook installed (a profiler's),
-an argument of another type, a Triton whose compiled kernels lack the launcher this calls. What a bound launch
-skips besides: Triton's options read from the environment at each launch (debug, instrumentation) stay those of
-the form's first launch (`forget` drops the forms), and its check that the globals a kernel reads kept their
-values (fnattn's kernels read module constants only).
+A form is what Triton specializes on, or finer: the keyword arguments (constexprs and launch options), each int
+and bool argument's value, each tensor's dtype and whether its address is a multiple of 16, which arguments are
+None, and the current device. A float's value is not part of it (Triton passes floats as they are). Anything
+else goes through Triton every time: the switch off, the interpreter, no CUDA, a launch hook installed (a
+profiler's), an argument of another type, a Triton whose compiled kernels lack the launcher this calls. What a
+bound launch skips besides: Triton's options read from the environment at each launch (debug, instrumentation)
+stay those of the form's first launch (`forget` drops the forms), and its check that the globals a kernel reads
+kept their values (fnattn's kernels read module constants only).
 """
 
 from __future__ import annotations
