@@ -110,9 +110,9 @@ def main() -> None:
 
             with bound_launches(True):
                 steps(2)
-                for _ in range(2):
-                    print_unprofiled(steps, a, bound=True)
-                    print_unprofiled(steps, a, bound=False, enter=bound_launches(False))
+            for on in (True, False, True, False):
+                with bound_launches(on):
+                    print_unprofiled(steps, a, bound=on)
     prof = cProfile.Profile()
     prof.enable()
     times = steps(a.steps)
@@ -128,13 +128,9 @@ def main() -> None:
         print_phases(spec, dev, steps)
 
 
-def print_unprofiled(steps, a, *, bound: bool, enter=None) -> None:
-    """The step's median and best time over ``a.steps`` steps, without the profiler (``enter``: a block the steps
-    run in)."""
-    import contextlib
-
-    with enter or contextlib.nullcontext():
-        plain = sorted(steps(a.steps))
+def print_unprofiled(steps, a, *, bound: bool) -> None:
+    """The step's median and best time over ``a.steps`` steps, without the profiler."""
+    plain = sorted(steps(a.steps))
     print(f"{kind_of(a)} step without the profiler{', bound launches' if bound else ''}: median "
           f"{plain[len(plain) // 2] * 1e3:.2f} ms, best {plain[0] * 1e3:.2f} ms over {a.steps} steps")
 
