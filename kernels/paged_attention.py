@@ -405,11 +405,11 @@ def _launch(q, k_new, v_new, k_cache, v_cache, block_table, cache_lens, cu_seqle
     ))
     if split and invariant:
         block_h = 16
-        _merge_ordered_splits_kernel[(T, triton.cdiv(Hq, block_h))](
+        launch(_merge_ordered_splits_kernel, (T, triton.cdiv(Hq, block_h)), (
             o_part, lse_part, l_part, sinks_f, o, lse, Hq, num_splits,
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
             o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-            DV=Dv, DV_PAD=dv_pad, BLOCK_H=block_h, HAS_SINK=sinks is not None, num_warps=4)
+        ), dict(DV=Dv, DV_PAD=dv_pad, BLOCK_H=block_h, HAS_SINK=sinks is not None, num_warps=4))
     elif split:
         merge_splits(o_part, lse_part, o, lse, sinks=sinks_f if sinks is not None else None)
     return o, lse
